@@ -1,0 +1,105 @@
+//! The delegate's ADD result, handed on to the runtime.
+//!
+//! The delegate gets our `cniVersion` and answers in it (the bridge plugin converts its
+//! result itself), so the result normally passes through byte for byte. Only when it reports
+//! another version of the 0.3.0+ result format (same layout, apart from `ips[].version`,
+//! which 0.3.x/0.4.0 have and 1.x dropped) is it converted; results of the 0.1/0.2 format
+//! are passed through unchanged.
+
+use serde_json::Value;
+
+use crate::cni::{CniError, code, parse_version};
+
+/// The first version of the current result format (`interfaces`, `ips`, `routes`, `dns`).
+const MODERN: (u64, u64, u64) = (0, 3, 0);
+/// From here `ips[].version` is gone.
+const NO_IP_VERSION: (u64, u64, u64) = (1, 0, 0);
+
+/// Checks the delegate's stdout is a JSON object and returns what to print for a config of
+/// `wanted` version (empty: whatever the delegate chose).
+pub fn adapt(stdout: Vec<u8>, wanted: &str) -> Result<Vec<u8>, CniError> {
+    let mut result: Value = serde_json::from_slice(&stdout).map_err(|e| {
+        CniError::new(
+            code::DELEGATE_FAILED,
+            format!("failed to delegate add: the delegate printed an invalid result: {e}"),
+        )
+    })?;
+    let Some(obj) = result.as_object_mut() else {
+        return Err(CniError::new(
+            code::DELEGATE_FAILED,
+            "failed to delegate add: the delegate printed a result that is not a JSON object",
+        ));
+    };
+    let got = obj
+        .get("cniVersion")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned();
+    if wanted.is_empty() || got == wanted {
+        return Ok(stdout);
+    }
+    let (Some(from), Some(to)) = (parse_version(&got), parse_version(wanted)) else {
+        return Ok(stdout);
+    };
+    if from < MODERN || to < MODERN {
+        return Ok(stdout);
+    }
+    obj.insert("cniVersion".into(), Value::from(wanted));
+    if let Some(Value::Array(ips)) = obj.get_mut("ips") {
+        for ip in ips.iter_mut().filter_map(Value::as_object_mut) {
+            if to >= NO_IP_VERSION {
+                ip.remove("version");
+            } else if !ip.contains_key("version") {
+                let v6 = ip
+                    .get("address")
+                    .and_then(Value::as_str)
+                    .is_some_and(|a| a.contains(':'));
+                ip.insert("version".into(), Value::from(if v6 { "6" } else { "4" }));
+            }
+        }
+    }
+    Ok(crate::cni::pretty(&result))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn same_version_passes_through_unchanged() {
+        let raw = b"{\"cniVersion\":\"0.3.1\",\"ips\":[{\"version\":\"4\",\"address\":\"10.1.17.2/24\"}]}\n".to_vec();
+        assert_eq!(adapt(raw.clone(), "0.3.1").unwrap(), raw);
+        assert_eq!(adapt(raw.clone(), "").unwrap(), raw);
+    }
+
+    #[test]
+    fn converts_within_the_modern_format() {
+        let raw = json!({"cniVersion":"1.0.0","ips":[{"address":"10.1.17.2/24","gateway":"10.1.17.1"},{"address":"fc00::2/64"}]});
+        let out: Value =
+            serde_json::from_slice(&adapt(raw.to_string().into_bytes(), "0.3.1").unwrap()).unwrap();
+        assert_eq!(
+            out,
+            json!({"cniVersion":"0.3.1","ips":[{"address":"10.1.17.2/24","gateway":"10.1.17.1","version":"4"},{"address":"fc00::2/64","version":"6"}]})
+        );
+        let back: Value =
+            serde_json::from_slice(&adapt(serde_json::to_vec(&out).unwrap(), "1.1.0").unwrap())
+                .unwrap();
+        assert_eq!(back["cniVersion"], "1.1.0");
+        assert!(back["ips"][0].get("version").is_none());
+    }
+
+    #[test]
+    fn legacy_results_pass_through() {
+        let raw = br#"{"cniVersion":"0.2.0","ip4":{"ip":"10.1.17.2/24"}}"#.to_vec();
+        assert_eq!(adapt(raw.clone(), "0.3.1").unwrap(), raw);
+    }
+
+    #[test]
+    fn invalid_results_are_errors() {
+        assert_eq!(adapt(b"nope".to_vec(), "1.0.0").unwrap_err().code, 102);
+        assert_eq!(adapt(b"[1]".to_vec(), "1.0.0").unwrap_err().code, 102);
+    }
+}
