@@ -8,7 +8,10 @@
 //!   without delegating (as upstream). Unlike upstream, the file is kept when the delegate's
 //!   DEL fails, so the runtime's retry can still release the address.
 //! * CHECK (upstream: a no-op) runs the delegate's CHECK with the stored config plus this
-//!   call's `prevResult` and `runtimeConfig`; without a stored config it succeeds, as upstream.
+//!   call's `cniVersion`, `prevResult` and `runtimeConfig`; without a stored config it
+//!   succeeds, as upstream. Routes without `gw` in `prevResult` get the gateway they were
+//!   installed through (see [`result::with_implied_gateways`]), so older delegates do not
+//!   report a false failure.
 //! * STATUS (upstream: always fine) reports code 50 while `subnet.env` is not usable, so a
 //!   spec-1.1 runtime keeps the node's network "not ready" until flanneld is up.
 //! * GC is accepted and does nothing, as upstream.
@@ -249,7 +252,9 @@ fn check(env: &CniEnv, data: &[u8], log: &mut dyn Write) -> Result<Vec<u8>, CniE
         updates.push(("cniVersion", Value::from(conf.cni_version.as_str())));
     }
     if let Some(prev) = &conf.prev_result {
-        updates.push(("prevResult", Value::Object(prev.clone())));
+        let mut prev = prev.clone();
+        result::with_implied_gateways(&mut prev);
+        updates.push(("prevResult", Value::Object(prev)));
     }
     if let Some(rc) = &conf.runtime_config {
         updates.push(("runtimeConfig", Value::Object(rc.clone())));
@@ -477,14 +482,16 @@ exit 0"#,
         assert_eq!(f.calls(), "");
 
         assert_eq!(invoke(&f.env("ADD", "c1"), &conf).0, 0);
-        let prev = json!({"cniVersion":"1.0.0","ips":[{"address":"10.1.17.2/24"}]});
+        let prev = json!({"cniVersion":"1.0.0","ips":[{"address":"10.1.17.2/24","gateway":"10.1.17.1"}],"routes":[{"dst":"10.1.0.0/16"}]});
         let check = f.config(json!({ "prevResult": prev }));
         let (rc, out, _) = invoke(&f.env("CHECK", "c1"), &check);
         assert_eq!((rc, out.as_str()), (0, ""));
         let calls = f.calls();
         let line = calls.lines().nth(1).unwrap();
         let sent: Value = serde_json::from_str(line.strip_prefix("CHECK c1 ").unwrap()).unwrap();
-        assert_eq!(sent["prevResult"], prev);
+        let mut want = prev.clone();
+        want["routes"][0]["gw"] = json!("10.1.17.1");
+        assert_eq!(sent["prevResult"], want);
         assert_eq!(sent["type"], "bridge");
         assert_eq!(sent["ipam"]["ranges"], json!([[{"subnet":"10.1.17.0/24"}]]));
 

@@ -8,7 +8,10 @@
 
 use serde_json::Value;
 
-use crate::cni::{CniError, code, parse_version};
+use crate::{
+    cni::{CniError, code, parse_version},
+    config::Object,
+};
 
 /// The first version of the current result format (`interfaces`, `ips`, `routes`, `dns`).
 const MODERN: (u64, u64, u64) = (0, 3, 0);
@@ -61,6 +64,40 @@ pub fn adapt(stdout: Vec<u8>, wanted: &str) -> Result<Vec<u8>, CniError> {
     Ok(crate::cni::pretty(&result))
 }
 
+/// For CHECK: gives each route of a result that has no `gw` the gateway of the first IP of
+/// the same family that has one, which is the gateway the delegate installed it through
+/// (`ipam.ConfigureIface` in containernetworking/plugins). flannel's routes have no `gw`, and
+/// the delegates of containernetworking/plugins before v1.3.0 compare a missing gateway
+/// literally and fail CHECK (`Expected Route {..GW:<nil>} not found in routing table`,
+/// fixed by containernetworking/plugins#887); newer ones accept either form.
+pub fn with_implied_gateways(result: &mut Object) {
+    let family_is_v6 = |cidr: &str| cidr.contains(':');
+    let gateway = |v6: bool| -> Option<Value> {
+        result.get("ips")?.as_array()?.iter().find_map(|ip| {
+            let address = ip.get("address")?.as_str()?;
+            let gw = ip.get("gateway")?.as_str()?;
+            (family_is_v6(address) == v6 && !gw.is_empty()).then(|| Value::from(gw))
+        })
+    };
+    let (v4, v6) = (gateway(false), gateway(true));
+    let Some(Value::Array(routes)) = result.get_mut("routes") else {
+        return;
+    };
+    for route in routes.iter_mut().filter_map(Value::as_object_mut) {
+        let has_gw = route
+            .get("gw")
+            .and_then(Value::as_str)
+            .is_some_and(|gw| !gw.is_empty());
+        let Some(dst) = route.get("dst").and_then(Value::as_str) else {
+            continue;
+        };
+        let implied = if family_is_v6(dst) { &v6 } else { &v4 };
+        if let (false, Some(gw)) = (has_gw, implied) {
+            route.insert("gw".into(), gw.clone());
+        }
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -101,5 +138,37 @@ mod tests {
     fn invalid_results_are_errors() {
         assert_eq!(adapt(b"nope".to_vec(), "1.0.0").unwrap_err().code, 102);
         assert_eq!(adapt(b"[1]".to_vec(), "1.0.0").unwrap_err().code, 102);
+    }
+
+    #[test]
+    fn implied_gateways_fill_routes_without_gw() {
+        let mut result = json!({
+            "cniVersion": "1.0.0",
+            "ips": [
+                {"address": "fc00::5/64", "gateway": "fc00::1"},
+                {"address": "10.244.5.7/24", "gateway": "10.244.5.1"}
+            ],
+            "routes": [
+                {"dst": "10.244.0.0/16"},
+                {"dst": "fc00::/48"},
+                {"dst": "0.0.0.0/0", "gw": "10.244.5.254"},
+                {"dst": "10.96.0.0/12", "gw": ""}
+            ]
+        });
+        with_implied_gateways(result.as_object_mut().unwrap());
+        assert_eq!(
+            result["routes"],
+            json!([
+                {"dst": "10.244.0.0/16", "gw": "10.244.5.1"},
+                {"dst": "fc00::/48", "gw": "fc00::1"},
+                {"dst": "0.0.0.0/0", "gw": "10.244.5.254"},
+                {"dst": "10.96.0.0/12", "gw": "10.244.5.1"}
+            ])
+        );
+        // No gateway of that family: left alone.
+        let mut result =
+            json!({"ips": [{"address": "10.1.1.2/24"}], "routes": [{"dst": "10.0.0.0/8"}]});
+        with_implied_gateways(result.as_object_mut().unwrap());
+        assert_eq!(result["routes"], json!([{"dst": "10.0.0.0/8"}]));
     }
 }
