@@ -1,0 +1,179 @@
+//! Link notifications (`RTNLGRP_LINK`): a [`Stream`] of [`LinkEvent`]s, so the agent notices
+//! when `flannel.1` is deleted under it and recreates it (upstream 2.1, "Runtime watcher").
+
+use std::{
+    pin::Pin,
+    task::{Context, Poll},
+};
+
+use futures::{Stream, StreamExt};
+use rtnetlink::{
+    packet_core::{NetlinkMessage, NetlinkPayload},
+    packet_route::{AddressFamily, RouteNetlinkMessage, link::LinkMessage},
+    proto::sys::SocketAddr,
+    sys::AsyncSocket as _,
+};
+
+use super::{NetlinkError, Unsolicited, links::link_from_message, open_socket};
+
+/// `RTNLGRP_LINK`.
+const RTNLGRP_LINK: u32 = 1;
+
+/// A change to the set of links.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkEvent {
+    /// `RTM_NEWLINK`: a link was added or changed (up/down, MTU, MAC, ...).
+    New {
+        /// Interface index.
+        index: u32,
+        /// Interface name.
+        name: String,
+    },
+    /// `RTM_DELLINK`: a link was removed.
+    Removed {
+        /// Interface index.
+        index: u32,
+        /// Interface name.
+        name: String,
+    },
+    /// Notifications were lost (the socket's buffer overflowed): re-list the links.
+    Overrun,
+}
+
+/// The stream returned by [`Netlink::link_events`](super::Netlink::link_events). It owns its
+/// own socket, opened in the calling thread's network namespace; dropping it closes the socket.
+pub struct LinkEvents {
+    messages: Unsolicited,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for LinkEvents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinkEvents").finish_non_exhaustive()
+    }
+}
+
+impl Drop for LinkEvents {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl LinkEvents {
+    /// Subscribes to link notifications. Must run inside a tokio runtime.
+    pub fn subscribe() -> Result<Self, NetlinkError> {
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| NetlinkError::socket("link events need a tokio runtime", None))?;
+        let mut opened = open_socket(false)?;
+        opened
+            .conn
+            .socket_mut()
+            .socket_mut()
+            .bind(&SocketAddr::new(0, 1 << (RTNLGRP_LINK - 1)))
+            .map_err(|e| NetlinkError::socket("join RTNLGRP_LINK", Some(e)))?;
+        // The request handle is dropped: this socket only listens. The connection keeps
+        // running as long as `messages` is alive.
+        let task = runtime.spawn(opened.conn);
+        Ok(Self {
+            messages: opened.unsolicited,
+            task,
+        })
+    }
+
+    /// The next event; `None` when the socket is gone.
+    pub async fn next(&mut self) -> Option<LinkEvent> {
+        StreamExt::next(self).await
+    }
+}
+
+fn event(message: NetlinkMessage<RouteNetlinkMessage>) -> Option<LinkEvent> {
+    let named = |m: &LinkMessage| {
+        // AF_BRIDGE link messages describe bridge-port state, not links coming and going.
+        if m.header.interface_family == AddressFamily::Bridge {
+            return None;
+        }
+        link_from_message(m).map(|l| (l.index, l.name))
+    };
+    match message.payload {
+        NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(m)) => {
+            named(&m).map(|(index, name)| LinkEvent::New { index, name })
+        }
+        NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(m)) => {
+            named(&m).map(|(index, name)| LinkEvent::Removed { index, name })
+        }
+        NetlinkPayload::Overrun(_) => Some(LinkEvent::Overrun),
+        _ => None,
+    }
+}
+
+impl Stream for LinkEvents {
+    type Item = LinkEvent;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<LinkEvent>> {
+        loop {
+            match Pin::new(&mut self.messages).poll_next(cx) {
+                Poll::Ready(Some((message, _))) => {
+                    if let Some(e) = event(message) {
+                        return Poll::Ready(Some(e));
+                    }
+                }
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}
+
+impl super::Netlink {
+    /// Subscribes to link added/removed notifications (see [`LinkEvents::subscribe`]).
+    pub fn link_events(&self) -> Result<LinkEvents, NetlinkError> {
+        LinkEvents::subscribe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rtnetlink::packet_route::link::LinkAttribute;
+
+    use super::*;
+
+    fn link_message(family: AddressFamily) -> LinkMessage {
+        let mut m = LinkMessage::default();
+        m.header.index = 9;
+        m.header.interface_family = family;
+        m.attributes.push(LinkAttribute::IfName("flannel.1".into()));
+        m
+    }
+
+    #[test]
+    fn deletions_and_additions_are_reported() {
+        let del = NetlinkMessage::from(RouteNetlinkMessage::DelLink(link_message(
+            AddressFamily::Unspec,
+        )));
+        assert_eq!(
+            event(del),
+            Some(LinkEvent::Removed {
+                index: 9,
+                name: "flannel.1".into()
+            })
+        );
+        let new = NetlinkMessage::from(RouteNetlinkMessage::NewLink(link_message(
+            AddressFamily::Unspec,
+        )));
+        assert_eq!(
+            event(new),
+            Some(LinkEvent::New {
+                index: 9,
+                name: "flannel.1".into()
+            })
+        );
+    }
+
+    #[test]
+    fn bridge_port_messages_are_not_link_deletions() {
+        let del = NetlinkMessage::from(RouteNetlinkMessage::DelLink(link_message(
+            AddressFamily::Bridge,
+        )));
+        assert_eq!(event(del), None);
+    }
+}
