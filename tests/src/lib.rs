@@ -7,6 +7,7 @@
 
 pub mod etcd;
 pub mod netns;
+pub mod packet;
 
 /// Skips the calling test (returns early with a message) unless running as root, which
 /// network namespaces, netlink writes and BPF need.

@@ -1,0 +1,18 @@
+//! Counting packets per [`Reason`] into a per-CPU stats map.
+
+use aya_ebpf::btf_maps::PerCpuArray;
+use flannel_common::stats::{Counter, Reason};
+
+/// Adds one packet of `bytes` bytes to `reason`'s counter on this CPU.
+///
+/// The slot belongs to this CPU alone, so plain increments are race-free.
+#[inline(always)]
+pub fn count<const N: usize>(map: &PerCpuArray<Counter, N>, reason: Reason, bytes: u64) {
+    if let Some(counter) = map.get_ptr_mut(reason.index()) {
+        // SAFETY: the map returned a valid pointer to this CPU's slot.
+        unsafe {
+            (*counter).packets += 1;
+            (*counter).bytes += bytes;
+        }
+    }
+}
