@@ -6,6 +6,7 @@
 //! |---|---|
 //! | [`cli`] | the command line (upstream's flags and `FLANNELD_*` variables) |
 //! | [`netconf`] | `net-conf.json` parsing and validation |
+//! | [`gojson`] | JSON with Go `encoding/json` semantics (case-insensitive keys, raw values) |
 //! | [`ip`] | IPv4/IPv6 subnet arithmetic |
 //! | [`lease`] | the lease model, its etcd JSON and key names |
 //! | [`alloc`] | choosing a free subnet |
@@ -18,6 +19,7 @@
 pub mod alloc;
 pub mod backend;
 pub mod cli;
+pub mod gojson;
 pub mod iface;
 pub mod ip;
 pub mod lease;
