@@ -10,6 +10,7 @@
 //! | [`ip`] | IPv4/IPv6 subnet arithmetic |
 //! | [`lease`] | the lease model, its etcd JSON and key names |
 //! | [`alloc`] | choosing a free subnet |
+//! | [`subnet`] | subnet managers (etcd, kube) publishing the current set of leases |
 //! | [`subnet_env`] | writing and reading `subnet.env` |
 //! | [`iface`] | choosing the external interface and public IP |
 //! | [`backend`] | backend options, BackendData and MTU |
@@ -25,6 +26,7 @@ pub mod ip;
 pub mod lease;
 pub mod netconf;
 pub mod netlink;
+pub mod subnet;
 pub mod subnet_env;
 pub mod traffic;
 
