@@ -5,6 +5,8 @@
 //! | module | job |
 //! |---|---|
 //! | [`cli`] | the command line (upstream's flags and `FLANNELD_*` variables) |
+//! | [`health`] | `/healthz`, `/readyz` and `/metrics` |
+//! | [`metrics`] | Prometheus metrics, including the fast path's counters |
 //! | [`netconf`] | `net-conf.json` parsing and validation |
 //! | [`gojson`] | JSON with Go `encoding/json` semantics (case-insensitive keys, raw values) |
 //! | [`ip`] | IPv4/IPv6 subnet arithmetic |
@@ -21,9 +23,11 @@ pub mod alloc;
 pub mod backend;
 pub mod cli;
 pub mod gojson;
+pub mod health;
 pub mod iface;
 pub mod ip;
 pub mod lease;
+pub mod metrics;
 pub mod netconf;
 pub mod netlink;
 pub mod subnet;

@@ -1,0 +1,287 @@
+//! Prometheus metrics: what the agent knows (leases), what it programmed (kernel entries, BPF
+//! map entries), how reconciling goes (runs, duration, errors by kind) and, read at scrape time,
+//! the fast path's per-reason packet and byte counters.
+//!
+//! The daemon and the reconciler update the families directly; the fast-path counters come
+//! from a [`CounterSource`] that reads the BPF maps when `/metrics` is scraped.
+
+use std::sync::{Arc, Mutex};
+
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, text::encode},
+    metrics::{
+        counter::{ConstCounter, Counter},
+        family::Family,
+        gauge::Gauge,
+        histogram::{Histogram, exponential_buckets},
+    },
+    registry::Registry,
+};
+
+/// Label of metrics broken down by a kind (entry kind, error kind).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: String,
+}
+
+/// Labels of `flannel_dataplane_info`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DataplaneLabels {
+    /// `ebpf` or `kernel`.
+    pub path: String,
+    /// The backend type (`vxlan`, `host-gw`, ...).
+    pub backend: String,
+}
+
+/// One fast-path counter, as read from the per-CPU counters map (summed over CPUs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FastPathCount {
+    /// The reason's name (`flannel_common::stats::Reason::name`).
+    pub reason: &'static str,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// Reads the fast-path counters at scrape time.
+pub trait CounterSource: Send + Sync + 'static {
+    fn read(&self) -> Vec<FastPathCount>;
+}
+
+#[derive(Default)]
+struct FastPathCollector {
+    source: Mutex<Option<Arc<dyn CounterSource>>>,
+}
+
+impl std::fmt::Debug for FastPathCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FastPathCollector")
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+impl Collector for FastPathCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let source = self.source.lock().ok().and_then(|s| s.clone());
+        let Some(source) = source else {
+            return Ok(());
+        };
+        let counts = source.read();
+        for (name, help, pick) in [
+            (
+                "flannel_fastpath_packets",
+                "Packets seen by the eBPF programs, by reason (fast-pathed, passed to the kernel path, dropped)",
+                (|c: &FastPathCount| c.packets) as fn(&FastPathCount) -> u64,
+            ),
+            (
+                "flannel_fastpath_bytes",
+                "Bytes seen by the eBPF programs, by reason",
+                |c: &FastPathCount| c.bytes,
+            ),
+        ] {
+            let mut family = encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                ConstCounter::new(0u64).metric_type(),
+            )?;
+            for count in &counts {
+                let label = ReasonLabel {
+                    reason: count.reason,
+                };
+                ConstCounter::new(pick(count)).encode(family.encode_family(&label)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Every metric the agent exports.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    fast_path: Arc<FastPathCollector>,
+    /// Remote leases currently known.
+    pub leases: Gauge,
+    /// 1 for the active dataplane path and backend.
+    pub dataplane: Family<DataplaneLabels, Gauge>,
+    /// Kernel entries programmed by us, by kind (`route`, `neighbour`, `fdb`).
+    pub kernel_entries: Family<KindLabel, Gauge>,
+    /// BPF map entries programmed, by map.
+    pub bpf_entries: Family<KindLabel, Gauge>,
+    /// Remote peers that cannot be reached with the configured backend (e.g. host-gw across
+    /// an L3 underlay).
+    pub peers_unreachable: Gauge,
+    /// Completed reconcile runs.
+    pub reconcile_runs: Counter,
+    /// Duration of reconcile runs in seconds.
+    pub reconcile_duration: Histogram,
+    /// Errors by kind (`netlink`, `bpf`, `etcd`, `kube`, `traffic-rules`, `lease`, ...).
+    pub errors: Family<KindLabel, Counter>,
+    /// Times the masquerade/forward rules were found wrong and repaired.
+    pub traffic_rule_repairs: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("flannel");
+        let leases = Gauge::default();
+        registry.register("leases", "Remote leases currently known", leases.clone());
+        let dataplane = Family::<DataplaneLabels, Gauge>::default();
+        registry.register(
+            "dataplane_info",
+            "The active dataplane path (ebpf or kernel) and backend",
+            dataplane.clone(),
+        );
+        let kernel_entries = Family::<KindLabel, Gauge>::default();
+        registry.register(
+            "kernel_entries",
+            "Kernel routes, neighbours and FDB entries programmed by flannel",
+            kernel_entries.clone(),
+        );
+        let bpf_entries = Family::<KindLabel, Gauge>::default();
+        registry.register(
+            "bpf_map_entries",
+            "Entries in flannel's BPF maps",
+            bpf_entries.clone(),
+        );
+        let peers_unreachable = Gauge::default();
+        registry.register(
+            "peers_unreachable",
+            "Remote nodes that the configured backend cannot reach",
+            peers_unreachable.clone(),
+        );
+        let reconcile_runs = Counter::default();
+        registry.register(
+            "reconcile_runs",
+            "Dataplane reconcile runs",
+            reconcile_runs.clone(),
+        );
+        let reconcile_duration = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        registry.register(
+            "reconcile_duration_seconds",
+            "Duration of dataplane reconcile runs",
+            reconcile_duration.clone(),
+        );
+        let errors = Family::<KindLabel, Counter>::default();
+        registry.register("errors", "Errors by kind", errors.clone());
+        let traffic_rule_repairs = Counter::default();
+        registry.register(
+            "traffic_rule_repairs",
+            "Times the masquerade/forward rules were found changed and repaired",
+            traffic_rule_repairs.clone(),
+        );
+        let fast_path = Arc::new(FastPathCollector::default());
+        registry.register_collector(Box::new(fast_path.clone()));
+        Metrics {
+            registry,
+            fast_path,
+            leases,
+            dataplane,
+            kernel_entries,
+            bpf_entries,
+            peers_unreachable,
+            reconcile_runs,
+            reconcile_duration,
+            errors,
+            traffic_rule_repairs,
+        }
+    }
+
+    /// Sets where the fast-path counters are read from (once the eBPF path is active).
+    pub fn set_counter_source(&self, source: Arc<dyn CounterSource>) {
+        if let Ok(mut slot) = self.fast_path.source.lock() {
+            *slot = Some(source);
+        }
+    }
+
+    /// Marks `path`/`backend` as the active dataplane (and clears any previous one).
+    pub fn set_dataplane(&self, path: &str, backend: &str) {
+        self.dataplane.clear();
+        self.dataplane
+            .get_or_create(&DataplaneLabels {
+                path: path.to_owned(),
+                backend: backend.to_owned(),
+            })
+            .set(1);
+    }
+
+    /// Counts one error of `kind`.
+    pub fn error(&self, kind: &str) {
+        self.errors
+            .get_or_create(&KindLabel {
+                kind: kind.to_owned(),
+            })
+            .inc();
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Encoding into a String cannot fail except through a broken collector.
+        if encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Fixed;
+    impl CounterSource for Fixed {
+        fn read(&self) -> Vec<FastPathCount> {
+            vec![FastPathCount {
+                reason: "vxlan_encap",
+                packets: 7,
+                bytes: 700,
+            }]
+        }
+    }
+
+    #[test]
+    fn renders_families_and_scrape_time_counters() {
+        let m = Metrics::new();
+        m.leases.set(3);
+        m.set_dataplane("kernel", "vxlan");
+        m.set_dataplane("ebpf", "vxlan");
+        m.error("netlink");
+        m.reconcile_runs.inc();
+        let text = m.render();
+        assert!(text.contains("flannel_leases 3"), "{text}");
+        assert!(
+            text.contains("flannel_dataplane_info{path=\"ebpf\",backend=\"vxlan\"} 1"),
+            "{text}"
+        );
+        assert!(!text.contains("path=\"kernel\""), "{text}");
+        assert!(
+            text.contains("flannel_errors_total{kind=\"netlink\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("flannel_reconcile_runs_total 1"), "{text}");
+        assert!(!text.contains("fastpath"), "{text}");
+
+        m.set_counter_source(Arc::new(Fixed));
+        let text = m.render();
+        assert!(
+            text.contains("flannel_fastpath_packets_total{reason=\"vxlan_encap\"} 7"),
+            "{text}"
+        );
+        assert!(
+            text.contains("flannel_fastpath_bytes_total{reason=\"vxlan_encap\"} 700"),
+            "{text}"
+        );
+    }
+}
