@@ -15,6 +15,7 @@
 //! | [`subnet`] | subnet managers (etcd, kube) publishing the current set of leases |
 //! | [`subnet_env`] | writing and reading `subnet.env` |
 //! | [`iface`] | choosing the external interface and public IP |
+//! | [`hostnet`] | reading the interface snapshot for [`iface`] from the kernel |
 //! | [`backend`] | backend options, BackendData and MTU |
 //! | [`netlink`] | rtnetlink access (links, addresses, routes, neighbours, FDB) |
 //! | [`traffic`] | masquerade and forward rules (iptables / nftables) |
@@ -24,6 +25,7 @@ pub mod backend;
 pub mod cli;
 pub mod gojson;
 pub mod health;
+pub mod hostnet;
 pub mod iface;
 pub mod ip;
 pub mod lease;
