@@ -1,0 +1,813 @@
+//! The Kubernetes subnet manager (`--kube-subnet-mgr`): leases live in Node objects.
+//!
+//! * The own subnet is the node's `spec.podCIDR(s)`, assigned by the controller manager; the
+//!   agent only checks that it lies in `Network` and publishes its lease attributes as Node
+//!   annotations ([`annotations`], [`patch`]), through the `nodes/<name>/status` subresource
+//!   as upstream does (RBAC: `nodes/status: patch`).
+//! * Every other node's lease is read from its annotations ([`node`]). A kube-runtime
+//!   watcher with a reflector keeps a cache of all Nodes; on every change the complete set
+//!   of remote leases is rebuilt from that cache and published with
+//!   [`LeasePublisher::replace_all`] (no-op rebuilds do not wake the dataplane). A watch
+//!   that expires (410 Gone) relists; the reflector swaps the fresh listing in atomically,
+//!   so nothing is lost or duplicated. Unlike upstream, a changed `podCIDR` is picked up,
+//!   since the whole derived lease is compared.
+//! * A malformed node (bad `public-ip`, invalid BackendData JSON, more than two pod CIDRs)
+//!   is logged once per resourceVersion and left out; it never affects other nodes.
+
+pub mod annotations;
+pub mod client;
+pub mod node;
+pub mod patch;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::{Ipv4Addr, Ipv6Addr};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{GetParams, Patch, PatchParams};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client};
+use serde_json::value::RawValue;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
+
+pub use annotations::{AnnotationKeys, DEFAULT_PREFIX};
+pub use client::{NodeNameSource, build_client, resolve_node_name};
+
+use super::{LeaseId, LeasePublisher};
+use crate::backend::{MacAddr, VxlanLeaseData};
+use crate::gojson::RawJson;
+use crate::iface::{self, PublicIpError};
+use crate::lease::{Lease, LeaseAttrs};
+use crate::netconf::{ConfigError, NetConfig};
+
+/// How long upstream waits for the node cache to fill at startup before giving up (unless
+/// `CONT_WHEN_CACHE_NOT_READY=true`); see [`KubeSubnetManager::wait_for_cache`].
+pub const NODE_CACHE_SYNC_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+
+/// How long the own lease is declared valid (kube-mode leases are never renewed).
+pub const LEASE_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// Errors of the Kubernetes subnet manager. Texts are upstream's where it has one.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeError {
+    /// `--kube-annotation-prefix` has more than one `/`.
+    #[error("subnet/kube: prefix can contain at most single slash")]
+    PrefixSlashes,
+    /// `--kube-annotation-prefix` is not `fqdn[/name]`.
+    #[error("subnet/kube: prefix must be in a format: fqdn/[0-9a-z-_]*")]
+    PrefixFormat,
+    /// No usable client configuration (kubeconfig, URL, in-cluster).
+    #[error("fail to create kubernetes config: {0}")]
+    Config(String),
+    /// The client could not be built from the configuration.
+    #[error("unable to initialize client: {0}")]
+    Client(#[source] kube::Error),
+    /// Neither `NODE_NAME` nor both `POD_NAME` and `POD_NAMESPACE` are set.
+    #[error("env variables POD_NAME and POD_NAMESPACE must be set")]
+    PodEnvMissing,
+    /// The agent's own pod could not be read.
+    #[error("error retrieving pod spec for '{namespace}/{pod}': {source}")]
+    PodLookup {
+        /// `POD_NAMESPACE`.
+        namespace: String,
+        /// `POD_NAME`.
+        pod: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// The agent's own pod has no `spec.nodeName`.
+    #[error("node name not present in pod spec '{namespace}/{pod}'")]
+    PodWithoutNode {
+        /// `POD_NAMESPACE`.
+        namespace: String,
+        /// `POD_NAME`.
+        pod: String,
+    },
+    /// `--net-config-path` could not be read.
+    #[error("failed to read net conf: {path}: {source}")]
+    ReadNetConf {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `--net-config-path` does not parse.
+    #[error("error parsing subnet config: {0}")]
+    ParseNetConf(#[source] ConfigError),
+    /// The node cache did not fill in time.
+    #[error("error waiting for nodeController to sync state: {0}")]
+    CacheSync(String),
+    /// The own node did not show up, or patching it kept failing, until the deadline.
+    #[error("timeout contacting kube-api, failed to patch node {node:?}. Error: {reason}")]
+    Timeout {
+        /// The own node.
+        node: String,
+        /// Why (upstream: `context deadline exceeded`; here with the last API error).
+        reason: String,
+    },
+    /// The own node has no `spec.podCIDR`.
+    #[error("node {0:?} pod cidr not assigned")]
+    PodCidrNotAssigned(String),
+    /// The node has more than two pod CIDRs.
+    #[error("node {0:?} pod cidrs should be IPv4/IPv6 only or dualstack")]
+    TooManyPodCidrs(String),
+    /// A pod CIDR does not parse (Go `net.ParseCIDR`'s text).
+    #[error("invalid CIDR address: {0}")]
+    InvalidCidr(String),
+    /// IPv4 is enabled but a remote node has no IPv4 pod CIDR.
+    #[error("missing IPv4 address on n.Spec.PodCIDRs")]
+    MissingV4PodCidr,
+    /// IPv6 is enabled but a remote node has no IPv6 pod CIDR.
+    #[error("missing IPv6 address on n.Spec.PodCIDRs")]
+    MissingV6PodCidr,
+    /// The own IPv4 pod CIDR is not inside `Network`.
+    #[error(
+        "subnet {network:?} specified in the flannel net config doesn't contain {cidr:?} PodCIDR of the {node:?} node"
+    )]
+    PodCidrOutsideNetwork {
+        /// `Network`.
+        network: String,
+        /// The pod CIDR.
+        cidr: String,
+        /// The own node.
+        node: String,
+    },
+    /// The own IPv6 pod CIDR is not inside `IPv6Network`.
+    #[error(
+        "subnet {network:?} specified in the flannel net config doesn't contain {cidr:?} IPv6 PodCIDR of the {node:?} node"
+    )]
+    PodCidrOutsideIpv6Network {
+        /// `IPv6Network`.
+        network: String,
+        /// The pod CIDR.
+        cidr: String,
+        /// The own node.
+        node: String,
+    },
+    /// A remote node's annotation cannot be used (bad address, invalid JSON).
+    #[error("invalid {key} annotation {value:?}: {reason}")]
+    InvalidAnnotation {
+        /// The annotation key.
+        key: String,
+        /// Its value.
+        value: String,
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// `node-public-ip` / `node-public-ipv6` on the own node is not an address.
+    #[error("invalid {key} annotation: {source}")]
+    NodePublicIp {
+        /// The annotation key.
+        key: String,
+        /// The parse error.
+        #[source]
+        source: PublicIpError,
+    },
+    /// The patch body could not be built.
+    #[error("failed to create patch for node {node:?}: {source}")]
+    PatchBody {
+        /// The own node.
+        node: String,
+        /// The JSON error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// An API call on the own node failed.
+    #[error("failed to {action} node {node:?}: {source}")]
+    Api {
+        /// What was attempted.
+        action: &'static str,
+        /// The own node.
+        node: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// The background node watch ended (the manager is being dropped).
+    #[error("the node watch stopped")]
+    WatchStopped,
+}
+
+/// Poll and retry periods (upstream's values by default; tests shorten them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KubeTimings {
+    /// How often `acquire_lease` looks for the own node in the cache (3 s).
+    pub node_poll_interval: Duration,
+    /// How long it looks before giving up (30 s).
+    pub node_wait_timeout: Duration,
+    /// How often a failed annotation patch is retried (3 s).
+    pub patch_retry_interval: Duration,
+    /// How long it is retried (30 s).
+    pub patch_retry_timeout: Duration,
+}
+
+impl Default for KubeTimings {
+    fn default() -> Self {
+        KubeTimings {
+            node_poll_interval: Duration::from_secs(3),
+            node_wait_timeout: Duration::from_secs(30),
+            patch_retry_interval: Duration::from_secs(3),
+            patch_retry_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// An address family, to pick IPv4 or IPv6 annotations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AddressFamily {
+    /// IPv4 (`backend-data`, `public-ip`, …).
+    V4,
+    /// IPv6 (`backend-v6-data`, `public-ipv6`, …).
+    V6,
+}
+
+/// The user-set `node-public-ip` / `node-public-ipv6` annotations of the own node, which
+/// override `--public-ip` / `--public-ipv6` (and so also pick the interface).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoredPublicIps {
+    /// `node-public-ip`.
+    pub ipv4: Option<Ipv4Addr>,
+    /// `node-public-ipv6`.
+    pub ipv6: Option<Ipv6Addr>,
+}
+
+/// The id of a node's lease in the snapshot: `node/<name>`.
+pub fn lease_id(node_name: &str) -> LeaseId {
+    format!("node/{node_name}")
+}
+
+/// The running node cache: a kube-runtime watcher over all Nodes feeding a reflector store.
+struct NodeCache {
+    store: Store<Node>,
+    /// Bumped after every change the store has taken.
+    changes: watch::Receiver<u64>,
+    _task: AbortOnDropHandle<()>,
+}
+
+/// The Kubernetes subnet manager. The node cache starts on first use (see
+/// [`KubeSubnetManager::wait_for_cache`]; it is a task on the current tokio runtime) and
+/// stops when the manager is dropped. Share it with `Arc` to run
+/// [`KubeSubnetManager::watch_leases`] in a task of its own.
+pub struct KubeSubnetManager {
+    api: Api<Node>,
+    node_name: String,
+    keys: AnnotationKeys,
+    net_config_path: PathBuf,
+    set_node_network_unavailable: bool,
+    timings: KubeTimings,
+    config: OnceLock<NetConfig>,
+    cache: OnceLock<NodeCache>,
+}
+
+impl std::fmt::Debug for KubeSubnetManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeSubnetManager")
+            .field("node_name", &self.node_name)
+            .field("prefix", &self.keys.prefix)
+            .field("net_config_path", &self.net_config_path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KubeSubnetManager {
+    /// A manager for `node_name` with annotation keys from `annotation_prefix`
+    /// (`--kube-annotation-prefix`, validated here) and the network configuration at
+    /// `net_config_path` (`--net-config-path`, read by [`KubeSubnetManager::network_config`]).
+    pub fn new(
+        client: Client,
+        node_name: impl Into<String>,
+        annotation_prefix: &str,
+        net_config_path: impl Into<PathBuf>,
+    ) -> Result<Self, KubeError> {
+        Ok(KubeSubnetManager {
+            api: Api::all(client),
+            node_name: node_name.into(),
+            keys: AnnotationKeys::new(annotation_prefix)?,
+            net_config_path: net_config_path.into(),
+            set_node_network_unavailable: true,
+            timings: KubeTimings::default(),
+            config: OnceLock::new(),
+            cache: OnceLock::new(),
+        })
+    }
+
+    /// `--set-node-network-unavailable` (default true): whether
+    /// [`KubeSubnetManager::complete_lease`] sets the `NetworkUnavailable` condition.
+    pub fn with_set_node_network_unavailable(mut self, enabled: bool) -> Self {
+        self.set_node_network_unavailable = enabled;
+        self
+    }
+
+    /// Replaces the poll/retry periods.
+    pub fn with_timings(mut self, timings: KubeTimings) -> Self {
+        self.timings = timings;
+        self
+    }
+
+    /// The own node's name.
+    pub fn node_name(&self) -> &str {
+        &self.node_name
+    }
+
+    /// The annotation keys in use.
+    pub fn keys(&self) -> &AnnotationKeys {
+        &self.keys
+    }
+
+    /// Reads and parses `--net-config-path` (parse only: kube mode runs no
+    /// `CheckNetworkConfig`). The file is read once; later calls return the same value.
+    pub async fn network_config(&self) -> Result<NetConfig, KubeError> {
+        if let Some(c) = self.config.get() {
+            return Ok(c.clone());
+        }
+        let text = tokio::fs::read_to_string(&self.net_config_path)
+            .await
+            .map_err(|source| KubeError::ReadNetConf {
+                path: self.net_config_path.display().to_string(),
+                source,
+            })?;
+        let parsed = NetConfig::parse(&text).map_err(KubeError::ParseNetConf)?;
+        Ok(self.config.get_or_init(|| parsed).clone())
+    }
+
+    fn cache(&self) -> &NodeCache {
+        self.cache.get_or_init(|| {
+            let (store, writer) = reflector::store::<Node>();
+            let (tx, rx) = watch::channel(0u64);
+            let task = tokio::spawn(run_node_watch(self.api.clone(), writer, tx));
+            tracing::info!("Starting kube subnet manager");
+            NodeCache {
+                store,
+                changes: rx,
+                _task: AbortOnDropHandle::new(task),
+            }
+        })
+    }
+
+    /// Starts the node cache if needed and waits until the first listing is in it (upstream
+    /// waits [`NODE_CACHE_SYNC_TIMEOUT`] at startup).
+    pub async fn wait_for_cache(&self, timeout: Duration) -> Result<(), KubeError> {
+        let cache = self.cache();
+        tracing::info!("Waiting {timeout:?} for node controller to sync");
+        match tokio::time::timeout(timeout, cache.store.wait_until_ready()).await {
+            Ok(Ok(())) => {
+                tracing::info!("Node controller sync successful");
+                Ok(())
+            }
+            Ok(Err(_)) => Err(KubeError::WatchStopped),
+            Err(_) => Err(KubeError::CacheSync("context deadline exceeded".into())),
+        }
+    }
+
+    async fn get_node(&self, params: &GetParams) -> Result<Node, KubeError> {
+        self.api
+            .get_with(&self.node_name, params)
+            .await
+            .map_err(|source| KubeError::Api {
+                action: "get",
+                node: self.node_name.clone(),
+                source,
+            })
+    }
+
+    /// The own node: from the cache (polled until it appears), or with a direct GET for the
+    /// `alloc` backend, which runs no cache.
+    async fn own_node(&self, config: &NetConfig) -> Result<Node, KubeError> {
+        let alloc = config.backend_type == "alloc";
+        let deadline = Instant::now() + self.timings.node_wait_timeout;
+        let mut last_error = None;
+        loop {
+            let found = if alloc {
+                match self.get_node(&GetParams::any()).await {
+                    Ok(n) => Some(n),
+                    Err(e) => {
+                        tracing::debug!("Failed to get node {:?}: {e}", self.node_name);
+                        last_error = Some(e.to_string());
+                        None
+                    }
+                }
+            } else {
+                let cache = self.cache();
+                let found = cache.store.get(&ObjectRef::new(&self.node_name));
+                if found.is_none() {
+                    tracing::debug!("node {:?} does not exist", self.node_name);
+                }
+                found.map(|n| Node::clone(&n))
+            };
+            if let Some(n) = found {
+                return Ok(n);
+            }
+            if !sleep_before(deadline, self.timings.node_poll_interval).await {
+                return Err(self.timeout(last_error));
+            }
+        }
+    }
+
+    fn timeout(&self, last_error: Option<String>) -> KubeError {
+        KubeError::Timeout {
+            node: self.node_name.clone(),
+            reason: match last_error {
+                None => "context deadline exceeded".into(),
+                Some(e) => format!("context deadline exceeded (last error: {e})"),
+            },
+        }
+    }
+
+    async fn patch_status(&self, body: String) -> Result<(), kube::Error> {
+        let raw = RawValue::from_string(body).map_err(kube::Error::SerdeError)?;
+        self.api
+            .patch_status(
+                &self.node_name,
+                &PatchParams::default(),
+                &Patch::Strategic(raw),
+            )
+            .await
+            .map(drop)
+    }
+
+    /// Acquires the own lease (upstream `AcquireLease`): waits for the own node in the cache,
+    /// takes its pod CIDR(s), checks them against the network, and patches the lease
+    /// annotations onto the node (`nodes/<name>/status`, strategic merge, only the
+    /// annotations that change, nothing when nothing changes; retried every 3 s for 30 s).
+    ///
+    /// The returned lease carries `attrs` as given (not a `public-ip-overwrite`), expires in
+    /// 24 h and is IPv4-only for backends other than vxlan, host-gw and wireguard.
+    pub async fn acquire_lease(&self, attrs: &LeaseAttrs) -> Result<Lease, KubeError> {
+        let config = self.network_config().await?;
+        let own = self.own_node(&config).await?;
+        let cidrs = node::own_pod_cidrs(&own)?;
+        let name = self.node_name.as_str();
+
+        // Unlike upstream, the containment checks come before the patch: a node whose pod
+        // CIDR is outside the network is not advertised to the others.
+        let mut subnet = None;
+        let mut ipv6_subnet = None;
+        if config.enable_ipv4
+            && let Some(c) = cidrs.v4
+        {
+            subnet = Some(node::check_v4_in_network(config.network, c, name)?);
+        }
+        if config.enable_ipv6
+            && let Some(c) = cidrs.v6
+        {
+            ipv6_subnet = Some(node::check_v6_in_network(config.ipv6_network, c, name)?);
+        }
+        if !matches!(
+            attrs.backend_type.as_str(),
+            "vxlan" | "host-gw" | "wireguard"
+        ) {
+            ipv6_subnet = None;
+        }
+
+        let changes = patch::annotation_changes(&self.keys, node::annotations(&own), attrs);
+        if changes.is_empty() {
+            tracing::debug!("node {name:?} annotations are up to date");
+        } else {
+            let body = patch::annotations_patch(&changes);
+            self.patch_with_retry(body).await?;
+        }
+        Ok(Lease {
+            subnet,
+            ipv6_subnet,
+            attrs: attrs.clone(),
+            expiration: Some(SystemTime::now() + LEASE_DURATION),
+        })
+    }
+
+    async fn patch_with_retry(&self, body: String) -> Result<(), KubeError> {
+        let deadline = Instant::now() + self.timings.patch_retry_timeout;
+        loop {
+            match self.patch_status(body.clone()).await {
+                Ok(()) => return Ok(()),
+                Err(kube::Error::SerdeError(source)) => {
+                    return Err(KubeError::PatchBody {
+                        node: self.node_name.clone(),
+                        source,
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!("Failed to patch node {:?}: {e}", self.node_name);
+                    if !sleep_before(deadline, self.timings.patch_retry_interval).await {
+                        return Err(self.timeout(Some(e.to_string())));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Upstream `CompleteLease`: when `--set-node-network-unavailable` is on, sets the node's
+    /// `NetworkUnavailable` condition to `False` (reason `FlannelIsUp`) with one
+    /// `nodes/<name>/status` strategic-merge patch. Never set back to `True`.
+    pub async fn complete_lease(&self) -> Result<(), KubeError> {
+        if !self.set_node_network_unavailable {
+            return Ok(());
+        }
+        let body = patch::network_unavailable_patch(SystemTime::now());
+        self.patch_status(body)
+            .await
+            .map_err(|source| KubeError::Api {
+                action: "set NetworkUnavailable on",
+                node: self.node_name.clone(),
+                source,
+            })
+    }
+
+    /// The own node's `node-public-ip` / `node-public-ipv6` annotations (one GET), for the
+    /// daemon to use as `--public-ip` / `--public-ipv6` before interface selection. As
+    /// upstream, a failed GET is logged and gives nothing; an annotation that is not an
+    /// address is an error.
+    pub async fn stored_public_ips(&self) -> Result<StoredPublicIps, KubeError> {
+        let own = match self.get_node(&GetParams::default()).await {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::error!("Failed to get node for backend data: {e}");
+                return Ok(StoredPublicIps::default());
+            }
+        };
+        let ann = node::annotations(&own);
+        let value = |key: &str| ann.get(key).map(|v| v.as_str()).filter(|v| !v.is_empty());
+        let bad = |key: &str| {
+            let key = key.to_owned();
+            move |source| KubeError::NodePublicIp { key, source }
+        };
+        Ok(StoredPublicIps {
+            ipv4: value(&self.keys.node_public_ip)
+                .map(iface::parse_public_ip)
+                .transpose()
+                .map_err(bad(&self.keys.node_public_ip))?,
+            ipv6: value(&self.keys.node_public_ipv6)
+                .map(iface::parse_public_ipv6)
+                .transpose()
+                .map_err(bad(&self.keys.node_public_ipv6))?,
+        })
+    }
+
+    /// The VXLAN VtepMAC this node published before (its own `backend-data` /
+    /// `backend-v6-data` annotation, one GET), so a restarted agent keeps its MAC. `None`
+    /// when absent, unreadable or not VXLAN data (logged).
+    pub async fn stored_vtep_mac(&self, family: AddressFamily) -> Option<MacAddr> {
+        let own = match self.get_node(&GetParams::default()).await {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::error!("Failed to get node for backend data: {e}");
+                return None;
+            }
+        };
+        let key = match family {
+            AddressFamily::V4 => &self.keys.backend_data,
+            AddressFamily::V6 => &self.keys.backend_v6_data,
+        };
+        let text = node::annotations(&own).get(key)?;
+        let parsed = RawJson::from_json(text)
+            .map_err(|e| e.to_string())
+            .and_then(|raw| VxlanLeaseData::from_json(&raw).map_err(|e| e.to_string()));
+        match parsed {
+            Ok(d) => Some(d.vtep_mac),
+            Err(e) => {
+                tracing::info!("no stored VtepMAC in {key} ({text:?}): {e}");
+                None
+            }
+        }
+    }
+
+    /// Publishes the complete set of remote leases until `cancel`: first once the node cache
+    /// holds its initial listing (the snapshot is `synced` from then on), then after every
+    /// change. The own node, nodes without `kube-subnet-manager: "true"` and malformed nodes
+    /// are left out.
+    pub async fn watch_leases(
+        &self,
+        publisher: LeasePublisher,
+        cancel: CancellationToken,
+    ) -> Result<(), KubeError> {
+        let config = self.network_config().await?;
+        let cache = self.cache();
+        let mut changes = cache.changes.clone();
+        tokio::select! {
+            () = cancel.cancelled() => return Ok(()),
+            ready = cache.store.wait_until_ready() => {
+                ready.map_err(|_| KubeError::WatchStopped)?;
+            }
+        }
+        let mut leases = LeaseBuilder::new(
+            self.keys.clone(),
+            config.enable_ipv4,
+            config.enable_ipv6,
+            self.node_name.clone(),
+        );
+        loop {
+            changes.borrow_and_update();
+            publisher.replace_all(leases.build(&cache.store.state()));
+            tokio::select! {
+                () = cancel.cancelled() => return Ok(()),
+                changed = changes.changed() => {
+                    if changed.is_err() {
+                        return Err(KubeError::WatchStopped);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Sleeps `interval` (or less, up to `deadline`); false when the deadline has passed.
+async fn sleep_before(deadline: Instant, interval: Duration) -> bool {
+    let now = Instant::now();
+    if now >= deadline {
+        return false;
+    }
+    tokio::time::sleep(interval.min(deadline - now)).await;
+    true
+}
+
+/// Keeps the reflector store in sync with the API server. kube-runtime's watcher lists,
+/// watches from the listed resourceVersion, follows bookmarks, resumes closed watches from
+/// the last seen version and relists after a `410 Gone` ERROR event; a watch *request*
+/// answered with HTTP 410 is treated the same way here (the watcher alone would retry the
+/// expired version forever). The store swaps a relisting in at its end.
+async fn run_node_watch(
+    api: Api<Node>,
+    mut writer: reflector::store::Writer<Node>,
+    changes: watch::Sender<u64>,
+) {
+    loop {
+        let stream = watcher(api.clone(), watcher::Config::default()).default_backoff();
+        let mut stream = std::pin::pin!(stream);
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok(event) => {
+                    writer.apply_watcher_event(&event);
+                    if matches!(
+                        event,
+                        watcher::Event::Apply(_)
+                            | watcher::Event::Delete(_)
+                            | watcher::Event::InitDone
+                    ) {
+                        changes.send_modify(|g| *g = g.wrapping_add(1));
+                    }
+                }
+                Err(watcher::Error::WatchStartFailed(kube::Error::Api(status)))
+                    if status.code == 410 =>
+                {
+                    tracing::info!("node watch expired ({}), listing again", status.message);
+                    break;
+                }
+                Err(watcher::Error::WatchError(status)) if status.code == 410 => {
+                    tracing::info!("node watch expired ({}), listing again", status.message);
+                }
+                Err(e) => tracing::warn!("node watch: {e}"),
+            }
+        }
+    }
+}
+
+/// Turns the cached nodes into the lease set, converting each node only when its
+/// resourceVersion changed (so a malformed node is logged once per version).
+struct LeaseBuilder {
+    keys: AnnotationKeys,
+    enable_ipv4: bool,
+    enable_ipv6: bool,
+    own: String,
+    converted: HashMap<String, (Option<String>, Option<Lease>)>,
+}
+
+impl LeaseBuilder {
+    fn new(keys: AnnotationKeys, enable_ipv4: bool, enable_ipv6: bool, own: String) -> Self {
+        LeaseBuilder {
+            keys,
+            enable_ipv4,
+            enable_ipv6,
+            own,
+            converted: HashMap::new(),
+        }
+    }
+
+    fn convert(&self, n: &Node) -> Option<Lease> {
+        if !node::is_managed(&self.keys, n) {
+            return None;
+        }
+        match node::node_to_lease(&self.keys, self.enable_ipv4, self.enable_ipv6, n) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                tracing::warn!("Error turning node {:?} to lease: {e}", node::node_name(n));
+                None
+            }
+        }
+    }
+
+    fn build(&mut self, nodes: &[Arc<Node>]) -> BTreeMap<LeaseId, Lease> {
+        let mut seen = HashSet::new();
+        let mut out = BTreeMap::new();
+        for n in nodes {
+            let name = node::node_name(n);
+            if name.is_empty() || name == self.own {
+                continue;
+            }
+            seen.insert(name.to_owned());
+            let rv = n.metadata.resource_version.clone();
+            let cached = self
+                .converted
+                .get(name)
+                .filter(|(v, _)| rv.is_some() && *v == rv)
+                .map(|(_, l)| l.clone());
+            let lease = match cached {
+                Some(l) => l,
+                None => {
+                    let l = self.convert(n);
+                    self.converted.insert(name.to_owned(), (rv, l.clone()));
+                    l
+                }
+            };
+            if let Some(l) = lease {
+                out.insert(lease_id(name), l);
+            }
+        }
+        self.converted.retain(|name, _| seen.contains(name));
+        out
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests fail loudly by design
+mod tests {
+    use k8s_openapi::api::core::v1::NodeSpec;
+    use kube::api::ObjectMeta;
+
+    use super::*;
+
+    fn node(name: &str, rv: &str, cidr: &str, ann: &[(&str, &str)]) -> Arc<Node> {
+        Arc::new(Node {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                resource_version: Some(rv.into()),
+                annotations: Some(
+                    ann.iter()
+                        .map(|(k, v)| (format!("flannel.alpha.coreos.com/{k}"), v.to_string()))
+                        .collect(),
+                ),
+                ..ObjectMeta::default()
+            },
+            spec: Some(NodeSpec {
+                pod_cidr: Some(cidr.into()),
+                ..NodeSpec::default()
+            }),
+            status: None,
+        })
+    }
+
+    const MANAGED: (&str, &str) = ("kube-subnet-manager", "true");
+
+    #[test]
+    fn builder_excludes_own_unmanaged_and_malformed() {
+        let keys = AnnotationKeys::new(DEFAULT_PREFIX).unwrap();
+        let mut b = LeaseBuilder::new(keys, true, false, "own".into());
+        let nodes = vec![
+            node(
+                "own",
+                "1",
+                "10.244.0.0/24",
+                &[MANAGED, ("public-ip", "10.0.0.1")],
+            ),
+            node(
+                "a",
+                "2",
+                "10.244.1.0/24",
+                &[MANAGED, ("public-ip", "10.0.0.2")],
+            ),
+            node("b", "3", "10.244.2.0/24", &[("public-ip", "10.0.0.3")]),
+            node("c", "4", "10.244.3.0/24", &[MANAGED, ("public-ip", "bad")]),
+        ];
+        let set = b.build(&nodes);
+        assert_eq!(set.keys().collect::<Vec<_>>(), ["node/a"]);
+        assert_eq!(set["node/a"].subnet, Some("10.244.1.0/24".parse().unwrap()));
+
+        // A podCIDR change with a new resourceVersion is picked up; c fixed appears; a
+        // vanished node is forgotten.
+        let nodes = vec![
+            node(
+                "a",
+                "5",
+                "10.244.9.0/24",
+                &[MANAGED, ("public-ip", "10.0.0.2")],
+            ),
+            node(
+                "c",
+                "6",
+                "10.244.3.0/24",
+                &[MANAGED, ("public-ip", "10.0.0.4")],
+            ),
+        ];
+        let set = b.build(&nodes);
+        assert_eq!(set.keys().collect::<Vec<_>>(), ["node/a", "node/c"]);
+        assert_eq!(set["node/a"].subnet, Some("10.244.9.0/24".parse().unwrap()));
+        assert_eq!(b.converted.len(), 2);
+    }
+}
