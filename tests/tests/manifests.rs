@@ -286,7 +286,7 @@ fn agent_cli(c: &Container) -> Result<Cli, clap::Error> {
 #[test]
 fn every_document_round_trips_through_k8s_openapi() {
     let files = manifest_files();
-    assert_eq!(files, [MANIFEST], "deploy/ manifests");
+    assert!(files.iter().any(|f| f == MANIFEST), "{files:?}");
     let mut seen = BTreeSet::new();
     for file in &files {
         let text = read_deploy(file);
