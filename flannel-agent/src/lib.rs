@@ -18,6 +18,7 @@
 //! | [`hostnet`] | reading the interface snapshot for [`iface`] from the kernel |
 //! | [`backend`] | backend options, BackendData and MTU |
 //! | [`netlink`] | rtnetlink access (links, addresses, routes, neighbours, FDB) |
+//! | [`telemetry`] | logging (`-v` levels, `RUST_LOG`) |
 //! | [`traffic`] | masquerade and forward rules (iptables / nftables) |
 
 pub mod alloc;
@@ -34,6 +35,7 @@ pub mod netconf;
 pub mod netlink;
 pub mod subnet;
 pub mod subnet_env;
+pub mod telemetry;
 pub mod traffic;
 
 /// The eBPF object built by `build.rs` (empty when built with `AYA_BUILD_SKIP=1`).
