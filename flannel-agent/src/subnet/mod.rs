@@ -8,6 +8,7 @@
 //! sees the newest set, so there is no event queue to overflow and no event to miss: after a
 //! reconnect or a compacted revision a manager re-lists and publishes the fresh set.
 
+pub mod etcd;
 pub mod kube;
 
 use std::{collections::BTreeMap, sync::Arc};
