@@ -16,10 +16,12 @@
 //! | [`backend`] | backend options, BackendData and MTU |
 //! | [`netlink`] | rtnetlink access (links, addresses, routes, neighbours, FDB) |
 //! | [`traffic`] | masquerade and forward rules (iptables / nftables) |
+//! | [`dataplane`] | devices, routes, neighbours, FDB: desired state, appliers, reconciler |
 
 pub mod alloc;
 pub mod backend;
 pub mod cli;
+pub mod dataplane;
 pub mod gojson;
 pub mod iface;
 pub mod ip;
