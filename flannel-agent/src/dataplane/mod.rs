@@ -12,8 +12,9 @@
 //! 2. after the lease: [`Local::new`], then [`ensure_devices`] (errors are fatal here, e.g.
 //!    [`DataplaneError::HostGwNat`], [`DataplaneError::IpipNeedsEbpf`]);
 //! 3. [`Reconciler::new`] (+ `push_applier` for eBPF), keep [`Reconciler::status`], spawn
-//!    [`Reconciler::run`] with the lease `watch::Receiver`, [`Netlink::link_events`](crate::netlink::Netlink::link_events) and the
-//!    cancellation token. On SIGTERM nothing is cleaned up.
+//!    [`Reconciler::run`] with the lease `watch::Receiver`,
+//!    [`Netlink::link_events`](crate::netlink::Netlink::link_events) and `token.cancelled()`.
+//!    On SIGTERM nothing is cleaned up.
 //!
 //! | file | job |
 //! |---|---|

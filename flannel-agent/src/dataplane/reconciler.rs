@@ -24,7 +24,6 @@ use tokio::{
     sync::watch,
     time::{Instant, sleep_until},
 };
-use tokio_util::sync::CancellationToken;
 
 use crate::{
     backend::BackendOptions,
@@ -388,16 +387,19 @@ impl Reconciler {
         }
     }
 
-    /// Runs until `cancel` fires. `links` are the link notifications of this namespace
-    /// ([`Netlink::link_events`]); the stream ending only disables that trigger.
-    pub async fn run<S>(
+    /// Runs until `shutdown` completes (the daemon passes `cancel_token.cancelled()`).
+    /// `links` are the link notifications of this namespace ([`Netlink::link_events`]); the
+    /// stream ending only disables that trigger. Nothing is cleaned up on the way out.
+    pub async fn run<S, F>(
         mut self,
         mut snapshots: watch::Receiver<LeaseSnapshot>,
         mut links: S,
-        cancel: CancellationToken,
+        shutdown: F,
     ) where
         S: Stream<Item = LinkEvent> + Unpin,
+        F: Future<Output = ()>,
     {
+        let mut shutdown = std::pin::pin!(shutdown);
         let config = self.config;
         let mut pending = true;
         let mut retry_at: Option<Instant> = None;
@@ -406,9 +408,6 @@ impl Reconciler {
         let mut snapshots_open = true;
         let mut links_open = true;
         loop {
-            if cancel.is_cancelled() {
-                break;
-            }
             if pending && retry_at.is_none_or(|t| t <= Instant::now()) {
                 pending = false;
                 let snapshot = snapshots.borrow_and_update().clone();
@@ -433,7 +432,7 @@ impl Reconciler {
             };
             tokio::select! {
                 biased;
-                _ = cancel.cancelled() => break,
+                () = &mut shutdown => break,
                 changed = snapshots.changed(), if snapshots_open => match changed {
                     Ok(()) => pending = true,
                     Err(_) => {
