@@ -815,6 +815,14 @@ fn vxlan_programs_peers_and_heals_drift() {
         pods_talk(&lab, &ALL_PAIRS, false)?;
         pods_talk(&lab, &[(0, 2), (2, 1)], true)?;
 
+        // Steady state: periodic resyncs find everything in place (both families), no churn.
+        let seen = agents[0].status().reconciles;
+        wait_for("two more resyncs", Duration::from_secs(5), || {
+            Ok(agents[0].status().reconciles >= seen + 2)
+        })?;
+        let s = agents[0].status();
+        assert_eq!((s.last.ops, s.last.unchanged), (0, 12), "{s:#?}");
+
         // Drift: a route deleted by hand comes back; a stray route with our protocol and a
         // route upstream flanneld left on flannel.1 (proto boot) go; a foreign route inside
         // the network stays.
@@ -1251,6 +1259,78 @@ fn deleted_device_comes_back_with_its_mac_and_peers() {
         assert_eq!(again.macs.v4.map(|m| m.to_string()), Some(mac.clone()));
         assert_eq!(link_mac(n1, "flannel.1")?, Some(mac));
         again.stop()?;
+        for a in agents {
+            a.stop()?;
+        }
+        Ok(())
+    })());
+}
+
+/// A failing reconcile (the external interface is gone) leaves the dataplane alone, is
+/// reported in the status, retried with back-off and recovers by itself.
+#[test]
+fn failures_are_reported_retried_and_recovered() {
+    require_root!();
+    check((|| {
+        let lab = lab("fr", 2, &[])?;
+        let spec = Spec {
+            backend: vxlan(false),
+            stack: IpStack::V4,
+            resync: Duration::from_millis(300),
+        };
+        let agents = start_all(&lab, &spec)?;
+        publish_all(&agents)?;
+        let n1 = &lab.nodes[0];
+        let routes = flannel_routes(n1, false)?;
+        assert_eq!(routes.len(), 1);
+
+        n1.run(&["ip", "link", "set", "eth0", "down"])?;
+        n1.run(&["ip", "link", "set", "eth0", "name", "ethx"])?;
+        let started = agents[0].status().reconciles;
+        wait_for("failures to be reported", Duration::from_secs(5), || {
+            Ok(agents[0].status().consecutive_failures >= 3)
+        })?;
+        thread::sleep(Duration::from_millis(1500));
+        let s = agents[0].status();
+        println!(
+            "external interface gone: {} attempts in ~2 s, last error: {:?}",
+            s.reconciles - started,
+            s.last_error
+        );
+        assert!(!s.healthy());
+        assert!(
+            s.errors_by_kind
+                .get("device:external_interface_gone")
+                .copied()
+                >= Some(3),
+            "{s:#?}"
+        );
+        assert!(
+            s.last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("external interface eth0")),
+            "{s:#?}"
+        );
+        // Back-off, not a hot loop: the retry delay grows to the resync interval.
+        assert!(s.reconciles - started < 15, "{s:#?}");
+        // Nothing was torn down meanwhile.
+        assert_eq!(flannel_routes(n1, false)?, routes);
+
+        n1.run(&["ip", "link", "set", "ethx", "name", "eth0"])?;
+        n1.run(&["ip", "link", "set", "eth0", "up"])?;
+        wait_for("recovery", Duration::from_secs(5), || {
+            Ok(agents[0].status().healthy())
+        })?;
+        let s = agents[0].status();
+        assert_eq!(s.last_error, None);
+        assert_eq!(flannel_routes(n1, false)?, routes);
+        // The vxlan device kept its underlay (same index after the rename): no recreation.
+        assert_eq!(s.device_recreations, 0, "{s:#?}");
+        wait_for(
+            "the underlay to carry traffic again",
+            Duration::from_secs(10),
+            || Ok(pods_talk(&lab, &[(0, 1)], false).is_ok()),
+        )?;
         for a in agents {
             a.stop()?;
         }

@@ -37,7 +37,7 @@ use crate::netlink::{
 };
 
 use super::{
-    applier::{Applier, ApplyError, ApplyReport, ApplyStats, SyncMode},
+    applier::{Applier, ApplyError, ApplyReport, SyncMode},
     model::{Desired, Local, Reach, subnet_address},
 };
 
@@ -426,15 +426,6 @@ impl Applier for KernelApplier {
     ) -> BoxFuture<'a, ApplyReport> {
         Box::pin(self.apply(local, desired, mode))
     }
-}
-
-/// Sums reports (for callers that run several appliers).
-pub fn total(reports: &[ApplyReport]) -> ApplyStats {
-    let mut out = ApplyStats::default();
-    for r in reports {
-        out.accumulate(&r.stats);
-    }
-    out
 }
 
 #[cfg(test)]

@@ -160,6 +160,25 @@ pub enum DataplaneError {
 }
 
 impl DataplaneError {
+    /// A short, bounded label for metrics: `device:<errno or kind>`.
+    pub fn kind(&self) -> String {
+        let class = match self {
+            Self::Netlink { source, .. } => return kernel::error_kind("device", source),
+            Self::MacMismatch { .. } => "mac_mismatch",
+            Self::HostGwNat => "host_gw_nat",
+            Self::IpipNeedsEbpf { .. } => "ipip_unsupported",
+            Self::IpipWrongKind => "ipip_wrong_kind",
+            Self::LeaseLacksFamily { .. } => "lease_lacks_family",
+            Self::NoPublicAddress { .. } => "no_public_address",
+            Self::NoVtepMac { .. } => "no_vtep_mac",
+            Self::ExternalInterfaceGone { .. } => "external_interface_gone",
+            Self::DeviceUnstable { .. } => "device_unstable",
+            Self::UnsupportedBackend(_) => "unsupported_backend",
+            Self::StateFile { .. } | Self::StateFileContent { .. } => "state_file",
+        };
+        format!("device:{class}")
+    }
+
     /// Wraps a netlink error with what was being done.
     pub fn netlink(what: impl Into<String>) -> impl FnOnce(NetlinkError) -> Self {
         let what = what.into();

@@ -437,26 +437,16 @@ impl Desired {
     }
 }
 
-/// The network address of an IPv4 subnet as an `IpAddr` (`10.244.2.0`).
-pub(crate) fn v4_network(n: Ipv4Net) -> IpAddr {
-    IpAddr::V4(n.network())
-}
-
-/// The network address of an IPv6 subnet as an `IpAddr`.
-pub(crate) fn v6_network(n: Ipv6Net) -> IpAddr {
-    IpAddr::V6(n.network())
-}
-
 /// The network address of a subnet (`10.244.2.0` for `10.244.2.0/24`): upstream's vxlan
 /// next hop and neighbour address for a remote subnet.
 pub fn subnet_address(n: IpNet) -> IpAddr {
     match n {
-        IpNet::V4(v4) => v4_network(v4),
-        IpNet::V6(v6) => v6_network(v6),
+        IpNet::V4(v4) => IpAddr::V4(v4.network()),
+        IpNet::V6(v6) => IpAddr::V6(v6.network()),
     }
 }
 
-/// `Ipv6Addr` helper for tests and callers that build v6 public IPs.
+/// `0.0.0.0` / `::`.
 pub(crate) fn is_unspecified(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => v4 == Ipv4Addr::UNSPECIFIED,

@@ -51,6 +51,10 @@ pub struct ReconcilerConfig {
     pub backoff_initial: Duration,
     /// Longest retry delay.
     pub backoff_max: Duration,
+    /// Whether the reconciler creates and repairs the backend's devices before every
+    /// reconcile ([`ensure_devices`]). `false` when another component (the eBPF dataplane)
+    /// owns the devices; [`Local::devices`] is then used as given.
+    pub manage_devices: bool,
 }
 
 impl Default for ReconcilerConfig {
@@ -59,6 +63,7 @@ impl Default for ReconcilerConfig {
             resync_interval: Duration::from_secs(30),
             backoff_initial: Duration::from_millis(200),
             backoff_max: Duration::from_secs(30),
+            manage_devices: true,
         }
     }
 }
@@ -254,29 +259,27 @@ impl Reconciler {
             s.last_attempt = Some(SystemTime::now());
         });
 
-        match ensure_devices(&self.nl, &mut self.local).await {
+        let devices = if self.config.manage_devices {
+            ensure_devices(&self.nl, &mut self.local).await
+        } else {
+            Ok(Default::default())
+        };
+        match devices {
             Ok(report) => {
-                if report.device_changed() {
-                    if !self.first {
-                        tracing::warn!(
-                            created = ?report.created,
-                            recreated = ?report.recreated,
-                            "dataplane devices were missing or wrong; recreated them, \
-                             programming all peers again"
-                        );
-                    }
-                    if !self.first {
-                        self.status.send_modify(|s| s.device_recreations += 1);
-                    }
+                if !report.repaired.is_empty() {
+                    tracing::info!(devices = ?report.repaired, "repaired dataplane devices");
+                }
+                if report.device_changed() && !self.first {
+                    tracing::warn!(
+                        created = ?report.created,
+                        recreated = ?report.recreated,
+                        "dataplane devices were missing or wrong; recreated them, \
+                         programming all peers again"
+                    );
+                    self.status.send_modify(|s| s.device_recreations += 1);
                 }
             }
-            Err(e) => {
-                let kind = match &e {
-                    super::DataplaneError::Netlink { source, .. } => error_kind("device", source),
-                    _ => "device:other".to_owned(),
-                };
-                return self.fail(kind, e.to_string(), started);
-            }
+            Err(e) => return self.fail(e.kind(), e.to_string(), started),
         }
         self.first = false;
 
@@ -454,7 +457,11 @@ impl Reconciler {
                         links_open = false;
                     }
                 },
-                _ = sleep_until(next_resync) => pending = true,
+                _ = sleep_until(next_resync) => {
+                    pending = true;
+                    // Re-armed here too: while a retry waits, the deadline must move on.
+                    next_resync = Instant::now() + config.resync_interval;
+                }
                 _ = retry, if pending => {}
             }
         }
