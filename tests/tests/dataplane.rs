@@ -827,6 +827,20 @@ fn vxlan_programs_peers_and_heals_drift() {
         // route upstream flanneld left on flannel.1 (proto boot) go; a foreign route inside
         // the network stays.
         n1.run(&["ip", "route", "del", "10.244.2.0/24"])?;
+        // What upstream flanneld leaves for a live peer (proto boot): taken over.
+        n1.run(&[
+            "ip",
+            "route",
+            "replace",
+            "10.244.3.0/24",
+            "via",
+            "10.244.3.0",
+            "dev",
+            "flannel.1",
+            "onlink",
+            "proto",
+            "boot",
+        ])?;
         n1.run(&[
             "ip",
             "route",
@@ -873,6 +887,7 @@ fn vxlan_programs_peers_and_heals_drift() {
                 Ok(all
                     .iter()
                     .any(|l| l.starts_with("10.244.2.0/24 via 10.244.2.0"))
+                    && all.contains("10.244.3.0/24 via 10.244.3.0 dev flannel.1 proto 165 onlink")
                     && !all.iter().any(|l| l.starts_with("10.244.99.0/24"))
                     && !all.iter().any(|l| l.starts_with("10.244.97.0/24")))
             },
@@ -1257,6 +1272,44 @@ fn deleted_device_comes_back_with_its_mac_and_peers() {
         n1.run(&["ip", "link", "del", "flannel.1"])?;
         let again = start_agent(n1, &spec)?;
         assert_eq!(again.macs.v4.map(|m| m.to_string()), Some(mac.clone()));
+        assert_eq!(link_mac(n1, "flannel.1")?, Some(mac.clone()));
+        again.stop()?;
+
+        // Something else changed the device's MAC while the agent was down: restored.
+        n1.run(&[
+            "ip",
+            "link",
+            "set",
+            "flannel.1",
+            "address",
+            "0e:2a:00:00:99:99",
+        ])?;
+        let again = start_agent(n1, &spec)?;
+        assert_eq!(link_mac(n1, "flannel.1")?, Some(mac.clone()));
+        again.stop()?;
+
+        // An incompatible device of that name (another VNI and port): recreated as wanted.
+        n1.run(&["ip", "link", "del", "flannel.1"])?;
+        n1.run(&[
+            "ip",
+            "link",
+            "add",
+            "flannel.1",
+            "type",
+            "vxlan",
+            "id",
+            "5",
+            "dstport",
+            "4789",
+            "dev",
+            "eth0",
+        ])?;
+        let again = start_agent(n1, &spec)?;
+        let dev = n1.run(&["ip", "-d", "link", "show", "flannel.1"])?;
+        assert!(
+            dev.contains("vxlan id 1 ") && dev.contains("dstport 8472"),
+            "{dev}"
+        );
         assert_eq!(link_mac(n1, "flannel.1")?, Some(mac));
         again.stop()?;
         for a in agents {
