@@ -184,6 +184,40 @@ mod tests {
         assert_eq!(names, ["vtep-mac-flannel.1"]);
     }
 
+    /// Only a lookup of a link name that does not exist touches the host's netlink.
+    #[tokio::test]
+    async fn handed_in_beats_persisted_and_random_is_kept() {
+        let nl = Netlink::new().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let store = MacStore::new(dir.path());
+        let device = "flnomac-test0";
+        let first = resolve_vtep_mac(&nl, &store, device, None).await.unwrap();
+        assert!(is_usable_mac(first) && first.0[0] & 2 == 2, "{first}");
+        // The next start finds the same MAC.
+        assert_eq!(
+            resolve_vtep_mac(&nl, &store, device, None).await.unwrap(),
+            first
+        );
+        // Kube mode: the annotation's MAC wins and is persisted.
+        let annotated = MacAddr([0x0e, 0x2a, 9, 9, 9, 9]);
+        let got = resolve_vtep_mac(&nl, &store, device, Some(annotated))
+            .await
+            .unwrap();
+        assert_eq!(got, annotated);
+        assert_eq!(store.load(device).unwrap(), Some(annotated));
+        // An unusable handed-in MAC is ignored.
+        let multicast = MacAddr([0x01, 0, 0x5e, 0, 0, 1]);
+        let got = resolve_vtep_mac(&nl, &store, device, Some(multicast))
+            .await
+            .unwrap();
+        assert_eq!(got, annotated);
+        // A corrupt state file is replaced rather than fatal.
+        fs::write(store.path(device), "garbage").unwrap();
+        let got = resolve_vtep_mac(&nl, &store, device, None).await.unwrap();
+        assert!(is_usable_mac(got));
+        assert_eq!(store.load(device).unwrap(), Some(got));
+    }
+
     #[test]
     fn garbage_and_multicast_are_rejected_with_the_path() {
         let dir = tempfile::tempdir().unwrap();
