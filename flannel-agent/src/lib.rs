@@ -20,10 +20,12 @@
 //! | [`netlink`] | rtnetlink access (links, addresses, routes, neighbours, FDB) |
 //! | [`telemetry`] | logging (`-v` levels, `RUST_LOG`) |
 //! | [`traffic`] | masquerade and forward rules (iptables / nftables) |
+//! | [`dataplane`] | devices, routes, neighbours, FDB: desired state, appliers, reconciler |
 
 pub mod alloc;
 pub mod backend;
 pub mod cli;
+pub mod dataplane;
 pub mod gojson;
 pub mod health;
 pub mod hostnet;

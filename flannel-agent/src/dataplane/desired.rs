@@ -1,0 +1,897 @@
+//! The desired dataplane as a pure function of this node ([`Local`]), the remote leases
+//! ([`LeaseSnapshot`]) and what the routing table says ([`Facts`]). No I/O, no logging: what
+//! the computation notices comes back as [`Note`]s.
+//!
+//! Per remote lease and enabled family (upstream 2.0–2.3):
+//! * a lease of another `BackendType` is ignored (one note per lease);
+//! * vxlan: the peer's VTEP MAC from its BackendData of that family; with `DirectRouting` and
+//!   a public IP on a directly connected network, a plain route instead;
+//! * host-gw: a plain route when the public IP is directly connected, otherwise no route and
+//!   an [`Note::Unreachable`] (upstream installs a route the kernel rejects, and retries);
+//! * ipip (IPv4): the tunnel, or with `DirectRouting` a plain route to connected peers.
+//!
+//! Leases are taken in id order. A subnet that overlaps this node's subnet or one taken by an
+//! earlier lease is dropped with a [`Note::Overlap`]; a VTEP MAC already used by an earlier
+//! lease for another public IP is dropped with a [`Note::DuplicateVtepMac`]. Every node
+//! running this code therefore makes the same choice.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::IpAddr,
+};
+
+use ipnet::IpNet;
+
+use crate::{
+    backend::{BackendOptions, MacAddr, VxlanLeaseData},
+    lease::Lease,
+    netlink::IpFamily,
+    subnet::{LeaseId, LeaseSnapshot},
+};
+
+use super::{
+    facts::{Facts, Reachability},
+    model::{Desired, IgnoreReason, Local, Note, Peer, PeerPath, Reach, is_unspecified},
+};
+
+/// Computes the desired dataplane. See the module documentation for the rules.
+pub fn desired(local: &Local, snapshot: &LeaseSnapshot, facts: &Facts) -> Desired {
+    let Some(backend) = Backend::of(&local.backend) else {
+        // alloc, udp, ipsec, wireguard: nothing for this module to program.
+        return Desired::default();
+    };
+    let lease_type = local.backend.backend_type().lease_type();
+    let mut out = Desired::default();
+    let mut claims = Claims::default();
+    for family in [IpFamily::V4, IpFamily::V6] {
+        if let Some(own) = local.own_subnet(family) {
+            claims.own(own);
+        }
+    }
+    let mut macs: HashMap<(IpFamily, MacAddr), (LeaseId, IpAddr)> = HashMap::new();
+
+    for (id, lease) in snapshot.leases.iter() {
+        if lease.attrs.backend_type != lease_type {
+            out.notes.push(Note::Ignored {
+                id: id.clone(),
+                reason: IgnoreReason::OtherBackend {
+                    found: lease.attrs.backend_type.clone(),
+                },
+            });
+            continue;
+        }
+        let mut peer = Peer {
+            id: id.clone(),
+            v4: None,
+            v6: None,
+        };
+        for family in [IpFamily::V4, IpFamily::V6] {
+            let Some(own_subnet) = local.own_subnet(family) else {
+                continue;
+            };
+            let Some(subnet) = lease_subnet(lease, family) else {
+                continue;
+            };
+            if family == IpFamily::V6 && matches!(backend, Backend::Ipip { .. }) {
+                continue;
+            }
+            let Some(public_ip) = lease_public_ip(lease, family) else {
+                out.notes.push(Note::Ignored {
+                    id: id.clone(),
+                    reason: IgnoreReason::NoPublicIp { family },
+                });
+                continue;
+            };
+            // The node's own lease, if a manager ever lets it through: nothing to do.
+            if subnet == own_subnet && Some(public_ip) == local.public_ip(family) {
+                continue;
+            }
+            if let Err(winner) = claims.claim(subnet, id) {
+                out.notes.push(Note::Overlap {
+                    id: id.clone(),
+                    subnet,
+                    winner: winner.0,
+                    winner_subnet: winner.1,
+                });
+                continue;
+            }
+            let own_ip = local.public_ip(family);
+            let reach = match reach_of(backend, lease, family, public_ip, own_ip, facts) {
+                Ok(reach) => reach,
+                Err(note) => {
+                    out.notes.push(note.into_note(id, subnet, public_ip));
+                    continue;
+                }
+            };
+            if let Reach::Vxlan {
+                vtep_mac,
+                public_ip,
+                ..
+            } = reach
+            {
+                match macs.get(&(family, vtep_mac)) {
+                    Some((winner, ip)) if *ip != public_ip => {
+                        out.notes.push(Note::DuplicateVtepMac {
+                            id: id.clone(),
+                            vtep_mac,
+                            winner: winner.clone(),
+                        });
+                        continue;
+                    }
+                    Some(_) => {}
+                    None => {
+                        macs.insert((family, vtep_mac), (id.clone(), public_ip));
+                    }
+                }
+            }
+            let path = Some(PeerPath { subnet, reach });
+            match family {
+                IpFamily::V4 => peer.v4 = path,
+                IpFamily::V6 => peer.v6 = path,
+            }
+        }
+        if peer.v4.is_some() || peer.v6.is_some() {
+            out.peers.push(peer);
+        }
+    }
+    out
+}
+
+/// The backends this module programs, with the options that matter here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Vxlan { vni: u32, direct_routing: bool },
+    HostGw,
+    Ipip { direct_routing: bool },
+}
+
+impl Backend {
+    fn of(options: &BackendOptions) -> Option<Self> {
+        match options {
+            BackendOptions::Vxlan(o) => Some(Self::Vxlan {
+                vni: o.vni,
+                direct_routing: o.direct_routing,
+            }),
+            BackendOptions::HostGw => Some(Self::HostGw),
+            BackendOptions::Ipip(o) => Some(Self::Ipip {
+                direct_routing: o.direct_routing,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// Why a path could not be built (turned into a [`Note`] by the caller).
+enum NoPath {
+    Data(String),
+    Unreachable(Reachability),
+}
+
+impl NoPath {
+    fn into_note(self, id: &LeaseId, subnet: IpNet, public_ip: IpAddr) -> Note {
+        match self {
+            Self::Data(error) => Note::Ignored {
+                id: id.clone(),
+                reason: IgnoreReason::BadBackendData {
+                    family: IpFamily::of(&subnet.addr()),
+                    error,
+                },
+            },
+            Self::Unreachable(why) => Note::Unreachable {
+                id: id.clone(),
+                subnet,
+                public_ip,
+                why,
+            },
+        }
+    }
+}
+
+/// How the public IP of a peer is reached, with this node's own address never "direct".
+fn direct_oif(facts: &Facts, public_ip: IpAddr, own_ip: Option<IpAddr>) -> Reachability {
+    if Some(public_ip) == own_ip {
+        return Reachability::Local;
+    }
+    facts.reach(public_ip)
+}
+
+fn reach_of(
+    backend: Backend,
+    lease: &Lease,
+    family: IpFamily,
+    public_ip: IpAddr,
+    own_ip: Option<IpAddr>,
+    facts: &Facts,
+) -> Result<Reach, NoPath> {
+    match backend {
+        Backend::Vxlan {
+            vni,
+            direct_routing,
+        } => {
+            let raw = match family {
+                IpFamily::V4 => lease.attrs.backend_data.as_ref(),
+                IpFamily::V6 => lease.attrs.backend_v6_data.as_ref(),
+            };
+            let data = raw
+                .ok_or_else(|| NoPath::Data("no BackendData".into()))
+                .and_then(|raw| {
+                    VxlanLeaseData::from_json(raw).map_err(|e| NoPath::Data(e.to_string()))
+                })?;
+            if direct_routing && let Some(oif) = direct_oif(facts, public_ip, own_ip).direct_oif() {
+                return Ok(Reach::Direct {
+                    gateway: public_ip,
+                    oif,
+                });
+            }
+            Ok(Reach::Vxlan {
+                vtep_mac: data.vtep_mac,
+                vni: if data.vni == 0 { vni } else { data.vni },
+                public_ip,
+            })
+        }
+        Backend::HostGw => match direct_oif(facts, public_ip, own_ip) {
+            Reachability::Direct { oif } => Ok(Reach::Direct {
+                gateway: public_ip,
+                oif,
+            }),
+            other => Err(NoPath::Unreachable(other)),
+        },
+        Backend::Ipip { direct_routing } => {
+            let IpAddr::V4(v4) = public_ip else {
+                return Err(NoPath::Data("ipip carries IPv4 only".into()));
+            };
+            if direct_routing && let Some(oif) = direct_oif(facts, public_ip, own_ip).direct_oif() {
+                return Ok(Reach::Direct {
+                    gateway: public_ip,
+                    oif,
+                });
+            }
+            Ok(Reach::Ipip { public_ip: v4 })
+        }
+    }
+}
+
+fn lease_subnet(lease: &Lease, family: IpFamily) -> Option<IpNet> {
+    match family {
+        IpFamily::V4 => lease.subnet.map(|n| IpNet::V4(n.trunc())),
+        IpFamily::V6 => lease.ipv6_subnet.map(|n| IpNet::V6(n.trunc())),
+    }
+}
+
+fn lease_public_ip(lease: &Lease, family: IpFamily) -> Option<IpAddr> {
+    let ip = match family {
+        IpFamily::V4 => Some(IpAddr::V4(lease.attrs.public_ip)),
+        IpFamily::V6 => lease.attrs.public_ipv6.map(IpAddr::V6),
+    }?;
+    (!is_unspecified(ip)).then_some(ip)
+}
+
+/// Subnets already taken, per family, as non-overlapping `[start, end]` ranges.
+#[derive(Default)]
+struct Claims {
+    v4: BTreeMap<u128, (u128, Option<LeaseId>, IpNet)>,
+    v6: BTreeMap<u128, (u128, Option<LeaseId>, IpNet)>,
+}
+
+type Winner = (Option<LeaseId>, IpNet);
+
+fn span(net: IpNet) -> (u128, u128) {
+    match net {
+        IpNet::V4(n) => (
+            u128::from(u32::from(n.network())),
+            u128::from(u32::from(n.broadcast())),
+        ),
+        IpNet::V6(n) => (u128::from(n.network()), u128::from(n.broadcast())),
+    }
+}
+
+impl Claims {
+    fn table(&mut self, net: IpNet) -> &mut BTreeMap<u128, (u128, Option<LeaseId>, IpNet)> {
+        match net {
+            IpNet::V4(_) => &mut self.v4,
+            IpNet::V6(_) => &mut self.v6,
+        }
+    }
+
+    fn own(&mut self, net: IpNet) {
+        let (start, end) = span(net);
+        self.table(net).insert(start, (end, None, net));
+    }
+
+    /// Takes `net` for `id`, or names who already holds an overlapping subnet.
+    fn claim(&mut self, net: IpNet, id: &LeaseId) -> Result<(), Winner> {
+        let (start, end) = span(net);
+        let table = self.table(net);
+        if let Some((_, (e, who, n))) = table.range(..=start).next_back()
+            && *e >= start
+        {
+            return Err((who.clone(), *n));
+        }
+        if let Some((s, (_, who, n))) = table.range(start..).next()
+            && *s <= end
+        {
+            return Err((who.clone(), *n));
+        }
+        table.insert(start, (end, Some(id.clone()), net));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        collections::BTreeMap,
+        net::{Ipv4Addr, Ipv6Addr},
+        sync::Arc,
+    };
+
+    use super::*;
+    use crate::{
+        backend::{IpipOptions, MtuPlan, VxlanOptions},
+        gojson::RawJson,
+        iface::ExternalInterface,
+        ip::IpStack,
+        lease::{LeaseAttrs, SubnetKey},
+        netlink::{Route, RouteScope},
+    };
+
+    use super::super::{facts::RouteIndex, model::VtepMacs};
+
+    const EXT_INDEX: u32 = 2;
+
+    fn mac(last: u8) -> MacAddr {
+        MacAddr([0x0e, 0x2a, 0, 0, 0, last])
+    }
+
+    fn vxlan_data(m: MacAddr) -> RawJson {
+        VxlanLeaseData {
+            vni: 1,
+            vtep_mac: m,
+        }
+        .to_json()
+    }
+
+    fn local(backend: BackendOptions, stack: IpStack) -> Local {
+        let lease = Lease::new(
+            SubnetKey::parse("10.244.1.0-24&fd00:244:1::-64").unwrap(),
+            LeaseAttrs::default(),
+            None,
+        );
+        let ext = ExternalInterface {
+            name: "eth0".into(),
+            index: EXT_INDEX,
+            mtu: 1500,
+            iface_addr: Some(Ipv4Addr::new(192, 168, 10, 1)),
+            iface_v6_addr: Some("fd00:10::1".parse().unwrap()),
+            ext_addr: Some(Ipv4Addr::new(192, 168, 10, 1)),
+            ext_v6_addr: Some("fd00:10::1".parse().unwrap()),
+        };
+        Local::new(
+            lease,
+            stack,
+            Some("10.244.0.0/16".parse().unwrap()),
+            Some("fd00:244::/48".parse().unwrap()),
+            backend,
+            ext,
+            MtuPlan {
+                device_v4: Some(1450),
+                device_v6: Some(1430),
+                flannel_mtu: 1430,
+            },
+            VtepMacs {
+                v4: Some(mac(1)),
+                v6: Some(mac(0x61)),
+            },
+        )
+    }
+
+    fn vxlan(direct_routing: bool) -> BackendOptions {
+        BackendOptions::Vxlan(VxlanOptions {
+            direct_routing,
+            ..VxlanOptions::default()
+        })
+    }
+
+    fn lease(key: &str, backend: &str, ip: [u8; 4]) -> Lease {
+        let attrs = LeaseAttrs {
+            public_ip: Ipv4Addr::from(ip),
+            backend_type: backend.into(),
+            ..LeaseAttrs::default()
+        };
+        Lease::new(SubnetKey::parse(key).unwrap(), attrs, None)
+    }
+
+    fn vx_lease(key: &str, ip: [u8; 4], m: MacAddr) -> Lease {
+        let mut l = lease(key, "vxlan", ip);
+        l.attrs.backend_data = Some(vxlan_data(m));
+        l
+    }
+
+    fn snapshot(leases: Vec<(&str, Lease)>) -> LeaseSnapshot {
+        LeaseSnapshot {
+            generation: 1,
+            synced: true,
+            leases: Arc::new(
+                leases
+                    .into_iter()
+                    .map(|(id, l)| (id.to_owned(), l))
+                    .collect::<BTreeMap<_, _>>(),
+            ),
+        }
+    }
+
+    /// The underlay: 192.168.10.0/24 and fd00:10::/64 connected on eth0, everything else via
+    /// a router.
+    fn facts() -> Facts {
+        let routes = vec![
+            Route::new("192.168.10.0/24".parse().unwrap())
+                .dev(EXT_INDEX)
+                .scope(RouteScope::Link)
+                .protocol(2),
+            Route::new("0.0.0.0/0".parse().unwrap())
+                .via("192.168.10.254".parse().unwrap())
+                .dev(EXT_INDEX)
+                .protocol(3),
+            Route::new("fd00:10::/64".parse().unwrap())
+                .dev(EXT_INDEX)
+                .protocol(2),
+        ];
+        Facts::from_index(RouteIndex::new(&routes, |_| false))
+    }
+
+    fn net(s: &str) -> IpNet {
+        s.parse().unwrap()
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn vxlan_peers_use_their_vtep_mac() {
+        let local = local(vxlan(false), IpStack::V4);
+        let snap = snapshot(vec![
+            (
+                "10.244.2.0-24",
+                vx_lease("10.244.2.0-24", [192, 168, 10, 2], mac(2)),
+            ),
+            (
+                "10.244.3.0-24",
+                vx_lease("10.244.3.0-24", [192, 168, 20, 3], mac(3)),
+            ),
+        ]);
+        let d = desired(&local, &snap, &facts());
+        assert_eq!(d.notes, vec![]);
+        assert_eq!(
+            d.peers,
+            vec![
+                Peer {
+                    id: "10.244.2.0-24".into(),
+                    v4: Some(PeerPath {
+                        subnet: net("10.244.2.0/24"),
+                        reach: Reach::Vxlan {
+                            vtep_mac: mac(2),
+                            vni: 1,
+                            public_ip: ip("192.168.10.2"),
+                        },
+                    }),
+                    v6: None,
+                },
+                Peer {
+                    id: "10.244.3.0-24".into(),
+                    v4: Some(PeerPath {
+                        subnet: net("10.244.3.0/24"),
+                        reach: Reach::Vxlan {
+                            vtep_mac: mac(3),
+                            vni: 1,
+                            public_ip: ip("192.168.20.3"),
+                        },
+                    }),
+                    v6: None,
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn direct_routing_only_for_connected_peers() {
+        let local = local(vxlan(true), IpStack::V4);
+        let snap = snapshot(vec![
+            (
+                "10.244.2.0-24",
+                vx_lease("10.244.2.0-24", [192, 168, 10, 2], mac(2)),
+            ),
+            (
+                "10.244.3.0-24",
+                vx_lease("10.244.3.0-24", [192, 168, 20, 3], mac(3)),
+            ),
+        ]);
+        let d = desired(&local, &snap, &facts());
+        let reaches: Vec<Reach> = d.paths().map(|(_, p)| p.reach).collect();
+        assert_eq!(
+            reaches,
+            vec![
+                Reach::Direct {
+                    gateway: ip("192.168.10.2"),
+                    oif: EXT_INDEX
+                },
+                Reach::Vxlan {
+                    vtep_mac: mac(3),
+                    vni: 1,
+                    public_ip: ip("192.168.20.3")
+                },
+            ]
+        );
+        // Without facts nothing is known to be direct: everything goes through vxlan.
+        let d = desired(&local, &snap, &Facts::none());
+        assert!(
+            d.paths()
+                .all(|(_, p)| matches!(p.reach, Reach::Vxlan { .. }))
+        );
+    }
+
+    #[test]
+    fn dual_stack_vxlan_uses_each_familys_data() {
+        let local = local(vxlan(false), IpStack::Dual);
+        let mut l = vx_lease("10.244.2.0-24&fd00:244:2::-64", [192, 168, 10, 2], mac(2));
+        l.attrs.public_ipv6 = Some("fd00:10::2".parse::<Ipv6Addr>().unwrap());
+        l.attrs.backend_v6_data = Some(vxlan_data(mac(0x62)));
+        // A v4-only peer in a dual-stack cluster gets a v4 path only.
+        let v4only = vx_lease("10.244.3.0-24", [192, 168, 10, 3], mac(3));
+        // A peer with a v6 subnet but no v6 data: v4 works, v6 is reported.
+        let mut nov6 = vx_lease("10.244.4.0-24&fd00:244:4::-64", [192, 168, 10, 4], mac(4));
+        nov6.attrs.public_ipv6 = Some("fd00:10::4".parse::<Ipv6Addr>().unwrap());
+        let snap = snapshot(vec![("a", l), ("b", v4only), ("c", nov6)]);
+        let d = desired(&local, &snap, &facts());
+        assert_eq!(d.peers.len(), 3);
+        assert_eq!(
+            d.peers[0].v6,
+            Some(PeerPath {
+                subnet: net("fd00:244:2::/64"),
+                reach: Reach::Vxlan {
+                    vtep_mac: mac(0x62),
+                    vni: 1,
+                    public_ip: ip("fd00:10::2"),
+                },
+            })
+        );
+        assert!(d.peers[1].v4.is_some() && d.peers[1].v6.is_none());
+        assert!(d.peers[2].v4.is_some() && d.peers[2].v6.is_none());
+        assert!(matches!(
+            &d.notes[..],
+            [Note::Ignored {
+                id,
+                reason: IgnoreReason::BadBackendData {
+                    family: IpFamily::V6,
+                    ..
+                },
+            }] if id == "c"
+        ));
+        // With IPv6 disabled locally the v6 halves are not considered at all.
+        let local = super::super::model::Local {
+            stack: IpStack::V4,
+            ..local
+        };
+        let d = desired(&local, &snap, &facts());
+        assert!(d.peers.iter().all(|p| p.v6.is_none()));
+        assert!(d.notes.is_empty());
+    }
+
+    #[test]
+    fn host_gw_routes_connected_peers_and_reports_the_others() {
+        let local = local(BackendOptions::HostGw, IpStack::V4);
+        let snap = snapshot(vec![
+            (
+                "10.244.2.0-24",
+                lease("10.244.2.0-24", "host-gw", [192, 168, 10, 2]),
+            ),
+            (
+                "10.244.3.0-24",
+                lease("10.244.3.0-24", "host-gw", [192, 168, 20, 3]),
+            ),
+        ]);
+        let d = desired(&local, &snap, &facts());
+        assert_eq!(
+            d.peers,
+            vec![Peer {
+                id: "10.244.2.0-24".into(),
+                v4: Some(PeerPath {
+                    subnet: net("10.244.2.0/24"),
+                    reach: Reach::Direct {
+                        gateway: ip("192.168.10.2"),
+                        oif: EXT_INDEX,
+                    },
+                }),
+                v6: None,
+            }]
+        );
+        assert_eq!(
+            d.notes,
+            vec![Note::Unreachable {
+                id: "10.244.3.0-24".into(),
+                subnet: net("10.244.3.0/24"),
+                public_ip: ip("192.168.20.3"),
+                why: Reachability::Gateway {
+                    gateway: ip("192.168.10.254")
+                },
+            }]
+        );
+        assert_eq!(d.unreachable(), 1);
+        let text = d.notes[0].to_string();
+        assert!(
+            text.contains("192.168.20.3") && text.contains("10.244.3.0/24"),
+            "{text}"
+        );
+        // No facts at all: nothing is known to be reachable, nothing is routed.
+        let d = desired(&local, &snap, &Facts::none());
+        assert!(d.peers.is_empty());
+        assert_eq!(d.unreachable(), 2);
+    }
+
+    #[test]
+    fn ipip_tunnels_unless_direct() {
+        let local = local(
+            BackendOptions::Ipip(IpipOptions {
+                direct_routing: true,
+            }),
+            IpStack::V4,
+        );
+        let snap = snapshot(vec![
+            (
+                "10.244.2.0-24",
+                lease("10.244.2.0-24", "ipip", [192, 168, 10, 2]),
+            ),
+            (
+                "10.244.3.0-24",
+                lease("10.244.3.0-24", "ipip", [192, 168, 20, 3]),
+            ),
+        ]);
+        let d = desired(&local, &snap, &facts());
+        let reaches: Vec<Reach> = d.paths().map(|(_, p)| p.reach).collect();
+        assert_eq!(
+            reaches,
+            vec![
+                Reach::Direct {
+                    gateway: ip("192.168.10.2"),
+                    oif: EXT_INDEX
+                },
+                Reach::Ipip {
+                    public_ip: Ipv4Addr::new(192, 168, 20, 3)
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn leases_of_other_backends_are_ignored_with_a_note_each() {
+        let local = local(vxlan(false), IpStack::V4);
+        let snap = snapshot(vec![
+            (
+                "10.244.2.0-24",
+                lease("10.244.2.0-24", "host-gw", [192, 168, 10, 2]),
+            ),
+            (
+                "10.244.3.0-24",
+                lease("10.244.3.0-24", "", [192, 168, 10, 3]),
+            ),
+            (
+                "10.244.4.0-24",
+                vx_lease("10.244.4.0-24", [192, 168, 10, 4], mac(4)),
+            ),
+        ]);
+        let d = desired(&local, &snap, &facts());
+        assert_eq!(d.peers.len(), 1);
+        assert_eq!(d.peers[0].id, "10.244.4.0-24");
+        assert_eq!(
+            d.notes,
+            vec![
+                Note::Ignored {
+                    id: "10.244.2.0-24".into(),
+                    reason: IgnoreReason::OtherBackend {
+                        found: "host-gw".into()
+                    },
+                },
+                Note::Ignored {
+                    id: "10.244.3.0-24".into(),
+                    reason: IgnoreReason::OtherBackend { found: "".into() },
+                },
+            ]
+        );
+        assert!(!d.notes[0].is_warning());
+        assert_eq!(
+            d.notes[1].to_string(),
+            "ignoring lease 10.244.3.0-24: its backend type is (none)"
+        );
+    }
+
+    #[test]
+    fn malformed_vxlan_data_and_missing_public_ip_are_reported() {
+        let local = local(vxlan(false), IpStack::V4);
+        let mut bad = lease("10.244.2.0-24", "vxlan", [192, 168, 10, 2]);
+        bad.attrs.backend_data = Some(RawJson::from_json(r#"{"VtepMAC":"zz"}"#).unwrap());
+        let nodata = lease("10.244.3.0-24", "vxlan", [192, 168, 10, 3]);
+        let noip = vx_lease("10.244.4.0-24", [0, 0, 0, 0], mac(4));
+        let snap = snapshot(vec![("a", bad), ("b", nodata), ("c", noip)]);
+        let d = desired(&local, &snap, &facts());
+        assert!(d.peers.is_empty());
+        assert_eq!(d.ignored(), 3);
+        assert!(matches!(
+            &d.notes[2],
+            Note::Ignored {
+                reason: IgnoreReason::NoPublicIp {
+                    family: IpFamily::V4
+                },
+                ..
+            }
+        ));
+        assert!(
+            d.notes[0].to_string().contains("invalid MAC"),
+            "{}",
+            d.notes[0]
+        );
+    }
+
+    #[test]
+    fn overlapping_leases_first_id_wins() {
+        let local = local(vxlan(false), IpStack::V4);
+        let snap = snapshot(vec![
+            // Same subnet claimed twice (kube: two Node objects with one podCIDR).
+            (
+                "node/a",
+                vx_lease("10.244.2.0-24", [192, 168, 10, 2], mac(2)),
+            ),
+            (
+                "node/b",
+                vx_lease("10.244.2.0-24", [192, 168, 10, 3], mac(3)),
+            ),
+            // A wider subnet covering one already taken.
+            (
+                "node/c",
+                vx_lease("10.244.0.0-22", [192, 168, 10, 4], mac(4)),
+            ),
+            // A subnet inside this node's own.
+            (
+                "node/d",
+                vx_lease("10.244.1.128-25", [192, 168, 10, 5], mac(5)),
+            ),
+            // Adjacent but not overlapping: fine.
+            (
+                "node/e",
+                vx_lease("10.244.3.0-24", [192, 168, 10, 6], mac(6)),
+            ),
+        ]);
+        let d = desired(&local, &snap, &facts());
+        let ids: Vec<&str> = d.peers.iter().map(|p| p.id.as_str()).collect();
+        assert_eq!(ids, ["node/a", "node/e"]);
+        assert_eq!(
+            d.notes,
+            vec![
+                Note::Overlap {
+                    id: "node/b".into(),
+                    subnet: net("10.244.2.0/24"),
+                    winner: Some("node/a".into()),
+                    winner_subnet: net("10.244.2.0/24"),
+                },
+                Note::Overlap {
+                    id: "node/c".into(),
+                    subnet: net("10.244.0.0/22"),
+                    winner: None,
+                    winner_subnet: net("10.244.1.0/24"),
+                },
+                Note::Overlap {
+                    id: "node/d".into(),
+                    subnet: net("10.244.1.128/25"),
+                    winner: None,
+                    winner_subnet: net("10.244.1.0/24"),
+                },
+            ]
+        );
+        assert_eq!(d.conflicts(), 3);
+        // The choice does not depend on anything but the ids.
+        let again = desired(&local, &snap, &facts());
+        assert_eq!(again, d);
+    }
+
+    #[test]
+    fn own_lease_is_skipped_silently_but_a_stranger_on_our_subnet_is_not() {
+        let local = local(vxlan(false), IpStack::V4);
+        let own = vx_lease("10.244.1.0-24", [192, 168, 10, 1], mac(1));
+        let stranger = vx_lease("10.244.1.0-24", [192, 168, 10, 9], mac(9));
+        let d = desired(&local, &snapshot(vec![("10.244.1.0-24", own)]), &facts());
+        assert_eq!(d, Desired::default());
+        let d = desired(&local, &snapshot(vec![("node/x", stranger)]), &facts());
+        assert!(d.peers.is_empty());
+        assert!(matches!(&d.notes[..], [Note::Overlap { winner: None, .. }]));
+        // No leases at all (a single-node cluster): nothing desired.
+        assert_eq!(
+            desired(&local, &snapshot(vec![]), &facts()),
+            Desired::default()
+        );
+    }
+
+    #[test]
+    fn a_vtep_mac_claimed_for_two_public_ips_goes_to_the_first() {
+        let local = local(vxlan(false), IpStack::V4);
+        let snap = snapshot(vec![
+            (
+                "10.244.2.0-24",
+                vx_lease("10.244.2.0-24", [192, 168, 10, 2], mac(2)),
+            ),
+            // Same node re-registered with a second subnet: same MAC and IP, both fine.
+            (
+                "10.244.5.0-24",
+                vx_lease("10.244.5.0-24", [192, 168, 10, 2], mac(2)),
+            ),
+            // Another node with a copied MAC.
+            (
+                "10.244.3.0-24",
+                vx_lease("10.244.3.0-24", [192, 168, 10, 3], mac(2)),
+            ),
+        ]);
+        let d = desired(&local, &snap, &facts());
+        let ids: Vec<&str> = d.peers.iter().map(|p| p.id.as_str()).collect();
+        assert_eq!(ids, ["10.244.2.0-24", "10.244.5.0-24"]);
+        assert_eq!(
+            d.notes,
+            vec![Note::DuplicateVtepMac {
+                id: "10.244.3.0-24".into(),
+                vtep_mac: mac(2),
+                winner: "10.244.2.0-24".into(),
+            }]
+        );
+    }
+
+    #[test]
+    fn peer_vni_defaults_to_ours() {
+        let local = local(
+            BackendOptions::Vxlan(VxlanOptions {
+                vni: 7,
+                ..VxlanOptions::default()
+            }),
+            IpStack::V4,
+        );
+        let mut l = lease("10.244.2.0-24", "vxlan", [192, 168, 10, 2]);
+        l.attrs.backend_data =
+            Some(RawJson::from_json(r#"{"VtepMAC":"0e:2a:00:00:00:02"}"#).unwrap());
+        let d = desired(&local, &snapshot(vec![("x", l)]), &facts());
+        assert!(matches!(
+            d.peers[0].v4.map(|p| p.reach),
+            Some(Reach::Vxlan { vni: 7, .. })
+        ));
+    }
+
+    #[test]
+    fn backends_without_kernel_routes_desire_nothing() {
+        let local = local(BackendOptions::Alloc, IpStack::V4);
+        let snap = snapshot(vec![("a", lease("10.244.2.0-24", "", [192, 168, 10, 2]))]);
+        assert_eq!(desired(&local, &snap, &facts()), Desired::default());
+    }
+
+    #[test]
+    fn five_thousand_peers_are_quick() {
+        let local = local(vxlan(true), IpStack::V4);
+        let mut leases = Vec::new();
+        let keys: Vec<String> = (0..5000u32)
+            .map(|i| format!("10.{}.{}.0-24", 100 + i / 256, i % 256))
+            .collect();
+        for (i, key) in keys.iter().enumerate() {
+            let i = i as u32;
+            let m = MacAddr([0x0e, 0x2b, 0, 0, (i >> 8) as u8, i as u8]);
+            leases.push((
+                key.as_str(),
+                vx_lease(key, [192, 168, 10 + (i % 2) as u8, (i % 250) as u8 + 2], m),
+            ));
+        }
+        let snap = snapshot(leases);
+        let start = std::time::Instant::now();
+        let d = desired(&local, &snap, &facts());
+        let took = start.elapsed();
+        assert_eq!(d.peers.len(), 5000);
+        let direct = d
+            .paths()
+            .filter(|(_, p)| matches!(p.reach, Reach::Direct { .. }))
+            .count();
+        assert_eq!(direct, 2500);
+        assert!(took < std::time::Duration::from_secs(2), "{took:?}");
+    }
+}

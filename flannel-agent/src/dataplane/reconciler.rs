@@ -1,0 +1,472 @@
+//! The reconciler task: one loop that makes the dataplane match the lease set.
+//!
+//! It reconciles
+//! * at start (with an unsynced lease set only adding, never deleting),
+//! * whenever the lease snapshot changes (bursts coalesce in the `watch` channel),
+//! * on link events that concern its devices or the external interface (a deleted
+//!   `flannel.<VNI>` is recreated with its persisted MAC and all peers are programmed again in
+//!   the same pass),
+//! * every `--resync-interval` seconds, which heals drift (a route deleted by hand comes back,
+//!   a stray route with the flannel protocol goes away).
+//!
+//! A reconcile is: ensure devices → read facts → compute [`desired`] → every applier syncs.
+//! Failures are logged and retried with exponential back-off; nothing is fatal. On
+//! cancellation the loop ends and leaves every device, route, neighbour and FDB entry in place
+//! (a restarted agent adopts them without a single change).
+
+use std::{
+    collections::HashSet,
+    time::{Duration, SystemTime},
+};
+
+use futures::{Stream, StreamExt as _};
+use tokio::{
+    sync::watch,
+    time::{Instant, sleep_until},
+};
+
+use crate::{
+    backend::BackendOptions,
+    cli::Cli,
+    netlink::{IpFamily, LinkEvent, Netlink},
+    subnet::LeaseSnapshot,
+};
+
+use super::{
+    applier::{Applier, ApplyStats, SyncMode},
+    desired::desired,
+    devices::{IPIP_DEVICE, ensure_devices},
+    facts::Facts,
+    kernel::{KernelApplier, error_kind},
+    model::{Local, Note},
+    status::DataplaneStatus,
+};
+
+/// Timing of the reconciler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReconcilerConfig {
+    /// Full reconcile at least this often (`--resync-interval`).
+    pub resync_interval: Duration,
+    /// First retry delay after a failure.
+    pub backoff_initial: Duration,
+    /// Longest retry delay.
+    pub backoff_max: Duration,
+    /// Whether the reconciler creates and repairs the backend's devices before every
+    /// reconcile ([`ensure_devices`]). `false` when another component (the eBPF dataplane)
+    /// owns the devices; [`Local::devices`] is then used as given.
+    pub manage_devices: bool,
+}
+
+impl Default for ReconcilerConfig {
+    fn default() -> Self {
+        Self {
+            resync_interval: Duration::from_secs(30),
+            backoff_initial: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(30),
+            manage_devices: true,
+        }
+    }
+}
+
+impl ReconcilerConfig {
+    /// The configuration for the command line (`--resync-interval`); retries back off from
+    /// 200 ms up to the resync interval (at most 30 s).
+    pub fn from_cli(cli: &Cli) -> Self {
+        Self::with_resync(Duration::from_secs(cli.resync_interval))
+    }
+
+    /// Defaults with another resync interval.
+    pub fn with_resync(resync_interval: Duration) -> Self {
+        let resync_interval = resync_interval.max(Duration::from_millis(100));
+        Self {
+            resync_interval,
+            backoff_max: resync_interval.min(Duration::from_secs(30)),
+            ..Self::default()
+        }
+    }
+}
+
+/// What one reconcile did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReconcileOutcome {
+    /// Nothing failed.
+    pub ok: bool,
+    /// Counts summed over the appliers.
+    pub stats: ApplyStats,
+    /// Time taken.
+    pub duration: Duration,
+}
+
+/// Logs each note once while it persists.
+#[derive(Debug, Default)]
+struct NoteLog {
+    seen: HashSet<Note>,
+}
+
+impl NoteLog {
+    fn update(&mut self, notes: &[Note]) {
+        let current: HashSet<Note> = notes.iter().cloned().collect();
+        for note in notes {
+            if !self.seen.contains(note) {
+                if note.is_warning() {
+                    tracing::warn!("{note}");
+                } else {
+                    tracing::info!("{note}");
+                }
+            }
+        }
+        for gone in self.seen.difference(&current) {
+            if matches!(gone, Note::Unreachable { .. }) {
+                tracing::info!("no longer the case: {gone}");
+            }
+        }
+        self.seen = current;
+    }
+}
+
+/// The reconciler: owns this node's [`Local`] description and the appliers.
+pub struct Reconciler {
+    nl: Netlink,
+    local: Local,
+    appliers: Vec<Box<dyn Applier>>,
+    config: ReconcilerConfig,
+    status: watch::Sender<DataplaneStatus>,
+    notes: NoteLog,
+    first: bool,
+}
+
+impl std::fmt::Debug for Reconciler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reconciler")
+            .field("local", &self.local)
+            .field(
+                "appliers",
+                &self.appliers.iter().map(|a| a.name()).collect::<Vec<_>>(),
+            )
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Reconciler {
+    /// A reconciler with the kernel applier.
+    pub fn new(nl: Netlink, local: Local, config: ReconcilerConfig) -> Self {
+        let kernel: Box<dyn Applier> = Box::new(KernelApplier::new(nl.clone()));
+        Self::with_appliers(nl, local, config, vec![kernel])
+    }
+
+    /// A reconciler with exactly `appliers`, synced in order (e.g. the kernel applier, then
+    /// the eBPF map applier; or only the eBPF applier).
+    pub fn with_appliers(
+        nl: Netlink,
+        local: Local,
+        config: ReconcilerConfig,
+        appliers: Vec<Box<dyn Applier>>,
+    ) -> Self {
+        Self {
+            nl,
+            local,
+            appliers,
+            config,
+            status: watch::channel(DataplaneStatus::default()).0,
+            notes: NoteLog::default(),
+            first: true,
+        }
+    }
+
+    /// Adds an applier, synced after the ones already there.
+    pub fn push_applier(&mut self, applier: Box<dyn Applier>) {
+        self.appliers.push(applier);
+    }
+
+    /// The status channel (health, metrics).
+    pub fn status(&self) -> watch::Receiver<DataplaneStatus> {
+        self.status.subscribe()
+    }
+
+    /// This node as the reconciler sees it now (device indexes included).
+    pub fn local(&self) -> &Local {
+        &self.local
+    }
+
+    fn needs_facts(&self) -> bool {
+        match &self.local.backend {
+            BackendOptions::Vxlan(o) => o.direct_routing,
+            BackendOptions::HostGw => true,
+            BackendOptions::Ipip(o) => o.direct_routing,
+            _ => false,
+        }
+    }
+
+    /// The names of the devices this backend should have.
+    fn device_names(&self) -> Vec<String> {
+        match &self.local.backend {
+            BackendOptions::Vxlan(o) => {
+                let mut names = Vec::new();
+                if self.local.stack.has_v4() {
+                    names.push(o.device_name());
+                }
+                if self.local.stack.has_v6() {
+                    names.push(o.v6_device_name());
+                }
+                names
+            }
+            BackendOptions::Ipip(_) => vec![IPIP_DEVICE.to_owned()],
+            _ => Vec::new(),
+        }
+    }
+
+    /// Whether a link event calls for a reconcile: one of our devices or the external
+    /// interface went away, appeared under a new index, or events were lost.
+    fn concerns(&self, event: &LinkEvent) -> bool {
+        let ours = |name: &str| self.device_names().iter().any(|n| n == name);
+        match event {
+            LinkEvent::Removed { name, .. } => ours(name) || *name == self.local.ext.name,
+            LinkEvent::New { index, name } => {
+                if ours(name) {
+                    self.local.devices.by_name(name).map(|d| d.index) != Some(*index)
+                } else {
+                    *name == self.local.ext.name && *index != self.local.ext.index
+                }
+            }
+            LinkEvent::Overrun => true,
+        }
+    }
+
+    fn fail(&mut self, kind: String, message: String, started: Instant) -> ReconcileOutcome {
+        let duration = started.elapsed();
+        tracing::warn!(%kind, "dataplane reconcile failed: {message}");
+        self.status.send_modify(|s| {
+            s.failures += 1;
+            s.consecutive_failures += 1;
+            s.last_duration = duration;
+            *s.errors_by_kind.entry(kind).or_insert(0) += 1;
+            s.last_error = Some(message);
+        });
+        ReconcileOutcome {
+            ok: false,
+            stats: ApplyStats::default(),
+            duration,
+        }
+    }
+
+    /// One reconcile against `snapshot` (the loop in [`run`](Self::run) calls this; tests
+    /// and the daemon may call it directly).
+    pub async fn reconcile_once(&mut self, snapshot: &LeaseSnapshot) -> ReconcileOutcome {
+        let started = Instant::now();
+        self.status.send_modify(|s| {
+            s.reconciles += 1;
+            s.last_attempt = Some(SystemTime::now());
+        });
+
+        let devices = if self.config.manage_devices {
+            ensure_devices(&self.nl, &mut self.local).await
+        } else {
+            Ok(Default::default())
+        };
+        match devices {
+            Ok(report) => {
+                if !report.repaired.is_empty() {
+                    tracing::info!(devices = ?report.repaired, "repaired dataplane devices");
+                }
+                if report.device_changed() && !self.first {
+                    tracing::warn!(
+                        created = ?report.created,
+                        recreated = ?report.recreated,
+                        "dataplane devices were missing or wrong; recreated them, \
+                         programming all peers again"
+                    );
+                    self.status.send_modify(|s| s.device_recreations += 1);
+                }
+            }
+            Err(e) => return self.fail(e.kind(), e.to_string(), started),
+        }
+        self.first = false;
+
+        let facts = if self.needs_facts() {
+            let mut families = Vec::new();
+            if self.local.stack.has_v4() {
+                families.push(IpFamily::V4);
+            }
+            if self.local.stack.has_v6() {
+                families.push(IpFamily::V6);
+            }
+            let own: Vec<u32> = self.local.devices.all().map(|d| d.index).collect();
+            match Facts::read(&self.nl, &families, &own).await {
+                Ok(f) => f,
+                Err(e) => {
+                    return self.fail(
+                        error_kind("facts", &e),
+                        format!("reading the routing table: {e}"),
+                        started,
+                    );
+                }
+            }
+        } else {
+            Facts::none()
+        };
+
+        let want = desired(&self.local, snapshot, &facts);
+        self.notes.update(&want.notes);
+        let mode = if snapshot.synced {
+            SyncMode::Full
+        } else {
+            SyncMode::AddOnly
+        };
+
+        let mut stats = ApplyStats::default();
+        let mut errors = Vec::new();
+        for applier in &mut self.appliers {
+            let report = applier.sync(&self.local, &want, mode).await;
+            stats.accumulate(&report.stats);
+            for e in report.errors {
+                errors.push((applier.name(), e));
+            }
+        }
+        let duration = started.elapsed();
+        let ok = errors.is_empty();
+
+        if !ok {
+            let shown: Vec<String> = errors
+                .iter()
+                .take(5)
+                .map(|(a, e)| format!("{a}: {e}"))
+                .collect();
+            tracing::warn!(
+                generation = snapshot.generation,
+                %stats,
+                "dataplane reconcile had {} failed operations (will retry): {}",
+                errors.len(),
+                shown.join("; ")
+            );
+        } else if stats.changed() {
+            tracing::info!(
+                generation = snapshot.generation,
+                peers = want.peers.len(),
+                ?duration,
+                %stats,
+                "dataplane reconciled"
+            );
+        } else {
+            tracing::debug!(
+                generation = snapshot.generation,
+                peers = want.peers.len(),
+                ?duration,
+                "dataplane in sync"
+            );
+        }
+
+        let last_error = errors.first().map(|(a, e)| format!("{a}: {e}"));
+        self.status.send_modify(|s| {
+            s.last_duration = duration;
+            s.last = stats;
+            s.totals.accumulate(&stats);
+            s.peers = want.peers.len();
+            s.unreachable = want.unreachable();
+            s.ignored = want.ignored();
+            s.conflicts = want.conflicts();
+            s.skipped = stats.skipped;
+            for (_, e) in &errors {
+                *s.errors_by_kind.entry(e.kind.clone()).or_insert(0) += 1;
+            }
+            if ok {
+                s.consecutive_failures = 0;
+                s.last_success = Some(SystemTime::now());
+                s.last_error = None;
+                if snapshot.synced {
+                    s.synced = true;
+                    s.applied_generation = Some(snapshot.generation);
+                }
+            } else {
+                s.failures += 1;
+                s.consecutive_failures += 1;
+                s.last_error = last_error;
+            }
+        });
+        ReconcileOutcome {
+            ok,
+            stats,
+            duration,
+        }
+    }
+
+    /// Runs until `shutdown` completes (the daemon passes `cancel_token.cancelled()`).
+    /// `links` are the link notifications of this namespace ([`Netlink::link_events`]); the
+    /// stream ending only disables that trigger. Nothing is cleaned up on the way out.
+    pub async fn run<S, F>(
+        mut self,
+        mut snapshots: watch::Receiver<LeaseSnapshot>,
+        mut links: S,
+        shutdown: F,
+    ) where
+        S: Stream<Item = LinkEvent> + Unpin,
+        F: Future<Output = ()>,
+    {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let config = self.config;
+        let mut pending = true;
+        let mut retry_at: Option<Instant> = None;
+        let mut backoff = config.backoff_initial;
+        let mut next_resync = Instant::now() + config.resync_interval;
+        let mut snapshots_open = true;
+        let mut links_open = true;
+        loop {
+            if pending && retry_at.is_none_or(|t| t <= Instant::now()) {
+                pending = false;
+                let snapshot = snapshots.borrow_and_update().clone();
+                let outcome = self.reconcile_once(&snapshot).await;
+                next_resync = Instant::now() + config.resync_interval;
+                if outcome.ok {
+                    retry_at = None;
+                    backoff = config.backoff_initial;
+                } else {
+                    tracing::debug!(?backoff, "dataplane reconcile retry scheduled");
+                    retry_at = Some(Instant::now() + backoff);
+                    backoff = (backoff * 2).min(config.backoff_max);
+                    pending = true;
+                }
+                continue;
+            }
+            let retry = async {
+                match retry_at {
+                    Some(t) => sleep_until(t).await,
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                changed = snapshots.changed(), if snapshots_open => match changed {
+                    Ok(()) => pending = true,
+                    Err(_) => {
+                        tracing::debug!("lease publisher gone; only periodic resyncs remain");
+                        snapshots_open = false;
+                    }
+                },
+                event = links.next(), if links_open => match event {
+                    Some(event) => {
+                        if self.concerns(&event) {
+                            tracing::info!(?event, "link change concerns the dataplane");
+                            pending = true;
+                            // A device change is worth an immediate attempt, back-off or not.
+                            retry_at = None;
+                        }
+                    }
+                    None => {
+                        tracing::warn!("link notifications ended; relying on periodic resyncs");
+                        links_open = false;
+                    }
+                },
+                _ = sleep_until(next_resync) => {
+                    pending = true;
+                    // Re-armed here too: while a retry waits, the deadline must move on.
+                    next_resync = Instant::now() + config.resync_interval;
+                }
+                _ = retry, if pending => {}
+            }
+        }
+        tracing::info!(
+            "dataplane reconciler stopped; devices, routes, neighbours and FDB entries stay in place"
+        );
+    }
+}
