@@ -4,6 +4,7 @@
 //!
 //! | module | job |
 //! |---|---|
+//! | [`daemon`] | start-up order and the long-running tasks |
 //! | [`cli`] | the command line (upstream's flags and `FLANNELD_*` variables) |
 //! | [`health`] | `/healthz`, `/readyz` and `/metrics` |
 //! | [`metrics`] | Prometheus metrics, including the fast path's counters |
@@ -25,6 +26,7 @@
 pub mod alloc;
 pub mod backend;
 pub mod cli;
+pub mod daemon;
 pub mod dataplane;
 pub mod gojson;
 pub mod health;

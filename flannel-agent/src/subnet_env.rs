@@ -304,14 +304,12 @@ pub fn read_cidrs<N: Subnet + std::str::FromStr>(path: &Path, key: &str) -> Vec<
 }
 
 /// Upstream `ReadCIDRFromSubnetFile`: the single CIDR of `key`; `None` when there is none or
-/// more than one (logged).
+/// more than one (the latter logged).
 pub fn read_cidr<N: Subnet + std::str::FromStr>(path: &Path, key: &str) -> Option<N> {
     let mut cidrs = read_cidrs::<N>(path, key);
     match cidrs.len() {
-        0 => {
-            tracing::warn!("no subnet found for key: {key} in file: {}", path.display());
-            None
-        }
+        // Absent on a first start: nothing to report.
+        0 => None,
         1 => cidrs.pop(),
         _ => {
             tracing::error!(
