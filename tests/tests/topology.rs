@@ -728,7 +728,7 @@ fn bench_reference_variants_carry_traffic() {
     for name in ["ref-hostgw", "ref-vxlan", "pod-same-node"] {
         let v = variant::find(name).expect("variant");
         let mut bed = v.prepare(&ctx).expect("prepare");
-        dataplane::start_servers(&mut bed).expect("servers");
+        dataplane::start_servers(&mut bed, Some(0)).expect("servers");
         let (gbps, p50) = dataplane::smoke(&bed, bed.server_ip).expect("smoke");
         assert!(gbps > 0.0 && p50 > 0.0, "{name}: {gbps} Gbit/s, {p50} µs");
         if name == "ref-vxlan" {

@@ -31,6 +31,9 @@ pub struct DataplaneOptions {
     pub duration: Duration,
     /// Length of each request/response run.
     pub rr_duration: Duration,
+    /// CPU both ends of the request/response test are pinned to (`None`: unpinned); see
+    /// [`measure::sockperf_rr`].
+    pub rr_cpu: Option<usize>,
     /// Report name (file names and title).
     pub name: String,
 }
@@ -46,6 +49,7 @@ impl Default for DataplaneOptions {
             reps: 5,
             duration: Duration::from_secs(5),
             rr_duration: Duration::from_secs(5),
+            rr_cpu: Some(0),
             name: "dataplane".to_owned(),
         }
     }
@@ -71,11 +75,11 @@ pub const METRICS: [(&str, &str, &str, bool); 5] = [
 ];
 
 /// One repetition of every metric for one testbed, in [`METRICS`] order.
-pub fn measure_once(bed: &Testbed, duration: Duration, rr_duration: Duration) -> Result<[f64; 5]> {
+pub fn measure_once(bed: &Testbed, opts: &DataplaneOptions) -> Result<[f64; 5]> {
     let client = bed.client_ns()?;
-    let t1 = measure::iperf3_tcp(client, bed.server_ip, 1, duration)?;
-    let t2 = measure::iperf3_tcp(client, bed.server_ip, 2, duration)?;
-    let rr = measure::sockperf_rr(client, bed.server_ip, rr_duration)?;
+    let t1 = measure::iperf3_tcp(client, bed.server_ip, 1, opts.duration)?;
+    let t2 = measure::iperf3_tcp(client, bed.server_ip, 2, opts.duration)?;
+    let rr = measure::sockperf_rr(client, bed.server_ip, opts.rr_duration, opts.rr_cpu)?;
     Ok([
         t1.gbps,
         t2.gbps,
@@ -85,10 +89,14 @@ pub fn measure_once(bed: &Testbed, duration: Duration, rr_duration: Duration) ->
     ])
 }
 
-/// Starts the iperf3 and sockperf servers in the testbed's server namespace and checks the
-/// client reaches the server address.
-pub fn start_servers(bed: &mut Testbed) -> Result<()> {
+/// Starts the iperf3 and sockperf servers (the latter pinned to `rr_cpu`) in the testbed's
+/// server namespace and checks the client reaches the server address.
+pub fn start_servers(bed: &mut Testbed, rr_cpu: Option<usize>) -> Result<()> {
     let ip = bed.server_ip.to_string();
+    let cpu = rr_cpu.map(|c| c.to_string());
+    let mut sockperf_argv = measure::pin_prefix(&cpu);
+    let port = SOCKPERF_PORT.to_string();
+    sockperf_argv.extend(["sockperf", "server", "--tcp", "-i", &ip, "-p", &port]);
     let (iperf, sockperf) = {
         let server = bed.server_ns()?;
         let mut iperf = Process::spawn(
@@ -97,19 +105,7 @@ pub fn start_servers(bed: &mut Testbed) -> Result<()> {
             Output::Null,
         )?;
         wait_tcp_listen(server, IPERF_PORT, &mut iperf, Duration::from_secs(10))?;
-        let mut sockperf = Process::spawn(
-            server,
-            &[
-                "sockperf",
-                "server",
-                "--tcp",
-                "-i",
-                &ip,
-                "-p",
-                &SOCKPERF_PORT.to_string(),
-            ],
-            Output::Null,
-        )?;
+        let mut sockperf = Process::spawn(server, &sockperf_argv, Output::Null)?;
         wait_tcp_listen(
             server,
             SOCKPERF_PORT,
@@ -167,7 +163,7 @@ pub fn run(
         }
         log(&format!("setting up {}: {}", v.name, v.description));
         let mut bed = v.prepare(ctx)?;
-        start_servers(&mut bed).with_context(|| format!("variant {}", v.name))?;
+        start_servers(&mut bed, opts.rr_cpu).with_context(|| format!("variant {}", v.name))?;
         log(&format!(
             "  client {:?} -> server {:?} at {}",
             bed.client, bed.server, bed.server_ip
@@ -184,7 +180,7 @@ pub fn run(
             }
             let i = (k + rep) % n;
             let name = variants[i].name;
-            match measure_once(&beds[i], opts.duration, opts.rr_duration) {
+            match measure_once(&beds[i], opts) {
                 Ok(values) => {
                     log(&format!(
                         "rep {}/{} {name}: {:.2} / {:.2} Gbit/s, RR p50 {:.1} µs, {:.3} / {:.3} CPU-s/Gbit",
@@ -253,6 +249,7 @@ pub fn run(
             "reps": opts.reps,
             "throughput_seconds": opts.duration.as_secs(),
             "rr_seconds": opts.rr_duration.as_secs(),
+            "rr_pinned_cpu": opts.rr_cpu,
             "tools": "iperf3 -J (TCP, 1 and 2 streams), sockperf ping-pong --tcp -m 64 --full-rtt",
             "cpu": "machine-wide busy time from /proc/stat during each iperf3 run / Gbit received",
         }),
@@ -265,6 +262,6 @@ pub fn run(
 pub fn smoke(bed: &Testbed, ip: IpAddr) -> Result<(f64, f64)> {
     let client = bed.client_ns()?;
     let t = measure::iperf3_tcp(client, ip, 1, Duration::from_secs(1))?;
-    let rr = measure::sockperf_rr(client, ip, Duration::from_secs(1))?;
+    let rr = measure::sockperf_rr(client, ip, Duration::from_secs(1), None)?;
     Ok((t.gbps, rr.p50_us))
 }

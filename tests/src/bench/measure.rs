@@ -205,13 +205,33 @@ pub fn parse_sockperf(text: &str) -> Result<Latency> {
     })
 }
 
+/// `taskset -c <cpu>` as an argv prefix, or nothing.
+pub fn pin_prefix(cpu: &Option<String>) -> Vec<&str> {
+    match cpu {
+        Some(cpu) => vec!["taskset", "-c", cpu.as_str()],
+        None => Vec::new(),
+    }
+}
+
 /// Runs `sockperf ping-pong --tcp` (64-byte messages, full round trips) from `client` to a
-/// server at `server:SOCKPERF_PORT` for `duration`.
-pub fn sockperf_rr(client: &NetNs, server: IpAddr, duration: Duration) -> Result<Latency> {
+/// server at `server:SOCKPERF_PORT` for `duration`, pinned to `cpu` if given.
+///
+/// Pinning client and server to the same CPU keeps the whole exchange (both ends and the
+/// softirqs, which veth runs on the sending CPU) on one core: on a VM, a wake-up across CPUs
+/// costs tens of µs and makes unpinned runs bimodal (17 vs 60 µs here), which would drown
+/// the dataplane's own cost.
+pub fn sockperf_rr(
+    client: &NetNs,
+    server: IpAddr,
+    duration: Duration,
+    cpu: Option<usize>,
+) -> Result<Latency> {
     let secs = duration.as_secs().max(1).to_string();
     let server_arg = server.to_string();
     let port = SOCKPERF_PORT.to_string();
-    let out = client.output(&[
+    let cpu = cpu.map(|c| c.to_string());
+    let mut argv = pin_prefix(&cpu);
+    argv.extend([
         "sockperf",
         "ping-pong",
         "--tcp",
@@ -224,7 +244,8 @@ pub fn sockperf_rr(client: &NetNs, server: IpAddr, duration: Duration) -> Result
         "-m",
         "64",
         "--full-rtt",
-    ])?;
+    ]);
+    let out = client.output(&argv)?;
     let text =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     parse_sockperf(&text).with_context(|| {

@@ -66,8 +66,9 @@ enum Command {
 
 #[derive(Args)]
 struct UpArgs {
-    /// Backend type: vxlan, host-gw, ipip, wireguard, udp.
-    #[arg(long, default_value = "vxlan")]
+    /// Backend type.
+    #[arg(long, default_value = "vxlan",
+          value_parser = ["vxlan", "host-gw", "ipip", "wireguard", "udp", "ipsec"])]
     backend: String,
     /// Number of nodes.
     #[arg(long, default_value_t = 3)]
@@ -129,6 +130,9 @@ struct DataplaneArgs {
     /// Seconds per request/response run.
     #[arg(long, default_value_t = 5)]
     rr_duration: u64,
+    /// CPU to pin both ends of the request/response test to (`none` to leave unpinned).
+    #[arg(long, default_value = "0")]
+    rr_cpu: String,
     /// Comma-separated variants (`all` for every one; see `flannel-lab variants`).
     #[arg(long, value_delimiter = ',')]
     variants: Option<Vec<String>>,
@@ -313,6 +317,13 @@ fn bench_dataplane(args: DataplaneArgs) -> Result<()> {
         reps: args.reps,
         duration: Duration::from_secs(args.duration),
         rr_duration: Duration::from_secs(args.rr_duration),
+        rr_cpu: match args.rr_cpu.as_str() {
+            "none" => None,
+            cpu => Some(
+                cpu.parse()
+                    .with_context(|| format!("--rr-cpu {cpu:?}: a CPU number or none"))?,
+            ),
+        },
         name: "dataplane".to_owned(),
     };
     let log = |msg: &str| {

@@ -163,6 +163,9 @@ impl Cluster {
                     agent.check_running()
                 })
                 .or_else(|e| {
+                    if cancelled() {
+                        bail!("cancelled");
+                    }
                     agent.check_running()?;
                     bail!(
                         "{e:#}\nthe agent still runs; last lines of {}:\n{}",

@@ -6,6 +6,7 @@ use std::{
     fmt,
     io::{Read as _, Write as _},
     net::{IpAddr, SocketAddr, TcpListener, TcpStream},
+    os::fd::AsRawFd as _,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -42,11 +43,13 @@ impl Responder {
         let flag = stop.clone();
         let thread = thread::spawn(move || {
             while !flag.load(Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok((conn, _)) => {
-                        thread::spawn(move || echo(conn));
-                    }
-                    Err(_) => thread::sleep(Duration::from_millis(10)),
+                // Wait (at most 50 ms, to notice `stop`) for a connection, then accept it at
+                // once so probe round trips are not inflated by polling.
+                if !readable(&listener, 50) {
+                    continue;
+                }
+                if let Ok((conn, _)) = listener.accept() {
+                    thread::spawn(move || echo(conn));
                 }
             }
         });
@@ -61,6 +64,18 @@ impl Responder {
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
+}
+
+/// Whether `listener` has a pending connection within `timeout_ms`.
+fn readable(listener: &TcpListener, timeout_ms: i32) -> bool {
+    let mut fds = [libc::pollfd {
+        fd: listener.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    }];
+    // SAFETY: `fds` is a live array of one pollfd for a socket we own.
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), 1, timeout_ms) };
+    n > 0 && fds[0].revents & libc::POLLIN != 0
 }
 
 fn echo(mut conn: TcpStream) {
