@@ -9,13 +9,13 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::stats::Summary;
 
 /// Where and when the numbers were taken.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Machine {
     /// `model name` from /proc/cpuinfo.
     pub cpu_model: String,
@@ -80,7 +80,7 @@ pub fn utc_strings(unix: u64) -> (String, String) {
 }
 
 /// One metric of one variant.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MetricResult {
     /// Short key, e.g. `tcp1_gbps`.
     pub key: String,
@@ -98,7 +98,7 @@ pub struct MetricResult {
 }
 
 /// Everything measured for one variant.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct VariantRecord {
     /// Variant name.
     pub variant: String,
@@ -111,7 +111,7 @@ pub struct VariantRecord {
 }
 
 /// A finished benchmark.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
     /// e.g. `dataplane`.
     pub name: String,
@@ -147,7 +147,11 @@ impl Report {
                 self.machine.cpu_model, self.machine.cores, self.machine.kernel
             ),
             format!("date: {}", self.machine.date),
-            format!("baseline: {}; settings: {}", self.baseline, self.settings),
+            format!(
+                "baseline: {}; {}",
+                self.baseline,
+                short_settings(&self.settings)
+            ),
         ]
     }
 
@@ -157,6 +161,14 @@ impl Report {
         let mut out = format!("# flannel-lab bench {}\n\n", self.name);
         for line in self.header().iter().skip(1) {
             let _ = writeln!(out, "- {line}");
+        }
+        if let Some(obj) = self.settings.as_object() {
+            for (k, v) in obj
+                .iter()
+                .filter(|(_, v)| v.as_str().is_some_and(|s| s.len() > 24))
+            {
+                let _ = writeln!(out, "- {k}: {}", v.as_str().unwrap_or_default());
+            }
         }
         out += "\nCells: median [min–max] over the repetitions, then the ratio of the median \
                 to the baseline's (for throughput higher is better; for latency and CPU lower \
@@ -208,20 +220,43 @@ impl Report {
         const COLORS: [&str; 8] = [
             "#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#9c755f",
         ];
-        let metrics: Vec<(&str, &str)> = self
+        let metrics: Vec<(&str, String)> = self
             .variants
             .first()
             .map(|v| {
                 v.metrics
                     .iter()
-                    .map(|m| (m.label.as_str(), m.unit.as_str()))
+                    .map(|m| {
+                        let better = if m.higher_is_better {
+                            "higher"
+                        } else {
+                            "lower"
+                        };
+                        (m.label.as_str(), format!("{}, {better} is better", m.unit))
+                    })
                     .collect()
             })
             .unwrap_or_default();
         let nv = self.variants.len().max(1);
-        let (bar, gap, left, top, plot_h) = (22.0, 30.0, 60.0, 90.0, 260.0);
-        let group_w = nv as f64 * bar + gap;
-        let width = left + metrics.len().max(1) as f64 * group_w + 20.0;
+        let (bar, left, top, plot_h) = (24.0, 60.0, 90.0, 260.0);
+        // Room for the longest group label (about 6 px per character at 11 px).
+        let longest = metrics
+            .iter()
+            .map(|(l, u)| l.len().max(u.len()))
+            .max()
+            .unwrap_or(0) as f64;
+        let group_w = (nv as f64 * bar + 30.0).max(longest * 6.0 + 12.0);
+        let gap = group_w - nv as f64 * bar;
+        let legend_w = self
+            .variants
+            .iter()
+            .map(|v| v.variant.len() + v.description.len() + 2)
+            .max()
+            .unwrap_or(0) as f64
+            * 6.0
+            + left
+            + 40.0;
+        let width = (left + metrics.len().max(1) as f64 * group_w + 20.0).max(legend_w);
         let legend_h = 18.0 * nv as f64;
         let height = top + plot_h + 60.0 + legend_h;
         let max_ratio = self
@@ -291,7 +326,8 @@ impl Report {
             let _ = writeln!(
                 s,
                 "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>\
-                 <text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\" fill=\"#666\">({})</text>",
+                 <text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\" fill=\"#666\" \
+                 font-size=\"10\">{}</text>",
                 gx + nv as f64 * bar / 2.0,
                 top + plot_h + 16.0,
                 xml_escape(label),
@@ -318,6 +354,11 @@ impl Report {
         s
     }
 
+    /// Reads a report back from its JSON (to re-render the Markdown and SVG).
+    pub fn from_json(text: &str) -> Result<Report> {
+        serde_json::from_str(text).context("parsing a report JSON")
+    }
+
     /// Writes `<dir>/<stamp>-<name>.{md,json,svg}` and returns the paths.
     pub fn write(&self, dir: &Path) -> Result<Vec<PathBuf>> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -335,6 +376,22 @@ impl Report {
         }
         Ok(paths)
     }
+}
+
+/// `key value` pairs of the settings' numbers and short strings (long descriptions are in
+/// the JSON and Markdown only).
+fn short_settings(settings: &Value) -> String {
+    let Some(obj) = settings.as_object() else {
+        return settings.to_string();
+    };
+    obj.iter()
+        .filter_map(|(k, v)| match v {
+            Value::String(s) if s.len() <= 24 => Some(format!("{k} {s}")),
+            Value::String(_) => None,
+            other => Some(format!("{k} {other}")),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn xml_escape(s: &str) -> String {
@@ -415,7 +472,10 @@ mod tests {
         );
         assert!(md.contains("kernel 6.18"), "{md}");
         assert!(md.contains("error: rep 2: boom"), "{md}");
-        let json: Value = serde_json::from_str(&r.json().expect("json")).expect("parse");
+        let text = r.json().expect("json");
+        let back = Report::from_json(&text).expect("round trip");
+        assert_eq!(back.markdown(), md);
+        let json: Value = serde_json::from_str(&text).expect("parse");
         assert_eq!(json["variants"].as_array().map(Vec::len), Some(2));
         assert_eq!(json["variants"][1]["metrics"][0]["ratio"], 0.75);
         assert_eq!(json["variants"][1]["metrics"][0]["median"], 30.0);

@@ -1,9 +1,9 @@
 //! Summaries of repeated measurements.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Median, min and max of a metric's repetitions.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
     /// Median (mean of the middle two for an even count).
     pub median: f64,

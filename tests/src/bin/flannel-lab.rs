@@ -62,6 +62,11 @@ enum Command {
     Bench(BenchCommand),
     /// List the benchmark variants.
     Variants,
+    /// Re-render the .md and .svg of a saved benchmark report (.json) next to it.
+    Render {
+        /// The report's JSON file.
+        json: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -209,6 +214,9 @@ fn main() -> Result<()> {
         }
         return Ok(());
     }
+    if let Command::Render { json } = &cli.command {
+        return render(json);
+    }
     if !flannel_tests::is_root() {
         bail!("flannel-lab needs root (network namespaces, netlink, BPF)");
     }
@@ -217,8 +225,20 @@ fn main() -> Result<()> {
         Command::Up(args) => up(args),
         Command::Bench(BenchCommand::Dataplane(args)) => bench_dataplane(args),
         Command::Bench(BenchCommand::Control(args)) => bench_control(args),
-        Command::Host { .. } | Command::Variants => Ok(()),
+        Command::Host { .. } | Command::Variants | Command::Render { .. } => Ok(()),
     }
+}
+
+fn render(json: &std::path::Path) -> Result<()> {
+    let text =
+        std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
+    let report = report::Report::from_json(&text)?;
+    for (ext, body) in [("md", report.markdown()), ("svg", report.svg())] {
+        let path = json.with_extension(ext);
+        std::fs::write(&path, body).with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
 }
 
 fn host(agent: Option<&std::path::Path>, flags: &[String]) -> Result<()> {

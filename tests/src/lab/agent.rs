@@ -320,8 +320,9 @@ mod tests {
 
     #[test]
     fn own_status_has_hwm() {
-        let hwm = proc_status_kib(std::process::id(), "VmHWM").expect("VmHWM");
+        // RSS first: the high-water mark read afterwards is at least that.
         let rss = proc_status_kib(std::process::id(), "VmRSS").expect("VmRSS");
+        let hwm = proc_status_kib(std::process::id(), "VmHWM").expect("VmHWM");
         assert!(hwm >= rss && rss > 0, "{hwm} {rss}");
         assert_eq!(proc_status_kib(std::process::id(), "NoSuchField"), None);
     }
