@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Result, bail};
 use ipnet::Ipv4Net;
 use serde_json::Value;
 
@@ -326,11 +326,4 @@ impl Cluster {
 
 fn oneline(env: &SubnetEnv) -> String {
     env.render().trim_end().replace('\n', " ")
-}
-
-/// Reads the agent binary path for a lab run: the given one, else `flannel-agent` next to the
-/// running executable.
-pub fn agent_binary(explicit: Option<&std::path::Path>) -> Result<PathBuf> {
-    super::bins::resolve(explicit, super::bins::AGENT, "flannel-agent")
-        .context("finding flannel-agent")
 }
