@@ -5,10 +5,13 @@
 //! Everything created here carries [`netns::run_prefix`] in its name, so concurrent runs never
 //! collide and leftovers of a crashed run can be recognised (and only those are ever removed).
 
+pub mod bench;
 pub mod etcd;
 pub mod kube_mock;
+pub mod lab;
 pub mod netns;
 pub mod packet;
+pub mod topology;
 
 /// Skips the calling test (returns early with a message) unless running as root, which
 /// network namespaces, netlink writes and BPF need.

@@ -1,1 +1,391 @@
-fn main() {}
+//! `flannel-lab`: simulated flannel clusters in network namespaces, and benchmarks.
+//!
+//! * `up`: etcd + N nodes + one agent per node + pods through CNI; prints the leases and a
+//!   pod-to-pod matrix, then a live status until Ctrl-C, then removes everything.
+//! * `host -- <flags>`: runs one agent on the real host with the given flags (exec).
+//! * `bench dataplane` / `bench control`: see `flannel_tests::bench`.
+//! * `variants`: lists the benchmark variants.
+
+use std::{
+    io::IsTerminal as _,
+    os::unix::process::CommandExt as _,
+    path::PathBuf,
+    sync::atomic::{AtomicBool, Ordering},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use flannel_tests::{
+    bench::{
+        control::{self, ControlOptions},
+        dataplane::{self, DataplaneOptions},
+        report,
+        variant::{self, SetupCtx},
+    },
+    lab::{
+        agent::Dataplane,
+        bins,
+        cluster::{Cluster, ClusterSpec},
+    },
+    topology::{TopologySpec, Underlay},
+};
+use ipnet::Ipv4Net;
+use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
+
+#[derive(Parser)]
+#[command(
+    name = "flannel-lab",
+    about = "Simulated flannel clusters and benchmarks (needs root)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start a simulated cluster and keep it up with a live status until Ctrl-C.
+    Up(UpArgs),
+    /// Run one agent on the real host with your own flags (everything after `--`).
+    Host {
+        /// The agent binary (default: flannel-agent next to flannel-lab).
+        #[arg(long)]
+        agent: Option<PathBuf>,
+        /// Flags for the agent.
+        #[arg(last = true)]
+        flags: Vec<String>,
+    },
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// List the benchmark variants.
+    Variants,
+    /// Re-render the .md and .svg of a saved benchmark report (.json) next to it.
+    Render {
+        /// The report's JSON file.
+        json: PathBuf,
+    },
+}
+
+#[derive(Args)]
+struct UpArgs {
+    /// Backend type.
+    #[arg(long, default_value = "vxlan",
+          value_parser = ["vxlan", "host-gw", "ipip", "wireguard", "udp", "ipsec"])]
+    backend: String,
+    /// Number of nodes.
+    #[arg(long, default_value_t = 3)]
+    nodes: usize,
+    /// Underlay: l2 (one segment), l3 (routed, one /24 per node) or mixed.
+    #[arg(long, default_value = "l2")]
+    underlay: Underlay,
+    /// Dataplane of the agents: kernel, ebpf or auto.
+    #[arg(long, default_value = "kernel")]
+    dataplane: Dataplane,
+    /// Pods created through CNI on every node.
+    #[arg(long, default_value_t = 2)]
+    pods_per_node: usize,
+    /// The agent binary (default: flannel-agent next to flannel-lab).
+    #[arg(long)]
+    agent: Option<PathBuf>,
+    /// The CNI plugin (default: flannel next to flannel-lab).
+    #[arg(long)]
+    cni: Option<PathBuf>,
+    /// Pass --ip-masq to the agents.
+    #[arg(long)]
+    ip_masq: bool,
+    /// Set Backend.DirectRouting in the config (vxlan).
+    #[arg(long)]
+    direct_routing: bool,
+    /// The cluster network.
+    #[arg(long, default_value = "10.244.0.0/16")]
+    network: Ipv4Net,
+    /// Underlay MTU.
+    #[arg(long, default_value_t = 1500)]
+    mtu: u32,
+    /// Seconds each node may take to write subnet.env.
+    #[arg(long, default_value_t = 60)]
+    timeout: u64,
+    /// Seconds between status refreshes.
+    #[arg(long, default_value_t = 3)]
+    interval: u64,
+    /// Extra flags for every agent (after `--`).
+    #[arg(last = true)]
+    agent_args: Vec<String>,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Throughput, latency and CPU per Gbit of dataplane variants against the underlay.
+    Dataplane(DataplaneArgs),
+    /// Time and memory for one agent to program N remote leases.
+    Control(ControlArgs),
+}
+
+#[derive(Args)]
+struct DataplaneArgs {
+    /// Repetitions (round-robin across variants).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Seconds per throughput run.
+    #[arg(long, default_value_t = 5)]
+    duration: u64,
+    /// Seconds per request/response run.
+    #[arg(long, default_value_t = 5)]
+    rr_duration: u64,
+    /// CPU to pin both ends of the request/response test to (`none` to leave unpinned).
+    #[arg(long, default_value = "0")]
+    rr_cpu: String,
+    /// Comma-separated variants (`all` for every one; see `flannel-lab variants`).
+    #[arg(long, value_delimiter = ',')]
+    variants: Option<Vec<String>>,
+    /// The variant ratios are relative to.
+    #[arg(long, default_value = "underlay")]
+    baseline: String,
+    /// Output directory (default: target/bench of this workspace).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// The agent binary, for agent-* variants.
+    #[arg(long)]
+    agent: Option<PathBuf>,
+    /// The CNI plugin, for variants with CNI pods.
+    #[arg(long)]
+    cni: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ControlArgs {
+    /// Comma-separated lease counts.
+    #[arg(long, value_delimiter = ',', default_value = "1000,5000")]
+    nodes: Vec<usize>,
+    /// The agent binary (default: flannel-agent next to flannel-lab, if present).
+    #[arg(long)]
+    agent: Option<PathBuf>,
+    /// Only write and count the leases; do not start an agent.
+    #[arg(long)]
+    no_agent: bool,
+    /// Seconds the agent may take per lease count.
+    #[arg(long, default_value_t = 300)]
+    timeout: u64,
+    /// Output directory (default: target/bench of this workspace).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+/// SIGINT/SIGTERM only set a flag: every loop polls it and returns, so the guards' drops
+/// remove what was created.
+fn install_signal_handlers() -> Result<()> {
+    let action = SigAction::new(
+        SigHandler::Handler(on_signal),
+        SaFlags::empty(),
+        SigSet::empty(),
+    );
+    for sig in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe { sigaction(sig, &action) }.with_context(|| format!("installing {sig} handler"))?;
+    }
+    Ok(())
+}
+
+fn stopped() -> bool {
+    STOP.load(Ordering::SeqCst)
+}
+
+fn progress(msg: &str) {
+    eprintln!("==> {msg}");
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    if let Command::Host { agent, flags } = &cli.command {
+        return host(agent.as_deref(), flags);
+    }
+    if let Command::Variants = cli.command {
+        for v in variant::all() {
+            println!("{:<20} {}", v.name, v.description);
+        }
+        return Ok(());
+    }
+    if let Command::Render { json } = &cli.command {
+        return render(json);
+    }
+    if !flannel_tests::is_root() {
+        bail!("flannel-lab needs root (network namespaces, netlink, BPF)");
+    }
+    install_signal_handlers()?;
+    match cli.command {
+        Command::Up(args) => up(args),
+        Command::Bench(BenchCommand::Dataplane(args)) => bench_dataplane(args),
+        Command::Bench(BenchCommand::Control(args)) => bench_control(args),
+        Command::Host { .. } | Command::Variants | Command::Render { .. } => Ok(()),
+    }
+}
+
+fn render(json: &std::path::Path) -> Result<()> {
+    let text =
+        std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
+    let report = report::Report::from_json(&text)?;
+    for (ext, body) in [("md", report.markdown()), ("svg", report.svg())] {
+        let path = json.with_extension(ext);
+        std::fs::write(&path, body).with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn host(agent: Option<&std::path::Path>, flags: &[String]) -> Result<()> {
+    let agent = bins::resolve(agent, bins::AGENT, "flannel-agent")?;
+    eprintln!("==> exec {} {}", agent.display(), flags.join(" "));
+    // exec: the agent replaces this process, so it gets the terminal's signals directly.
+    let err = std::process::Command::new(&agent).args(flags).exec();
+    Err(err).with_context(|| format!("exec {}", agent.display()))
+}
+
+fn up(args: UpArgs) -> Result<()> {
+    let agent = bins::resolve(args.agent.as_deref(), bins::AGENT, "flannel-agent")?;
+    let cni = bins::resolve(args.cni.as_deref(), bins::CNI_PLUGIN, "flannel-cni")?;
+    let topology = TopologySpec::new(args.nodes, args.underlay)
+        .mtu(args.mtu)
+        .cni_plugin(cni);
+    let mut spec = ClusterSpec::new(topology, &args.backend, agent);
+    spec.network = args.network;
+    spec.dataplane = args.dataplane;
+    spec.ip_masq = args.ip_masq;
+    spec.pods_per_node = args.pods_per_node;
+    spec.subnet_env_timeout = Duration::from_secs(args.timeout);
+    spec.agent_args = args.agent_args;
+    if args.direct_routing {
+        spec.backend_options = serde_json::json!({"DirectRouting": true});
+    }
+    let mut cluster = Cluster::up(spec, &progress, &stopped)?;
+    println!("\n{}", cluster.leases_text()?);
+    let matrix = cluster.matrix(Duration::from_secs(2))?;
+    println!("pod-to-pod connectivity (TCP):\n{matrix}\n");
+    for (i, j) in matrix.failed_pairs() {
+        if let Some(Some(Err(reason))) = matrix.cells.get(i).and_then(|r| r.get(j)) {
+            println!("  {} -> {}: {reason}", matrix.labels[i], matrix.labels[j]);
+        }
+    }
+    eprintln!(
+        "==> up; status every {} s, Ctrl-C to remove everything",
+        args.interval
+    );
+    let tty = std::io::stdout().is_terminal();
+    let interval = Duration::from_secs(args.interval.max(1));
+    while !stopped() {
+        let status = cluster.status_text();
+        if tty {
+            print!("\x1b[2J\x1b[H");
+        }
+        let (date, _) = report::utc_now();
+        println!("flannel-lab up ({date}), Ctrl-C to stop\n{status}");
+        let until = Instant::now() + interval;
+        while Instant::now() < until && !stopped() {
+            thread::sleep(Duration::from_millis(100));
+        }
+    }
+    eprintln!("==> removing the cluster");
+    drop(cluster);
+    Ok(())
+}
+
+fn bench_dataplane(args: DataplaneArgs) -> Result<()> {
+    let variants = match args.variants {
+        Some(v) if v.iter().any(|s| s == "all") => {
+            variant::all().iter().map(|v| v.name.to_owned()).collect()
+        }
+        Some(v) => v,
+        None => DataplaneOptions::default().variants,
+    };
+    let needs_agent = variants
+        .iter()
+        .any(|name| variant::find(name).is_some_and(|v| v.needs_agent));
+    let needs_cni = variants
+        .iter()
+        .any(|name| variant::find(name).is_some_and(|v| v.needs_cni));
+    let ctx = SetupCtx {
+        cni_plugin: if needs_cni {
+            Some(bins::resolve(
+                args.cni.as_deref(),
+                bins::CNI_PLUGIN,
+                "flannel-cni",
+            )?)
+        } else {
+            None
+        },
+        agent: if needs_agent {
+            Some(bins::resolve(
+                args.agent.as_deref(),
+                bins::AGENT,
+                "flannel-agent",
+            )?)
+        } else {
+            None
+        },
+    };
+    let opts = DataplaneOptions {
+        variants,
+        baseline: args.baseline,
+        reps: args.reps,
+        duration: Duration::from_secs(args.duration),
+        rr_duration: Duration::from_secs(args.rr_duration),
+        rr_cpu: match args.rr_cpu.as_str() {
+            "none" => None,
+            cpu => Some(
+                cpu.parse()
+                    .with_context(|| format!("--rr-cpu {cpu:?}: a CPU number or none"))?,
+            ),
+        },
+        name: "dataplane".to_owned(),
+    };
+    let log = |msg: &str| {
+        if !stopped() {
+            eprintln!("==> {msg}");
+        }
+    };
+    let report = dataplane::run(&opts, &ctx, &log, &stopped)?;
+    print!("\n{}", report.markdown());
+    let dir = args.out.unwrap_or_else(report::default_dir);
+    for path in report.write(&dir)? {
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn bench_control(args: ControlArgs) -> Result<()> {
+    let agent = if args.no_agent {
+        None
+    } else {
+        match bins::resolve(args.agent.as_deref(), bins::AGENT, "flannel-agent") {
+            Ok(path) => Some(path),
+            Err(e) if args.agent.is_none() => {
+                eprintln!("==> {e:#}; measuring lease writing only");
+                None
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let opts = ControlOptions {
+        nodes: args.nodes,
+        agent,
+        timeout: Duration::from_secs(args.timeout),
+    };
+    let results = control::run(&opts, &progress, &stopped)?;
+    print!(
+        "\n{}",
+        control::markdown(&results, &report::Machine::current())
+    );
+    let dir = args.out.unwrap_or_else(report::default_dir);
+    for path in control::write(&results, &dir)? {
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}

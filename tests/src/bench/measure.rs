@@ -1,0 +1,318 @@
+//! One measurement each: iperf3 TCP throughput (with the machine's CPU busy time during the
+//! run, from /proc/stat) and sockperf TCP ping-pong latency.
+//!
+//! Everything runs on this one machine, so the whole machine's CPU time is the cost of moving
+//! the bytes through both ends.
+
+use std::{net::IpAddr, time::Duration};
+
+use anyhow::{Context as _, Result, bail};
+use serde_json::Value;
+
+use crate::netns::NetNs;
+
+/// Port of the iperf3 servers.
+pub const IPERF_PORT: u16 = 5201;
+/// Port of the sockperf servers.
+pub const SOCKPERF_PORT: u16 = 11111;
+
+/// Aggregate CPU counters from the first line of /proc/stat, in clock ticks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuTimes {
+    /// Ticks not idle (user, nice, system, irq, softirq, steal).
+    pub busy: u64,
+    /// All ticks (busy + idle + iowait).
+    pub total: u64,
+}
+
+impl CpuTimes {
+    /// Reads /proc/stat now.
+    pub fn now() -> Result<CpuTimes> {
+        CpuTimes::parse(&std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?)
+    }
+
+    /// Parses the `cpu ` line (guest time is already inside user and nice).
+    pub fn parse(stat: &str) -> Result<CpuTimes> {
+        let line = stat
+            .lines()
+            .find(|l| l.starts_with("cpu "))
+            .context("/proc/stat has no cpu line")?;
+        let v: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .map(|f| f.parse().context("/proc/stat field"))
+            .collect::<Result<_>>()?;
+        if v.len() < 8 {
+            bail!("/proc/stat cpu line too short: {line}");
+        }
+        let (user, nice, system, idle, iowait, irq, softirq, steal) =
+            (v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+        let busy = user + nice + system + irq + softirq + steal;
+        Ok(CpuTimes {
+            busy,
+            total: busy + idle + iowait,
+        })
+    }
+
+    /// CPU-seconds spent busy between `earlier` and `self`.
+    pub fn busy_seconds_since(&self, earlier: &CpuTimes) -> f64 {
+        self.busy.saturating_sub(earlier.busy) as f64 / clock_ticks_per_second()
+    }
+}
+
+fn clock_ticks_per_second() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz > 0 { hz as f64 } else { 100.0 }
+}
+
+/// One iperf3 TCP run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Throughput {
+    /// Received throughput, Gbit/s.
+    pub gbps: f64,
+    /// Received bytes.
+    pub bytes: u64,
+    /// Sender retransmits.
+    pub retransmits: u64,
+    /// Machine-wide busy CPU-seconds during the run.
+    pub cpu_seconds: f64,
+}
+
+impl Throughput {
+    /// Busy CPU-seconds per Gbit transferred.
+    pub fn cpu_per_gbit(&self) -> f64 {
+        let gbit = self.bytes as f64 * 8.0 / 1e9;
+        if gbit > 0.0 {
+            self.cpu_seconds / gbit
+        } else {
+            f64::NAN
+        }
+    }
+}
+
+/// Parses iperf3's `-J` output: received bytes and bits/s, sender retransmits.
+pub fn parse_iperf3(json: &str) -> Result<(f64, u64, u64)> {
+    let v: Value = serde_json::from_str(json).context("iperf3 output is not JSON")?;
+    if let Some(err) = v["error"].as_str() {
+        bail!("iperf3: {err}");
+    }
+    let recv = &v["end"]["sum_received"];
+    let bps = recv["bits_per_second"]
+        .as_f64()
+        .context("iperf3 JSON has no end.sum_received.bits_per_second")?;
+    let bytes = recv["bytes"].as_u64().unwrap_or_default();
+    let retransmits = v["end"]["sum_sent"]["retransmits"]
+        .as_u64()
+        .unwrap_or_default();
+    Ok((bps / 1e9, bytes, retransmits))
+}
+
+/// Runs an iperf3 TCP client in `client` against a server at `server:IPERF_PORT` with
+/// `streams` parallel streams for `duration`, measuring the machine's CPU meanwhile.
+pub fn iperf3_tcp(
+    client: &NetNs,
+    server: IpAddr,
+    streams: u32,
+    duration: Duration,
+) -> Result<Throughput> {
+    let secs = duration.as_secs().max(1).to_string();
+    let streams_arg = streams.to_string();
+    let server_arg = server.to_string();
+    let port = IPERF_PORT.to_string();
+    let before = CpuTimes::now()?;
+    let out = client.output(&[
+        "iperf3",
+        "-c",
+        &server_arg,
+        "-p",
+        &port,
+        "-t",
+        &secs,
+        "-P",
+        &streams_arg,
+        "-J",
+    ])?;
+    let after = CpuTimes::now()?;
+    let (gbps, bytes, retransmits) = parse_iperf3(&String::from_utf8_lossy(&out.stdout))
+        .with_context(|| {
+            format!(
+                "iperf3 -c {server} from {} ({}): {}",
+                client.name(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            )
+        })?;
+    Ok(Throughput {
+        gbps,
+        bytes,
+        retransmits,
+        cpu_seconds: after.busy_seconds_since(&before),
+    })
+}
+
+/// One sockperf ping-pong run (full round trips, µs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Latency {
+    /// Median round trip.
+    pub p50_us: f64,
+    /// 99th percentile round trip.
+    pub p99_us: f64,
+    /// Mean round trip.
+    pub avg_us: f64,
+    /// Number of observations.
+    pub observations: u64,
+}
+
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Parses sockperf's ping-pong summary (run with `--full-rtt`).
+pub fn parse_sockperf(text: &str) -> Result<Latency> {
+    let text = strip_ansi(text);
+    let after = |marker: &str| -> Option<f64> {
+        let line = text.lines().find(|l| l.contains(marker))?;
+        let rest = &line[line.find(marker)? + marker.len()..];
+        rest.trim_start()
+            .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .next()?
+            .parse()
+            .ok()
+    };
+    let p50 = after("percentile 50.000 =").context("sockperf output has no median")?;
+    let p99 = after("percentile 99.000 =").unwrap_or(f64::NAN);
+    let avg = after("avg-rtt=").unwrap_or(f64::NAN);
+    let observations = after("Total ").map(|v| v as u64).unwrap_or(0);
+    Ok(Latency {
+        p50_us: p50,
+        p99_us: p99,
+        avg_us: avg,
+        observations,
+    })
+}
+
+/// `taskset -c <cpu>` as an argv prefix, or nothing.
+pub fn pin_prefix(cpu: &Option<String>) -> Vec<&str> {
+    match cpu {
+        Some(cpu) => vec!["taskset", "-c", cpu.as_str()],
+        None => Vec::new(),
+    }
+}
+
+/// Runs `sockperf ping-pong --tcp` (64-byte messages, full round trips) from `client` to a
+/// server at `server:SOCKPERF_PORT` for `duration`, pinned to `cpu` if given.
+///
+/// Pinning client and server to the same CPU keeps the whole exchange (both ends and the
+/// softirqs, which veth runs on the sending CPU) on one core: on a VM, a wake-up across CPUs
+/// costs tens of µs and makes unpinned runs bimodal (17 vs 60 µs here), which would drown
+/// the dataplane's own cost.
+pub fn sockperf_rr(
+    client: &NetNs,
+    server: IpAddr,
+    duration: Duration,
+    cpu: Option<usize>,
+) -> Result<Latency> {
+    let secs = duration.as_secs().max(1).to_string();
+    let server_arg = server.to_string();
+    let port = SOCKPERF_PORT.to_string();
+    let cpu = cpu.map(|c| c.to_string());
+    let mut argv = pin_prefix(&cpu);
+    argv.extend([
+        "sockperf",
+        "ping-pong",
+        "--tcp",
+        "-i",
+        &server_arg,
+        "-p",
+        &port,
+        "-t",
+        &secs,
+        "-m",
+        "64",
+        "--full-rtt",
+    ]);
+    let out = client.output(&argv)?;
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    parse_sockperf(&text).with_context(|| {
+        format!(
+            "sockperf to {server} from {} ({}): {}",
+            client.name(),
+            out.status,
+            text.lines().rev().take(5).collect::<Vec<_>>().join(" | ")
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_stat() {
+        let t = CpuTimes::parse("cpu  100 5 50 1000 20 3 2 1 0 0\ncpu0 50 2 25 500 10 1 1 0 0 0\n")
+            .expect("parse");
+        assert_eq!(
+            t,
+            CpuTimes {
+                busy: 161,
+                total: 1181
+            }
+        );
+        assert!(CpuTimes::parse("intr 1 2\n").is_err());
+        assert!(CpuTimes::now().expect("now").total > 0);
+    }
+
+    #[test]
+    fn iperf3_json() {
+        let json = r#"{"start":{},"intervals":[],"end":{"sum_sent":{"bytes":6250000000,
+            "bits_per_second":10000000000.0,"retransmits":7},"sum_received":{"bytes":6000000000,
+            "bits_per_second":9600000000.0}}}"#;
+        assert_eq!(parse_iperf3(json).expect("parse"), (9.6, 6_000_000_000, 7));
+        let err = parse_iperf3(r#"{"start":{},"end":{},"error":"unable to connect to server"}"#)
+            .expect_err("error");
+        assert!(err.to_string().contains("unable to connect"), "{err}");
+        let t = Throughput {
+            gbps: 9.6,
+            bytes: 6_000_000_000,
+            retransmits: 0,
+            cpu_seconds: 9.6,
+        };
+        assert!((t.cpu_per_gbit() - 0.2).abs() < 1e-9);
+    }
+
+    #[test]
+    fn sockperf_summary() {
+        let text = "sockperf: [Valid Duration] RunTime=0.550 sec; SentMessages=32386; ReceivedMessages=32386\n\
+            sockperf: \u{1b}[2;35m====> avg-rtt=16.968 (std-dev=80.540)\u{1b}[0m\n\
+            sockperf: Summary: Round trip is 16.968 usec\n\
+            sockperf: \u{1b}[2;35mTotal 32386 observations\u{1b}[0m; each percentile contains 323.86 observations\n\
+            sockperf: ---> percentile 99.000 =   21.431\n\
+            sockperf: ---> percentile 50.000 =   14.601\n";
+        let l = parse_sockperf(text).expect("parse");
+        assert_eq!(
+            l,
+            Latency {
+                p50_us: 14.601,
+                p99_us: 21.431,
+                avg_us: 16.968,
+                observations: 32386
+            }
+        );
+        assert!(parse_sockperf("sockperf: error").is_err());
+    }
+}

@@ -1,0 +1,439 @@
+//! Benchmark variants: a named setup that yields a client namespace and a server address.
+//!
+//! A [`Variant`] is a topology spec plus a setup function that turns the built topology into
+//! a [`Testbed`]. Adding one (e.g. an agent-driven eBPF path) is a new entry in [`all`].
+//!
+//! | name | path measured |
+//! |---|---|
+//! | `underlay` | node1 eth0 → hub bridge → node2 eth0 (the baseline) |
+//! | `pod-same-node` | pod → cni0 → pod on one node, pods made by the flannel CNI plugin |
+//! | `ref-hostgw` | pod → cni0 → node1 → static route via node2 → cni0 → pod (by hand) |
+//! | `ref-vxlan` | the same through hand-made `flannel.1` VXLAN devices with static FDB/neighbour/routes |
+//! | `agent-host-gw`, `agent-vxlan` | pods on two nodes of a cluster run by flannel-agent, kernel dataplane |
+//! | `agent-ebpf-host-gw`, `agent-ebpf-vxlan` | the same with `--dataplane=ebpf` |
+
+use std::{net::IpAddr, path::PathBuf};
+
+use anyhow::{Context as _, Result, bail};
+use ipnet::Ipv4Net;
+use std::net::Ipv4Addr;
+
+use crate::{
+    lab::{
+        agent::Dataplane,
+        cluster::{Cluster, ClusterSpec},
+        process::Process,
+    },
+    netns::NetNs,
+    topology::{SubnetEnv, Topology, TopologySpec, Underlay},
+};
+
+/// Inputs some setups need.
+#[derive(Debug, Clone, Default)]
+pub struct SetupCtx {
+    /// The `flannel` CNI plugin (for variants with CNI pods).
+    pub cni_plugin: Option<PathBuf>,
+    /// `flannel-agent` (for agent-driven variants).
+    pub agent: Option<PathBuf>,
+}
+
+/// A namespace of a testbed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Place {
+    /// Node `n` (1-based).
+    Node(usize),
+    /// The pod with this name.
+    Pod(String),
+}
+
+/// What keeps a testbed's namespaces alive.
+#[derive(Debug)]
+pub enum Owner {
+    /// A bare topology.
+    Topology(Topology),
+    /// A cluster with etcd and agents.
+    Cluster(Box<Cluster>),
+}
+
+/// A prepared variant: where the client runs and what it talks to.
+#[derive(Debug)]
+pub struct Testbed {
+    // Servers go before the namespaces they run in.
+    guards: Vec<Process>,
+    owner: Owner,
+    /// Where clients run.
+    pub client: Place,
+    /// Where servers run.
+    pub server: Place,
+    /// The address clients connect to.
+    pub server_ip: IpAddr,
+}
+
+impl Testbed {
+    /// A testbed owning `owner`.
+    pub fn new(owner: Owner, client: Place, server: Place, server_ip: IpAddr) -> Self {
+        Testbed {
+            guards: Vec::new(),
+            owner,
+            client,
+            server,
+            server_ip,
+        }
+    }
+
+    /// The topology.
+    pub fn topology(&self) -> &Topology {
+        match &self.owner {
+            Owner::Topology(t) => t,
+            Owner::Cluster(c) => c.topology(),
+        }
+    }
+
+    /// The namespace of `place`.
+    pub fn ns(&self, place: &Place) -> Result<&NetNs> {
+        let topo = self.topology();
+        match place {
+            Place::Node(n) => topo
+                .nodes()
+                .get(n.wrapping_sub(1))
+                .map(|node| node.ns())
+                .with_context(|| format!("no node {n}")),
+            Place::Pod(name) => topo
+                .pod(name)
+                .map(|p| p.ns())
+                .with_context(|| format!("no pod {name}")),
+        }
+    }
+
+    /// The client's namespace.
+    pub fn client_ns(&self) -> Result<&NetNs> {
+        self.ns(&self.client)
+    }
+
+    /// The server's namespace.
+    pub fn server_ns(&self) -> Result<&NetNs> {
+        self.ns(&self.server)
+    }
+
+    /// Keeps a process (a server) alive as long as the testbed.
+    pub fn keep(&mut self, process: Process) {
+        self.guards.push(process);
+    }
+
+    /// Mutable access to the guarded processes (to check they still run).
+    pub fn guards_mut(&mut self) -> &mut [Process] {
+        &mut self.guards
+    }
+}
+
+/// Turns a built topology into a testbed.
+pub type SetupFn = Box<dyn Fn(Topology, &SetupCtx) -> Result<Testbed> + Send + Sync>;
+
+/// A named benchmark setup.
+pub struct Variant {
+    /// Name used on the command line and in reports.
+    pub name: &'static str,
+    /// One line about the path measured.
+    pub description: &'static str,
+    /// The topology it needs.
+    pub topology: TopologySpec,
+    /// Whether it needs [`SetupCtx::cni_plugin`].
+    pub needs_cni: bool,
+    /// Whether it needs [`SetupCtx::agent`].
+    pub needs_agent: bool,
+    /// Builds the testbed.
+    pub setup: SetupFn,
+}
+
+impl std::fmt::Debug for Variant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Variant").field("name", &self.name).finish()
+    }
+}
+
+impl Variant {
+    /// Builds the topology and runs the setup.
+    pub fn prepare(&self, ctx: &SetupCtx) -> Result<Testbed> {
+        let mut spec = self.topology.clone();
+        if self.needs_cni {
+            let cni = ctx
+                .cni_plugin
+                .clone()
+                .with_context(|| format!("variant {} needs the flannel CNI plugin", self.name))?;
+            spec = spec.cni_plugin(cni);
+        }
+        if self.needs_agent && ctx.agent.is_none() {
+            bail!("variant {} needs flannel-agent (--agent)", self.name);
+        }
+        let topology = Topology::new(spec)?;
+        (self.setup)(topology, ctx).with_context(|| format!("setting up variant {}", self.name))
+    }
+}
+
+/// The cluster network all variants use.
+pub fn cluster_network() -> Ipv4Net {
+    Ipv4Net::new(Ipv4Addr::new(10, 244, 0, 0), 16).unwrap_or_default()
+}
+
+/// Node `n`'s pod subnet in the hand-made variants: 10.244.n.0/24.
+pub fn node_subnet(n: usize) -> Ipv4Net {
+    Ipv4Net::new(Ipv4Addr::new(10, 244, n as u8, 0), 24).unwrap_or_default()
+}
+
+/// Variants that run without the agent (the default set of `bench dataplane`).
+pub const DEFAULT_VARIANTS: &[&str] = &["underlay", "pod-same-node", "ref-hostgw", "ref-vxlan"];
+
+/// Every known variant.
+pub fn all() -> Vec<Variant> {
+    let two_nodes = TopologySpec::new(2, Underlay::L2);
+    let mut out = vec![
+        Variant {
+            name: "underlay",
+            description: "node1 eth0 to node2 eth0 over the underlay bridge (baseline)",
+            topology: two_nodes.clone(),
+            needs_cni: false,
+            needs_agent: false,
+            setup: Box::new(|t, _| {
+                let ip = IpAddr::V4(t.node(2).addr());
+                Ok(Testbed::new(
+                    Owner::Topology(t),
+                    Place::Node(1),
+                    Place::Node(2),
+                    ip,
+                ))
+            }),
+        },
+        Variant {
+            name: "pod-same-node",
+            description: "pod to pod on one node through cni0 (pods made by the flannel CNI plugin)",
+            topology: TopologySpec::new(1, Underlay::L2),
+            needs_cni: true,
+            needs_agent: false,
+            setup: Box::new(|mut t, _| {
+                let mtu = t.spec().mtu;
+                t.node(1).write_subnet_env(&SubnetEnv::v4(
+                    cluster_network(),
+                    node_subnet(1),
+                    mtu,
+                    false,
+                ))?;
+                let client = t.add_pod(1)?.name().to_owned();
+                let server = t.add_pod(1)?;
+                let (server, ip) = (server.name().to_owned(), IpAddr::V4(server.ip()));
+                Ok(Testbed::new(
+                    Owner::Topology(t),
+                    Place::Pod(client),
+                    Place::Pod(server),
+                    ip,
+                ))
+            }),
+        },
+        Variant {
+            name: "ref-hostgw",
+            description: "pod to pod across nodes, static routes to the peer's pod subnet (hand-made host-gw)",
+            topology: two_nodes.clone(),
+            needs_cni: false,
+            needs_agent: false,
+            setup: Box::new(|t, _| ref_setup(t, false)),
+        },
+        Variant {
+            name: "ref-vxlan",
+            description: "pod to pod across nodes through hand-made flannel.1 VXLAN devices (static FDB, neighbour, routes)",
+            topology: two_nodes.clone(),
+            needs_cni: false,
+            needs_agent: false,
+            setup: Box::new(|t, _| ref_setup(t, true)),
+        },
+    ];
+    for (name, description, backend, dataplane) in [
+        (
+            "agent-host-gw",
+            "pod to pod across nodes, flannel-agent host-gw, kernel dataplane",
+            "host-gw",
+            Dataplane::Kernel,
+        ),
+        (
+            "agent-vxlan",
+            "pod to pod across nodes, flannel-agent vxlan, kernel dataplane",
+            "vxlan",
+            Dataplane::Kernel,
+        ),
+        (
+            "agent-ebpf-host-gw",
+            "pod to pod across nodes, flannel-agent host-gw, eBPF dataplane",
+            "host-gw",
+            Dataplane::Ebpf,
+        ),
+        (
+            "agent-ebpf-vxlan",
+            "pod to pod across nodes, flannel-agent vxlan, eBPF dataplane",
+            "vxlan",
+            Dataplane::Ebpf,
+        ),
+    ] {
+        out.push(Variant {
+            name,
+            description,
+            topology: two_nodes.clone(),
+            needs_cni: true,
+            needs_agent: true,
+            setup: Box::new(move |t, ctx| agent_setup(t, ctx, backend, dataplane)),
+        });
+    }
+    out
+}
+
+/// Looks a variant up by name.
+pub fn find(name: &str) -> Option<Variant> {
+    all().into_iter().find(|v| v.name == name)
+}
+
+/// Two nodes with one hand-made pod each (10.244.n.2 behind cni0 10.244.n.1), connected by
+/// static routes over the underlay (`vxlan = false`) or through `flannel.1` VXLAN devices
+/// configured the way upstream's kernel path does (`vxlan = true`).
+fn ref_setup(mut t: Topology, vxlan: bool) -> Result<Testbed> {
+    let underlay_mtu = t.spec().mtu;
+    let pod_mtu = if vxlan {
+        underlay_mtu - 50
+    } else {
+        underlay_mtu
+    };
+    for n in 1..=2 {
+        let subnet = node_subnet(n);
+        let gw = Ipv4Addr::from(u32::from(subnet.network()) + 1);
+        let pod = Ipv4Net::new(Ipv4Addr::from(u32::from(subnet.network()) + 2), 24)?;
+        t.add_plain_pod(n, pod, gw, pod_mtu)?;
+    }
+    if vxlan {
+        let mut macs = Vec::new();
+        for n in 1..=2 {
+            let node = t.node(n);
+            let local = node.addr().to_string();
+            node.run(&[
+                "ip",
+                "link",
+                "add",
+                "flannel.1",
+                "type",
+                "vxlan",
+                "id",
+                "1",
+                "local",
+                &local,
+                "dev",
+                "eth0",
+                "dstport",
+                "8472",
+                "nolearning",
+            ])?;
+            node.run(&[
+                "ip",
+                "link",
+                "set",
+                "flannel.1",
+                "mtu",
+                &pod_mtu.to_string(),
+                "up",
+            ])?;
+            let addr = format!("{}/32", node_subnet(n).network());
+            node.run(&["ip", "addr", "add", &addr, "dev", "flannel.1"])?;
+            macs.push(link_mac(node.ns(), "flannel.1")?);
+        }
+        for (n, peer) in [(1, 2), (2, 1)] {
+            let node = t.node(n);
+            let peer_net = node_subnet(peer);
+            let peer_vtep = peer_net.network().to_string();
+            let mac = &macs[peer - 1];
+            node.run(&[
+                "ip",
+                "neigh",
+                "replace",
+                &peer_vtep,
+                "dev",
+                "flannel.1",
+                "lladdr",
+                mac,
+                "nud",
+                "permanent",
+            ])?;
+            node.run(&[
+                "bridge",
+                "fdb",
+                "replace",
+                mac,
+                "dev",
+                "flannel.1",
+                "self",
+                "dst",
+                &t.node(peer).addr().to_string(),
+                "permanent",
+            ])?;
+            node.run(&[
+                "ip",
+                "route",
+                "replace",
+                &peer_net.to_string(),
+                "via",
+                &peer_vtep,
+                "dev",
+                "flannel.1",
+                "onlink",
+            ])?;
+        }
+    } else {
+        for (n, peer) in [(1, 2), (2, 1)] {
+            t.node(n).run(&[
+                "ip",
+                "route",
+                "add",
+                &node_subnet(peer).to_string(),
+                "via",
+                &t.node(peer).addr().to_string(),
+                "dev",
+                "eth0",
+            ])?;
+        }
+    }
+    let client = t.pods_on(1)[0].name().to_owned();
+    let server = t.pods_on(2)[0];
+    let (server, ip) = (server.name().to_owned(), IpAddr::V4(server.ip()));
+    Ok(Testbed::new(
+        Owner::Topology(t),
+        Place::Pod(client),
+        Place::Pod(server),
+        ip,
+    ))
+}
+
+/// The MAC address of `link` in `ns`.
+pub fn link_mac(ns: &NetNs, link: &str) -> Result<String> {
+    let out = ns.run(&["ip", "-j", "link", "show", link])?;
+    let v: serde_json::Value = serde_json::from_str(&out).context("ip -j link output")?;
+    v[0]["address"]
+        .as_str()
+        .map(str::to_owned)
+        .with_context(|| format!("{link} has no address: {out}"))
+}
+
+/// A two-node cluster run by the agent with one CNI pod per node.
+fn agent_setup(
+    t: Topology,
+    ctx: &SetupCtx,
+    backend: &str,
+    dataplane: Dataplane,
+) -> Result<Testbed> {
+    let agent = ctx.agent.clone().context("no flannel-agent")?;
+    let mut spec = ClusterSpec::new(t.spec().clone(), backend, agent);
+    spec.dataplane = dataplane;
+    spec.pods_per_node = 1;
+    let cluster = Cluster::start(t, spec, &|msg| eprintln!("  {msg}"), &|| false)?;
+    let client = cluster.topology().pods_on(1)[0].name().to_owned();
+    let server = cluster.topology().pods_on(2)[0];
+    let (server, ip) = (server.name().to_owned(), IpAddr::V4(server.ip()));
+    Ok(Testbed::new(
+        Owner::Cluster(Box::new(cluster)),
+        Place::Pod(client),
+        Place::Pod(server),
+        ip,
+    ))
+}

@@ -1,0 +1,115 @@
+//! Finding this workspace's binaries (`flannel-agent`, the CNI plugin `flannel`).
+//!
+//! Tests build them through cargo, which is a no-op when they are up to date, because
+//! `cargo test -p flannel-tests` does not build other packages' binaries and a file lying in
+//! `target/` may be stale. The lab binary looks next to itself (where `cargo xtask build`
+//! puts everything) unless given a path.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+/// The CNI plugin's binary name (package `flannel-cni`).
+pub const CNI_PLUGIN: &str = "flannel";
+/// The agent's binary name (package `flannel-agent`).
+pub const AGENT: &str = "flannel-agent";
+/// Where Debian's containernetworking-plugins live (`bridge`, `host-local`, `loopback`).
+pub const CNI_BIN_DIR: &str = "/usr/lib/cni";
+
+/// `<dir of the running executable>/<name>`, also looking one level up (test executables
+/// live in `target/<profile>/deps`).
+pub fn sibling(name: &str) -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    exe.ancestors()
+        .skip(1)
+        .take(2)
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}
+
+/// The target directory (`.../target`) above the running executable, found by its
+/// `CACHEDIR.TAG`.
+pub fn target_dir() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    exe.ancestors()
+        .find(|dir| dir.join("CACHEDIR.TAG").exists())
+        .map(Path::to_path_buf)
+}
+
+/// Builds `bin` of `package` with cargo into the target directory and profile of the running
+/// executable and returns its path. `env_override` names an environment variable that, when
+/// set, is returned instead (e.g. `FLANNEL_AGENT_BIN=/usr/local/bin/flannel-agent`).
+pub fn cargo_build(package: &str, bin: &str, env_override: &str) -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os(env_override) {
+        return Ok(PathBuf::from(path));
+    }
+    let exe = std::env::current_exe().context("current_exe")?;
+    let target = target_dir().context("no cargo target directory above the executable")?;
+    // <target>/[<triple>/]<profile>/[deps/]<exe>
+    let profile_dir = exe
+        .ancestors()
+        .skip(1)
+        .find(|d| d.parent().is_some_and(|p| p == target) || d.join("deps").is_dir())
+        .context("no profile directory above the executable")?;
+    let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => "dev".to_owned(),
+        Some(name) => name.to_owned(),
+    };
+    let cargo = std::env::var_os("CARGO")
+        .map(PathBuf::from)
+        .or_else(|| option_env!("CARGO").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from("cargo"));
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
+    let out = Command::new(&cargo)
+        .args(["build", "--quiet", "--message-format=json", "-p", package])
+        .args(["--bin", bin, "--profile", &profile])
+        .arg("--manifest-path")
+        .arg(&manifest)
+        .arg("--target-dir")
+        .arg(&target)
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("running {}", cargo.display()))?;
+    if !out.status.success() {
+        bail!(
+            "cargo build -p {package} --bin {bin} failed ({})",
+            out.status
+        );
+    }
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if msg["reason"] == "compiler-artifact"
+            && msg["target"]["name"] == bin
+            && let Some(path) = msg["executable"].as_str()
+        {
+            return Ok(PathBuf::from(path));
+        }
+    }
+    bail!("cargo reported no executable for {bin}")
+}
+
+/// Resolves a binary for the lab: the explicit path if given, else the one next to the running
+/// executable; the error says how to build it.
+pub fn resolve(explicit: Option<&Path>, name: &str, package: &str) -> Result<PathBuf> {
+    if let Some(path) = explicit {
+        if !path.is_file() {
+            bail!("{} does not exist", path.display());
+        }
+        return Ok(path.to_path_buf());
+    }
+    sibling(name).with_context(|| {
+        format!(
+            "no {name} next to {}: build it (`cargo build --release -p {package}` or \
+             `cargo xtask build`) or pass its path",
+            std::env::current_exe()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
+        )
+    })
+}

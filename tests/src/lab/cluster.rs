@@ -1,0 +1,329 @@
+//! A whole simulated cluster: topology, etcd in the hub, the network config, one agent per
+//! node, pods created through CNI once each node's subnet.env exists. `flannel-lab up` and
+//! the agent-driven benchmark variants are built on it.
+
+use std::{
+    fmt::Write as _,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Result, bail};
+use ipnet::Ipv4Net;
+use serde_json::Value;
+
+use super::{
+    agent::{Agent, AgentSpec, Dataplane},
+    kv::Kv,
+    lease::{self, LeaseRecord},
+    probe::{self, Matrix},
+    status,
+};
+use crate::{
+    etcd::Etcd,
+    topology::{SubnetEnv, Topology, TopologySpec},
+};
+
+/// What to bring up.
+#[derive(Debug, Clone)]
+pub struct ClusterSpec {
+    /// Nodes, underlay, MTU, CNI plugin (required when `pods_per_node > 0`).
+    pub topology: TopologySpec,
+    /// `Network` of the config.
+    pub network: Ipv4Net,
+    /// `Backend.Type`: vxlan, host-gw, ipip, wireguard, udp.
+    pub backend: String,
+    /// Further `Backend` options (a JSON object), e.g. `{"DirectRouting": true}`.
+    pub backend_options: Value,
+    /// The agent binary.
+    pub agent: PathBuf,
+    /// `--dataplane`
+    pub dataplane: Dataplane,
+    /// `--ip-masq`
+    pub ip_masq: bool,
+    /// Extra agent flags.
+    pub agent_args: Vec<String>,
+    /// Pods created through CNI on every node.
+    pub pods_per_node: usize,
+    /// How long each node may take to write subnet.env.
+    pub subnet_env_timeout: Duration,
+    /// `--etcd-prefix`
+    pub etcd_prefix: String,
+}
+
+impl ClusterSpec {
+    /// 10.244.0.0/16 with `backend`, kernel dataplane, 2 pods per node, 60 s to become ready.
+    pub fn new(topology: TopologySpec, backend: &str, agent: impl Into<PathBuf>) -> Self {
+        ClusterSpec {
+            topology,
+            network: Ipv4Net::new(std::net::Ipv4Addr::new(10, 244, 0, 0), 16).unwrap_or_default(),
+            backend: backend.to_owned(),
+            backend_options: Value::Object(Default::default()),
+            agent: agent.into(),
+            dataplane: Dataplane::Kernel,
+            ip_masq: false,
+            agent_args: Vec::new(),
+            pods_per_node: 2,
+            subnet_env_timeout: Duration::from_secs(60),
+            etcd_prefix: lease::DEFAULT_PREFIX.to_owned(),
+        }
+    }
+
+    /// The JSON stored at `<prefix>/config`.
+    pub fn netconf(&self) -> Value {
+        lease::netconf(self.network, &self.backend, self.backend_options.clone())
+    }
+}
+
+/// A running simulated cluster; dropping it stops the agents and etcd and removes the
+/// topology.
+pub struct Cluster {
+    // Drop order: agents, etcd, then the namespaces.
+    agents: Vec<Agent>,
+    etcd: Etcd,
+    topology: Topology,
+    kv: Kv,
+    spec: ClusterSpec,
+    subnet_envs: Vec<SubnetEnv>,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("etcd", &self.etcd.endpoint())
+            .field("topology", &self.topology)
+            .field("agents", &self.agents)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Cluster {
+    /// Brings the cluster up, reporting each step to `progress`. `cancelled` is polled while
+    /// waiting (Ctrl-C). Fails clearly when an agent exits or a subnet.env does not appear in
+    /// time (with the agent's log tail); everything built so far is removed on failure.
+    pub fn up(
+        spec: ClusterSpec,
+        progress: &dyn Fn(&str),
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<Cluster> {
+        progress(&format!(
+            "building {} node(s) on an {} underlay (MTU {})",
+            spec.topology.nodes, spec.topology.underlay, spec.topology.mtu
+        ));
+        let topology = Topology::new(spec.topology.clone())?;
+        Cluster::start(topology, spec, progress, cancelled)
+    }
+
+    /// Like [`Cluster::up`] on a topology built by the caller (`spec.topology` is ignored).
+    pub fn start(
+        topology: Topology,
+        spec: ClusterSpec,
+        progress: &dyn Fn(&str),
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<Cluster> {
+        let etcd = topology.start_etcd()?;
+        let kv = Kv::new(topology.hub(), etcd.endpoint());
+        progress(&format!(
+            "etcd at {} (in {})",
+            etcd.endpoint(),
+            topology.hub().name()
+        ));
+        let netconf = spec.netconf();
+        lease::write_netconf(&kv, &spec.etcd_prefix, &netconf)?;
+        progress(&format!("{}/config = {netconf}", spec.etcd_prefix));
+        let mut cluster = Cluster {
+            agents: Vec::new(),
+            etcd,
+            topology,
+            kv,
+            spec,
+            subnet_envs: Vec::new(),
+        };
+        let agent_spec = cluster.agent_spec();
+        for node in cluster.topology.nodes() {
+            let agent = Agent::start(node, &agent_spec)?;
+            progress(&format!(
+                "{}: flannel-agent pid {} {}",
+                node.name(),
+                agent.pid(),
+                agent.args().join(" ")
+            ));
+            cluster.agents.push(agent);
+        }
+        let deadline = Instant::now() + cluster.spec.subnet_env_timeout;
+        for i in 0..cluster.agents.len() {
+            let node = &cluster.topology.nodes()[i];
+            let agent = &mut cluster.agents[i];
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let env = node
+                .wait_subnet_env(remaining, || {
+                    if cancelled() {
+                        bail!("cancelled");
+                    }
+                    agent.check_running()
+                })
+                .or_else(|e| {
+                    if cancelled() {
+                        bail!("cancelled");
+                    }
+                    agent.check_running()?;
+                    bail!(
+                        "{e:#}\nthe agent still runs; last lines of {}:\n{}",
+                        agent.log_path().display(),
+                        agent.log_tail(30)
+                    )
+                })?;
+            progress(&format!("{}: subnet.env {}", node.name(), oneline(&env)));
+            cluster.subnet_envs.push(env);
+        }
+        for n in 1..=cluster.topology.nodes().len() {
+            for _ in 0..cluster.spec.pods_per_node {
+                let pod = cluster.topology.add_pod(n)?;
+                progress(&format!("node{n}: pod {} {}", pod.name(), pod.ip_net()));
+            }
+        }
+        Ok(cluster)
+    }
+
+    /// The agent flags shared by all nodes.
+    pub fn agent_spec(&self) -> AgentSpec {
+        let mut spec = AgentSpec::new(&self.spec.agent, self.etcd.endpoint());
+        spec.etcd_prefix = self.spec.etcd_prefix.clone();
+        spec.dataplane = Some(self.spec.dataplane);
+        spec.ip_masq = self.spec.ip_masq;
+        spec.extra_args = self.spec.agent_args.clone();
+        spec
+    }
+
+    /// The topology.
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    /// The topology, mutable (add or remove pods).
+    pub fn topology_mut(&mut self) -> &mut Topology {
+        &mut self.topology
+    }
+
+    /// etcd (lives in the hub).
+    pub fn etcd(&self) -> &Etcd {
+        &self.etcd
+    }
+
+    /// etcd access from the hub.
+    pub fn kv(&self) -> &Kv {
+        &self.kv
+    }
+
+    /// The spec it was built from.
+    pub fn spec(&self) -> &ClusterSpec {
+        &self.spec
+    }
+
+    /// Agent of node `n` (1-based).
+    pub fn agent_mut(&mut self, n: usize) -> Option<&mut Agent> {
+        self.agents.get_mut(n.checked_sub(1)?)
+    }
+
+    /// All agents, in node order.
+    pub fn agents_mut(&mut self) -> &mut [Agent] {
+        &mut self.agents
+    }
+
+    /// subnet.env of each node as read at start-up, in node order.
+    pub fn subnet_envs(&self) -> &[SubnetEnv] {
+        &self.subnet_envs
+    }
+
+    /// The leases in etcd.
+    pub fn leases(&self) -> Result<Vec<LeaseRecord>> {
+        lease::read_leases(&self.kv, &self.spec.etcd_prefix)
+    }
+
+    /// Every pod to every pod.
+    pub fn matrix(&self, timeout: Duration) -> Result<Matrix> {
+        let pods: Vec<_> = self.topology.pods().iter().collect();
+        probe::matrix(&pods, timeout)
+    }
+
+    /// The leases as a table.
+    pub fn leases_text(&self) -> Result<String> {
+        let leases = self.leases()?;
+        let mut out = format!(
+            "leases in etcd ({} under {}/subnets/):\n",
+            leases.len(),
+            self.spec.etcd_prefix
+        );
+        for l in &leases {
+            let node = self
+                .topology
+                .nodes()
+                .iter()
+                .find(|n| Some(n.addr()) == l.public_ip)
+                .map(|n| n.name())
+                .unwrap_or_else(|| "?".to_owned());
+            let _ = writeln!(
+                out,
+                "  {:<18} {:<7} public {:<15} {:<10} {}",
+                l.subnet.to_string(),
+                node,
+                l.public_ip.map(|ip| ip.to_string()).unwrap_or_default(),
+                l.backend_type.as_deref().unwrap_or("-"),
+                l.backend_data
+                    .as_ref()
+                    .map(Value::to_string)
+                    .unwrap_or_default()
+            );
+        }
+        Ok(out)
+    }
+
+    /// The live status block: leases, then per node the agent, the cluster routes by
+    /// protocol, neighbour and FDB counts, health and metrics.
+    pub fn status_text(&mut self) -> String {
+        let mut out = match self.leases_text() {
+            Ok(text) => text,
+            Err(e) => format!("leases: etcd unreachable: {e:#}\n"),
+        };
+        out += "nodes:\n";
+        let network = self.spec.network;
+        for (i, agent) in self.agents.iter_mut().enumerate() {
+            let node = &self.topology.nodes()[i];
+            let local = self.subnet_envs.get(i).and_then(SubnetEnv::lease);
+            let agent_text = match agent.exit_status() {
+                Some(status) => format!("agent EXITED ({status})"),
+                None => format!(
+                    "agent pid {} rss {} MiB",
+                    agent.pid(),
+                    agent.rss_kib().unwrap_or(0) / 1024
+                ),
+            };
+            let kernel = match status::kernel_counts(node.ns(), network, local) {
+                Ok(c) => format!(
+                    "routes {} {:?} neigh {} fdb {}",
+                    c.routes, c.route_protocols, c.neighbours, c.fdb
+                ),
+                Err(e) => format!("kernel: {e:#}"),
+            };
+            let (health, metrics) = match agent.healthz_port() {
+                Some(port) => (
+                    status::health_line(node.ns(), port),
+                    status::metrics_line(node.ns(), port),
+                ),
+                None => ("no healthz port".to_owned(), "n/a".to_owned()),
+            };
+            let _ = writeln!(
+                out,
+                "  {} {} subnet {}: {agent_text}\n    {kernel}\n    {health}; metrics: {metrics}",
+                node.name(),
+                node.addr(),
+                local.map(|l| l.to_string()).unwrap_or_else(|| "?".into()),
+            );
+        }
+        out
+    }
+}
+
+fn oneline(env: &SubnetEnv) -> String {
+    env.render().trim_end().replace('\n', " ")
+}
