@@ -17,6 +17,7 @@
 
 pub mod alloc;
 pub mod backend;
+pub mod bpf;
 pub mod cli;
 pub mod iface;
 pub mod ip;

@@ -16,3 +16,19 @@ pub fn count<const N: usize>(map: &PerCpuArray<Counter, N>, reason: Reason, byte
         }
     }
 }
+
+/// Counts a fast-path program run: the packet's class, its verdict, and `event` if it happened.
+#[inline(always)]
+pub fn count_run<const N: usize>(
+    map: &PerCpuArray<Counter, N>,
+    class: Reason,
+    verdict: Reason,
+    event: Option<Reason>,
+    bytes: u64,
+) {
+    count(map, class, bytes);
+    count(map, verdict, bytes);
+    if let Some(event) = event {
+        count(map, event, bytes);
+    }
+}
