@@ -22,7 +22,7 @@
 pub const PIN_LAYOUT_VERSION: &str = "v1";
 
 /// Directory (under the bpffs pin path, next to the layout versions) holding the pinned TCX
-/// links, named `<program>.<ifindex>`. Links outlive layout versions: a new agent replaces the
+/// links, named `<program>-<ifindex>` (bpffs refuses dots in link names). Links outlive layout versions: a new agent replaces the
 /// program behind an existing link atomically.
 pub const PIN_LINKS_DIR: &str = "links";
 

@@ -273,6 +273,11 @@ impl FastPath {
         out
     }
 
+    /// The loaded program of `hook`, for `BPF_PROG_TEST_RUN` (tests, debugging tools).
+    pub fn program_mut(&mut self, hook: Hook) -> Result<&mut SchedClassifier, BpfError> {
+        classifier(&mut self.ebpf, hook)
+    }
+
     /// The per-reason counters of the three programs (summed over CPUs).
     pub fn counters(&self) -> Result<Counters, BpfError> {
         Counters::read(&self.ebpf)
@@ -326,7 +331,7 @@ impl FastPath {
         if outcome == Attached::New {
             let pinned = fd_link
                 .pin(&path)
-                .map_err(|e| attach_error(format!("pinning {}: {e}", path.display())))?;
+                .map_err(|e| attach_error(format!("pinning {}: {e:?}", path.display())))?;
             fd_link = FdLink::from(pinned);
         }
         self.links.insert(

@@ -5,8 +5,10 @@
 //!   v1/                       layout version (flannel_common::maps::PIN_LAYOUT_VERSION)
 //!     FLANNEL_ROUTES4 ...     the pinned maps, by name
 //!   links/
-//!     tc_from_netdev.<ifindex>  pinned TCX links, one per program and interface
+//!     tc_from_netdev-<ifindex>  pinned TCX links, one per program and interface
 //! ```
+//!
+//! (bpffs refuses dots in the names of pinned links and programs, hence the dash.)
 //!
 //! Maps are adopted by a restarted agent only if their type, key and value sizes, size and
 //! flags are the ones this build expects ([`MAP_SPECS`]); anything else is unpinned and
@@ -146,7 +148,7 @@ impl PinLayout {
 
     /// Where the link of `program` on `ifindex` is pinned.
     pub fn link(&self, program: &str, ifindex: u32) -> PathBuf {
-        self.links_dir().join(format!("{program}.{ifindex}"))
+        self.links_dir().join(format!("{program}-{ifindex}"))
     }
 
     /// The pinned links of `program` other than the one on `keep`, as `(ifindex, path)`.
@@ -252,9 +254,9 @@ fn is_version_dir(name: &str) -> bool {
         .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
-/// The ifindex in `<program>.<ifindex>`.
+/// The ifindex in `<program>-<ifindex>`.
 fn parse_link_name(name: &str, program: &str) -> Option<u32> {
-    name.strip_prefix(program)?.strip_prefix('.')?.parse().ok()
+    name.strip_prefix(program)?.strip_prefix('-')?.parse().ok()
 }
 
 /// Removes the files in `dir` and then `dir`; returns how many files were removed.
@@ -314,7 +316,7 @@ mod tests {
         );
         assert_eq!(
             l.link("tc_from_bridge", 7),
-            PathBuf::from("/sys/fs/bpf/flannel/links/tc_from_bridge.7")
+            PathBuf::from("/sys/fs/bpf/flannel/links/tc_from_bridge-7")
         );
     }
 
