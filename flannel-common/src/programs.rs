@@ -28,7 +28,16 @@ pub const TC_FROM_NETDEV: &str = "tc_from_netdev";
 /// Node egress: TC egress of the external interface.
 pub const TC_TO_NETDEV: &str = "tc_to_netdev";
 
+/// Measurement only, never attached by the agent: VXLAN transmit through a collect_md device
+/// (`bpf_skb_set_tunnel_key` + redirect), the alternative the fast path was measured against.
+pub const TC_BENCH_VXMD: &str = "tc_bench_vxmd";
+
+/// The bench program's map: index 0 holds the collect_md device's ifindex.
+pub const BENCH_MD_MAP: &str = "FLANNEL_BENCHMD";
+
 const _: () = {
+    assert!(TC_BENCH_VXMD.len() <= MAX_OBJ_NAME_LEN);
+    assert!(BENCH_MD_MAP.len() <= MAX_OBJ_NAME_LEN);
     assert!(TC_CLASSIFY.len() <= MAX_OBJ_NAME_LEN);
     assert!(XDP_CLASSIFY.len() <= MAX_OBJ_NAME_LEN);
     assert!(TC_FROM_BRIDGE.len() <= MAX_OBJ_NAME_LEN);

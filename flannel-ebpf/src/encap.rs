@@ -38,8 +38,11 @@
 //!   our public IP, destination = the peer's public IP;
 //! - UDP: source port from the flow hash as `udp_flow_src_port` computes it (same hash, same
 //!   port as the kernel path would pick for the flow), destination `Config::vxlan_port`,
-//!   checksum 0 (the kernel default for IPv4 without `udpcsum`; it also avoids the offload bug
-//!   with checksummed VXLAN);
+//!   checksum 0. This is the one field that differs from `flannel.<VNI>`, which checksums
+//!   (the kernel's `udpcsum` default, which flannel keeps): a zero checksum is valid over IPv4
+//!   and VXLAN receivers must accept it (RFC 7348 §5), computing one would mean summing the
+//!   whole packet, and it is the root of flannel's long-standing checksum offload bug (issues
+//!   #1279, #2152);
 //! - VXLAN: flags `I`, the entry's VNI;
 //! - inner Ethernet: our VTEP MAC → the peer's VTEP MAC, IPv4;
 //! - inner IPv4: TTL decremented (as the kernel's forwarding does before `flannel.<VNI>`).

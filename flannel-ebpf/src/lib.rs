@@ -12,11 +12,13 @@
 //! | [`fib`] | `bpf_fib_lookup` + redirect |
 //! | [`maps`] | every map of the object |
 //! | [`stats`] | counting packets per [`flannel_common::stats::Reason`] |
+//! | [`bench`] | measurement only: the collect_md alternative (`tc_bench_vxmd`) |
 //!
 //! On the bpf target this is `no_std`; on the host it compiles with std so that clippy and the
 //! unit tests (`cargo test -p flannel-ebpf --lib`) cover the pure logic.
 #![cfg_attr(target_arch = "bpf", no_std)]
 
+pub mod bench;
 pub mod bridge;
 pub mod decide;
 pub mod deliver;

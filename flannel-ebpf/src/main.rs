@@ -7,6 +7,7 @@
 //! | `tc_from_netdev` | TC ingress of the external interface |
 //! | `tc_to_netdev` | TC egress of the external interface |
 //! | `tc_classify`, `xdp_classify` | anywhere: classification counters only |
+//! | `tc_bench_vxmd` | measurement only (never attached by the agent): collect_md transmit |
 //!
 //! Built for bpfel-unknown-none by aya-build; on the host it compiles too (empty `main`) so that
 //! `cargo clippy --workspace --all-targets` covers it.
@@ -20,7 +21,7 @@ use aya_ebpf::{
 };
 use flannel_common::stats::Reason;
 use flannel_ebpf::{
-    bridge,
+    bench, bridge,
     maps::{FLANNEL_CNT_FBR, FLANNEL_CNT_FND, FLANNEL_CNT_TND, FLANNEL_TC_CNT, FLANNEL_XDP_CNT},
     netdev,
     parse::{self, PULL_LEN, PacketCtx as _},
@@ -78,6 +79,13 @@ pub fn tc_to_netdev(ctx: TcContext) -> i32 {
         }
         None => TC_ACT_OK,
     }
+}
+
+/// Measurement only: the collect_md transmit alternative, see `flannel_ebpf::bench`.
+#[classifier]
+pub fn tc_bench_vxmd(ctx: TcContext) -> i32 {
+    ctx.pull_headers(PULL_LEN);
+    bench::vxlan_md(&ctx)
 }
 
 #[cfg(target_arch = "bpf")]
