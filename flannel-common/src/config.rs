@@ -16,6 +16,10 @@ pub const CFG_VXLAN_RX: u32 = 1 << 1;
 /// [`Config::flags`]: pod-to-pod packets arriving plain (host-gw) or by IPIP are delivered to
 /// the pod bridge by `tc_from_netdev` instead of being handed to the stack.
 pub const CFG_ROUTED_RX: u32 = 1 << 2;
+/// [`Config::flags`]: a kernel IPIP device (`flannel.ipip`) receives IPIP on this node (the
+/// kernel has the `ipip` module). GSO IPIP packets are then left to it, like GSO VXLAN to
+/// `flannel.<VNI>`, instead of being decapsulated in eBPF (see `flannel_ebpf::deliver`).
+pub const CFG_IPIP_KERNEL_RX: u32 = 1 << 3;
 
 /// The `skb->mark` with which `tc_from_bridge` (and `tc_to_netdev`, when it must redirect)
 /// tags the packets it sends to the external interface, so that `tc_to_netdev` recognises its

@@ -176,11 +176,16 @@ pub enum Reason {
     LearnNatGuard = 55,
     /// `tc_to_netdev` recorded a pod-to-pod flow leaving through the kernel (counted in addition to the verdict).
     LearnKernelFlow = 56,
+    /// `tc_from_netdev`: a GSO (GRO-aggregated) VXLAN packet. `bpf_skb_adjust_room` cannot
+    /// reset the tunnel offload state the way the kernel's VXLAN receive does, so the packet
+    /// would be segmented again in software on the way to the pod; it is left to
+    /// `flannel.<VNI>` and its flow is handed to the kernel in both directions.
+    PassGso = 57,
 }
 
 impl Reason {
     /// Number of reasons: the `max_entries` of the stats maps.
-    pub const COUNT: usize = 57;
+    pub const COUNT: usize = 58;
 
     /// Every reason, in index order.
     pub const ALL: [Reason; Reason::COUNT] = [
@@ -241,6 +246,7 @@ impl Reason {
         Reason::DropTooBig,
         Reason::LearnNatGuard,
         Reason::LearnKernelFlow,
+        Reason::PassGso,
     ];
 
     /// The map index of this reason.
@@ -318,6 +324,7 @@ impl Reason {
             Reason::DropTooBig => "drop_too_big",
             Reason::LearnNatGuard => "learn_nat_guard",
             Reason::LearnKernelFlow => "learn_kernel_flow",
+            Reason::PassGso => "pass_gso",
         }
     }
 
@@ -376,7 +383,8 @@ impl Reason {
             | Reason::PassUnknownPeer
             | Reason::PassVxlanMismatch
             | Reason::PassVxlanRxOff
-            | Reason::PassRoutedRxOff => ReasonKind::Pass,
+            | Reason::PassRoutedRxOff
+            | Reason::PassGso => ReasonKind::Pass,
             Reason::DropRewriteFailed | Reason::DropTooBig => ReasonKind::Drop,
             Reason::LearnNatGuard | Reason::LearnKernelFlow => ReasonKind::Event,
         }

@@ -67,6 +67,7 @@ pub fn run(ctx: &TcContext) -> Outcome {
         &info,
         |dst| maps::route(dst).copied(),
         deliver::is_nat_guarded,
+        deliver::is_kernel_flow,
     );
     let sent = match action {
         BridgeAction::Pass(reason) => Err(reason),

@@ -77,13 +77,15 @@ pub fn flow_key_incoming(info: &Ipv4Info) -> FlowKey {
 ///
 /// Checks, in order (the first that fails names the pass reason): ICMP is echo; the source is
 /// a local pod; the destination is in the cluster network and in a remote subnet; TTL > 1; the
-/// remote endpoint did not reach us through a host address (`nat_guard`); the entry's kind.
+/// remote endpoint did not reach us through a host address (`nat_guard`); the flow is not one
+/// the kernel tracks (`kernel_flow`); the entry's kind.
 #[inline(always)]
 pub fn from_bridge(
     cfg: &Config,
     info: &Ipv4Info,
     route: impl FnOnce([u8; 4]) -> Option<RemoteEntry>,
     nat_guard: impl FnOnce(&PeerKey) -> bool,
+    kernel_flow: impl FnOnce(&FlowKey) -> bool,
 ) -> BridgeAction {
     if info.proto == crate::parse::proto::ICMP && !info.is_icmp_echo() {
         return BridgeAction::Pass(Reason::PassIcmpNotEcho);
@@ -102,6 +104,9 @@ pub fn from_bridge(
     }
     if info.has_ports() && nat_guard(&peer_key_to(info)) {
         return BridgeAction::Pass(Reason::PassNatReply);
+    }
+    if kernel_flow(&flow_key_outgoing(info)) {
+        return BridgeAction::Pass(Reason::PassKernelFlow);
     }
     match RouteKind::from_u32(entry.kind) {
         Some(RouteKind::HostGw) => BridgeAction::HostGw,
@@ -221,12 +226,13 @@ mod tests {
                 &info,
                 |d| (d == REMOTE).then(|| entry(kind)),
                 |_| false,
+                |_| false,
             );
             assert_eq!(got, want);
         }
         let bad = RemoteEntry::default();
         assert_eq!(
-            from_bridge(&cfg(), &info, |_| Some(bad), |_| false),
+            from_bridge(&cfg(), &info, |_| Some(bad), |_| false, |_| false),
             BridgeAction::Pass(Reason::PassBadRoute)
         );
     }
@@ -234,7 +240,8 @@ mod tests {
     #[test]
     fn bridge_passes_with_the_first_failing_reason() {
         let route = |_| Some(entry(RouteKind::Vxlan));
-        let pass = |info: Ipv4Info, guard: bool| from_bridge(&cfg(), &info, route, |_| guard);
+        let pass =
+            |info: Ipv4Info, guard: bool| from_bridge(&cfg(), &info, route, |_| guard, |_| false);
         assert_eq!(
             pass(tcp([10, 244, 1, 1], REMOTE), false),
             BridgeAction::Pass(Reason::PassForeignSource)
@@ -248,7 +255,7 @@ mod tests {
             BridgeAction::Pass(Reason::PassNoRoute)
         );
         assert_eq!(
-            from_bridge(&cfg(), &tcp(POD, REMOTE), |_| None, |_| false),
+            from_bridge(&cfg(), &tcp(POD, REMOTE), |_| None, |_| false, |_| false),
             BridgeAction::Pass(Reason::PassNoRoute)
         );
         let mut low_ttl = tcp(POD, REMOTE);
@@ -284,6 +291,7 @@ mod tests {
                 seen = Some(*k);
                 false
             },
+            |_| false,
         );
         assert_eq!(
             seen,
@@ -304,8 +312,26 @@ mod tests {
             &echo,
             |_| Some(entry(RouteKind::Ipip)),
             |_| panic!("ICMP has no ports to guard"),
+            |_| false,
         );
         assert_eq!(got, BridgeAction::Ipip(entry(RouteKind::Ipip)));
+    }
+
+    #[test]
+    fn kernel_flows_stay_in_the_kernel_on_transmit() {
+        let info = tcp(POD, REMOTE);
+        let got = from_bridge(
+            &cfg(),
+            &info,
+            |_| Some(entry(RouteKind::Vxlan)),
+            |_| false,
+            |k| {
+                assert_eq!((k.local_addr, k.remote_addr), (POD, REMOTE));
+                assert_eq!((k.local_port, k.remote_port), ([0x9c, 0x40], [0, 80]));
+                true
+            },
+        );
+        assert_eq!(got, BridgeAction::Pass(Reason::PassKernelFlow));
     }
 
     #[test]

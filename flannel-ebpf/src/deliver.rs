@@ -34,6 +34,23 @@
 //! Flows that change path midway (the fast path attached or detached under live connections,
 //! an LRU entry evicted) are picked up by conntrack's loose TCP tracking as established flows.
 //!
+//! One more kind of flow moves to the kernel: a flow whose VXLAN packets arrive as GSO
+//! packets (GRO aggregates of a real NIC; GSO packets a peer's fast path sent over a veth).
+//! `bpf_skb_adjust_room` leaves `skb->encapsulation` and the tunnel GSO type set when it
+//! removes the headers (the kernel's VXLAN receive clears them in `iptunnel_pull_offloads`;
+//! BPF can only since `BPF_F_ADJ_ROOM_DECAP_L4_UDP`, not in 6.18), and the bridge, which has
+//! no `hw_enc_features`, then segments every such packet in software before the pod gets it:
+//! measured here, 35 000 GSO packets became 1.39 million on the pod's veth and a single TCP
+//! stream dropped from 12 to 4.6 Gbit/s. So `tc_from_netdev` leaves GSO VXLAN to
+//! `flannel.<VNI>` (GRO cells, proper offload state) and records the flow in
+//! [`flannel_common::maps::KERNEL_FLOWS4`]; from then on `tc_from_bridge` sends the local pod's
+//! packets of that flow through the kernel too ([`Reason::PassKernelFlow`]). Conntrack picks the
+//! flow up in the middle (an ACK-bearing segment is a valid start for loose tracking) and sees
+//! both directions, including the FIN, from then on. Bulk receivers thus run at kernel speed;
+//! everything else (bulk senders, request/response, new connections) stays on the fast path.
+//! IPIP has no kernel receive to leave GSO packets to (no `ipip` module): they are
+//! decapsulated and delivered, and pay the software segmentation.
+//!
 //! Netfilter rules are therefore bypassed for pod-to-pod traffic in both directions; a
 //! netfilter-based NetworkPolicy controller needs `--dataplane kernel`.
 
@@ -112,6 +129,14 @@ pub fn learn_nat_guard(cfg: &Config, info: &Ipv4Info) -> bool {
         return false;
     }
     FLANNEL_NATGRD4.insert(key, 1u32, 0).is_ok()
+}
+
+/// Hands the flow of a packet arriving for a local pod to the kernel (both directions from now
+/// on); true when a new entry was added.
+#[inline(always)]
+pub fn hand_to_kernel(info: &Ipv4Info) -> bool {
+    let key = decide::flow_key_incoming(info);
+    FLANNEL_KFLOWS4.insert(key, 1u32, 0).is_ok()
 }
 
 /// Records the flow of a local pod's packet that leaves through the kernel, if it is a

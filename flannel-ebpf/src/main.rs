@@ -52,7 +52,13 @@ pub fn tc_from_bridge(ctx: TcContext) -> i32 {
     ctx.pull_headers(PULL_LEN);
     let bytes = ctx.packet_len() as u64;
     let out = bridge::run(&ctx);
-    stats::count_run(&FLANNEL_CNT_FBR, out.class, out.verdict, None, bytes);
+    stats::count_run(
+        &FLANNEL_CNT_FBR,
+        out.class,
+        out.verdict,
+        [None, None],
+        bytes,
+    );
     out.action
 }
 
@@ -62,8 +68,11 @@ pub fn tc_from_netdev(ctx: TcContext) -> i32 {
     ctx.pull_headers(PULL_LEN);
     let bytes = ctx.packet_len() as u64;
     let (out, learnt) = netdev::from_netdev(&ctx);
-    let event = learnt.then_some(Reason::LearnNatGuard);
-    stats::count_run(&FLANNEL_CNT_FND, out.class, out.verdict, event, bytes);
+    let events = [
+        learnt.nat_guard.then_some(Reason::LearnNatGuard),
+        learnt.kernel_flow.then_some(Reason::LearnKernelFlow),
+    ];
+    stats::count_run(&FLANNEL_CNT_FND, out.class, out.verdict, events, bytes);
     out.action
 }
 
@@ -74,7 +83,13 @@ pub fn tc_to_netdev(ctx: TcContext) -> i32 {
     match netdev::to_netdev(&ctx) {
         Some((out, learnt)) => {
             let event = learnt.then_some(Reason::LearnKernelFlow);
-            stats::count_run(&FLANNEL_CNT_TND, out.class, out.verdict, event, bytes);
+            stats::count_run(
+                &FLANNEL_CNT_TND,
+                out.class,
+                out.verdict,
+                [event, None],
+                bytes,
+            );
             out.action
         }
         None => TC_ACT_OK,

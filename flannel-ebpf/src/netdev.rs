@@ -26,7 +26,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use flannel_common::{
-    config::{CFG_ROUTED_RX, CFG_VXLAN_RX, Config, FASTPATH_MARK},
+    config::{CFG_IPIP_KERNEL_RX, CFG_ROUTED_RX, CFG_VXLAN_RX, Config, FASTPATH_MARK},
     route::{NODE_F_IPIP, NODE_F_VXLAN, RouteKind},
     stats::Reason,
 };
@@ -79,9 +79,18 @@ impl From<Reason> for Verdict {
     }
 }
 
-/// The body of `tc_from_netdev`. The second value says whether the NAT guard learnt an entry.
+/// Side effects of a `tc_from_netdev` run, counted in addition to the verdict.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Learnt {
+    /// The NAT guard learnt a remote endpoint.
+    pub nat_guard: bool,
+    /// A flow was handed to the kernel.
+    pub kernel_flow: bool,
+}
+
+/// The body of `tc_from_netdev`.
 #[inline(always)]
-pub fn from_netdev(ctx: &TcContext) -> (Outcome, bool) {
+pub fn from_netdev(ctx: &TcContext) -> (Outcome, Learnt) {
     let parsed = parse::parse(ctx);
     let class = match &parsed {
         Ok(p) => p.class,
@@ -93,14 +102,27 @@ pub fn from_netdev(ctx: &TcContext) -> (Outcome, bool) {
         verdict: v.reason,
     };
     let Some(cfg) = maps::config() else {
-        return (outcome(Verdict::pass(Reason::PassNotConfigured)), false);
+        return (
+            outcome(Verdict::pass(Reason::PassNotConfigured)),
+            Learnt::default(),
+        );
     };
     let outer: Packet = match &parsed {
         Ok(p) if p.ethertype == ETH_P_IP => *p,
-        Ok(_) => return (outcome(Verdict::pass(Reason::PassNotIpv4)), false),
-        Err(_) => return (outcome(Verdict::pass(Reason::PassMalformed)), false),
+        Ok(_) => {
+            return (
+                outcome(Verdict::pass(Reason::PassNotIpv4)),
+                Learnt::default(),
+            );
+        }
+        Err(_) => {
+            return (
+                outcome(Verdict::pass(Reason::PassMalformed)),
+                Learnt::default(),
+            );
+        }
     };
-    let mut learnt = false;
+    let mut learnt = Learnt::default();
     let verdict = if outer.class == Reason::Ipv4Fragment {
         Verdict::pass(Reason::PassFragment)
     } else if outer.class == Reason::Ipv4Options {
@@ -108,17 +130,27 @@ pub fn from_netdev(ctx: &TcContext) -> (Outcome, bool) {
     } else {
         match ipv4::read(ctx, &outer) {
             None => Verdict::pass(Reason::PassMalformed),
-            Some(info) if info.dst == cfg.public_ip && info.proto == IPPROTO_IPIP => {
-                ipip_in(ctx, cfg, &info, &mut learnt)
-            }
+            Some(info) if info.dst == cfg.public_ip && info.proto == IPPROTO_IPIP => ipip_in(
+                ctx,
+                cfg,
+                &info,
+                &mut learnt.nat_guard,
+                &mut learnt.kernel_flow,
+            ),
             Some(info)
                 if info.dst == cfg.public_ip
                     && info.proto == proto::UDP
                     && u16::from_be_bytes(info.dport) == cfg.vxlan_port =>
             {
-                vxlan_in(ctx, cfg, &info, &mut learnt)
+                vxlan_in(
+                    ctx,
+                    cfg,
+                    &info,
+                    &mut learnt.nat_guard,
+                    &mut learnt.kernel_flow,
+                )
             }
-            Some(info) => plain_in(ctx, cfg, &outer, &info, &mut learnt),
+            Some(info) => plain_in(ctx, cfg, &outer, &info, &mut learnt.nat_guard),
         }
     };
     (outcome(verdict), learnt)
@@ -163,9 +195,27 @@ fn plain_in(
 
 /// IPIP for our public IP.
 #[inline(always)]
-fn ipip_in(ctx: &TcContext, cfg: &Config, outer: &Ipv4Info, learnt: &mut bool) -> Verdict {
+fn ipip_in(
+    ctx: &TcContext,
+    cfg: &Config,
+    outer: &Ipv4Info,
+    learnt: &mut bool,
+    kernel_flow: &mut bool,
+) -> Verdict {
     if maps::node_flags(outer.src) & NODE_F_IPIP == 0 {
         return Verdict::pass(Reason::PassUnknownPeer);
+    }
+    if cfg.flags & CFG_IPIP_KERNEL_RX != 0 && fib::gso_size(ctx) != 0 {
+        // A kernel IPIP device exists: it receives GSO packets properly (see `deliver`).
+        if let Ok(inner) = ipv4::screen(&parse::parse_ipv4_at(ctx, IPIP_INNER_L3))
+            && let Some(inner) = ipv4::read(ctx, &inner)
+        {
+            *learnt = deliver::learn_nat_guard(cfg, &inner);
+            if cfg.is_local_pod(inner.dst) {
+                *kernel_flow = deliver::hand_to_kernel(&inner);
+            }
+        }
+        return Verdict::pass(Reason::PassGso);
     }
     let inner = parse::parse_ipv4_at(ctx, IPIP_INNER_L3);
     let inner_packet = match ipv4::screen(&inner) {
@@ -220,7 +270,13 @@ fn ipip_in(ctx: &TcContext, cfg: &Config, outer: &Ipv4Info, learnt: &mut bool) -
 
 /// VXLAN for our public IP and port.
 #[inline(always)]
-fn vxlan_in(ctx: &TcContext, cfg: &Config, outer: &Ipv4Info, learnt: &mut bool) -> Verdict {
+fn vxlan_in(
+    ctx: &TcContext,
+    cfg: &Config,
+    outer: &Ipv4Info,
+    learnt: &mut bool,
+    kernel_flow: &mut bool,
+) -> Verdict {
     if outer.l4 != ETH_HDR_LEN + 20 {
         return Verdict::pass(Reason::PassVxlanMismatch);
     }
@@ -261,6 +317,12 @@ fn vxlan_in(ctx: &TcContext, cfg: &Config, outer: &Ipv4Info, learnt: &mut bool) 
         deliver::is_kernel_flow,
     ) {
         return Verdict::pass(reason);
+    }
+    if fib::gso_size(ctx) != 0 {
+        // See `deliver`: the kernel's VXLAN receive handles GSO packets properly; the flow
+        // moves to the kernel in both directions.
+        *kernel_flow = deliver::hand_to_kernel(&info);
+        return Verdict::pass(Reason::PassGso);
     }
     let route = deliver::route_to_pod(ctx, &info);
     if route == Fib::Failed {

@@ -803,34 +803,48 @@ fn large_tcp_transfer_through_the_vxlan_fast_path() {
     let Some(c) = Cluster::new("dbig", Backend::Vxlan, 2) else {
         return;
     };
-    // GRO on the receiving underlay interface: the receive side then sees GSO VXLAN packets.
-    let _ = c.node(2).sh("ethtool -K eth0 gro on");
     c.enable(1);
     c.enable(2);
     c.drop_invalid();
     let before = c.counters(1).from_bridge.get(Reason::FastVxlan);
     let (gbps, retransmits) = iperf(&c, 1, 2, 4).expect("iperf3");
     let after = c.counters(1).from_bridge.get(Reason::FastVxlan);
-    let segments_bytes = after.bytes - before.bytes;
+    let packets = after.packets - before.packets;
+    let bytes = after.bytes - before.bytes;
     println!(
-        "iperf3 pod 1 -> pod 2 through the VXLAN fast path: {gbps:.2} Gbit/s, {retransmits} \
-         retransmits, {} fast-path packets carrying {segments_bytes} bytes",
-        after.packets - before.packets
+        "iperf3 pod 1 -> pod 2, VXLAN fast path on both nodes: {gbps:.2} Gbit/s, {retransmits} \
+         retransmits, node 1 sent {packets} fast-path packets carrying {bytes} bytes"
     );
-    assert!(gbps > 0.2, "throughput {gbps} Gbit/s");
+    assert!(gbps > 0.5, "throughput {gbps} Gbit/s");
     // No retransmit storm: well under 1% of the segments sent.
-    let segments = segments_bytes / 1400;
+    let segments = bytes / 1400;
     assert!(
         retransmits * 100 < segments.max(1),
         "{retransmits} retransmits for ~{segments} segments"
     );
-    // GSO packets go through adjust_room whole: fewer fast-path packets than MTU segments.
+    // GSO packets went through adjust_room whole: far fewer packets than MTU-sized segments.
     assert!(
-        after.packets - before.packets < segments,
-        "{} packets for {segments} segments: no GSO?",
-        after.packets - before.packets
+        packets * 4 < segments,
+        "{packets} packets for {segments} segments: GSO lost on transmit?"
     );
-    assert_fast(&c.counters(2), &[(Reason::FastDeliverVxlan, 100)], "node 2");
+    // The receiver left the GSO VXLAN packets to flannel.1 and handed the flow to the kernel
+    // in both directions (its ACKs then leave through flannel.1).
+    let n2 = c.counters(2);
+    assert!(n2.from_netdev.get(Reason::PassGso).packets >= 1, "{n2:?}");
+    assert!(
+        n2.from_netdev.get(Reason::LearnKernelFlow).packets >= 1,
+        "{n2:?}"
+    );
+    assert!(
+        n2.from_netdev.get(Reason::PassKernelFlow).packets > 100,
+        "{n2:?}"
+    );
+    assert!(
+        n2.from_bridge.get(Reason::PassKernelFlow).packets > 100,
+        "{n2:?}"
+    );
+    // A new connection after the transfer still takes the fast path.
+    tcp_echo(&c.node(2).pod, pod_ip(2), &c.node(1).pod, 4096).expect("TCP after the bulk flow");
 }
 
 /// Pings node 2's pod from node 1's pod every 10 ms while `during` runs; returns the losses.

@@ -846,6 +846,58 @@ fn netdev_delivers_remote_pods_packets_to_the_bridge() {
 }
 
 #[test]
+fn gso_vxlan_moves_its_flow_to_the_kernel() {
+    let Some(rig) = Rig::new("fpgso") else { return };
+    rig.with_fast_path(|fp, ifs| {
+        // A GRO aggregate of a pod-to-pod flow: left to flannel.1, flow handed to the kernel.
+        let inner = Ipv4::new(VXLAN_POD, POD, Tcp::new(80, 43000).payload(&[3; 1200]));
+        let frame = vxlan_frame(PUB3, 1, 8472, LOCAL_VTEP, &inner);
+        let gso = Skb {
+            gso_size: 600,
+            gso_segs: 2,
+            ..Skb::on(ifs.ext)
+        };
+        let r = run(fp, Hook::FromNetdev, &frame, gso);
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_bytes(&r.out, &frame, "GSO VXLAN left to flannel.1");
+        assert_counted(
+            &r,
+            &frame,
+            &[Reason::Ipv4Udp, Reason::LearnKernelFlow, Reason::PassGso],
+            "GSO VXLAN",
+        );
+        // The local pod's packets of that flow now take the kernel path ...
+        let ack = pod_frame(&from_pod(VXLAN_POD, Tcp::new(43000, 80)));
+        let r = run(fp, Hook::FromBridge, &ack, Skb::on(ifs.br));
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_counted(
+            &r,
+            &ack,
+            &[Reason::Ipv4Tcp, Reason::PassKernelFlow],
+            "the flow's reply",
+        );
+        // ... and so do its small packets on receive; other flows stay on the fast path.
+        let small = vxlan_frame(
+            PUB3,
+            1,
+            8472,
+            LOCAL_VTEP,
+            &Ipv4::new(VXLAN_POD, POD, Tcp::new(80, 43000)),
+        );
+        let r = run(fp, Hook::FromNetdev, &small, Skb::on(ifs.ext));
+        assert_counted(
+            &r,
+            &small,
+            &[Reason::Ipv4Udp, Reason::PassKernelFlow],
+            "the flow's small packets",
+        );
+        let other = pod_frame(&from_pod(VXLAN_POD, Tcp::new(43001, 80)));
+        let r = run(fp, Hook::FromBridge, &other, Skb::on(ifs.br));
+        assert_eq!(r.verdict, TC_ACT_REDIRECT);
+    });
+}
+
+#[test]
 fn netdev_decapsulates_ipip_for_the_stack_and_refuses_unknown_nodes() {
     let Some(rig) = Rig::new("fpipin") else {
         return;

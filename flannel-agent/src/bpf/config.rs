@@ -3,7 +3,9 @@
 
 use std::{fs, net::Ipv4Addr};
 
-use flannel_common::config::{CFG_ENABLED, CFG_ROUTED_RX, CFG_VXLAN_RX, Config};
+use flannel_common::config::{
+    CFG_ENABLED, CFG_IPIP_KERNEL_RX, CFG_ROUTED_RX, CFG_VXLAN_RX, Config,
+};
 use ipnet::Ipv4Net;
 
 use super::BpfError;
@@ -45,6 +47,11 @@ pub struct LocalConfig {
     pub vxlan_rx: bool,
     /// Deliver plain (host-gw) and IPIP pod-to-pod packets to the bridge in eBPF. Same remark.
     pub routed_rx: bool,
+    /// A kernel IPIP device (`flannel.ipip`) exists on this node (kernels with the `ipip`
+    /// module): GSO IPIP packets are left to it instead of being decapsulated in eBPF, which
+    /// cannot reset their offload state (they would be segmented in software on the way to
+    /// the pod).
+    pub ipip_kernel_device: bool,
 }
 
 impl LocalConfig {
@@ -62,6 +69,7 @@ impl LocalConfig {
             outer_ttl: kernel_default_ttl().unwrap_or(64),
             vxlan_rx: true,
             routed_rx: true,
+            ipip_kernel_device: false,
         }
     }
 
@@ -101,6 +109,9 @@ impl LocalConfig {
         }
         if self.routed_rx {
             flags |= CFG_ROUTED_RX;
+        }
+        if self.ipip_kernel_device {
+            flags |= CFG_IPIP_KERNEL_RX;
         }
         let mut entry = Config {
             flags,

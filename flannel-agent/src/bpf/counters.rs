@@ -1,5 +1,7 @@
 //! Reading the programs' per-CPU counters: packets and bytes per [`Reason`], summed over CPUs.
 
+use std::fmt;
+
 use aya::{
     Ebpf,
     maps::{MapData, PerCpuArray},
@@ -12,8 +14,22 @@ use flannel_common::{
 use super::BpfError;
 
 /// One program's counters, indexed by [`Reason`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct ReasonCounters(Vec<Counter>);
+
+/// Lists the non-zero reasons by name: `{fast_vxlan: 12 packets / 8400 bytes, ...}`.
+impl fmt::Debug for ReasonCounters {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut map = f.debug_map();
+        for (reason, c) in self.nonzero() {
+            map.entry(
+                &format_args!("{}", reason.name()),
+                &format_args!("{} packets / {} bytes", c.packets, c.bytes),
+            );
+        }
+        map.finish()
+    }
+}
 
 impl ReasonCounters {
     /// The counter of `reason`.

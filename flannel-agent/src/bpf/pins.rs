@@ -325,12 +325,12 @@ mod tests {
         assert!(is_version_dir("v1") && is_version_dir("v12"));
         assert!(!is_version_dir("v") && !is_version_dir("links") && !is_version_dir("v1x"));
         assert_eq!(
-            parse_link_name("tc_from_netdev.12", "tc_from_netdev"),
+            parse_link_name("tc_from_netdev-12", "tc_from_netdev"),
             Some(12)
         );
-        assert_eq!(parse_link_name("tc_from_netdev.12", "tc_to_netdev"), None);
+        assert_eq!(parse_link_name("tc_from_netdev-12", "tc_to_netdev"), None);
         assert_eq!(
-            parse_link_name("tc_from_netdevx.12", "tc_from_netdev"),
+            parse_link_name("tc_from_netdevx-12", "tc_from_netdev"),
             None
         );
     }
