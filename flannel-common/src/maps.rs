@@ -13,7 +13,7 @@
 //! | [`CONFIG`] | array (1) | 0 → [`crate::config::Config`] | agent |
 //! | [`NAT_GUARD4`] | LRU hash | [`crate::flow::PeerKey`] → `u32` | `tc_from_netdev` |
 //! | [`KERNEL_FLOWS4`] | LRU hash | [`crate::flow::FlowKey`] → `u32` | `tc_to_netdev` |
-//! | [`CNT_FROM_BRIDGE`], [`CNT_FROM_NETDEV`], [`CNT_TO_NETDEV`] | per-CPU array | [`crate::stats::Reason`] → [`crate::stats::Counter`] | the program of that name |
+//! | [`CNT_FROM_BRIDGE`], [`CNT_FROM_NETDEV`], [`CNT_TO_NETDEV`], [`CNT_XDP_NETDEV`] | per-CPU array | [`crate::stats::Reason`] → [`crate::stats::Counter`] | the program of that name |
 //! | [`TC_STATS`], [`XDP_STATS`] | per-CPU array | [`crate::stats::Reason`] → [`crate::stats::Counter`] | the classifiers |
 
 /// Directory (under the bpffs pin path) holding this layout version's pinned maps. Bump it when
@@ -55,18 +55,20 @@ pub const CNT_FROM_BRIDGE: &str = "FLANNEL_CNT_FBR";
 pub const CNT_FROM_NETDEV: &str = "FLANNEL_CNT_FND";
 /// Counters of `tc_to_netdev`.
 pub const CNT_TO_NETDEV: &str = "FLANNEL_CNT_TND";
+/// Counters of `xdp_from_netdev`.
+pub const CNT_XDP_NETDEV: &str = "FLANNEL_CNT_XND";
 
 /// Per-CPU array of [`crate::stats::Counter`] indexed by [`crate::stats::Reason`], filled by the
 /// TC classifier.
 pub const TC_STATS: &str = "FLANNEL_TC_CNT";
 
 /// Per-CPU array of [`crate::stats::Counter`] indexed by [`crate::stats::Reason`], filled by the
-/// XDP programs (kept apart from [`TC_STATS`] so a packet seen by both hooks is not counted twice
-/// in one place).
+/// XDP classifier (kept apart from [`TC_STATS`] so a packet seen by both hooks is not counted
+/// twice in one place).
 pub const XDP_STATS: &str = "FLANNEL_XDP_CNT";
 
 /// The maps the agent pins (and adopts after a restart).
-pub const PINNED: [&str; 8] = [
+pub const PINNED: [&str; 9] = [
     ROUTES4,
     NODES4,
     CONFIG,
@@ -75,6 +77,7 @@ pub const PINNED: [&str; 8] = [
     CNT_FROM_BRIDGE,
     CNT_FROM_NETDEV,
     CNT_TO_NETDEV,
+    CNT_XDP_NETDEV,
 ];
 
 /// Longest name the kernel keeps for a map or program.

@@ -8,6 +8,7 @@
 //! | [`TC_FROM_BRIDGE`] | TC ingress of the pod bridge (`cni0`) | pod → remote pod: host-gw redirect, VXLAN or IPIP encapsulation |
 //! | [`TC_FROM_NETDEV`] | TC ingress of the external interface | IPIP decapsulation, VXLAN receive, delivery to the bridge, NAT-guard learning |
 //! | [`TC_TO_NETDEV`] | TC egress of the external interface | IPIP encapsulation of kernel-routed packets, kernel-flow learning |
+//! | [`XDP_FROM_NETDEV`] | XDP (native mode only) of the external interface | decapsulation of deliverable IPIP/VXLAN before GRO |
 
 use crate::maps::MAX_OBJ_NAME_LEN;
 
@@ -28,6 +29,9 @@ pub const TC_FROM_NETDEV: &str = "tc_from_netdev";
 /// Node egress: TC egress of the external interface.
 pub const TC_TO_NETDEV: &str = "tc_to_netdev";
 
+/// Node ingress before GRO: XDP (native mode) of the external interface.
+pub const XDP_FROM_NETDEV: &str = "xdp_from_netdev";
+
 /// Measurement only, never attached by the agent: VXLAN transmit through a collect_md device
 /// (`bpf_skb_set_tunnel_key` + redirect), the alternative the fast path was measured against.
 pub const TC_BENCH_VXMD: &str = "tc_bench_vxmd";
@@ -43,4 +47,5 @@ const _: () = {
     assert!(TC_FROM_BRIDGE.len() <= MAX_OBJ_NAME_LEN);
     assert!(TC_FROM_NETDEV.len() <= MAX_OBJ_NAME_LEN);
     assert!(TC_TO_NETDEV.len() <= MAX_OBJ_NAME_LEN);
+    assert!(XDP_FROM_NETDEV.len() <= MAX_OBJ_NAME_LEN);
 };

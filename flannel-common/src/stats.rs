@@ -181,11 +181,16 @@ pub enum Reason {
     /// would be segmented again in software on the way to the pod; it is left to
     /// `flannel.<VNI>` and its flow is handed to the kernel in both directions.
     PassGso = 57,
+    /// `xdp_from_netdev`: IPIP for a local pod from a known node, decapsulated before GRO
+    /// (`tc_from_netdev` then delivers the inner packet).
+    FastXdpDecapIpip = 58,
+    /// `xdp_from_netdev`: VXLAN for a local pod from a known node, decapsulated before GRO.
+    FastXdpDecapVxlan = 59,
 }
 
 impl Reason {
     /// Number of reasons: the `max_entries` of the stats maps.
-    pub const COUNT: usize = 58;
+    pub const COUNT: usize = 60;
 
     /// Every reason, in index order.
     pub const ALL: [Reason; Reason::COUNT] = [
@@ -247,6 +252,8 @@ impl Reason {
         Reason::LearnNatGuard,
         Reason::LearnKernelFlow,
         Reason::PassGso,
+        Reason::FastXdpDecapIpip,
+        Reason::FastXdpDecapVxlan,
     ];
 
     /// The map index of this reason.
@@ -325,6 +332,8 @@ impl Reason {
             Reason::LearnNatGuard => "learn_nat_guard",
             Reason::LearnKernelFlow => "learn_kernel_flow",
             Reason::PassGso => "pass_gso",
+            Reason::FastXdpDecapIpip => "fast_xdp_decap_ipip",
+            Reason::FastXdpDecapVxlan => "fast_xdp_decap_vxlan",
         }
     }
 
@@ -361,7 +370,9 @@ impl Reason {
             | Reason::FastDecapIpip
             | Reason::FastDeliverIpip
             | Reason::FastDeliverVxlan
-            | Reason::FastDeliver => ReasonKind::Fast,
+            | Reason::FastDeliver
+            | Reason::FastXdpDecapIpip
+            | Reason::FastXdpDecapVxlan => ReasonKind::Fast,
             Reason::PassNotConfigured
             | Reason::PassNotIpv4
             | Reason::PassMalformed

@@ -7,6 +7,7 @@
 //! | [`decide`] | the fast path's decisions as pure functions (host-tested) |
 //! | [`bridge`] | `tc_from_bridge`: pod → remote pod transmit |
 //! | [`netdev`] | `tc_from_netdev` / `tc_to_netdev`: receive, delivery, IPIP egress |
+//! | [`xdp`] | `xdp_from_netdev`: tunnel decapsulation before GRO |
 //! | [`encap`] | VXLAN and IPIP headers and encapsulation (and why not collect_md) |
 //! | [`deliver`] | decapsulation, delivery to the bridge, the conntrack-consistency flow tables |
 //! | [`fib`] | `bpf_fib_lookup` + redirect |
@@ -29,3 +30,4 @@ pub mod maps;
 pub mod netdev;
 pub mod parse;
 pub mod stats;
+pub mod xdp;

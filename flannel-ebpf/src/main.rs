@@ -6,6 +6,7 @@
 //! | `tc_from_bridge` | TC ingress of the pod bridge (`cni0`) |
 //! | `tc_from_netdev` | TC ingress of the external interface |
 //! | `tc_to_netdev` | TC egress of the external interface |
+//! | `xdp_from_netdev` | XDP (native mode) of the external interface |
 //! | `tc_classify`, `xdp_classify` | anywhere: classification counters only |
 //! | `tc_bench_vxmd` | measurement only (never attached by the agent): collect_md transmit |
 //!
@@ -22,10 +23,13 @@ use aya_ebpf::{
 use flannel_common::stats::Reason;
 use flannel_ebpf::{
     bench, bridge,
-    maps::{FLANNEL_CNT_FBR, FLANNEL_CNT_FND, FLANNEL_CNT_TND, FLANNEL_TC_CNT, FLANNEL_XDP_CNT},
+    maps::{
+        FLANNEL_CNT_FBR, FLANNEL_CNT_FND, FLANNEL_CNT_TND, FLANNEL_CNT_XND, FLANNEL_TC_CNT,
+        FLANNEL_XDP_CNT,
+    },
     netdev,
     parse::{self, PULL_LEN, PacketCtx as _},
-    stats,
+    stats, xdp,
 };
 
 /// TC classifier for any device and direction: parses the packet, counts it under its class
@@ -94,6 +98,21 @@ pub fn tc_to_netdev(ctx: TcContext) -> i32 {
         }
         None => TC_ACT_OK,
     }
+}
+
+/// Node ingress before GRO, native XDP on the external interface: see `flannel_ebpf::xdp`.
+#[xdp]
+pub fn xdp_from_netdev(ctx: XdpContext) -> u32 {
+    let bytes = ctx.packet_len() as u64;
+    let out = xdp::from_netdev(&ctx);
+    stats::count_run(
+        &FLANNEL_CNT_XND,
+        out.class,
+        out.verdict,
+        [None, None],
+        bytes,
+    );
+    out.action
 }
 
 /// Measurement only: the collect_md transmit alternative, see `flannel_ebpf::bench`.

@@ -67,6 +67,10 @@ pub static FLANNEL_CNT_FND: PerCpuArray<Counter, COUNTER_SLOTS> = PerCpuArray::n
 #[btf_map]
 pub static FLANNEL_CNT_TND: PerCpuArray<Counter, COUNTER_SLOTS> = PerCpuArray::new();
 
+/// Counters of `xdp_from_netdev` (`flannel_common::maps::CNT_XDP_NETDEV`).
+#[btf_map]
+pub static FLANNEL_CNT_XND: PerCpuArray<Counter, COUNTER_SLOTS> = PerCpuArray::new();
+
 /// The configuration, if the agent has enabled it.
 #[inline(always)]
 pub fn config() -> Option<&'static Config> {

@@ -22,7 +22,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail, ensure};
 use flannel_agent::bpf::{
-    Attached, Counters, FastPath, LocalConfig, Remote, Via, VxlanLocal, cleanup,
+    Attached, Counters, FastPath, LocalConfig, ReasonCounters, Remote, Via, VxlanLocal, cleanup,
 };
 use flannel_common::stats::Reason;
 use flannel_tests::{
@@ -92,7 +92,8 @@ impl Node {
 struct Cluster {
     backend: Backend,
     nodes: Vec<Node>,
-    _hub: NetNs,
+    /// The underlay: bridge `hubbr` with port `u<i>` towards node i.
+    hub: NetNs,
 }
 
 impl Drop for Cluster {
@@ -203,7 +204,7 @@ impl Cluster {
         Ok(Cluster {
             backend,
             nodes,
-            _hub: hub,
+            hub,
         })
     }
 
@@ -243,6 +244,16 @@ impl Cluster {
     }
 
     fn enable_with(&self, i: u8, tweak: impl FnOnce(&mut LocalConfig) + Send) -> Vec<Attached> {
+        self.enable_full(i, false, tweak)
+    }
+
+    /// [`Cluster::enable`] with `xdp` (native XDP on eth0) chosen and the config tweaked.
+    fn enable_full(
+        &self,
+        i: u8,
+        xdp: bool,
+        tweak: impl FnOnce(&mut LocalConfig) + Send,
+    ) -> Vec<Attached> {
         let node = self.node(i);
         let remotes = self.remotes(i);
         let backend = self.backend;
@@ -263,9 +274,12 @@ impl Cluster {
                 let mut fp = FastPath::load(&pin)?;
                 fp.set_config(&config)?;
                 fp.sync(&remotes)?;
-                let [ingress, egress] = fp.attach_netdev(ext)?;
+                let netdev = fp.attach_netdev(ext, xdp)?;
                 let bridge = fp.attach_bridge(bridge)?;
-                Ok(vec![ingress, egress, bridge])
+                let mut attached = vec![netdev.ingress, netdev.egress];
+                attached.extend(netdev.xdp);
+                attached.push(bridge);
+                Ok(attached)
             })
             .and_then(|r| r)
             .unwrap_or_else(|e| panic!("enabling the fast path on node {i}: {e:#}"))
@@ -353,7 +367,7 @@ impl RawIcmp {
             ^ NEXT_ID.fetch_add(0x0101, std::sync::atomic::Ordering::Relaxed);
         let raw = self.fd.as_raw_fd();
         let done = std::sync::atomic::AtomicBool::new(false);
-        let answered = thread::scope(|scope| {
+        thread::scope(|scope| {
             let receiver = scope.spawn(|| {
                 let mut seen = std::collections::BTreeSet::new();
                 let mut buf = [0u8; 2048];
@@ -414,8 +428,7 @@ impl RawIcmp {
             }
             done.store(true, std::sync::atomic::Ordering::Relaxed);
             receiver.join().unwrap_or(0)
-        });
-        answered
+        })
     }
 }
 
@@ -564,7 +577,7 @@ fn ipip_exists_only_through_the_fast_path() {
     c.drop_invalid();
     let dir = tempfile::tempdir().expect("tempdir");
     let pcap = dir.path().join("underlay.pcap");
-    let capture = Capture::start(&c.node(2).ns, "eth0", "ip", &pcap).expect("capture");
+    let capture = Capture::start(&c.hub, "u1", "ip", &pcap).expect("capture");
     assert_eq!(c.ping(1, 2, 5), 5);
     let frames = capture.stop().expect("pcap");
     let mut ipip = 0;
@@ -754,10 +767,16 @@ fn vxlan_mixed_pair_talks_both_ways_under_kube_proxys_invalid_drop() {
         &[(Reason::FastVxlan, 10), (Reason::FastDeliverVxlan, 10)],
         "node 1",
     );
-    // Both on the fast path.
+    // Both on the fast path. (The 1 MiB echo arrives at node 2 in GSO packets, so node 2 hands
+    // that flow to flannel.1 in both directions; the pings stay on the fast path.)
     c.enable(2);
     tcp_echo(&c.node(2).pod, pod_ip(2), &c.node(1).pod, 1 << 20).expect("TCP fast -> fast");
-    assert_fast(&c.counters(2), &[(Reason::FastVxlan, 10)], "node 2");
+    assert_eq!(c.ping(2, 1, 5), 5);
+    assert_fast(
+        &c.counters(2),
+        &[(Reason::FastVxlan, 5), (Reason::FastDeliverVxlan, 5)],
+        "node 2",
+    );
 }
 
 /// iperf3 from node `from`'s pod to node `to`'s pod for `seconds`: (Gbit/s, retransmits).
@@ -798,22 +817,23 @@ fn iperf_between(
     Ok((bps / 1e9, retransmits))
 }
 
-#[test]
-fn large_tcp_transfer_through_the_vxlan_fast_path() {
-    let Some(c) = Cluster::new("dbig", Backend::Vxlan, 2) else {
-        return;
-    };
-    c.enable(1);
-    c.enable(2);
+/// iperf3 for 4 s from pod 1 to pod 2 with the fast path on both nodes (native XDP or not);
+/// checks the throughput, the retransmits and that GSO survived encapsulation. Returns the
+/// counters of both nodes after the transfer.
+fn large_transfer(c: &Cluster, xdp: bool, fast: Reason) -> (Counters, Counters) {
+    c.enable_full(1, xdp, |_| {});
+    c.enable_full(2, xdp, |_| {});
     c.drop_invalid();
-    let before = c.counters(1).from_bridge.get(Reason::FastVxlan);
-    let (gbps, retransmits) = iperf(&c, 1, 2, 4).expect("iperf3");
-    let after = c.counters(1).from_bridge.get(Reason::FastVxlan);
+    let before = c.counters(1).from_bridge.get(fast);
+    let (gbps, retransmits) = iperf(c, 1, 2, 4).expect("iperf3");
+    let n1 = c.counters(1);
+    let after = n1.from_bridge.get(fast);
     let packets = after.packets - before.packets;
     let bytes = after.bytes - before.bytes;
     println!(
-        "iperf3 pod 1 -> pod 2, VXLAN fast path on both nodes: {gbps:.2} Gbit/s, {retransmits} \
-         retransmits, node 1 sent {packets} fast-path packets carrying {bytes} bytes"
+        "iperf3 pod 1 -> pod 2, {:?}, xdp {xdp}: {gbps:.2} Gbit/s, {retransmits} retransmits, \
+         node 1 sent {packets} fast-path packets carrying {bytes} bytes",
+        c.backend
     );
     assert!(gbps > 0.5, "throughput {gbps} Gbit/s");
     // No retransmit storm: well under 1% of the segments sent.
@@ -827,9 +847,47 @@ fn large_tcp_transfer_through_the_vxlan_fast_path() {
         packets * 4 < segments,
         "{packets} packets for {segments} segments: GSO lost on transmit?"
     );
+    // A new connection after the transfer still works.
+    tcp_echo(&c.node(2).pod, pod_ip(2), &c.node(1).pod, 4096).expect("TCP after the bulk flow");
+    (n1, c.counters(2))
+}
+
+/// Average size of the packets counted under `reason` (GRO/GSO aggregates are large).
+fn average(counters: &ReasonCounters, reason: Reason) -> u64 {
+    let c = counters.get(reason);
+    c.bytes / c.packets.max(1)
+}
+
+#[test]
+fn large_tcp_transfer_vxlan_with_xdp_decap() {
+    let Some(c) = Cluster::new("dbigx", Backend::Vxlan, 2) else {
+        return;
+    };
+    let (_, n2) = large_transfer(&c, true, Reason::FastVxlan);
+    // Node 2 decapsulated in XDP and delivered the inner packets from TC.
+    assert!(
+        n2.xdp_from_netdev.get(Reason::FastXdpDecapVxlan).packets > 1000,
+        "{n2:?}"
+    );
+    assert!(
+        n2.from_netdev.get(Reason::FastDeliver).packets > 1000,
+        "{n2:?}"
+    );
+    assert_eq!(n2.from_netdev.get(Reason::PassGso).packets, 0, "{n2:?}");
+    println!(
+        "average delivered packet after XDP decapsulation: {} bytes",
+        average(&n2.from_netdev, Reason::FastDeliver)
+    );
+}
+
+#[test]
+fn large_tcp_transfer_vxlan_tc_only_hands_gso_to_the_kernel() {
+    let Some(c) = Cluster::new("dbigt", Backend::Vxlan, 2) else {
+        return;
+    };
+    let (_, n2) = large_transfer(&c, false, Reason::FastVxlan);
     // The receiver left the GSO VXLAN packets to flannel.1 and handed the flow to the kernel
     // in both directions (its ACKs then leave through flannel.1).
-    let n2 = c.counters(2);
     assert!(n2.from_netdev.get(Reason::PassGso).packets >= 1, "{n2:?}");
     assert!(
         n2.from_netdev.get(Reason::LearnKernelFlow).packets >= 1,
@@ -843,8 +901,26 @@ fn large_tcp_transfer_through_the_vxlan_fast_path() {
         n2.from_bridge.get(Reason::PassKernelFlow).packets > 100,
         "{n2:?}"
     );
-    // A new connection after the transfer still takes the fast path.
-    tcp_echo(&c.node(2).pod, pod_ip(2), &c.node(1).pod, 4096).expect("TCP after the bulk flow");
+}
+
+#[test]
+fn large_tcp_transfer_ipip_with_xdp_decap() {
+    let Some(c) = Cluster::new("dbigi", Backend::Ipip, 2) else {
+        return;
+    };
+    let (_, n2) = large_transfer(&c, true, Reason::FastIpip);
+    assert!(
+        n2.xdp_from_netdev.get(Reason::FastXdpDecapIpip).packets > 1000,
+        "{n2:?}"
+    );
+    assert!(
+        n2.from_netdev.get(Reason::FastDeliver).packets > 1000,
+        "{n2:?}"
+    );
+    println!(
+        "average delivered packet after XDP decapsulation: {} bytes",
+        average(&n2.from_netdev, Reason::FastDeliver)
+    );
 }
 
 /// Pings node 2's pod from node 1's pod every 10 ms while `during` runs; returns the losses.
@@ -970,61 +1046,190 @@ fn enable_collect_md(c: &Cluster, i: u8) -> Result<aya::Ebpf> {
     })?
 }
 
-#[test]
-#[ignore = "runs iperf3 for about a minute; run by hand with --ignored --nocapture"]
-fn throughput_comparison() {
-    const SECONDS: u32 = 5;
-    let mut rows: Vec<(String, f64, u64)> = Vec::new();
-    let mut record = |name: &str, result: Result<(f64, u64)>| {
-        let (gbps, retr) = result.unwrap_or_else(|e| panic!("{name}: {e:#}"));
-        println!("{name:<58} {gbps:>6.2} Gbit/s  {retr:>5} retransmits");
-        rows.push((name.to_owned(), gbps, retr));
-    };
+/// Median one-way latency (µs) of sockperf UDP ping-pong from `client` to `server_ip`.
+fn sockperf_latency(server: &NetNs, server_ip: Ipv4Addr, client: &NetNs) -> Result<f64> {
+    let mut cmd = server.command("sockperf");
+    cmd.args(["server", "-i", &server_ip.to_string(), "-p", "11111"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let _server = Background(cmd.spawn().context("sockperf server")?);
+    thread::sleep(Duration::from_millis(300));
+    let out = client.output(&[
+        "sockperf",
+        "ping-pong",
+        "-i",
+        &server_ip.to_string(),
+        "-p",
+        "11111",
+        "-t",
+        "2",
+        "-m",
+        "64",
+    ])?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find(|l| l.contains("percentile 50.000"))
+        .and_then(|l| l.rsplit('=').next())
+        .and_then(|v| v.trim().parse().ok())
+        .with_context(|| format!("no median in sockperf output:\n{text}"))
+}
 
-    // host-gw
-    if let Some(c) = Cluster::new("tphg", Backend::HostGw, 2) {
-        record(
-            "underlay node -> node",
-            iperf_between(&c.node(2).ns, public(2), &c.node(1).ns, SECONDS),
-        );
-        record("host-gw, kernel path", iperf(&c, 1, 2, SECONDS));
-        c.enable(1);
-        c.enable(2);
-        record("host-gw, fast path both nodes", iperf(&c, 1, 2, SECONDS));
+/// Recreates node `i`'s flannel.1 (after the collect_md measurement replaced it).
+fn restore_flannel_1(c: &Cluster, i: u8) -> Result<()> {
+    let node = c.node(i);
+    node.sh("ip link del vxmd")?;
+    node.sh(&format!(
+        "ip link add flannel.1 type vxlan id 1 local {} dev eth0 dstport 8472 nolearning",
+        public(i)
+    ))?;
+    node.sh(&format!(
+        "ip link set flannel.1 address {} mtu 1450",
+        flannel_agent::netlink::format_mac(&vtep_mac(i))
+    ))?;
+    node.sh(&format!("ip addr add 10.244.{i}.0/32 dev flannel.1"))?;
+    node.sh("ip link set flannel.1 up")?;
+    for j in (1..=c.nodes.len() as u8).filter(|j| *j != i) {
+        let mac = flannel_agent::netlink::format_mac(&vtep_mac(j));
+        node.sh(&format!(
+            "ip neigh replace 10.244.{j}.0 lladdr {mac} dev flannel.1 nud permanent"
+        ))?;
+        node.sh(&format!(
+            "bridge fdb replace {mac} dev flannel.1 dst {} self permanent",
+            public(j)
+        ))?;
+        node.sh(&format!(
+            "ip route replace {} via 10.244.{j}.0 dev flannel.1 onlink",
+            subnet(j)
+        ))?;
     }
-    // vxlan
-    if let Some(c) = Cluster::new("tpvx", Backend::Vxlan, 2) {
-        record("vxlan, kernel path (flannel.1)", iperf(&c, 1, 2, SECONDS));
-        c.enable_with(1, |cfg| cfg.vxlan_rx = false);
-        record(
-            "vxlan, fast tx in-program on 1, node 2 kernel",
-            iperf(&c, 1, 2, SECONDS),
-        );
-        c.enable_with(2, |cfg| cfg.vxlan_rx = false);
-        record(
-            "vxlan, fast tx both, rx through flannel.1 (no early decap)",
-            iperf(&c, 1, 2, SECONDS),
-        );
-        c.enable(2);
-        c.enable(1);
-        record(
-            "vxlan, fast tx both, rx early decap + delivery",
-            iperf(&c, 1, 2, SECONDS),
-        );
+    Ok(())
+}
+
+/// One measured configuration: how to set it up on a cluster.
+type Setup = fn(&Cluster) -> Option<aya::Ebpf>;
+
+#[test]
+#[ignore = "runs iperf3 and sockperf for several minutes; run by hand with --ignored --nocapture"]
+fn throughput_comparison() {
+    const SECONDS: u32 = 4;
+    let rounds: usize = std::env::var("FLANNEL_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let Some(hg) = Cluster::new("tphg", Backend::HostGw, 2) else {
+        return;
+    };
+    let Some(vx) = Cluster::new("tpvx", Backend::Vxlan, 2) else {
+        return;
+    };
+    let Some(ip) = Cluster::new("tpip", Backend::Ipip, 2) else {
+        return;
+    };
+    let off = |c: &Cluster| {
         c.disable(1);
         c.disable(2);
-        let bench = enable_collect_md(&c, 1).expect("collect_md on node 1");
-        record(
-            "vxlan, collect_md + set_tunnel_key on 1, node 2 kernel",
-            iperf(&c, 1, 2, SECONDS),
+    };
+    let cases: Vec<(&str, &Cluster, Setup)> = vec![
+        ("host-gw, kernel path", &hg, |c| {
+            c.disable(1);
+            c.disable(2);
+            None
+        }),
+        ("host-gw, fast path both nodes", &hg, |c| {
+            c.enable_full(1, false, |_| {});
+            c.enable_full(2, false, |_| {});
+            None
+        }),
+        ("vxlan, kernel path (flannel.1 both)", &vx, |c| {
+            c.disable(1);
+            c.disable(2);
+            None
+        }),
+        ("vxlan, in-program tx on 1, node 2 kernel", &vx, |c| {
+            c.disable(2);
+            c.enable_full(1, false, |cfg| cfg.vxlan_rx = false);
+            None
+        }),
+        ("vxlan, collect_md tx on 1, node 2 kernel", &vx, |c| {
+            c.disable(1);
+            c.disable(2);
+            Some(enable_collect_md(c, 1).expect("collect_md on node 1"))
+        }),
+        ("vxlan, fast tx both, rx through flannel.1", &vx, |c| {
+            c.enable_full(1, false, |cfg| cfg.vxlan_rx = false);
+            c.enable_full(2, false, |cfg| cfg.vxlan_rx = false);
+            None
+        }),
+        (
+            "vxlan, fast both, TC only (GSO rx left to flannel.1)",
+            &vx,
+            |c| {
+                c.enable_full(1, false, |_| {});
+                c.enable_full(2, false, |_| {});
+                None
+            },
+        ),
+        ("vxlan, fast both, XDP decap + TC delivery", &vx, |c| {
+            c.enable(1);
+            c.enable(2);
+            None
+        }),
+        ("ipip, fast both, TC only (no kernel ipip)", &ip, |c| {
+            c.enable_full(1, false, |_| {});
+            c.enable_full(2, false, |_| {});
+            None
+        }),
+        ("ipip, fast both, XDP decap + TC delivery", &ip, |c| {
+            c.enable(1);
+            c.enable(2);
+            None
+        }),
+    ];
+    let mut results: BTreeMap<usize, (Vec<f64>, Vec<f64>)> = BTreeMap::new();
+    let mut underlay = Vec::new();
+    for round in 0..rounds {
+        underlay.push(
+            iperf_between(&hg.node(2).ns, public(2), &hg.node(1).ns, SECONDS)
+                .expect("underlay")
+                .0,
         );
-        drop(bench);
+        for (k, (name, cluster, setup)) in cases.iter().enumerate() {
+            let held = setup(cluster);
+            let (gbps, _) = iperf(cluster, 1, 2, SECONDS)
+                .unwrap_or_else(|e| panic!("{name}, round {round}: {e:#}"));
+            let latency = sockperf_latency(&cluster.node(2).pod, pod_ip(2), &cluster.node(1).pod)
+                .unwrap_or_else(|e| panic!("{name}, round {round}: {e:#}"));
+            if held.is_some() {
+                drop(held);
+                restore_flannel_1(cluster, 1).expect("restoring flannel.1");
+            }
+            let entry = results.entry(k).or_default();
+            entry.0.push(gbps);
+            entry.1.push(latency);
+        }
+        off(&hg);
+        off(&vx);
+        off(&ip);
     }
-    // ipip (fast path only)
-    if let Some(c) = Cluster::new("tpip", Backend::Ipip, 2) {
-        c.enable(1);
-        c.enable(2);
-        record("ipip, fast path both nodes", iperf(&c, 1, 2, SECONDS));
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "\nmedian of {rounds} rounds, iperf3 {SECONDS} s single TCP stream pod 1 -> pod 2, \
+         sockperf UDP ping-pong 64 B (median one-way latency):"
+    );
+    println!(
+        "{:<50} {:>9.2} Gbit/s",
+        "underlay node -> node",
+        median(&mut underlay)
+    );
+    for (k, (name, _, _)) in cases.iter().enumerate() {
+        let (mut gbps, mut lat) = results.remove(&k).unwrap_or_default();
+        println!(
+            "{name:<50} {:>9.2} Gbit/s {:>8.1} us",
+            median(&mut gbps),
+            median(&mut lat)
+        );
     }
-    assert!(rows.iter().all(|(_, gbps, _)| *gbps > 0.0));
 }

@@ -20,7 +20,7 @@ use std::{
 
 use aya::{TestRun as _, TestRunOptions};
 use flannel_agent::bpf::{
-    Attached, FastPath, Hook, LocalConfig, ReasonCounters, Remote, Via, VxlanLocal,
+    Attached, FastPath, Hook, LocalConfig, NetdevAttach, ReasonCounters, Remote, Via, VxlanLocal,
 };
 use flannel_common::{config::FASTPATH_MARK, stats::Reason};
 use flannel_tests::{
@@ -1071,6 +1071,145 @@ fn netdev_leaves_foreign_vxlan_to_the_kernel() {
     });
 }
 
+const XDP_PASS: u32 = 2;
+
+/// Runs `xdp_from_netdev` on `frame`: (verdict, output, what was counted).
+fn run_xdp(fp: &mut FastPath, frame: &[u8]) -> Run {
+    let before = fp.counters().expect("counters").xdp_from_netdev;
+    let mut out = vec![0u8; frame.len() + 256];
+    let result = fp
+        .xdp_program_mut()
+        .expect("xdp program")
+        .test_run(TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ..TestRunOptions::default()
+        })
+        .unwrap_or_else(|e| panic!("XDP test_run: {e:?}\n{}", hexdump(frame)));
+    out.truncate(result.data_size_out as usize);
+    let after = fp.counters().expect("counters").xdp_from_netdev;
+    let counted = Reason::ALL
+        .iter()
+        .filter_map(|r| {
+            let (a, b) = (after.get(*r), before.get(*r));
+            (a.packets != b.packets).then(|| (*r, a.packets - b.packets, a.bytes - b.bytes))
+        })
+        .collect();
+    Run {
+        verdict: result.return_value,
+        out,
+        mark_after: 0,
+        counted,
+    }
+}
+
+#[test]
+fn xdp_decapsulates_only_what_tc_will_deliver() {
+    let Some(rig) = Rig::new("fpxdp") else { return };
+    rig.with_fast_path(|fp, ifs| {
+        // IPIP and VXLAN for a local pod from known peers: decapsulated, outer MACs kept.
+        let inner = Ipv4::new(IPIP_POD, POD, tcp());
+        let frame = ipip_frame(PUB5, &inner);
+        let r = run_xdp(fp, &frame);
+        assert_eq!(r.verdict, XDP_PASS);
+        assert_bytes(
+            &r.out,
+            &Ethernet::new(PEER5_MAC, EXT_MAC, inner.clone()).encode(),
+            "IPIP decapsulated in XDP",
+        );
+        assert_counted(
+            &r,
+            &frame,
+            &[Reason::Ipv4OtherProto, Reason::FastXdpDecapIpip],
+            "xdp ipip",
+        );
+        // TC then delivers it as a plain packet.
+        let tc = run(fp, Hook::FromNetdev, &r.out, Skb::on(ifs.ext));
+        assert_eq!(tc.verdict, TC_ACT_REDIRECT);
+        assert_bytes(
+            &tc.out,
+            &Ethernet::new(BR_MAC, POD_MAC, forwarded(&inner)).encode(),
+            "delivered after XDP",
+        );
+
+        let inner = Ipv4::new(VXLAN_POD, POD, Udp::new(1, 2).payload(b"x"));
+        let frame = vxlan_frame(PUB3, 1, 8472, LOCAL_VTEP, &inner);
+        let r = run_xdp(fp, &frame);
+        assert_eq!(r.verdict, XDP_PASS);
+        assert_bytes(
+            &r.out,
+            &Ethernet::new(PEER3_MAC, EXT_MAC, inner).encode(),
+            "VXLAN decapsulated in XDP",
+        );
+        assert_counted(
+            &r,
+            &frame,
+            &[Reason::Ipv4Udp, Reason::FastXdpDecapVxlan],
+            "xdp vxlan",
+        );
+
+        // Everything else is left alone.
+        let cases = [
+            (
+                "IPIP to the gateway",
+                ipip_frame(PUB5, &Ipv4::new(IPIP_POD, GATEWAY, tcp())),
+                Reason::Ipv4OtherProto,
+                Reason::PassNotForPod,
+            ),
+            (
+                "IPIP from an unknown node",
+                ipip_frame(PUB9, &Ipv4::new(IPIP_POD, POD, tcp())),
+                Reason::Ipv4OtherProto,
+                Reason::PassUnknownPeer,
+            ),
+            (
+                "VXLAN with another VNI",
+                vxlan_frame(PUB3, 7, 8472, LOCAL_VTEP, &Ipv4::new(VXLAN_POD, POD, tcp())),
+                Reason::Ipv4Udp,
+                Reason::PassVxlanMismatch,
+            ),
+            (
+                "plain packet",
+                underlay(PEER2_MAC, Ipv4::new(HOSTGW_POD, POD, tcp())),
+                Reason::Ipv4Tcp,
+                Reason::PassNotForPod,
+            ),
+        ];
+        for (name, frame, class, verdict) in cases {
+            let r = run_xdp(fp, &frame);
+            assert_eq!(r.verdict, XDP_PASS, "{name}");
+            assert_bytes(&r.out, &frame, name);
+            assert_counted(&r, &frame, &[class, verdict], name);
+        }
+
+        // A flow the kernel tracks stays encapsulated for flannel.1 / the stack.
+        let out = Ethernet::new(
+            EXT_MAC,
+            PEER5_MAC,
+            Ipv4::new(POD, IPIP_POD, Tcp::new(44000, 80)),
+        )
+        .encode();
+        run(
+            fp,
+            Hook::ToNetdev,
+            &out,
+            Skb {
+                ifindex: ifs.ext,
+                ..Skb::default()
+            },
+        );
+        let reply = ipip_frame(PUB5, &Ipv4::new(IPIP_POD, POD, Tcp::new(80, 44000)));
+        let r = run_xdp(fp, &reply);
+        assert_bytes(&r.out, &reply, "kernel flow");
+        assert_counted(
+            &r,
+            &reply,
+            &[Reason::Ipv4OtherProto, Reason::PassKernelFlow],
+            "kernel flow",
+        );
+    });
+}
+
 #[test]
 fn nat_guard_sends_replies_to_dnat_clients_through_the_kernel() {
     let Some(rig) = Rig::new("fpnat") else { return };
@@ -1463,14 +1602,32 @@ fn links_are_pinned_replaced_atomically_and_cleaned_up() {
                     .map(|p| p.id())
                     .collect()
             };
+            // The XDP program on ext0, as `ip` reports it (the command inherits this thread's
+            // namespace).
+            let xdp_id = || -> Option<String> {
+                let out = std::process::Command::new("ip")
+                    .args(["-d", "-j", "link", "show", "dev", "ext0"])
+                    .output()
+                    .expect("ip");
+                let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+                json[0]["xdp"]["prog"]["id"]
+                    .as_u64()
+                    .map(|id| id.to_string())
+            };
             let first_ids;
+            let first_xdp;
             {
                 let mut fp = FastPath::load(&pin).expect("load");
                 fp.set_config(&config(ifs.ext)).expect("config");
                 assert_eq!(
-                    fp.attach_netdev(ifs.ext).expect("attach"),
-                    [Attached::New, Attached::New]
+                    fp.attach_netdev(ifs.ext, true).expect("attach"),
+                    NetdevAttach {
+                        ingress: Attached::New,
+                        egress: Attached::New,
+                        xdp: Some(Attached::New)
+                    }
                 );
+                first_xdp = xdp_id().expect("native XDP on the veth");
                 assert_eq!(fp.attach_bridge(ifs.br).expect("bridge"), Attached::New);
                 assert_eq!(fp.attach_bridge(ifs.br).expect("again"), Attached::Already);
                 first_ids = (
@@ -1489,11 +1646,22 @@ fn links_are_pinned_replaced_atomically_and_cleaned_up() {
                 first_ids.0
             );
             // A new agent replaces the programs behind the same links.
+            assert_eq!(
+                xdp_id().as_ref(),
+                Some(&first_xdp),
+                "XDP stays attached too"
+            );
             let mut fp = FastPath::load(&pin).expect("reload");
             assert_eq!(
-                fp.attach_netdev(ifs.ext).expect("adopt"),
-                [Attached::Replaced, Attached::Replaced]
+                fp.attach_netdev(ifs.ext, true).expect("adopt"),
+                NetdevAttach {
+                    ingress: Attached::Replaced,
+                    egress: Attached::Replaced,
+                    xdp: Some(Attached::Replaced)
+                }
             );
+            let second_xdp = xdp_id().expect("XDP after the restart");
+            assert_ne!(second_xdp, first_xdp, "the new XDP program runs");
             assert_eq!(fp.attach_bridge(ifs.br).expect("adopt"), Attached::Replaced);
             let second = tcx_ids("br0", aya::programs::TcAttachType::Ingress);
             assert_eq!(second.len(), 1, "replaced, not added");
@@ -1541,7 +1709,7 @@ fn links_are_pinned_replaced_atomically_and_cleaned_up() {
             // --dataplane kernel: everything detached and unpinned. (The kernel releases a link
             // whose last reference was its pin from a work queue, so allow it a moment.)
             let removed = flannel_agent::bpf::cleanup(&pin).expect("cleanup");
-            assert!(removed >= 3 + 8, "removed {removed}");
+            assert!(removed >= 4 + 9, "removed {removed}");
             assert!(!pin.exists());
             let attached = || {
                 tcx_ids("ext0", aya::programs::TcAttachType::Ingress).len()
@@ -1553,6 +1721,10 @@ fn links_are_pinned_replaced_atomically_and_cleaned_up() {
                 std::thread::sleep(std::time::Duration::from_millis(10));
             }
             assert_eq!(attached(), 0, "programs still attached after cleanup");
+            while xdp_id().is_some() && Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            assert_eq!(xdp_id(), None, "XDP still attached after cleanup");
         })
         .expect("namespace");
 }
@@ -1570,7 +1742,7 @@ fn start_modes() {
             let Ok(Startup::FastPath(mut fp)) = start(DataplaneMode::Auto, &pin) else {
                 panic!("auto loads when it can")
             };
-            fp.attach_netdev(ifs.ext).expect("attach");
+            fp.attach_netdev(ifs.ext, false).expect("attach");
             drop(fp);
             assert!(
                 pin.join("links")

@@ -60,7 +60,7 @@ impl ReasonCounters {
     }
 }
 
-/// The counters of the three fast-path programs.
+/// The counters of the fast-path programs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Counters {
     /// `tc_from_bridge`.
@@ -69,6 +69,8 @@ pub struct Counters {
     pub from_netdev: ReasonCounters,
     /// `tc_to_netdev` (the fast path's own packets passing through are not counted here).
     pub to_netdev: ReasonCounters,
+    /// `xdp_from_netdev` (empty when XDP is not attached).
+    pub xdp_from_netdev: ReasonCounters,
 }
 
 impl Counters {
@@ -77,6 +79,7 @@ impl Counters {
             from_bridge: read_map(ebpf, names::CNT_FROM_BRIDGE)?,
             from_netdev: read_map(ebpf, names::CNT_FROM_NETDEV)?,
             to_netdev: read_map(ebpf, names::CNT_TO_NETDEV)?,
+            xdp_from_netdev: read_map(ebpf, names::CNT_XDP_NETDEV)?,
         })
     }
 }

@@ -12,9 +12,10 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap as BpfHashMap, LpmTrie, MapData, lpm_trie::Key},
     programs::{
-        LinkOrder, ProgramError, SchedClassifier, TcAttachType,
+        LinkOrder, ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode,
         links::{FdLink, PinnedLink},
         tc::{SchedClassifierLink, TcAttachOptions},
+        xdp::XdpLink,
     },
 };
 use flannel_common::{
@@ -29,7 +30,7 @@ use super::{
     counters::Counters,
     pins::{MAP_SPECS, PinLayout},
     probe::probe,
-    remote::{desired_entries, diff},
+    remote::{DesiredEntries, desired_entries, diff},
 };
 
 /// The three attach points of the fast path.
@@ -64,6 +65,18 @@ impl Hook {
     }
 }
 
+/// What [`FastPath::attach_netdev`] did on the external interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NetdevAttach {
+    /// `tc_from_netdev` on TC ingress.
+    pub ingress: Attached,
+    /// `tc_to_netdev` on TC egress.
+    pub egress: Attached,
+    /// `xdp_from_netdev` in native XDP mode; `None` when the driver has no native XDP (the TC
+    /// programs then decapsulate on their own, after GRO).
+    pub xdp: Option<Attached>,
+}
+
 /// What an attach call did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Attached {
@@ -95,6 +108,7 @@ pub struct FastPath {
     ebpf: Ebpf,
     layout: PinLayout,
     links: HashMap<(Hook, u32), HeldLink>,
+    xdp_links: HashMap<u32, HeldLink>,
 }
 
 impl FastPath {
@@ -126,27 +140,18 @@ impl FastPath {
             .load(crate::EBPF_OBJECT)
             .map_err(|e| BpfError::Load(Box::new(e)))?;
         for hook in Hook::ALL {
-            let program = classifier(&mut ebpf, hook)?;
-            program.load().map_err(|e| match e {
-                ProgramError::LoadError {
-                    io_error,
-                    verifier_log,
-                } => BpfError::Verifier {
-                    program: hook.program(),
-                    error: io_error.to_string(),
-                    log: verifier_log.to_string(),
-                },
-                other => BpfError::Verifier {
-                    program: hook.program(),
-                    error: other.to_string(),
-                    log: String::new(),
-                },
-            })?;
+            classifier(&mut ebpf, hook)?
+                .load()
+                .map_err(|e| verifier_error(hook.program(), e))?;
         }
+        xdp_program(&mut ebpf)?
+            .load()
+            .map_err(|e| verifier_error(programs::XDP_FROM_NETDEV, e))?;
         Ok(FastPath {
             ebpf,
             layout,
             links: HashMap::new(),
+            xdp_links: HashMap::new(),
         })
     }
 
@@ -181,11 +186,14 @@ impl FastPath {
     /// reads what the maps hold, writes only new and changed entries, deletes the rest.
     /// Idempotent; a restarted agent calling it with the same set changes nothing.
     pub fn sync(&mut self, desired: &BTreeMap<Ipv4Net, Remote>) -> Result<SyncStats, BpfError> {
-        let (routes, nodes) = desired_entries(desired)?;
+        let DesiredEntries { routes, nodes } = desired_entries(desired)?;
 
         let current_nodes = self.current_nodes()?;
         let (node_upserts, node_deletes, _, _) = diff(&current_nodes, &nodes);
-        let (current_routes, invalid_keys) = self.current_routes()?;
+        let CurrentRoutes {
+            routes: current_routes,
+            invalid: invalid_keys,
+        } = self.current_routes()?;
         let (route_upserts, route_deletes, added, unchanged) = diff(&current_routes, &routes);
 
         let stats = SyncStats {
@@ -227,7 +235,7 @@ impl FastPath {
 
     /// The remote subnets the route map holds (invalid entries are left out).
     pub fn remotes(&self) -> Result<BTreeMap<Ipv4Net, Remote>, BpfError> {
-        let (routes, _) = self.current_routes()?;
+        let routes = self.current_routes()?.routes;
         Ok(routes
             .iter()
             .filter_map(|(net, entry)| Some((*net, Remote::from_entry(entry)?)))
@@ -235,17 +243,117 @@ impl FastPath {
     }
 
     /// Attaches `tc_from_netdev` (ingress) and `tc_to_netdev` (egress) to the external
-    /// interface, replacing the programs of pinned links from an earlier run atomically; links
-    /// of these programs on other interfaces are removed. Then removes older layout versions'
-    /// pins. Call [`FastPath::set_config`] and [`FastPath::sync`] first: a replaced program
-    /// starts using this object's maps at once.
-    pub fn attach_netdev(&mut self, ifindex: u32) -> Result<[Attached; 2], BpfError> {
+    /// interface and, with `xdp`, `xdp_from_netdev` in native XDP mode if the driver supports
+    /// it, replacing the programs of pinned links from an earlier run atomically; links of these
+    /// programs on other interfaces are removed (and the XDP link when `xdp` is false). Then
+    /// removes older layout versions' pins. Call [`FastPath::set_config`] and
+    /// [`FastPath::sync`] first: a replaced program starts using this object's maps at once.
+    ///
+    /// Pass `xdp: false` by default: decapsulating in XDP (before GRO) only pays on NICs whose
+    /// driver runs native XDP with GRO behind it; on veth it cost throughput (see
+    /// `flannel_ebpf::xdp`).
+    pub fn attach_netdev(&mut self, ifindex: u32, xdp: bool) -> Result<NetdevAttach, BpfError> {
         let ingress = self.attach(Hook::FromNetdev, ifindex)?;
         let egress = self.attach(Hook::ToNetdev, ifindex)?;
+        if !xdp {
+            self.detach_xdp()?;
+        }
+        let xdp = if !xdp {
+            None
+        } else {
+            match self.attach_xdp(ifindex) {
+                Ok(outcome) => Some(outcome),
+                Err(e) => {
+                    tracing::info!(
+                        ifindex,
+                        error = %e,
+                        "no native XDP on the external interface; TC decapsulates alone"
+                    );
+                    None
+                }
+            }
+        };
         for old in self.layout.prune_old_versions()? {
             tracing::info!(path = %old.display(), "removed an older layout version's pins");
         }
-        Ok([ingress, egress])
+        Ok(NetdevAttach {
+            ingress,
+            egress,
+            xdp,
+        })
+    }
+
+    /// Attaches `xdp_from_netdev` to `ifindex` in native (driver) mode, adopting a pinned link.
+    fn attach_xdp(&mut self, ifindex: u32) -> Result<Attached, BpfError> {
+        let program_name = programs::XDP_FROM_NETDEV;
+        if self.xdp_links.contains_key(&ifindex) {
+            return Ok(Attached::Already);
+        }
+        let attach_error = |reason: String| BpfError::Attach {
+            program: program_name,
+            ifindex,
+            reason,
+        };
+        let path = self.layout.link(program_name, ifindex);
+        let program = xdp_program(&mut self.ebpf)?;
+        let mut outcome = Attached::New;
+        let mut link_id = None;
+        if path.exists() {
+            let adopted = PinnedLink::from_pin(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|p| XdpLink::try_from(FdLink::from(p)).map_err(|e| e.to_string()))
+                .and_then(|link| program.attach_to_link(link).map_err(|e| e.to_string()));
+            match adopted {
+                Ok(id) => {
+                    outcome = Attached::Replaced;
+                    link_id = Some(id);
+                }
+                Err(reason) => {
+                    tracing::info!(path = %path.display(), %reason, "pinned XDP link is unusable");
+                    remove_pin(&path)?;
+                }
+            }
+        }
+        let id = match link_id {
+            Some(id) => id,
+            None => program
+                .attach_to_if_index(ifindex, XdpMode::Driver)
+                .map_err(|e| attach_error(e.to_string()))?,
+        };
+        let link = program
+            .take_link(id)
+            .map_err(|e| attach_error(e.to_string()))?;
+        // Netlink attachments (kernels without XDP links) cannot be pinned: give up on XDP.
+        let mut fd_link = FdLink::try_from(link).map_err(|e| attach_error(e.to_string()))?;
+        if outcome == Attached::New {
+            fd_link = FdLink::from(
+                fd_link
+                    .pin(&path)
+                    .map_err(|e| attach_error(format!("pinning {}: {e:?}", path.display())))?,
+            );
+        }
+        self.xdp_links.insert(
+            ifindex,
+            HeldLink {
+                path,
+                _link: fd_link,
+            },
+        );
+        let stale: Vec<u32> = self
+            .xdp_links
+            .keys()
+            .filter(|i| **i != ifindex)
+            .copied()
+            .collect();
+        for key in stale {
+            if let Some(held) = self.xdp_links.remove(&key) {
+                remove_pin(&held.path)?;
+            }
+        }
+        for (_, path) in self.layout.other_links(program_name, ifindex) {
+            remove_pin(&path)?;
+        }
+        Ok(outcome)
     }
 
     /// Attaches `tc_from_bridge` to TC ingress of the pod bridge (`cni0`). Call it when the
@@ -263,7 +371,23 @@ impl FastPath {
     /// Detaches the external interface's programs.
     pub fn detach_netdev(&mut self) -> Result<(), BpfError> {
         self.detach(Hook::FromNetdev)?;
-        self.detach(Hook::ToNetdev)
+        self.detach(Hook::ToNetdev)?;
+        self.detach_xdp()
+    }
+
+    fn detach_xdp(&mut self) -> Result<(), BpfError> {
+        for (_, held) in self.xdp_links.drain() {
+            remove_pin(&held.path)?;
+        }
+        for (_, path) in self.layout.other_links(programs::XDP_FROM_NETDEV, 0) {
+            remove_pin(&path)?;
+        }
+        Ok(())
+    }
+
+    /// The interface `xdp_from_netdev` is attached to by this handle, if any.
+    pub fn xdp_attachment(&self) -> Option<u32> {
+        self.xdp_links.keys().next().copied()
     }
 
     /// Where each hook is attached by this handle, as `(hook, ifindex)`.
@@ -276,6 +400,11 @@ impl FastPath {
     /// The loaded program of `hook`, for `BPF_PROG_TEST_RUN` (tests, debugging tools).
     pub fn program_mut(&mut self, hook: Hook) -> Result<&mut SchedClassifier, BpfError> {
         classifier(&mut self.ebpf, hook)
+    }
+
+    /// The loaded `xdp_from_netdev`, for `BPF_PROG_TEST_RUN` (tests, debugging tools).
+    pub fn xdp_program_mut(&mut self) -> Result<&mut Xdp, BpfError> {
+        xdp_program(&mut self.ebpf)
     }
 
     /// The per-reason counters of the three programs (summed over CPUs).
@@ -377,9 +506,7 @@ impl FastPath {
         Ok(())
     }
 
-    fn current_routes(
-        &self,
-    ) -> Result<(BTreeMap<Ipv4Net, RemoteEntry>, Vec<Key<[u8; 4]>>), BpfError> {
+    fn current_routes(&self) -> Result<CurrentRoutes, BpfError> {
         let map = self
             .ebpf
             .map(names::ROUTES4)
@@ -401,7 +528,7 @@ impl FastPath {
                 _ => invalid.push(key),
             }
         }
-        Ok((routes, invalid))
+        Ok(CurrentRoutes { routes, invalid })
     }
 
     fn current_nodes(&self) -> Result<BTreeMap<Ipv4Addr, NodeEntry>, BpfError> {
@@ -444,6 +571,14 @@ impl FastPath {
     }
 }
 
+/// What the route map holds.
+struct CurrentRoutes {
+    /// Valid keys (normalised subnets) and their values.
+    routes: BTreeMap<Ipv4Net, RemoteEntry>,
+    /// Keys that are no subnet (prefix > 32, host bits set): deleted by `sync`.
+    invalid: Vec<Key<[u8; 4]>>,
+}
+
 /// The LPM key of a (normalised) subnet.
 fn route_key(net: &Ipv4Net) -> Key<[u8; 4]> {
     Key::new(u32::from(net.prefix_len()), net.network().octets())
@@ -463,6 +598,34 @@ fn classifier(ebpf: &mut Ebpf, hook: Hook) -> Result<&mut SchedClassifier, BpfEr
     program
         .try_into()
         .map_err(|_| BpfError::MissingProgram(hook.program()))
+}
+
+fn xdp_program(ebpf: &mut Ebpf) -> Result<&mut Xdp, BpfError> {
+    let name = programs::XDP_FROM_NETDEV;
+    let program = ebpf
+        .program_mut(name)
+        .ok_or(BpfError::MissingProgram(name))?;
+    program
+        .try_into()
+        .map_err(|_| BpfError::MissingProgram(name))
+}
+
+fn verifier_error(program: &'static str, e: ProgramError) -> BpfError {
+    match e {
+        ProgramError::LoadError {
+            io_error,
+            verifier_log,
+        } => BpfError::Verifier {
+            program,
+            error: io_error.to_string(),
+            log: verifier_log.to_string(),
+        },
+        other => BpfError::Verifier {
+            program,
+            error: other.to_string(),
+            log: String::new(),
+        },
+    }
 }
 
 /// Re-targets the pinned link at `path` to `program` (atomic `BPF_LINK_UPDATE`).

@@ -13,7 +13,7 @@
 //! if let Startup::FastPath(mut fp) = startup {
 //!     fp.set_config(&LocalConfig { .. })?;          // after the lease: public IP, subnet, VTEP
 //!     fp.sync(&desired)?;                            // reconciler: subnet -> Remote, every pass
-//!     fp.attach_netdev(ext_ifindex)?;                // external interface: both directions
+//!     fp.attach_netdev(ext_ifindex, false)?;         // external interface (XDP: opt-in)
 //!     fp.attach_bridge(cni0_ifindex)?;               // link watcher: when cni0 (re)appears
 //!     fp.counters()?;                                // metrics / status
 //! }
@@ -66,7 +66,7 @@ use std::{fmt, path::Path, str::FromStr};
 pub use config::{LocalConfig, VxlanLocal};
 pub use counters::{Counters, ReasonCounters};
 pub use error::BpfError;
-pub use fastpath::{Attached, FastPath, Hook};
+pub use fastpath::{Attached, FastPath, Hook, NetdevAttach};
 pub use pins::PinLayout;
 pub use remote::{Remote, SyncStats, Via};
 

@@ -57,7 +57,7 @@ pub struct MapSpec {
 }
 
 /// Every pinned map of this layout version.
-pub const MAP_SPECS: [MapSpec; 8] = [
+pub const MAP_SPECS: [MapSpec; 9] = [
     MapSpec {
         name: names::ROUTES4,
         map_type: MapType::LpmTrie,
@@ -101,6 +101,7 @@ pub const MAP_SPECS: [MapSpec; 8] = [
     counter_spec(names::CNT_FROM_BRIDGE),
     counter_spec(names::CNT_FROM_NETDEV),
     counter_spec(names::CNT_TO_NETDEV),
+    counter_spec(names::CNT_XDP_NETDEV),
 ];
 
 const fn counter_spec(name: &'static str) -> MapSpec {
@@ -282,6 +283,13 @@ fn remove_dir_contents(dir: &Path) -> Result<usize, BpfError> {
     }
 }
 
+/// Whether a `statfs` filesystem type is bpffs.
+// `f_type`'s C type differs between architectures (long, int, unsigned int).
+#[allow(clippy::unnecessary_cast)]
+fn is_bpffs_magic(fs: nix::sys::statfs::FsType) -> bool {
+    fs.0 as i64 == BPF_FS_MAGIC
+}
+
 /// Fails unless `path`, or its closest existing ancestor, is on a BPF filesystem.
 fn check_bpffs(path: &Path) -> Result<(), BpfError> {
     let mut probe = path;
@@ -292,7 +300,7 @@ fn check_bpffs(path: &Path) -> Result<(), BpfError> {
         }
     }
     let on_bpffs =
-        nix::sys::statfs::statfs(probe).is_ok_and(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC);
+        nix::sys::statfs::statfs(probe).is_ok_and(|s| is_bpffs_magic(s.filesystem_type()));
     if on_bpffs {
         Ok(())
     } else {

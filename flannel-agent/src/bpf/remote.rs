@@ -146,17 +146,20 @@ pub(crate) fn diff<K: Ord + Copy, V: PartialEq + Copy>(
     (upserts, deletes, added, unchanged)
 }
 
+/// The map contents a desired set stands for.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct DesiredEntries {
+    /// Route map: normalised subnet → entry.
+    pub routes: BTreeMap<Ipv4Net, RemoteEntry>,
+    /// Node map: public IP → accepted tunnels.
+    pub nodes: BTreeMap<Ipv4Addr, NodeEntry>,
+}
+
 /// The route and node entries for a desired set, with subnets normalised to their network
 /// address. Two desired subnets that normalise to the same key are an error.
 pub(crate) fn desired_entries(
     desired: &BTreeMap<Ipv4Net, Remote>,
-) -> Result<
-    (
-        BTreeMap<Ipv4Net, RemoteEntry>,
-        BTreeMap<Ipv4Addr, NodeEntry>,
-    ),
-    BpfError,
-> {
+) -> Result<DesiredEntries, BpfError> {
     let mut routes = BTreeMap::new();
     let mut nodes: BTreeMap<Ipv4Addr, NodeEntry> = BTreeMap::new();
     let mut seen = BTreeSet::new();
@@ -175,7 +178,7 @@ pub(crate) fn desired_entries(
             nodes.entry(remote.public_ip).or_default().flags |= flags;
         }
     }
-    Ok((routes, nodes))
+    Ok(DesiredEntries { routes, nodes })
 }
 
 #[cfg(test)]
@@ -256,7 +259,7 @@ mod tests {
                 via: Via::HostGw,
             },
         );
-        let (routes, nodes) = desired_entries(&desired).expect("valid");
+        let DesiredEntries { routes, nodes } = desired_entries(&desired).expect("valid");
         assert_eq!(routes.len(), 3);
         assert_eq!(nodes.len(), 1);
         assert_eq!(
@@ -269,8 +272,8 @@ mod tests {
     fn subnets_are_normalised_and_duplicates_refused() {
         let mut desired = BTreeMap::new();
         desired.insert(net("10.244.2.9/24"), vxlan([192, 168, 0, 2], 2));
-        let (routes, _) = desired_entries(&desired).expect("valid");
-        assert!(routes.contains_key(&net("10.244.2.0/24")));
+        let entries = desired_entries(&desired).expect("valid");
+        assert!(entries.routes.contains_key(&net("10.244.2.0/24")));
         desired.insert(net("10.244.2.0/24"), vxlan([192, 168, 0, 3], 3));
         assert!(desired_entries(&desired).is_err());
     }
