@@ -790,6 +790,24 @@ fn iperf_between(
     client: &NetNs,
     seconds: u32,
 ) -> Result<(f64, u64)> {
+    iperf_detailed(server, server_ip, client, seconds).map(|r| (r.gbps, r.retransmits))
+}
+
+/// One iperf3 result.
+struct IperfResult {
+    gbps: f64,
+    retransmits: u64,
+    /// CPU % of the sending and the receiving iperf3 process (system time includes the
+    /// network stack work done in their context).
+    cpu: (f64, f64),
+}
+
+fn iperf_detailed(
+    server: &NetNs,
+    server_ip: Ipv4Addr,
+    client: &NetNs,
+    seconds: u32,
+) -> Result<IperfResult> {
     let mut cmd = server.command("iperf3");
     cmd.args(["-s", "-1", "-B", &server_ip.to_string()])
         .stdout(Stdio::null())
@@ -814,7 +832,15 @@ fn iperf_between(
         .as_f64()
         .context("no sum_received")?;
     let retransmits = end["sum_sent"]["retransmits"].as_u64().unwrap_or(0);
-    Ok((bps / 1e9, retransmits))
+    let cpu = &end["cpu_utilization_percent"];
+    Ok(IperfResult {
+        gbps: bps / 1e9,
+        retransmits,
+        cpu: (
+            cpu["host_total"].as_f64().unwrap_or(0.0),
+            cpu["remote_total"].as_f64().unwrap_or(0.0),
+        ),
+    })
 }
 
 /// iperf3 for 4 s from pod 1 to pod 2 with the fast path on both nodes (native XDP or not);
@@ -1185,7 +1211,7 @@ fn throughput_comparison() {
             None
         }),
     ];
-    let mut results: BTreeMap<usize, (Vec<f64>, Vec<f64>)> = BTreeMap::new();
+    let mut results: BTreeMap<usize, [Vec<f64>; 4]> = BTreeMap::new();
     let mut underlay = Vec::new();
     for round in 0..rounds {
         underlay.push(
@@ -1195,8 +1221,13 @@ fn throughput_comparison() {
         );
         for (k, (name, cluster, setup)) in cases.iter().enumerate() {
             let held = setup(cluster);
-            let (gbps, _) = iperf(cluster, 1, 2, SECONDS)
-                .unwrap_or_else(|e| panic!("{name}, round {round}: {e:#}"));
+            let run = iperf_detailed(
+                &cluster.node(2).pod,
+                pod_ip(2),
+                &cluster.node(1).pod,
+                SECONDS,
+            )
+            .unwrap_or_else(|e| panic!("{name}, round {round}: {e:#}"));
             let latency = sockperf_latency(&cluster.node(2).pod, pod_ip(2), &cluster.node(1).pod)
                 .unwrap_or_else(|e| panic!("{name}, round {round}: {e:#}"));
             if held.is_some() {
@@ -1204,8 +1235,10 @@ fn throughput_comparison() {
                 restore_flannel_1(cluster, 1).expect("restoring flannel.1");
             }
             let entry = results.entry(k).or_default();
-            entry.0.push(gbps);
-            entry.1.push(latency);
+            entry[0].push(run.gbps);
+            entry[1].push(latency);
+            entry[2].push(run.cpu.0);
+            entry[3].push(run.cpu.1);
         }
         off(&hg);
         off(&vx);
@@ -1216,19 +1249,22 @@ fn throughput_comparison() {
         v[v.len() / 2]
     };
     println!(
-        "\nmedian of {rounds} rounds, iperf3 {SECONDS} s single TCP stream pod 1 -> pod 2, \
-         sockperf UDP ping-pong 64 B (median one-way latency):"
+        "\nmedian of {rounds} rounds: iperf3 {SECONDS} s single TCP stream pod 1 -> pod 2 \
+         (with the sender's / receiver's iperf3 CPU %), sockperf UDP ping-pong 64 B (median \
+         one-way latency):"
     );
     println!(
-        "{:<50} {:>9.2} Gbit/s",
+        "{:<52} {:>6.2} Gbit/s",
         "underlay node -> node",
         median(&mut underlay)
     );
     for (k, (name, _, _)) in cases.iter().enumerate() {
-        let (mut gbps, mut lat) = results.remove(&k).unwrap_or_default();
+        let [mut gbps, mut lat, mut cpu_tx, mut cpu_rx] = results.remove(&k).unwrap_or_default();
         println!(
-            "{name:<50} {:>9.2} Gbit/s {:>8.1} us",
+            "{name:<52} {:>6.2} Gbit/s  cpu {:>5.1}% / {:>5.1}%  {:>6.1} us",
             median(&mut gbps),
+            median(&mut cpu_tx),
+            median(&mut cpu_rx),
             median(&mut lat)
         );
     }
