@@ -25,6 +25,7 @@
 
 pub mod alloc;
 pub mod backend;
+pub mod bpf;
 pub mod cli;
 pub mod daemon;
 pub mod dataplane;
