@@ -218,6 +218,10 @@ pub struct Cli {
     #[arg(long, default_value = "/run/flannel/wgkey")]
     pub wireguard_key_file: PathBuf,
 
+    /// the pod bridge the CNI plugin creates (the eBPF fast path attaches to it when it appears)
+    #[arg(long, default_value = "cni0")]
+    pub pod_bridge: String,
+
     /// seconds between full reconciliations of the data path
     #[arg(long, default_value = "30", value_parser = parse_seconds)]
     pub resync_interval: u64,

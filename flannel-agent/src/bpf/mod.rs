@@ -45,6 +45,7 @@
 //!
 //! | module | job |
 //! |---|---|
+//! | [`applier`] | the reconciler's eBPF applier (desired model → route map) and the metrics source |
 //! | [`fastpath`] | [`FastPath`]: load, config, sync, attach/detach, counters |
 //! | [`config`] | [`LocalConfig`] |
 //! | [`remote`] | [`Remote`] / [`Via`] and the diff behind `sync` |
@@ -53,6 +54,7 @@
 //! | [`counters`] | [`Counters`] |
 //! | [`error`] | [`BpfError`] |
 
+pub mod applier;
 pub mod config;
 pub mod counters;
 pub mod error;
@@ -63,6 +65,7 @@ pub mod remote;
 
 use std::{fmt, path::Path, str::FromStr};
 
+pub use applier::{BpfApplier, FastPathCounters, SharedFastPath};
 pub use config::{LocalConfig, VxlanLocal};
 pub use counters::{Counters, ReasonCounters};
 pub use error::BpfError;

@@ -246,7 +246,15 @@ fn reach_of(
                     oif,
                 });
             }
-            Ok(Reach::Ipip { public_ip: v4 })
+            let next_hop = match direct_oif(facts, public_ip, own_ip) {
+                Reachability::Direct { .. } => Some(public_ip),
+                Reachability::Gateway { gateway } => Some(gateway),
+                _ => None,
+            };
+            Ok(Reach::Ipip {
+                public_ip: v4,
+                next_hop,
+            })
         }
     }
 }
@@ -656,7 +664,9 @@ mod tests {
                     oif: EXT_INDEX
                 },
                 Reach::Ipip {
-                    public_ip: Ipv4Addr::new(192, 168, 20, 3)
+                    public_ip: Ipv4Addr::new(192, 168, 20, 3),
+                    // Behind the default gateway: that is the underlay next hop.
+                    next_hop: Some(ip("192.168.10.254")),
                 },
             ]
         );

@@ -86,6 +86,7 @@ pub async fn ensure_devices(
             }
         }
         BackendOptions::HostGw => check_host_gw(&local.ext)?,
+        BackendOptions::Ipip(_) if local.ipip_via_ebpf => local.devices.ipip = None,
         BackendOptions::Ipip(_) => {
             let device = ensure_ipip_device(nl, local, &mut report).await?;
             local.devices.ipip = Some(device);

@@ -46,6 +46,9 @@ pub struct Local {
     pub vtep_macs: VtepMacs,
     /// The devices in place now.
     pub devices: Devices,
+    /// ipip is carried by the eBPF fast path (no kernel `flannel.ipip`): routes to ipip peers
+    /// then point out of the external interface, where `tc_to_netdev` encapsulates.
+    pub ipip_via_ebpf: bool,
 }
 
 impl Local {
@@ -71,6 +74,7 @@ impl Local {
             mtu,
             vtep_macs,
             devices: Devices::default(),
+            ipip_via_ebpf: false,
         }
     }
 
@@ -199,6 +203,10 @@ pub enum Reach {
     Ipip {
         /// The peer's public IP (outer destination).
         public_ip: Ipv4Addr,
+        /// The underlay next hop towards `public_ip` (the peer itself when directly connected,
+        /// else the gateway), when the routing table says; used when the eBPF fast path
+        /// carries ipip without a kernel device.
+        next_hop: Option<IpAddr>,
     },
 }
 
@@ -208,7 +216,7 @@ impl Reach {
         match self {
             Self::Direct { gateway, .. } => *gateway,
             Self::Vxlan { public_ip, .. } => *public_ip,
-            Self::Ipip { public_ip } => IpAddr::V4(*public_ip),
+            Self::Ipip { public_ip, .. } => IpAddr::V4(*public_ip),
         }
     }
 }
@@ -222,7 +230,7 @@ impl fmt::Display for Reach {
                 vni,
                 public_ip,
             } => write!(f, "vxlan {public_ip} vni {vni} vtep {vtep_mac}"),
-            Self::Ipip { public_ip } => write!(f, "ipip {public_ip}"),
+            Self::Ipip { public_ip, .. } => write!(f, "ipip {public_ip}"),
         }
     }
 }

@@ -193,7 +193,7 @@ impl Reconciler {
         match &self.local.backend {
             BackendOptions::Vxlan(o) => o.direct_routing,
             BackendOptions::HostGw => true,
-            BackendOptions::Ipip(o) => o.direct_routing,
+            BackendOptions::Ipip(o) => o.direct_routing || self.local.ipip_via_ebpf,
             _ => false,
         }
     }
