@@ -36,6 +36,7 @@ use crate::{
     ip::IpStack,
     lease::{Lease, LeaseAttrs},
     metrics::{KindLabel, Metrics},
+    ipsec,
     netconf::ConfigError,
     netlink::{Netlink, NetlinkError, Route},
     subnet::{LeaseSnapshot, etcd::EtcdError, kube::KubeError, lease_channel},
@@ -44,6 +45,7 @@ use crate::{
         self, BR_NETFILTER_SYSCTL_DIR, IptablesVariant, SystemRunner, TrafficError, TrafficManager,
         TrafficMode,
     },
+    wireguard,
 };
 
 /// Why the daemon stopped with an error (exit code 1). A revoked lease and a signal are not
@@ -68,6 +70,10 @@ pub enum DaemonError {
     Iface(#[from] iface::IfaceError),
     #[error("failed to register network: {0}")]
     Dataplane(#[from] DataplaneError),
+    #[error("failed to register network: {0}")]
+    Wireguard(#[from] wireguard::WireguardError),
+    #[error("failed to register network: {0}")]
+    Ipsec(#[from] ipsec::IpsecError),
     #[error("failed to set up masquerade/forward rules: {0}")]
     Traffic(#[from] TrafficError),
     #[error("Failed to write subnet file: {0}")]
@@ -160,7 +166,20 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         }
         _ => VtepMacs::default(),
     };
-    let attrs = lease_attrs(&backend, &ext, stack, &vtep_macs);
+    let mut attrs = lease_attrs(&backend, &ext, stack, &vtep_macs);
+    let wireguard_key = match &backend {
+        BackendOptions::Wireguard(opts) => {
+            let key = wireguard::load_key(&cli.wireguard_key_file)?;
+            (attrs.backend_data, attrs.backend_v6_data) = wireguard::lease_data(opts, &key, stack);
+            Some(key)
+        }
+        _ => None,
+    };
+    let ipsec_backend = match &backend {
+        // Before the lease: a node that cannot encrypt must not announce itself.
+        BackendOptions::Ipsec(opts) => Some(ipsec::IpsecBackend::prepare(opts, &ext).await?),
+        _ => None,
+    };
     let previous = subnet_env::previous_subnets(&cli.subnet_file);
     let lease = tokio::select! {
         () = cancel.cancelled() => return Err(DaemonError::Cancelled),
@@ -181,6 +200,25 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     );
     let fast_path = choose_dataplane(cli.dataplane)?;
     dataplane::ensure_devices(&nl, &mut local).await?;
+    let mut backend_appliers: Vec<Box<dyn dataplane::Applier>> = Vec::new();
+    if let (BackendOptions::Wireguard(opts), Some(key)) = (&backend, wireguard_key) {
+        let userspace = wireguard::Userspace::new(cli.wireguard_socket_dir.clone());
+        let mut applier =
+            wireguard::WireguardApplier::new(nl.clone(), opts.clone(), key, userspace);
+        for d in applier.ensure_devices(&local).await? {
+            info!(
+                device = %d.name,
+                index = d.index,
+                implementation = %d.implementation,
+                ensured = ?d.ensured,
+                "WireGuard device ready"
+            );
+        }
+        backend_appliers.push(Box::new(applier));
+    }
+    if let Some(ipsec_backend) = ipsec_backend {
+        backend_appliers.push(Box::new(ipsec_backend.start(&local).await?));
+    }
     metrics.set_dataplane(fast_path.name(), backend_type.name());
     info!(
         "dataplane: {} path ({})",
@@ -240,7 +278,10 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
 
     // 6. Long-running tasks.
     let (publisher, snapshots) = lease_channel();
-    let reconciler = Reconciler::new(nl.clone(), local, ReconcilerConfig::from_cli(&cli));
+    let mut reconciler = Reconciler::new(nl.clone(), local, ReconcilerConfig::from_cli(&cli));
+    for applier in backend_appliers {
+        reconciler.push_applier(applier);
+    }
     let status = reconciler.status();
     let mut tasks: JoinSet<Result<Option<Exit>, DaemonError>> = JoinSet::new();
 
