@@ -1333,6 +1333,41 @@ pub fn write_pcap(path: &Path, frames: &[Vec<u8>]) -> Result<()> {
         .with_context(|| format!("writing {}", path.display()))
 }
 
+/// Reads the frames of a pcap file (as `tcpdump -w` writes it: micro- or nanosecond
+/// timestamps, either byte order, Ethernet link type).
+pub fn read_pcap(path: &Path) -> Result<Vec<Vec<u8>>> {
+    let data = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let header = take(&data, 0, 24, "pcap header")?;
+    let magic = [header[0], header[1], header[2], header[3]];
+    let le = match magic {
+        [0xd4, 0xc3, 0xb2, 0xa1] | [0x4d, 0x3c, 0xb2, 0xa1] => true,
+        [0xa1, 0xb2, 0xc3, 0xd4] | [0xa1, 0xb2, 0x3c, 0x4d] => false,
+        other => bail!("{} is not a pcap file (magic {other:02x?})", path.display()),
+    };
+    let u32_at = |b: &[u8], at: usize| {
+        let w = [b[at], b[at + 1], b[at + 2], b[at + 3]];
+        if le {
+            u32::from_le_bytes(w)
+        } else {
+            u32::from_be_bytes(w)
+        }
+    };
+    let link_type = u32_at(header, 20);
+    if link_type != 1 {
+        bail!("{}: link type {link_type}, not Ethernet", path.display());
+    }
+    let mut frames = Vec::new();
+    let mut pos = 24;
+    while pos < data.len() {
+        let rec = take(&data, pos, 16, "pcap record header")?;
+        let caplen = u32_at(rec, 8) as usize;
+        let frame = take(&data, pos + 16, caplen, "pcap record")?;
+        frames.push(frame.to_vec());
+        pos += 16 + caplen;
+    }
+    Ok(frames)
+}
+
 /// A hex dump of `bytes`, 16 per line with offsets, for assertion messages.
 pub fn hexdump(bytes: &[u8]) -> String {
     let mut out = String::new();
@@ -1679,5 +1714,40 @@ mod tests {
             assert!(!text.contains(bad), "tcpdump says {bad}:\n{text}");
         }
         assert!(text.contains("ICMP echo request, id 1, seq 1"), "{text}");
+    }
+
+    /// What `write_pcap` writes and what tcpdump rewrites (its own header) reads back.
+    #[test]
+    fn pcap_round_trip() {
+        let frames = vec![
+            Ethernet::new(
+                MAC_A,
+                MAC_B,
+                Ipv4::new(A4, B4, Udp::new(1, 51820).payload(b"x")),
+            )
+            .encode(),
+            Ethernet::new(MAC_A, MAC_B, Ipv4::new(A4, B4, Icmp::echo_request(1, 2))).encode(),
+        ];
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("a.pcap");
+        write_pcap(&path, &frames).expect("pcap");
+        assert_eq!(read_pcap(&path).expect("read"), frames);
+        let copy = dir.path().join("b.pcap");
+        if let Ok(out) = Command::new("tcpdump")
+            .arg("-r")
+            .arg(&path)
+            .arg("-w")
+            .arg(&copy)
+            .output()
+        {
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert_eq!(read_pcap(&copy).expect("read tcpdump's"), frames);
+        }
+        std::fs::write(&path, b"not a pcap file at all..").expect("write");
+        assert!(read_pcap(&path).is_err());
     }
 }

@@ -150,9 +150,14 @@ pub fn desired(local: &Local, snapshot: &LeaseSnapshot, facts: &Facts) -> Desire
 /// The backends this module programs, with the options that matter here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
-    Vxlan { vni: u32, direct_routing: bool },
+    Vxlan {
+        vni: u32,
+        direct_routing: bool,
+    },
     HostGw,
-    Ipip { direct_routing: bool },
+    Ipip {
+        direct_routing: bool,
+    },
     Wireguard {
         mode: WireguardMode,
         /// The local listen port used when a peer publishes none, per family.
@@ -1113,7 +1118,11 @@ mod tests {
         ));
         // Leases of other backends are ignored.
         let other = vx_lease("10.244.5.0-24", [192, 168, 10, 5], mac(5));
-        let d = desired(&local, &snapshot(vec![("10.244.5.0-24", other)]), &Facts::none());
+        let d = desired(
+            &local,
+            &snapshot(vec![("10.244.5.0-24", other)]),
+            &Facts::none(),
+        );
         assert!(d.peers.is_empty());
         assert_eq!(d.ignored(), 1);
     }
@@ -1159,19 +1168,40 @@ mod tests {
         let own_u6: Option<Ipv6Addr> = Some("fd00::1".parse().unwrap());
         let auto = WireguardMode::Auto;
         // No v6 endpoint: v4.
-        assert_eq!(wireguard_endpoint(auto, Some(e4), None, own4, own_g6), Some(e4));
+        assert_eq!(
+            wireguard_endpoint(auto, Some(e4), None, own4, own_g6),
+            Some(e4)
+        );
         // Only v6: v6.
-        assert_eq!(wireguard_endpoint(auto, None, Some(g6), own4, own_g6), Some(g6));
+        assert_eq!(
+            wireguard_endpoint(auto, None, Some(g6), own4, own_g6),
+            Some(g6)
+        );
         // Public v4 and a local v4 address: v4.
-        assert_eq!(wireguard_endpoint(auto, Some(p4), Some(g6), own4, own_g6), Some(p4));
+        assert_eq!(
+            wireguard_endpoint(auto, Some(p4), Some(g6), own4, own_g6),
+            Some(p4)
+        );
         // Public v4 but no local v4: global v6.
-        assert_eq!(wireguard_endpoint(auto, Some(p4), Some(g6), None, own_g6), Some(g6));
+        assert_eq!(
+            wireguard_endpoint(auto, Some(p4), Some(g6), None, own_g6),
+            Some(g6)
+        );
         // Private v4, global v6 on both sides: v6.
-        assert_eq!(wireguard_endpoint(auto, Some(e4), Some(g6), own4, own_g6), Some(g6));
+        assert_eq!(
+            wireguard_endpoint(auto, Some(e4), Some(g6), own4, own_g6),
+            Some(g6)
+        );
         // Private v4, peer's v6 is a ULA: v4.
-        assert_eq!(wireguard_endpoint(auto, Some(e4), Some(u6), own4, own_g6), Some(e4));
+        assert_eq!(
+            wireguard_endpoint(auto, Some(e4), Some(u6), own4, own_g6),
+            Some(e4)
+        );
         // Private v4, our own v6 is a ULA: v4.
-        assert_eq!(wireguard_endpoint(auto, Some(e4), Some(g6), own4, own_u6), Some(e4));
+        assert_eq!(
+            wireguard_endpoint(auto, Some(e4), Some(g6), own4, own_u6),
+            Some(e4)
+        );
         assert_eq!(wireguard_endpoint(auto, None, None, own4, own_g6), None);
         assert_eq!(
             wireguard_endpoint(WireguardMode::Ipv6, Some(e4), None, own4, None),

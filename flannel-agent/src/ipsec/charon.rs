@@ -103,12 +103,7 @@ pub fn find_charon() -> Option<PathBuf> {
             .map(|d| d.join("charon"))
             .find(|p| p.is_file())
     });
-    in_path.or_else(|| {
-        SEARCH_PATHS
-            .iter()
-            .map(PathBuf::from)
-            .find(|p| p.is_file())
-    })
+    in_path.or_else(|| SEARCH_PATHS.iter().map(PathBuf::from).find(|p| p.is_file()))
 }
 
 /// A charon in use: started by us (and stopped with us) or found running.

@@ -342,7 +342,10 @@ mod tests {
         let (path, task) = fake(
             dir.path(),
             vec![
-                (Packet::EventRegister("list-conn".into()), vec![Packet::EventConfirm]),
+                (
+                    Packet::EventRegister("list-conn".into()),
+                    vec![Packet::EventConfirm],
+                ),
                 (
                     Packet::CmdRequest {
                         command: "list-conns".into(),
@@ -356,7 +359,10 @@ mod tests {
                         Packet::CmdResponse(Message::new()),
                     ],
                 ),
-                (Packet::EventUnregister("list-conn".into()), vec![Packet::EventConfirm]),
+                (
+                    Packet::EventUnregister("list-conn".into()),
+                    vec![Packet::EventConfirm],
+                ),
                 (
                     Packet::CmdRequest {
                         command: "unload-conn".into(),

@@ -122,7 +122,10 @@ mod tests {
             spec.name(),
             "192.168.10.1-10.244.1.0/24-10.244.2.0/24-192.168.10.2"
         );
-        assert!(spec.name().starts_with(&name_prefix(spec.local_ip, spec.local_subnet)));
+        assert!(
+            spec.name()
+                .starts_with(&name_prefix(spec.local_ip, spec.local_subnet))
+        );
         assert_eq!(spec.child_name(), "10.244.1.0/24-10.244.2.0/24");
         let options = IpsecOptions {
             psk: Secret::new("p".repeat(96)),
@@ -136,7 +139,10 @@ mod tests {
         assert_eq!(conn.get_str("keyingtries").as_deref(), Some("0"));
         assert_eq!(conn.get_str("encap").as_deref(), Some("yes"));
         assert_eq!(
-            conn.get_section("local").unwrap().get_str("auth").as_deref(),
+            conn.get_section("local")
+                .unwrap()
+                .get_str("auth")
+                .as_deref(),
             Some("psk")
         );
         let child = conn

@@ -125,11 +125,8 @@ impl IpsecBackend {
             attempts += 1;
             let result = async {
                 let mut c = ViciClient::connect(charon.socket()).await?;
-                c.load_shared(conns::shared_key(
-                    self.options.psk.expose(),
-                    self.public_ip,
-                ))
-                .await?;
+                c.load_shared(conns::shared_key(self.options.psk.expose(), self.public_ip))
+                    .await?;
                 Ok::<_, ViciError>(c)
             }
             .await;
@@ -217,7 +214,12 @@ impl IpsecApplier {
             .into_iter()
             .filter(|n| n.starts_with(&prefix))
             .collect();
-        let keys: BTreeSet<String> = client.get_shared().await.unwrap_or_default().into_iter().collect();
+        let keys: BTreeSet<String> = client
+            .get_shared()
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
         for (name, spec) in want {
             let present = loaded.contains(name);
             // The first sync reloads every connection: options may have changed since they
@@ -247,7 +249,10 @@ impl IpsecApplier {
                 report.stats.deleted += 1;
                 report.stats.ops += 1;
                 tracing::info!(conn = %name, "unloaded IPsec connection");
-                if let Some(ip) = name.rsplit('-').next().and_then(|s| s.parse::<Ipv4Addr>().ok())
+                if let Some(ip) = name
+                    .rsplit('-')
+                    .next()
+                    .and_then(|s| s.parse::<Ipv4Addr>().ok())
                     && !wanted_ips.contains(&ip)
                     && ip != own_ip
                     && keys.contains(&conns::shared_key_id(ip))

@@ -459,7 +459,8 @@ mod tests {
                     .list("local_addrs", ["192.168.10.1"])
                     .section(
                         "children",
-                        Message::new().section("c", Message::new().list("esp_proposals", ["a", "b"])),
+                        Message::new()
+                            .section("c", Message::new().list("esp_proposals", ["a", "b"])),
                     ),
             )
             .list("empty", Vec::<&str>::new());
@@ -514,7 +515,9 @@ mod tests {
         for cut in 0..bytes.len() {
             let _ = Message::decode(&bytes[..cut]);
         }
-        let deep: Vec<u8> = std::iter::repeat_n([SECTION_START, 0], 40).flatten().collect();
+        let deep: Vec<u8> = std::iter::repeat_n([SECTION_START, 0], 40)
+            .flatten()
+            .collect();
         assert!(Message::decode(&deep).is_err());
     }
 }

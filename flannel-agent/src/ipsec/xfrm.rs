@@ -187,7 +187,12 @@ pub fn encode_delete(p: &Policy) -> MessageBuilder {
 }
 
 fn v4_of(b: &[u8]) -> Option<Ipv4Addr> {
-    Some(Ipv4Addr::new(*b.first()?, *b.get(1)?, *b.get(2)?, *b.get(3)?))
+    Some(Ipv4Addr::new(
+        *b.first()?,
+        *b.get(1)?,
+        *b.get(2)?,
+        *b.get(3)?,
+    ))
 }
 
 /// Decodes a policy dump entry; `None` for anything that is not an IPv4 ESP tunnel policy
@@ -425,14 +430,42 @@ mod tests {
             net("10.244.2.0/24"),
             Ipv4Addr::new(192, 168, 10, 2),
         );
-        assert_eq!((out.dir, out.src, out.dst), (Dir::Out, net("10.244.1.0/24"), net("10.244.2.0/24")));
-        assert_eq!((out.tmpl_src, out.tmpl_dst), (Ipv4Addr::new(192, 168, 10, 1), Ipv4Addr::new(192, 168, 10, 2)));
-        assert_eq!((inb.dir, inb.src, inb.dst), (Dir::In, net("10.244.2.0/24"), net("10.244.1.0/24")));
-        assert_eq!((inb.tmpl_src, inb.tmpl_dst), (Ipv4Addr::new(192, 168, 10, 2), Ipv4Addr::new(192, 168, 10, 1)));
-        assert_eq!(fwd, Policy { dir: Dir::Fwd, ..inb });
+        assert_eq!(
+            (out.dir, out.src, out.dst),
+            (Dir::Out, net("10.244.1.0/24"), net("10.244.2.0/24"))
+        );
+        assert_eq!(
+            (out.tmpl_src, out.tmpl_dst),
+            (
+                Ipv4Addr::new(192, 168, 10, 1),
+                Ipv4Addr::new(192, 168, 10, 2)
+            )
+        );
+        assert_eq!(
+            (inb.dir, inb.src, inb.dst),
+            (Dir::In, net("10.244.2.0/24"), net("10.244.1.0/24"))
+        );
+        assert_eq!(
+            (inb.tmpl_src, inb.tmpl_dst),
+            (
+                Ipv4Addr::new(192, 168, 10, 2),
+                Ipv4Addr::new(192, 168, 10, 1)
+            )
+        );
+        assert_eq!(
+            fwd,
+            Policy {
+                dir: Dir::Fwd,
+                ..inb
+            }
+        );
         assert!([out, inb, fwd].iter().all(|p| p.reqid == 11));
         let local = IpAddr::V4(Ipv4Addr::new(192, 168, 10, 1));
-        assert!([out, inb, fwd].iter().all(|p| is_ours(p, net("10.244.1.0/24"), local)));
+        assert!(
+            [out, inb, fwd]
+                .iter()
+                .all(|p| is_ours(p, net("10.244.1.0/24"), local))
+        );
         assert!(!is_ours(&out, net("10.244.9.0/24"), local));
     }
 
@@ -462,7 +495,12 @@ mod tests {
 
     #[test]
     fn probe_sa_layout() {
-        let bytes = encode_probe_sa(Ipv4Addr::new(192, 0, 2, 1), Ipv4Addr::new(192, 0, 2, 2), 0x0f1a0001).finish(1);
+        let bytes = encode_probe_sa(
+            Ipv4Addr::new(192, 0, 2, 1),
+            Ipv4Addr::new(192, 0, 2, 2),
+            0x0f1a0001,
+        )
+        .finish(1);
         let m = messages(&bytes).unwrap()[0];
         assert_eq!(m.msg_type, XFRM_MSG_NEWSA);
         assert_eq!(&m.payload[56..60], &[192, 0, 2, 2]);
@@ -471,6 +509,9 @@ mod tests {
         let attrs = attributes(&m.payload[SA_INFO_LEN..]).unwrap();
         assert_eq!(attrs.len(), 2);
         assert_eq!(&attrs[0].1[..8], b"cbc(aes)");
-        assert_eq!(u32::from_ne_bytes(attrs[0].1[64..68].try_into().unwrap()), 128);
+        assert_eq!(
+            u32::from_ne_bytes(attrs[0].1[64..68].try_into().unwrap()),
+            128
+        );
     }
 }

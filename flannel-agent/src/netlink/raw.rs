@@ -109,7 +109,8 @@ impl MessageBuilder {
     pub fn nest_start(&mut self, ty: u16) -> &mut Self {
         self.nests.push(self.buf.len());
         self.buf.extend_from_slice(&0u16.to_ne_bytes());
-        self.buf.extend_from_slice(&(ty | NLA_F_NESTED).to_ne_bytes());
+        self.buf
+            .extend_from_slice(&(ty | NLA_F_NESTED).to_ne_bytes());
         self
     }
 

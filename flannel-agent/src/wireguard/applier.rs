@@ -18,17 +18,16 @@ use futures::future::BoxFuture;
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 use super::{
-    WireguardError, device_names,
+    WireguardError,
     device::{Ensured, Implementation, WgDevice, ensure_device},
+    device_names,
     key::PrivateKey,
     plan::{DesiredDevice, DesiredPeer, plan},
     userspace::Userspace,
 };
 use crate::{
     backend::{BackendOptions, WgKey, WireguardMode, WireguardOptions},
-    dataplane::{
-        Applier, ApplyError, ApplyReport, Desired, Local, Reach, SyncMode,
-    },
+    dataplane::{Applier, ApplyError, ApplyReport, Desired, Local, Reach, SyncMode},
     netlink::{IpFamily, Netlink, Route, RouteScope},
 };
 
@@ -57,7 +56,12 @@ pub struct WireguardApplier {
 
 impl WireguardApplier {
     /// An applier for `options` with the node's `key`; userspace devices use `userspace`.
-    pub fn new(nl: Netlink, options: WireguardOptions, key: PrivateKey, userspace: Userspace) -> Self {
+    pub fn new(
+        nl: Netlink,
+        options: WireguardOptions,
+        key: PrivateKey,
+        userspace: Userspace,
+    ) -> Self {
         WireguardApplier {
             nl,
             options,
@@ -95,7 +99,10 @@ impl WireguardApplier {
     /// Creates or adopts every device of `local`'s layout and sets its MTU, addresses, up
     /// state, network route, private key and listen port. The daemon calls it once at
     /// start-up (errors are fatal there); every sync calls it again (errors are retried).
-    pub async fn ensure_devices(&mut self, local: &Local) -> Result<Vec<DeviceSetup>, WireguardError> {
+    pub async fn ensure_devices(
+        &mut self,
+        local: &Local,
+    ) -> Result<Vec<DeviceSetup>, WireguardError> {
         if let Some(o) = Self::options_of(local) {
             self.options = o.clone();
         }
@@ -116,7 +123,11 @@ impl WireguardApplier {
                     ..Default::default()
                 };
                 device.set(&config).await?;
-                tracing::info!(device = name, listen_port, "set the WireGuard key and listen port");
+                tracing::info!(
+                    device = name,
+                    listen_port,
+                    "set the WireGuard key and listen port"
+                );
             }
             out.push(DeviceSetup {
                 name: name.to_owned(),
@@ -154,7 +165,10 @@ impl WireguardApplier {
         if let Some(mtu) = mtu
             && link.mtu != mtu
         {
-            self.nl.set_mtu(device.index, mtu).await.map_err(ctx("set MTU of"))?;
+            self.nl
+                .set_mtu(device.index, mtu)
+                .await
+                .map_err(ctx("set MTU of"))?;
         }
         for family in families {
             let Some(subnet) = local.own_subnet(*family) else {
@@ -181,7 +195,10 @@ impl WireguardApplier {
             }
         }
         if !link.up {
-            self.nl.set_link_up(device.index).await.map_err(ctx("set up"))?;
+            self.nl
+                .set_link_up(device.index)
+                .await
+                .map_err(ctx("set up"))?;
         }
         for family in families {
             if let Some(network) = local.network_of(*family) {
@@ -198,7 +215,12 @@ impl WireguardApplier {
     }
 
     /// The desired configuration of device `name` carrying `families`.
-    fn desired_device(&self, desired: &Desired, name: &str, families: &[IpFamily]) -> DesiredDevice {
+    fn desired_device(
+        &self,
+        desired: &Desired,
+        name: &str,
+        families: &[IpFamily],
+    ) -> DesiredDevice {
         let mut peers: BTreeMap<WgKey, DesiredPeer> = BTreeMap::new();
         for (_, path) in desired.paths() {
             let Reach::Wireguard {
@@ -229,7 +251,12 @@ impl WireguardApplier {
         }
     }
 
-    async fn sync_inner(&mut self, local: &Local, desired: &Desired, mode: SyncMode) -> ApplyReport {
+    async fn sync_inner(
+        &mut self,
+        local: &Local,
+        desired: &Desired,
+        mode: SyncMode,
+    ) -> ApplyReport {
         let mut report = ApplyReport::default();
         let fail = |report: &mut ApplyReport, kind: &str, message: String| {
             report.stats.errors += 1;

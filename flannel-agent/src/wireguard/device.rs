@@ -152,7 +152,7 @@ pub async fn ensure_device(
         if let Some(running) = userspace.find(name).await? {
             tracing::info!(
                 device = name,
-                pid = running.pid,
+                pid = ?running.pid,
                 socket = %userspace.socket_path(name).display(),
                 "adopted the running userspace WireGuard device"
             );
@@ -176,7 +176,7 @@ pub async fn ensure_device(
         for _ in 0..30 {
             match userspace.find(name).await? {
                 Some(running) => {
-                    tracing::debug!(device = name, pid = running.pid, "waiting for the old process");
+                    tracing::debug!(device = name, pid = ?running.pid, "waiting for the old process");
                     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                 }
                 None => break,
@@ -203,7 +203,7 @@ pub async fn ensure_device(
                     program: userspace.program(),
                     device: name.to_owned(),
                 })?;
-            let pid = userspace.find(name).await?.map(|r| r.pid);
+            let pid = userspace.find(name).await?.and_then(|r| r.pid);
             tracing::info!(
                 device = name,
                 index = link.index,

@@ -28,8 +28,7 @@ use super::{
 use crate::{
     backend::WgKey,
     netlink::raw::{
-        self, MessageBuilder, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, RawError, RawSocket,
-        attributes,
+        self, MessageBuilder, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, RawError, RawSocket, attributes,
     },
 };
 
@@ -319,9 +318,9 @@ fn decode_peer(p: &[u8]) -> Result<PeerState, GenlError> {
                         Some(a) if a.len() == 4 => {
                             IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(a).unwrap_or_default()))
                         }
-                        Some(a) if a.len() == 16 => IpAddr::V6(Ipv6Addr::from(
-                            <[u8; 16]>::try_from(a).unwrap_or_default(),
-                        )),
+                        Some(a) if a.len() == 16 => {
+                            IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(a).unwrap_or_default()))
+                        }
                         _ => return Err(GenlError::Malformed("allowed IP address".into())),
                     };
                     let len = get(WGALLOWEDIP_A_CIDR_MASK)
@@ -564,7 +563,13 @@ mod tests {
             .map(|i| {
                 let mut p = peer(0, &[]);
                 p.public_key.0[..2].copy_from_slice(&i.to_be_bytes());
-                p.allowed_ips = vec![IpNet::new(IpAddr::V4(Ipv4Addr::new(10, (i >> 8) as u8, i as u8, 0)), 24).unwrap()];
+                p.allowed_ips = vec![
+                    IpNet::new(
+                        IpAddr::V4(Ipv4Addr::new(10, (i >> 8) as u8, i as u8, 0)),
+                        24,
+                    )
+                    .unwrap(),
+                ];
                 p
             })
             .collect();
@@ -582,7 +587,11 @@ mod tests {
         // Only the first message carries the device-level attributes.
         let later = msgs[1].clone().finish(1);
         let later = messages(&later).unwrap()[0].payload.to_vec();
-        let types: Vec<u16> = attributes(&later[4..]).unwrap().iter().map(|a| a.0).collect();
+        let types: Vec<u16> = attributes(&later[4..])
+            .unwrap()
+            .iter()
+            .map(|a| a.0)
+            .collect();
         assert_eq!(types, [WGDEVICE_A_IFNAME, WGDEVICE_A_PEERS]);
         let state = decode_get(&as_get_payloads(msgs)).unwrap();
         assert_eq!(state.peers.len(), 600);
@@ -592,15 +601,23 @@ mod tests {
     #[test]
     fn a_peer_split_over_two_dump_messages_is_merged() {
         let mut a = peer(5, &["10.244.2.0/24"]);
-        let first = encode_set(1, "x", &DeviceConfig {
-            peers: vec![a.clone()],
-            ..DeviceConfig::default()
-        });
+        let first = encode_set(
+            1,
+            "x",
+            &DeviceConfig {
+                peers: vec![a.clone()],
+                ..DeviceConfig::default()
+            },
+        );
         a.allowed_ips = vec!["fd00::/64".parse().unwrap()];
-        let second = encode_set(1, "x", &DeviceConfig {
-            peers: vec![a],
-            ..DeviceConfig::default()
-        });
+        let second = encode_set(
+            1,
+            "x",
+            &DeviceConfig {
+                peers: vec![a],
+                ..DeviceConfig::default()
+            },
+        );
         let mut payloads = as_get_payloads(first);
         payloads.extend(as_get_payloads(second));
         let state = decode_get(&payloads).unwrap();

@@ -77,7 +77,9 @@ pub enum WireguardError {
     #[error("{0} disappeared while it was being set up")]
     Gone(String),
     /// A family is enabled but the lease lacks it.
-    #[error("failed to configure interface {device}: {family} is enabled but the lease has no {family}")]
+    #[error(
+        "failed to configure interface {device}: {family} is enabled but the lease has no {family}"
+    )]
     LeaseLacksFamily {
         /// The device.
         device: String,
@@ -181,7 +183,11 @@ mod tests {
             device_names(WireguardMode::Separate, IpStack::V6),
             vec![(DEVICE_V6, vec![V6])]
         );
-        for mode in [WireguardMode::Auto, WireguardMode::Ipv4, WireguardMode::Ipv6] {
+        for mode in [
+            WireguardMode::Auto,
+            WireguardMode::Ipv4,
+            WireguardMode::Ipv6,
+        ] {
             assert_eq!(
                 device_names(mode, IpStack::Dual),
                 vec![(DEVICE_V4, vec![V4, V6])]

@@ -141,19 +141,17 @@ pub fn parse_get(text: &str) -> Result<DeviceState, UapiError> {
     let mut peer: Option<PeerState> = None;
     let mut handshake_sec = 0u64;
     let mut handshake_nsec = 0u32;
-    let finish = |peer: &mut Option<PeerState>,
-                  state: &mut DeviceState,
-                  sec: &mut u64,
-                  nsec: &mut u32| {
-        if let Some(mut p) = peer.take() {
-            if *sec != 0 || *nsec != 0 {
-                p.last_handshake = Some(Duration::new(*sec, *nsec));
+    let finish =
+        |peer: &mut Option<PeerState>, state: &mut DeviceState, sec: &mut u64, nsec: &mut u32| {
+            if let Some(mut p) = peer.take() {
+                if *sec != 0 || *nsec != 0 {
+                    p.last_handshake = Some(Duration::new(*sec, *nsec));
+                }
+                state.peers.push(p);
             }
-            state.peers.push(p);
-        }
-        *sec = 0;
-        *nsec = 0;
-    };
+            *sec = 0;
+            *nsec = 0;
+        };
     for line in text.lines() {
         if line.is_empty() {
             break;
@@ -167,7 +165,12 @@ pub fn parse_get(text: &str) -> Result<DeviceState, UapiError> {
         match (key, peer.as_mut()) {
             ("errno", _) => {}
             ("public_key", _) => {
-                finish(&mut peer, &mut state, &mut handshake_sec, &mut handshake_nsec);
+                finish(
+                    &mut peer,
+                    &mut state,
+                    &mut handshake_sec,
+                    &mut handshake_nsec,
+                );
                 let k = parse_hex_key(value).map_err(|e| bad(line, e))?;
                 peer = Some(PeerState::new(WgKey(k)));
             }
@@ -214,7 +217,12 @@ pub fn parse_get(text: &str) -> Result<DeviceState, UapiError> {
             _ => {}
         }
     }
-    finish(&mut peer, &mut state, &mut handshake_sec, &mut handshake_nsec);
+    finish(
+        &mut peer,
+        &mut state,
+        &mut handshake_sec,
+        &mut handshake_nsec,
+    );
     Ok(state)
 }
 
@@ -393,7 +401,10 @@ mod tests {
         assert_eq!(a.last_handshake, Some(Duration::new(1_700_000_000, 5)));
         assert_eq!((a.rx_bytes, a.tx_bytes), (200, 100));
         assert_eq!(
-            a.allowed_ips.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            a.allowed_ips
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>(),
             ["10.244.2.0/24"]
         );
         let b = s.peer(&key(0x01)).unwrap();

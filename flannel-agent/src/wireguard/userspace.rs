@@ -102,8 +102,36 @@ pub enum UserspaceError {
 /// A running userspace device found behind its socket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Running {
-    /// The process serving the socket.
-    pub pid: i32,
+    /// The process serving the socket, when it can be told (wireguard-go's socket was
+    /// opened by its launcher, which has exited; the server is then looked up by name).
+    pub pid: Option<i32>,
+}
+
+fn netns_of(pid: i32) -> Option<PathBuf> {
+    std::fs::read_link(format!("/proc/{pid}/ns/net")).ok()
+}
+
+fn own_netns() -> Option<PathBuf> {
+    std::fs::read_link("/proc/thread-self/ns/net").ok()
+}
+
+/// A process in this network namespace whose command line is `<program> [-f] <device>`.
+fn find_server(program: &str, device: &str) -> Option<i32> {
+    let ours = own_netns()?;
+    let base = Path::new(program).file_name()?.to_owned();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let args: Vec<&[u8]> = cmdline
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .collect();
+        let first = Path::new(std::ffi::OsStr::from_bytes(args.first()?));
+        (first.file_name()? == base
+            && args.last() == Some(&device.as_bytes())
+            && netns_of(pid).as_ref() == Some(&ours))
+        .then_some(pid)
+    })
 }
 
 /// Starts and finds userspace WireGuard devices.
@@ -161,29 +189,34 @@ impl Userspace {
             || self.socket_dir == Path::new(STANDARD_SOCKET_DIR)
     }
 
-    /// The process serving `device`'s socket when it runs in this network namespace;
-    /// `None` when nothing answers; [`UserspaceError::Foreign`] when another namespace's
-    /// process does.
+    /// Whether `device`'s socket answers: `None` when nothing does;
+    /// [`UserspaceError::Foreign`] when the process that opened it is known to run in
+    /// another network namespace (several nodes sharing one socket directory).
     pub async fn find(&self, device: &str) -> Result<Option<Running>, UserspaceError> {
         let client = self.client(device);
         let Ok(stream) = client.connect().await else {
             return Ok(None);
         };
-        let pid = stream.peer_cred().ok().and_then(|c| c.pid()).unwrap_or(0);
+        let pid = stream
+            .peer_cred()
+            .ok()
+            .and_then(|c| c.pid())
+            .filter(|p| *p > 0);
         drop(stream);
-        if pid <= 0 {
-            return Ok(None);
+        if let Some(pid) = pid
+            && let (Some(ours), Some(theirs)) = (own_netns(), netns_of(pid))
+        {
+            if ours != theirs {
+                return Err(UserspaceError::Foreign {
+                    path: client.path().to_owned(),
+                    pid,
+                });
+            }
+            return Ok(Some(Running { pid: Some(pid) }));
         }
-        let ours = std::fs::read_link("/proc/thread-self/ns/net").ok();
-        let theirs = std::fs::read_link(format!("/proc/{pid}/ns/net")).ok();
-        if ours.is_some() && ours == theirs {
-            Ok(Some(Running { pid }))
-        } else {
-            Err(UserspaceError::Foreign {
-                path: client.path().to_owned(),
-                pid,
-            })
-        }
+        Ok(Some(Running {
+            pid: find_server(&self.program(), device),
+        }))
     }
 
     /// Starts the implementation for `device` (detached, see the module documentation) and
@@ -207,8 +240,8 @@ impl Userspace {
                 .mode(0o755)
                 .create(target)
                 .map_err(dir_err(target))?;
-            let source = std::fs::canonicalize(&self.socket_dir)
-                .map_err(dir_err(&self.socket_dir))?;
+            let source =
+                std::fs::canonicalize(&self.socket_dir).map_err(dir_err(&self.socket_dir))?;
             Some(BindMount::new(&source, target).map_err(dir_err(&source))?)
         };
 
