@@ -71,9 +71,9 @@ pub enum DaemonError {
     #[error("failed to register network: {0}")]
     Dataplane(#[from] DataplaneError),
     #[error("failed to register network: {0}")]
-    Wireguard(#[from] wireguard::WireguardError),
+    Wireguard(Box<wireguard::WireguardError>),
     #[error("failed to register network: {0}")]
-    Ipsec(#[from] ipsec::IpsecError),
+    Ipsec(Box<ipsec::IpsecError>),
     #[error("failed to set up masquerade/forward rules: {0}")]
     Traffic(#[from] TrafficError),
     #[error("Failed to write subnet file: {0}")]
@@ -92,6 +92,18 @@ pub enum DaemonError {
     Cancelled,
     #[error("a background task failed: {0}")]
     Task(String),
+}
+
+impl From<wireguard::WireguardError> for DaemonError {
+    fn from(e: wireguard::WireguardError) -> Self {
+        DaemonError::Wireguard(Box::new(e))
+    }
+}
+
+impl From<ipsec::IpsecError> for DaemonError {
+    fn from(e: ipsec::IpsecError) -> Self {
+        DaemonError::Ipsec(Box::new(e))
+    }
 }
 
 /// How a run ended without an error.
