@@ -112,7 +112,26 @@ impl WireguardApplier {
                 (WireguardMode::Separate, [IpFamily::V6]) => local.mtu.device_v6,
                 _ => local.mtu.device_v4.or(local.mtu.device_v6),
             };
-            let (device, ensured) = ensure_device(&self.nl, &self.userspace, name, mtu).await?;
+            // Steady state: the device we know is still there under its index. Only a
+            // missing or replaced device goes through adoption or creation (and its logs).
+            let known = match self.devices.get(name) {
+                Some(d) => self
+                    .nl
+                    .link_by_name(name)
+                    .await
+                    .map_err(|source| WireguardError::Link {
+                        what: "look up",
+                        device: name.to_owned(),
+                        source,
+                    })?
+                    .filter(|l| l.index == d.index)
+                    .map(|_| d.clone()),
+                None => None,
+            };
+            let (device, ensured) = match known {
+                Some(d) => (d, Ensured::Adopted),
+                None => ensure_device(&self.nl, &self.userspace, name, mtu).await?,
+            };
             self.configure_link(local, &device, &families, mtu).await?;
             let listen_port = self.listen_port(name);
             let state = device.get().await?;

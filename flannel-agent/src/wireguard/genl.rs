@@ -635,6 +635,28 @@ mod tests {
         assert_eq!(attrs, vec![(CTRL_ATTR_FAMILY_NAME, &b"wireguard\0"[..])]);
     }
 
+    /// The request/answer plumbing against the real kernel: `nlctrl` resolves to its fixed
+    /// id, an unknown family is `ENOENT`, and without the wireguard module the control
+    /// channel says so.
+    #[tokio::test]
+    async fn family_lookup_against_the_kernel() {
+        let mut socket = RawSocket::open(GENERIC_NETLINK).unwrap();
+        assert_eq!(resolve_family(&mut socket, "nlctrl").unwrap(), GENL_ID_CTRL);
+        let e = resolve_family(&mut socket, "flannel-no-such").unwrap_err();
+        assert_eq!(e.errno(), Some(libc::ENOENT));
+        let has_wireguard = resolve_family(&mut socket, WG_GENL_NAME).is_ok();
+        let control = KernelControl::open("flannel-wg-t0").unwrap();
+        match control.get().await {
+            Err(GenlError::NoFamily(_)) => assert!(!has_wireguard),
+            // With the module: the device does not exist.
+            Err(GenlError::Request { source, .. }) => {
+                assert!(has_wireguard);
+                assert_eq!(source.errno(), Some(libc::ENODEV));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn garbage_does_not_panic() {
         assert!(decode_get(&[vec![0, 1, 0, 0, 8, 0, 8, 0, 4, 0]]).is_err());
