@@ -35,6 +35,7 @@ use crate::{
     health::{self, Readiness},
     hostnet, iface,
     ip::IpStack,
+    ipsec,
     lease::{Lease, LeaseAttrs},
     metrics::{KindLabel, Metrics},
     netconf::ConfigError,
@@ -45,6 +46,7 @@ use crate::{
         self, BR_NETFILTER_SYSCTL_DIR, IptablesVariant, SystemRunner, TrafficError, TrafficManager,
         TrafficMode,
     },
+    wireguard,
 };
 
 /// Why the daemon stopped with an error (exit code 1). A revoked lease and a signal are not
@@ -69,6 +71,10 @@ pub enum DaemonError {
     Iface(#[from] iface::IfaceError),
     #[error("failed to register network: {0}")]
     Dataplane(#[from] DataplaneError),
+    #[error("failed to register network: {0}")]
+    Wireguard(Box<wireguard::WireguardError>),
+    #[error("failed to register network: {0}")]
+    Ipsec(Box<ipsec::IpsecError>),
     #[error("failed to set up masquerade/forward rules: {0}")]
     Traffic(#[from] TrafficError),
     #[error("Failed to write subnet file: {0}")]
@@ -87,6 +93,18 @@ pub enum DaemonError {
     Cancelled,
     #[error("a background task failed: {0}")]
     Task(String),
+}
+
+impl From<wireguard::WireguardError> for DaemonError {
+    fn from(e: wireguard::WireguardError) -> Self {
+        DaemonError::Wireguard(Box::new(e))
+    }
+}
+
+impl From<ipsec::IpsecError> for DaemonError {
+    fn from(e: ipsec::IpsecError) -> Self {
+        DaemonError::Ipsec(Box::new(e))
+    }
 }
 
 /// How a run ended without an error.
@@ -161,7 +179,20 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         }
         _ => VtepMacs::default(),
     };
-    let attrs = lease_attrs(&backend, &ext, stack, &vtep_macs);
+    let mut attrs = lease_attrs(&backend, &ext, stack, &vtep_macs);
+    let wireguard_key = match &backend {
+        BackendOptions::Wireguard(opts) => {
+            let key = wireguard::load_key(&cli.wireguard_key_file)?;
+            (attrs.backend_data, attrs.backend_v6_data) = wireguard::lease_data(opts, &key, stack);
+            Some(key)
+        }
+        _ => None,
+    };
+    let ipsec_backend = match &backend {
+        // Before the lease: a node that cannot encrypt must not announce itself.
+        BackendOptions::Ipsec(opts) => Some(ipsec::IpsecBackend::prepare(opts, &ext).await?),
+        _ => None,
+    };
     let previous = subnet_env::previous_subnets(&cli.subnet_file);
     let lease = tokio::select! {
         () = cancel.cancelled() => return Err(DaemonError::Cancelled),
@@ -184,6 +215,25 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     local.ipip_via_ebpf =
         matches!(backend, BackendOptions::Ipip(_)) && active.fast_path().is_some();
     dataplane::ensure_devices(&nl, &mut local).await?;
+    let mut backend_appliers: Vec<Box<dyn dataplane::Applier>> = Vec::new();
+    if let (BackendOptions::Wireguard(opts), Some(key)) = (&backend, wireguard_key) {
+        let userspace = wireguard::Userspace::new(cli.wireguard_socket_dir.clone());
+        let mut applier =
+            wireguard::WireguardApplier::new(nl.clone(), opts.clone(), key, userspace);
+        for d in applier.ensure_devices(&local).await? {
+            info!(
+                device = %d.name,
+                index = d.index,
+                implementation = %d.implementation,
+                ensured = ?d.ensured,
+                "WireGuard device ready"
+            );
+        }
+        backend_appliers.push(Box::new(applier));
+    }
+    if let Some(ipsec_backend) = ipsec_backend {
+        backend_appliers.push(Box::new(ipsec_backend.start(&local).await?));
+    }
     if let Some(fp) = active.fast_path()
         && let Err(err) = fastpath::configure(fp, &local)
     {
@@ -262,6 +312,9 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             fastpath::vxlan_vni(&backend),
         )));
         metrics.set_counter_source(Arc::new(crate::bpf::FastPathCounters(fp.clone())));
+    }
+    for applier in backend_appliers {
+        reconciler.push_applier(applier);
     }
     let status = reconciler.status();
     let mut tasks: JoinSet<Result<Option<Exit>, DaemonError>> = JoinSet::new();

@@ -92,6 +92,9 @@ pub async fn ensure_devices(
             local.devices.ipip = Some(device);
         }
         BackendOptions::Alloc => {}
+        // Their devices (flannel-wg, none for ipsec) belong to their own appliers
+        // (`crate::wireguard`, `crate::ipsec`), which set them up in every sync.
+        BackendOptions::Wireguard(_) | BackendOptions::Ipsec(_) => {}
         other => return Err(DataplaneError::UnsupportedBackend(other.backend_type())),
     }
     Ok(report)

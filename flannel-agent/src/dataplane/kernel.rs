@@ -98,6 +98,8 @@ pub fn expand(local: &Local, desired: &Desired) -> KernelObjects {
                     .dev(dev.index)
                     .onlink()
             }
+            // Programmed by their own appliers; no per-peer kernel objects.
+            Reach::Wireguard { .. } | Reach::Ipsec { .. } => continue,
             Reach::Ipip {
                 public_ip,
                 next_hop,

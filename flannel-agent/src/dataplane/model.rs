@@ -4,13 +4,13 @@
 
 use std::{
     fmt,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 use crate::{
-    backend::{BackendOptions, MacAddr, MtuPlan},
+    backend::{BackendOptions, MacAddr, MtuPlan, WgKey},
     iface::ExternalInterface,
     ip::IpStack,
     lease::Lease,
@@ -208,6 +208,23 @@ pub enum Reach {
         /// carries ipip without a kernel device.
         next_hop: Option<IpAddr>,
     },
+    /// A WireGuard peer: the subnet is one of its allowed IPs. The WireGuard applier
+    /// (`crate::wireguard`) programs it; the kernel applier has nothing to add (one
+    /// `<Network> dev flannel-wg` route covers every peer).
+    Wireguard {
+        /// The peer's public key (its BackendData of this family; in single-device modes the
+        /// same key for both families).
+        public_key: WgKey,
+        /// Where its packets go: `<public IP>:<Port>` of this family, or in single-device
+        /// modes the endpoint chosen by `Mode` (the same for both families).
+        endpoint: SocketAddr,
+    },
+    /// An IPsec tunnel (strongSwan) to the peer's public IP, IPv4 only. The IPsec applier
+    /// (`crate::ipsec`) programs it; there are no routes (XFRM policies select the traffic).
+    Ipsec {
+        /// The peer's public IP (outer destination, IKE peer).
+        public_ip: Ipv4Addr,
+    },
 }
 
 impl Reach {
@@ -216,7 +233,8 @@ impl Reach {
         match self {
             Self::Direct { gateway, .. } => *gateway,
             Self::Vxlan { public_ip, .. } => *public_ip,
-            Self::Ipip { public_ip, .. } => IpAddr::V4(*public_ip),
+            Self::Ipip { public_ip, .. } | Self::Ipsec { public_ip } => IpAddr::V4(*public_ip),
+            Self::Wireguard { endpoint, .. } => endpoint.ip(),
         }
     }
 }
@@ -231,6 +249,11 @@ impl fmt::Display for Reach {
                 public_ip,
             } => write!(f, "vxlan {public_ip} vni {vni} vtep {vtep_mac}"),
             Self::Ipip { public_ip, .. } => write!(f, "ipip {public_ip}"),
+            Self::Wireguard {
+                public_key,
+                endpoint,
+            } => write!(f, "wireguard {endpoint} key {public_key}"),
+            Self::Ipsec { public_ip } => write!(f, "ipsec {public_ip}"),
         }
     }
 }

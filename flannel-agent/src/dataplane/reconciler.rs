@@ -212,6 +212,12 @@ impl Reconciler {
                 names
             }
             BackendOptions::Ipip(_) => vec![IPIP_DEVICE.to_owned()],
+            BackendOptions::Wireguard(o) => {
+                crate::wireguard::device_names(o.mode, self.local.stack)
+                    .into_iter()
+                    .map(|(name, _)| name.to_owned())
+                    .collect()
+            }
             _ => Vec::new(),
         }
     }
