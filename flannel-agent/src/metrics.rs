@@ -76,12 +76,12 @@ impl Collector for FastPathCollector {
         let counts = source.read();
         for (name, help, pick) in [
             (
-                "flannel_fastpath_packets",
+                "fastpath_packets",
                 "Packets seen by the eBPF programs, by reason (fast-pathed, passed to the kernel path, dropped)",
                 (|c: &FastPathCount| c.packets) as fn(&FastPathCount) -> u64,
             ),
             (
-                "flannel_fastpath_bytes",
+                "fastpath_bytes",
                 "Bytes seen by the eBPF programs, by reason",
                 |c: &FastPathCount| c.bytes,
             ),
@@ -280,6 +280,7 @@ mod tests {
 
         m.set_counter_source(Arc::new(Fixed));
         let text = m.render();
+        assert!(!text.contains("flannel_flannel_"), "{text}");
         assert!(
             text.contains(
                 "flannel_fastpath_packets_total{program=\"tc_from_bridge\",reason=\"vxlan_encap\"} 7"
