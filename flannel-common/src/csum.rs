@@ -36,6 +36,30 @@ pub fn ttl_decremented(check: u16) -> u16 {
     (sum + (sum >> 16)) as u16
 }
 
+/// A checksum field (`check`, big-endian value) after one 16-bit word it covers changed from
+/// `old` to `new` (RFC 1624, eqn. 3: `HC' = ~(~HC + ~m + m')`). Used where no helper keeps an
+/// offloaded checksum in step (ICMP, and the headers quoted inside ICMP errors).
+#[inline(always)]
+pub fn update16(check: u16, old: u16, new: u16) -> u16 {
+    let sum = u32::from(!check) + u32::from(!old) + u32::from(new);
+    !fold(sum)
+}
+
+/// [`update16`] for a 4-byte field (an IPv4 address) given as network-order bytes.
+#[inline(always)]
+pub fn update32(check: u16, old: [u8; 4], new: [u8; 4]) -> u16 {
+    let check = update16(
+        check,
+        u16::from_be_bytes([old[0], old[1]]),
+        u16::from_be_bytes([new[0], new[1]]),
+    );
+    update16(
+        check,
+        u16::from_be_bytes([old[2], old[3]]),
+        u16::from_be_bytes([new[2], new[3]]),
+    )
+}
+
 /// The VXLAN UDP source port the kernel picks for a packet whose flow hash is `hash`
 /// (`udp_flow_src_port` in include/net/udp.h): the hash is folded (`hash ^ hash << 16`) and
 /// scaled into `[min, max)`. `max <= min` gives `min`.
@@ -133,6 +157,42 @@ mod tests {
             assert!((min..max).contains(&got));
         }
         assert_eq!(vxlan_source_port(7, 5000, 5000), 5000);
+    }
+
+    /// RFC 1071 checksum of `data` (even length), as stored in a header.
+    fn checksum_of(data: &[u8]) -> u16 {
+        !full(data)
+    }
+
+    #[test]
+    fn incremental_updates_equal_a_recomputation() {
+        // An ICMP-like message: checksum at 2..4, then words that change.
+        let mut msg: Vec<u8> = (0u8..40).map(|b| b.wrapping_mul(37)).collect();
+        msg[2] = 0;
+        msg[3] = 0;
+        let check = checksum_of(&msg);
+        for (at, new) in [
+            (8usize, 0xffffu16),
+            (10, 0x0000),
+            (12, 0x1234),
+            (30, 0xfffe),
+        ] {
+            let mut changed = msg.clone();
+            let old = u16::from_be_bytes([changed[at], changed[at + 1]]);
+            changed[at..at + 2].copy_from_slice(&new.to_be_bytes());
+            let want = checksum_of(&changed);
+            let got = update16(check, old, new);
+            changed[2..4].copy_from_slice(&got.to_be_bytes());
+            assert_eq!(full(&changed), 0xffff, "word at {at}");
+            assert!(got == want || (got | want) == 0xffff);
+        }
+        let mut changed = msg.clone();
+        let old = [changed[12], changed[13], changed[14], changed[15]];
+        let new = [192, 168, 1, 11];
+        changed[12..16].copy_from_slice(&new);
+        let got = update32(check, old, new);
+        changed[2..4].copy_from_slice(&got.to_be_bytes());
+        assert_eq!(full(&changed), 0xffff);
     }
 
     #[test]

@@ -13,12 +13,14 @@
 //! | [`config`] | the local node's configuration ([`config::Config`]) |
 //! | [`flow`] | keys of the flow-tracking LRU maps |
 //! | [`csum`] | checksums and the VXLAN source port, as pure functions |
+//! | [`nat`] | masquerade in eBPF: NAT map layouts, configuration, states, decisions |
 #![cfg_attr(not(test), no_std)]
 
 pub mod config;
 pub mod csum;
 pub mod flow;
 pub mod maps;
+pub mod nat;
 pub mod programs;
 pub mod route;
 pub mod stats;

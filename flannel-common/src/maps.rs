@@ -13,6 +13,11 @@
 //! | [`CONFIG`] | array (1) | 0 → [`crate::config::Config`] | agent |
 //! | [`NAT_GUARD4`] | LRU hash | [`crate::flow::PeerKey`] → `u32` | `tc_from_netdev` |
 //! | [`KERNEL_FLOWS4`] | LRU hash | [`crate::flow::FlowKey`] → `u32` | `tc_to_netdev` |
+//! | [`NAT_CONFIG`] | array (1) | 0 → [`crate::nat::NatConfig`] | agent |
+//! | [`NAT4`] | LRU hash | [`crate::nat::NatKey`] (outgoing) → [`crate::nat::NatEntry`] | `tc_to_netdev` |
+//! | [`NAT_REV4`] | LRU hash | [`crate::nat::NatKey`] (reply) → [`crate::nat::NatRevEntry`] | `tc_to_netdev` |
+//! | [`NAT_FRAG4`] | LRU hash | [`crate::nat::FragKey`] → [`crate::nat::FragEntry`] | `tc_from_netdev` |
+//! | [`NO_MASQ4`] | LPM trie | destination prefix → `u32` | agent |
 //! | [`CNT_FROM_BRIDGE`], [`CNT_FROM_NETDEV`], [`CNT_TO_NETDEV`], [`CNT_XDP_NETDEV`] | per-CPU array | [`crate::stats::Reason`] → [`crate::stats::Counter`] | the program of that name |
 //! | [`TC_STATS`], [`XDP_STATS`] | per-CPU array | [`crate::stats::Reason`] → [`crate::stats::Counter`] | the classifiers |
 
@@ -49,6 +54,27 @@ pub const KERNEL_FLOWS4: &str = "FLANNEL_KFLOWS4";
 /// Size of [`KERNEL_FLOWS4`].
 pub const KERNEL_FLOWS4_MAX_ENTRIES: u32 = 65536;
 
+/// Single-entry array holding the masquerade configuration ([`crate::nat::NatConfig`]).
+pub const NAT_CONFIG: &str = "FLANNEL_NATCFG";
+
+/// LRU of masqueraded flows by their outgoing 5-tuple: translation and state.
+pub const NAT4: &str = "FLANNEL_NAT4";
+/// LRU of masqueraded flows by the 5-tuple of their replies: the original source.
+pub const NAT_REV4: &str = "FLANNEL_NATREV4";
+/// Default size of [`NAT4`] and [`NAT_REV4`] (one entry per flow in each) in the object; the
+/// agent sets the size at load time (`--ebpf-nat-max-entries`, by default from node memory).
+pub const NAT4_DEFAULT_MAX_ENTRIES: u32 = 131_072;
+
+/// LRU of fragmented replies being translated (first fragment seen, later ones pending).
+pub const NAT_FRAG4: &str = "FLANNEL_NATFRG4";
+/// Size of [`NAT_FRAG4`].
+pub const NAT_FRAG4_MAX_ENTRIES: u32 = 8192;
+
+/// LPM trie of destinations pod traffic is never masqueraded to (`--ip-masq-exclude-cidrs`).
+pub const NO_MASQ4: &str = "FLANNEL_NOMASQ4";
+/// Most no-masquerade prefixes.
+pub const NO_MASQ4_MAX_ENTRIES: u32 = 1024;
+
 /// Counters of `tc_from_bridge` ([`crate::stats::COUNTER_SLOTS`] entries).
 pub const CNT_FROM_BRIDGE: &str = "FLANNEL_CNT_FBR";
 /// Counters of `tc_from_netdev`.
@@ -68,7 +94,7 @@ pub const TC_STATS: &str = "FLANNEL_TC_CNT";
 pub const XDP_STATS: &str = "FLANNEL_XDP_CNT";
 
 /// The maps the agent pins (and adopts after a restart).
-pub const PINNED: [&str; 9] = [
+pub const PINNED: [&str; 14] = [
     ROUTES4,
     NODES4,
     CONFIG,
@@ -78,6 +104,11 @@ pub const PINNED: [&str; 9] = [
     CNT_FROM_NETDEV,
     CNT_TO_NETDEV,
     CNT_XDP_NETDEV,
+    NAT_CONFIG,
+    NAT4,
+    NAT_REV4,
+    NAT_FRAG4,
+    NO_MASQ4,
 ];
 
 /// Longest name the kernel keeps for a map or program.

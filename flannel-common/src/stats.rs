@@ -186,11 +186,35 @@ pub enum Reason {
     FastXdpDecapIpip = 58,
     /// `xdp_from_netdev`: VXLAN for a local pod from a known node, decapsulated before GRO.
     FastXdpDecapVxlan = 59,
+    /// `tc_to_netdev`: a packet from the pod network to the outside, source-NATed to the node's address (also a node flow whose port collided with an earlier flow, moved to another port).
+    FastSnat = 60,
+    /// `tc_from_netdev`: a reply to a masqueraded flow, translated back to the pod (or the node flow).
+    FastSnatReply = 61,
+    /// An ICMP error about a masqueraded flow, translated together with the header it quotes (`tc_to_netdev`: from a pod; `tc_from_netdev`: for a pod).
+    FastSnatIcmpError = 62,
+    /// A non-first fragment of a masqueraded flow, its address translated (`tc_to_netdev`: the source; `tc_from_netdev`: the destination learnt from the first fragment).
+    FastSnatFragment = 63,
+    /// A flow of the node itself from the masquerade address, tracked so that no pod flow takes its port; unchanged.
+    PassSnatHost = 64,
+    /// `tc_to_netdev`: from the pod network to the outside, but kube-proxy marked it (0x4000) or the destination is in a no-masquerade prefix: unchanged, as upstream's RETURN rules decide.
+    PassSnatExcluded = 65,
+    /// `tc_from_netdev`: for the masquerade address with a port (identifier) of the NAT range, or a later fragment, but no live NAT entry: handed to the stack unchanged (the node's own traffic, or a reply after the flow expired).
+    PassSnatNoEntry = 66,
+    /// From the pod network to the outside, or a node flow, that the NAT cannot translate (another protocol or ICMP type, an ICMP error about an unknown flow, a node reply whose port a pod flow holds): unchanged.
+    PassSnatUnhandled = 67,
+    /// `tc_to_netdev`: a new pod flow found no free port for its destination after probing: dropped, never sent with the pod's address.
+    DropSnatExhausted = 68,
+    /// `tc_to_netdev`: the NAT maps refused an update (out of memory): dropped.
+    DropSnatMapError = 69,
+    /// A new NAT mapping was made (counted in addition to the verdict).
+    LearnSnatFlow = 70,
+    /// The new mapping could not keep the flow's original port: another one was allocated (counted in addition to the verdict).
+    LearnSnatRemap = 71,
 }
 
 impl Reason {
     /// Number of reasons: the `max_entries` of the stats maps.
-    pub const COUNT: usize = 60;
+    pub const COUNT: usize = 72;
 
     /// Every reason, in index order.
     pub const ALL: [Reason; Reason::COUNT] = [
@@ -254,6 +278,18 @@ impl Reason {
         Reason::PassGso,
         Reason::FastXdpDecapIpip,
         Reason::FastXdpDecapVxlan,
+        Reason::FastSnat,
+        Reason::FastSnatReply,
+        Reason::FastSnatIcmpError,
+        Reason::FastSnatFragment,
+        Reason::PassSnatHost,
+        Reason::PassSnatExcluded,
+        Reason::PassSnatNoEntry,
+        Reason::PassSnatUnhandled,
+        Reason::DropSnatExhausted,
+        Reason::DropSnatMapError,
+        Reason::LearnSnatFlow,
+        Reason::LearnSnatRemap,
     ];
 
     /// The map index of this reason.
@@ -334,6 +370,18 @@ impl Reason {
             Reason::PassGso => "pass_gso",
             Reason::FastXdpDecapIpip => "fast_xdp_decap_ipip",
             Reason::FastXdpDecapVxlan => "fast_xdp_decap_vxlan",
+            Reason::FastSnat => "fast_snat",
+            Reason::FastSnatReply => "fast_snat_reply",
+            Reason::FastSnatIcmpError => "fast_snat_icmp_error",
+            Reason::FastSnatFragment => "fast_snat_fragment",
+            Reason::PassSnatHost => "pass_snat_host",
+            Reason::PassSnatExcluded => "pass_snat_excluded",
+            Reason::PassSnatNoEntry => "pass_snat_no_entry",
+            Reason::PassSnatUnhandled => "pass_snat_unhandled",
+            Reason::DropSnatExhausted => "drop_snat_exhausted",
+            Reason::DropSnatMapError => "drop_snat_map_error",
+            Reason::LearnSnatFlow => "learn_snat_flow",
+            Reason::LearnSnatRemap => "learn_snat_remap",
         }
     }
 
@@ -372,7 +420,11 @@ impl Reason {
             | Reason::FastDeliverVxlan
             | Reason::FastDeliver
             | Reason::FastXdpDecapIpip
-            | Reason::FastXdpDecapVxlan => ReasonKind::Fast,
+            | Reason::FastXdpDecapVxlan
+            | Reason::FastSnat
+            | Reason::FastSnatReply
+            | Reason::FastSnatIcmpError
+            | Reason::FastSnatFragment => ReasonKind::Fast,
             Reason::PassNotConfigured
             | Reason::PassNotIpv4
             | Reason::PassMalformed
@@ -395,9 +447,19 @@ impl Reason {
             | Reason::PassVxlanMismatch
             | Reason::PassVxlanRxOff
             | Reason::PassRoutedRxOff
-            | Reason::PassGso => ReasonKind::Pass,
-            Reason::DropRewriteFailed | Reason::DropTooBig => ReasonKind::Drop,
-            Reason::LearnNatGuard | Reason::LearnKernelFlow => ReasonKind::Event,
+            | Reason::PassGso
+            | Reason::PassSnatHost
+            | Reason::PassSnatExcluded
+            | Reason::PassSnatNoEntry
+            | Reason::PassSnatUnhandled => ReasonKind::Pass,
+            Reason::DropRewriteFailed
+            | Reason::DropTooBig
+            | Reason::DropSnatExhausted
+            | Reason::DropSnatMapError => ReasonKind::Drop,
+            Reason::LearnNatGuard
+            | Reason::LearnKernelFlow
+            | Reason::LearnSnatFlow
+            | Reason::LearnSnatRemap => ReasonKind::Event,
         }
     }
 }
@@ -473,6 +535,9 @@ mod tests {
         assert_eq!(Reason::Arp.index(), 11);
         assert_eq!(Reason::TcpBadOffset.index(), 22);
         assert_eq!(Reason::FastHostGw.index(), 23);
+        assert_eq!(Reason::FastXdpDecapVxlan.index(), 59);
+        assert_eq!(Reason::FastSnat.index(), 60);
+        assert_eq!(Reason::LearnSnatRemap.index(), 71);
     }
 
     #[test]

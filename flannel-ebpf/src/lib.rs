@@ -11,6 +11,7 @@
 //! | [`encap`] | VXLAN and IPIP headers and encapsulation (and why not collect_md) |
 //! | [`deliver`] | decapsulation, delivery to the bridge, the conntrack-consistency flow tables |
 //! | [`fib`] | `bpf_fib_lookup` + redirect |
+//! | [`nat`] | masquerade: source NAT out, reverse NAT in, port allocation, ICMP errors |
 //! | [`maps`] | every map of the object |
 //! | [`stats`] | counting packets per [`flannel_common::stats::Reason`] |
 //! | [`bench`] | measurement only: the collect_md alternative (`tc_bench_vxmd`) |
@@ -27,6 +28,7 @@ pub mod encap;
 pub mod fib;
 pub mod ipv4;
 pub mod maps;
+pub mod nat;
 pub mod netdev;
 pub mod parse;
 pub mod stats;

@@ -85,15 +85,8 @@ pub fn tc_from_netdev(ctx: TcContext) -> i32 {
 pub fn tc_to_netdev(ctx: TcContext) -> i32 {
     let bytes = ctx.packet_len() as u64;
     match netdev::to_netdev(&ctx) {
-        Some((out, learnt)) => {
-            let event = learnt.then_some(Reason::LearnKernelFlow);
-            stats::count_run(
-                &FLANNEL_CNT_TND,
-                out.class,
-                out.verdict,
-                [event, None],
-                bytes,
-            );
+        Some((out, events)) => {
+            stats::count_run(&FLANNEL_CNT_TND, out.class, out.verdict, events, bytes);
             out.action
         }
         None => TC_ACT_OK,

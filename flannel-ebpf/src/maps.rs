@@ -12,6 +12,7 @@ use flannel_common::{
     config::Config,
     flow::{FlowKey, PeerKey},
     maps as names,
+    nat::{FragEntry, FragKey, NatConfig, NatEntry, NatKey, NatRevEntry},
     route::{NodeEntry, RemoteEntry},
     stats::{COUNTER_SLOTS, Counter, Reason},
 };
@@ -55,6 +56,41 @@ pub static FLANNEL_KFLOWS4: LruHashMap<
     { names::KERNEL_FLOWS4_MAX_ENTRIES as usize },
 > = LruHashMap::new();
 
+/// The masquerade configuration, one entry (`flannel_common::maps::NAT_CONFIG`).
+#[btf_map]
+pub static FLANNEL_NATCFG: Array<NatConfig, 1> = Array::new();
+
+/// Masqueraded flows by outgoing 5-tuple (`flannel_common::maps::NAT4`). The agent sets the
+/// size at load time.
+#[btf_map]
+pub static FLANNEL_NAT4: LruHashMap<
+    NatKey,
+    NatEntry,
+    { names::NAT4_DEFAULT_MAX_ENTRIES as usize },
+> = LruHashMap::new();
+
+/// Masqueraded flows by reply 5-tuple (`flannel_common::maps::NAT_REV4`); same size as
+/// [`FLANNEL_NAT4`].
+#[btf_map]
+pub static FLANNEL_NATREV4: LruHashMap<
+    NatKey,
+    NatRevEntry,
+    { names::NAT4_DEFAULT_MAX_ENTRIES as usize },
+> = LruHashMap::new();
+
+/// Fragmented replies in translation (`flannel_common::maps::NAT_FRAG4`).
+#[btf_map]
+pub static FLANNEL_NATFRG4: LruHashMap<
+    FragKey,
+    FragEntry,
+    { names::NAT_FRAG4_MAX_ENTRIES as usize },
+> = LruHashMap::new();
+
+/// Destinations never masqueraded (`flannel_common::maps::NO_MASQ4`).
+#[btf_map]
+pub static FLANNEL_NOMASQ4: LpmTrie<[u8; 4], u32, { names::NO_MASQ4_MAX_ENTRIES as usize }> =
+    LpmTrie::new();
+
 /// Counters of `tc_from_bridge` (`flannel_common::maps::CNT_FROM_BRIDGE`).
 #[btf_map]
 pub static FLANNEL_CNT_FBR: PerCpuArray<Counter, COUNTER_SLOTS> = PerCpuArray::new();
@@ -78,6 +114,21 @@ pub fn config() -> Option<&'static Config> {
         Some(cfg) if cfg.enabled() => Some(cfg),
         _ => None,
     }
+}
+
+/// The masquerade configuration, if masquerade in eBPF is on.
+#[inline(always)]
+pub fn nat_config() -> Option<&'static NatConfig> {
+    match FLANNEL_NATCFG.get(0) {
+        Some(cfg) if cfg.enabled() => Some(cfg),
+        _ => None,
+    }
+}
+
+/// Whether `addr` lies in a no-masquerade prefix.
+#[inline(always)]
+pub fn no_masq(addr: [u8; 4]) -> bool {
+    FLANNEL_NOMASQ4.get(&Key::new(32, addr)).is_some()
 }
 
 /// The remote subnet containing `addr`, if any (longest prefix).

@@ -12,6 +12,10 @@
 //!
 //! See [`crate::deliver`] for why delivery bypasses the stack and when it must not.
 //!
+//! Both also run the masquerade ([`crate::nat`]) when it is on: `tc_from_netdev` translates
+//! replies for the masquerade address back (before anything else, tunnels excepted),
+//! `tc_to_netdev` source-NATs pod traffic to the outside and registers the node's own flows.
+//!
 //! `tc_to_netdev` (TC egress), for packets the kernel sends out:
 //! - the fast path's own packets (marked [`FASTPATH_MARK`]) go out untouched, mark cleared;
 //! - a local pod → remote pod packet (plain, or inside `flannel.<VNI>`'s VXLAN) is recorded in
@@ -37,7 +41,7 @@ use crate::{
     encap::{self, IPIP_OVERHEAD, IPPROTO_IPIP, VXLAN_FLAG_I, VXLAN_OVERHEAD},
     fib::{self, Fib},
     ipv4::{self, Ipv4Info},
-    maps,
+    maps, nat,
     parse::{self, ETH_HDR_LEN, ETH_P_IP, Packet, PacketCtx as _, proto, ptr_at},
 };
 
@@ -91,6 +95,18 @@ pub struct Learnt {
 /// The body of `tc_from_netdev`.
 #[inline(always)]
 pub fn from_netdev(ctx: &TcContext) -> (Outcome, Learnt) {
+    if let Some(cfg) = maps::config()
+        && let Some(nat) = nat::ingress(ctx, cfg)
+    {
+        return (
+            Outcome {
+                action: nat.outcome.action,
+                class: nat.class,
+                verdict: nat.outcome.verdict,
+            },
+            Learnt::default(),
+        );
+    }
     let parsed = parse::parse(ctx);
     let class = match &parsed {
         Ok(p) => p.class,
@@ -341,15 +357,27 @@ fn vxlan_in(
 }
 
 /// The body of `tc_to_netdev`; `None` for the fast path's own packets (not counted). The
-/// second value says whether a kernel flow was learnt.
+/// second value holds the events to count (a kernel flow learnt, a NAT mapping made or moved).
 #[inline(always)]
-pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, bool)> {
+pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, [Option<Reason>; 2])> {
     // SAFETY: reading a field of the __sk_buff the kernel passed.
     if unsafe { (*ctx.skb.skb).mark } == FASTPATH_MARK {
         ctx.set_mark(0);
         return None;
     }
     ctx.pull_headers(parse::PULL_LEN);
+    if let Some(cfg) = maps::config()
+        && let Some(nat) = nat::egress(ctx, cfg)
+    {
+        return Some((
+            Outcome {
+                action: nat.outcome.action,
+                class: nat.class,
+                verdict: nat.outcome.verdict,
+            },
+            nat.outcome.events,
+        ));
+    }
     let parsed = parse::parse(ctx);
     let class = match &parsed {
         Ok(p) => p.class,
@@ -361,14 +389,17 @@ pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, bool)> {
         verdict: v.reason,
     };
     let Some(cfg) = maps::config() else {
-        return Some((outcome(Verdict::pass(Reason::PassNotConfigured)), false));
+        return Some((
+            outcome(Verdict::pass(Reason::PassNotConfigured)),
+            [None, None],
+        ));
     };
     let packet = match ipv4::screen(&parsed) {
         Ok(p) => p,
-        Err(reason) => return Some((outcome(Verdict::pass(reason)), false)),
+        Err(reason) => return Some((outcome(Verdict::pass(reason)), [None, None])),
     };
     let Some(info) = ipv4::read(ctx, &packet) else {
-        return Some((outcome(Verdict::pass(Reason::PassMalformed)), false));
+        return Some((outcome(Verdict::pass(Reason::PassMalformed)), [None, None]));
     };
     let mut learnt = false;
     let verdict = if info.src == cfg.public_ip
@@ -392,7 +423,10 @@ pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, bool)> {
             Some(_) => Verdict::pass(Reason::PassNotIpipRoute),
         }
     };
-    Some((outcome(verdict), learnt))
+    Some((
+        outcome(verdict),
+        [learnt.then_some(Reason::LearnKernelFlow), None],
+    ))
 }
 
 /// IPIP for a kernel-routed packet on its way out.

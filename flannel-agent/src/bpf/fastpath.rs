@@ -111,18 +111,57 @@ pub struct FastPath {
     xdp_links: HashMap<u32, HeldLink>,
 }
 
+/// What [`FastPath::load_with`] decides at load time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Flows each of the NAT maps (`FLANNEL_NAT4`, `FLANNEL_NATREV4`) holds
+    /// (`--ebpf-nat-max-entries`; see [`super::nat::NatSizing`]).
+    pub nat_max_entries: u32,
+}
+
+impl Default for LoadOptions {
+    /// The object's defaults.
+    fn default() -> Self {
+        LoadOptions {
+            nat_max_entries: names::NAT4_DEFAULT_MAX_ENTRIES,
+        }
+    }
+}
+
 impl FastPath {
+    /// [`FastPath::load_with`] with the object's default map sizes.
+    pub fn load(pin_path: &Path) -> Result<FastPath, BpfError> {
+        FastPath::load_with(pin_path, &LoadOptions::default())
+    }
+
     /// Probes the kernel, loads the embedded object with its maps pinned under
     /// `<pin_path>/<layout version>/` (adopting compatible pinned maps with their entries) and
     /// loads the three programs into the kernel. Nothing is attached yet.
-    pub fn load(pin_path: &Path) -> Result<FastPath, BpfError> {
+    ///
+    /// Pinned NAT maps of another size than `options` asks for are replaced by maps of the new
+    /// size holding their entries (as many as fit), so resizing does not reset the
+    /// masqueraded connections; flows created by the old programs between the copy and the
+    /// attach are lost.
+    pub fn load_with(pin_path: &Path, options: &LoadOptions) -> Result<FastPath, BpfError> {
         if crate::EBPF_OBJECT.is_empty() {
             return Err(BpfError::NoObject);
+        }
+        if options.nat_max_entries == 0 {
+            return Err(BpfError::Invalid {
+                field: "NAT map size",
+                value: "0".into(),
+                reason: "a map holds at least one entry",
+            });
         }
         probe()?;
         let layout = PinLayout::new(pin_path);
         layout.prepare()?;
-        for name in layout.drop_incompatible_maps()? {
+        let sizes = [
+            (names::NAT4, options.nat_max_entries),
+            (names::NAT_REV4, options.nat_max_entries),
+        ];
+        let resized = super::nat::take_resized(&layout, &sizes)?;
+        for name in layout.drop_incompatible_maps_sized(&sizes)? {
             tracing::warn!(
                 map = name,
                 "pinned map does not match this build's layout; creating it afresh"
@@ -136,9 +175,21 @@ impl FastPath {
         for (name, path) in &paths {
             loader.map_pin_path(name, path.as_path());
         }
+        for (name, size) in sizes {
+            loader.map_max_entries(name, size);
+        }
         let mut ebpf = loader
             .load(crate::EBPF_OBJECT)
             .map_err(|e| BpfError::Load(Box::new(e)))?;
+        for (name, old) in resized {
+            let copied = super::nat::copy_resized(&mut ebpf, name, old)?;
+            tracing::info!(
+                map = name,
+                entries = copied,
+                size = options.nat_max_entries,
+                "NAT map resized; entries carried over"
+            );
+        }
         for hook in Hook::ALL {
             classifier(&mut ebpf, hook)?
                 .load()
@@ -158,6 +209,16 @@ impl FastPath {
     /// The pin layout in use.
     pub fn pins(&self) -> &PinLayout {
         &self.layout
+    }
+
+    /// The loaded object (for the other modules of `bpf`).
+    pub(super) fn ebpf(&self) -> &Ebpf {
+        &self.ebpf
+    }
+
+    /// The loaded object, mutable (for the other modules of `bpf`).
+    pub(super) fn ebpf_mut(&mut self) -> &mut Ebpf {
+        &mut self.ebpf
     }
 
     /// Writes the local configuration (validated first). Until it is written, the programs

@@ -48,6 +48,7 @@
 //! | [`applier`] | the reconciler's eBPF applier (desired model → route map) and the metrics source |
 //! | [`fastpath`] | [`FastPath`]: load, config, sync, attach/detach, counters |
 //! | [`config`] | [`LocalConfig`] |
+//! | [`nat`] | masquerade in eBPF: [`NatSettings`], map sizing, flows read-out, sweep |
 //! | [`remote`] | [`Remote`] / [`Via`] and the diff behind `sync` |
 //! | [`pins`] | the pin layout, adopted-map checks, cleanup |
 //! | [`probe`] | kernel feature probes |
@@ -59,6 +60,7 @@ pub mod config;
 pub mod counters;
 pub mod error;
 pub mod fastpath;
+pub mod nat;
 pub mod pins;
 pub mod probe;
 pub mod remote;
@@ -69,7 +71,8 @@ pub use applier::{BpfApplier, FastPathCounters, SharedFastPath};
 pub use config::{LocalConfig, VxlanLocal};
 pub use counters::{Counters, ReasonCounters};
 pub use error::BpfError;
-pub use fastpath::{Attached, FastPath, Hook, NetdevAttach};
+pub use fastpath::{Attached, FastPath, Hook, LoadOptions, NetdevAttach};
+pub use nat::{NatFlow, NatSettings, NatSizing, NatTimeouts, SweepStats};
 pub use pins::PinLayout;
 pub use remote::{Remote, SyncStats, Via};
 
@@ -146,6 +149,15 @@ impl Startup {
 /// Applies `--dataplane` with pins under `pin_path` (`--bpf-pin-path`). Only `ebpf` returns
 /// an error (the load failure); `kernel` fails only if removing old pins fails.
 pub fn start(mode: DataplaneMode, pin_path: &Path) -> Result<Startup, BpfError> {
+    start_with(mode, pin_path, &LoadOptions::default())
+}
+
+/// [`start`] with load-time options (map sizes).
+pub fn start_with(
+    mode: DataplaneMode,
+    pin_path: &Path,
+    options: &LoadOptions,
+) -> Result<Startup, BpfError> {
     match mode {
         DataplaneMode::Kernel => {
             cleanup(pin_path)?;
@@ -154,8 +166,8 @@ pub fn start(mode: DataplaneMode, pin_path: &Path) -> Result<Startup, BpfError> 
                 cleanup_error: None,
             })
         }
-        DataplaneMode::Ebpf => FastPath::load(pin_path).map(Startup::FastPath),
-        DataplaneMode::Auto => match FastPath::load(pin_path) {
+        DataplaneMode::Ebpf => FastPath::load_with(pin_path, options).map(Startup::FastPath),
+        DataplaneMode::Auto => match FastPath::load_with(pin_path, options) {
             Ok(fast_path) => Ok(Startup::FastPath(fast_path)),
             Err(reason) => Ok(Startup::KernelPath {
                 reason: Some(reason),

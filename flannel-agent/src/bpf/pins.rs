@@ -27,6 +27,7 @@ use flannel_common::{
     config::Config,
     flow::{FlowKey, PeerKey},
     maps as names,
+    nat::{FragEntry, FragKey, NatConfig, NatEntry, NatKey, NatRevEntry},
     route::{NodeEntry, RemoteEntry},
     stats::{COUNTER_SLOTS, Counter},
 };
@@ -56,8 +57,9 @@ pub struct MapSpec {
     pub flags: u32,
 }
 
-/// Every pinned map of this layout version.
-pub const MAP_SPECS: [MapSpec; 9] = [
+/// Every pinned map of this layout version. The NAT maps' sizes are set at load time
+/// ([`super::LoadOptions::nat_max_entries`]); their specs here hold the object's default.
+pub const MAP_SPECS: [MapSpec; 14] = [
     MapSpec {
         name: names::ROUTES4,
         map_type: MapType::LpmTrie,
@@ -102,6 +104,46 @@ pub const MAP_SPECS: [MapSpec; 9] = [
     counter_spec(names::CNT_FROM_NETDEV),
     counter_spec(names::CNT_TO_NETDEV),
     counter_spec(names::CNT_XDP_NETDEV),
+    MapSpec {
+        name: names::NAT_CONFIG,
+        map_type: MapType::Array,
+        key_size: 4,
+        value_size: size_of::<NatConfig>() as u32,
+        max_entries: 1,
+        flags: 0,
+    },
+    MapSpec {
+        name: names::NAT4,
+        map_type: MapType::LruHash,
+        key_size: size_of::<NatKey>() as u32,
+        value_size: size_of::<NatEntry>() as u32,
+        max_entries: names::NAT4_DEFAULT_MAX_ENTRIES,
+        flags: 0,
+    },
+    MapSpec {
+        name: names::NAT_REV4,
+        map_type: MapType::LruHash,
+        key_size: size_of::<NatKey>() as u32,
+        value_size: size_of::<NatRevEntry>() as u32,
+        max_entries: names::NAT4_DEFAULT_MAX_ENTRIES,
+        flags: 0,
+    },
+    MapSpec {
+        name: names::NAT_FRAG4,
+        map_type: MapType::LruHash,
+        key_size: size_of::<FragKey>() as u32,
+        value_size: size_of::<FragEntry>() as u32,
+        max_entries: names::NAT_FRAG4_MAX_ENTRIES,
+        flags: 0,
+    },
+    MapSpec {
+        name: names::NO_MASQ4,
+        map_type: MapType::LpmTrie,
+        key_size: 4 + 4,
+        value_size: 4,
+        max_entries: names::NO_MASQ4_MAX_ENTRIES,
+        flags: BPF_F_NO_PREALLOC,
+    },
 ];
 
 const fn counter_spec(name: &'static str) -> MapSpec {
@@ -179,12 +221,22 @@ impl PinLayout {
 
     /// Unpins every map of this version that this build could not use; returns their names.
     pub fn drop_incompatible_maps(&self) -> Result<Vec<&'static str>, BpfError> {
+        self.drop_incompatible_maps_sized(&[])
+    }
+
+    /// [`Self::drop_incompatible_maps`] with the sizes set at load time (`(name,
+    /// max_entries)`) in place of the specs' defaults.
+    pub fn drop_incompatible_maps_sized(
+        &self,
+        sizes: &[(&str, u32)],
+    ) -> Result<Vec<&'static str>, BpfError> {
         let mut dropped = Vec::new();
         for spec in &MAP_SPECS {
             let path = self.map(spec.name);
             if !path.exists() {
                 continue;
             }
+            let spec = spec.sized(sizes);
             let compatible = MapInfo::from_pin(&path).is_ok_and(|info| spec.matches(&info));
             if !compatible {
                 fs::remove_file(&path).map_err(|e| BpfError::io("removing", &path, e))?;
@@ -239,6 +291,25 @@ impl PinLayout {
 }
 
 impl MapSpec {
+    /// This spec with the size `sizes` gives it, if any.
+    pub fn sized(&self, sizes: &[(&str, u32)]) -> MapSpec {
+        match sizes.iter().find(|(name, _)| *name == self.name) {
+            Some((_, max_entries)) => MapSpec {
+                max_entries: *max_entries,
+                ..*self
+            },
+            None => *self,
+        }
+    }
+
+    /// Whether a pinned map matches this spec in everything but its size.
+    pub fn matches_but_size(&self, info: &MapInfo) -> bool {
+        info.map_type().ok() == Some(self.map_type)
+            && info.key_size() == self.key_size
+            && info.value_size() == self.value_size
+            && info.map_flags() == self.flags
+    }
+
     /// Whether a pinned map matches this spec.
     pub fn matches(&self, info: &MapInfo) -> bool {
         info.map_type().ok() == Some(self.map_type)

@@ -1,0 +1,778 @@
+//! Masquerade in eBPF, agent side: the settings ([`NatSettings`]), the size of the NAT maps
+//! ([`nat_map_size`], by default from node memory), writing the configuration and the
+//! no-masquerade prefixes ([`FastPath::set_nat`]), reading the flows back
+//! ([`FastPath::nat_flows`]) and sweeping expired entries ([`FastPath::nat_sweep`]).
+//!
+//! The datapath and its design are described in `flannel_ebpf::nat`; the map layouts in
+//! `flannel_common::nat`. `bpftool map dump pinned <pin path>/v1/FLANNEL_NAT4` prints the
+//! flows as typed JSON (addresses as byte lists, ports as numbers).
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt, fs,
+    net::{Ipv4Addr, SocketAddrV4},
+    time::Duration,
+};
+
+use aya::maps::{Array, HashMap as BpfHashMap, LpmTrie, MapData, lpm_trie::Key};
+use flannel_common::{
+    maps as names,
+    nat::{
+        NAT_CFG_ENABLED, NAT_F_HOST, NAT_MAX_PROBES, NS_PER_S, NatConfig, NatEntry, NatKey,
+        NatRevEntry, ST_FIN_IN, ST_FIN_OUT, ST_REPLIED, ST_RST, proto, tcp_closed,
+    },
+};
+use ipnet::Ipv4Net;
+
+use super::{BpfError, FastPath, PinLayout, config::kernel_source_ports, pins::MAP_SPECS};
+
+/// Idle timeouts of masqueraded flows, per state (conntrack's defaults where it has one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NatTimeouts {
+    /// TCP before the first reply (conntrack `tcp_timeout_syn_sent`: 120 s).
+    pub tcp_syn: Duration,
+    /// TCP established (conntrack `tcp_timeout_established`: 5 days).
+    pub tcp_established: Duration,
+    /// TCP after a FIN in one direction (conntrack `fin_wait`: 120 s).
+    pub tcp_half_closed: Duration,
+    /// TCP after FINs both ways or a RST: late retransmissions still translate (10 s, as
+    /// Cilium; conntrack's 120 s `time_wait` would keep the port from new flows).
+    pub tcp_closed: Duration,
+    /// UDP before a reply (conntrack `udp_timeout`: 30 s).
+    pub udp: Duration,
+    /// UDP after a reply (conntrack `udp_timeout_stream`: 120 s).
+    pub udp_stream: Duration,
+    /// ICMP echo (conntrack `icmp_timeout`: 30 s).
+    pub icmp: Duration,
+}
+
+impl Default for NatTimeouts {
+    fn default() -> Self {
+        NatTimeouts {
+            tcp_syn: Duration::from_secs(120),
+            tcp_established: Duration::from_secs(5 * 24 * 3600),
+            tcp_half_closed: Duration::from_secs(120),
+            tcp_closed: Duration::from_secs(10),
+            udp: Duration::from_secs(30),
+            udp_stream: Duration::from_secs(120),
+            icmp: Duration::from_secs(30),
+        }
+    }
+}
+
+/// How the programs masquerade.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NatSettings {
+    /// The address pod traffic leaves with: the external interface's address.
+    pub nat_addr: Ipv4Addr,
+    /// The ports (inclusive) the allocator hands out; the node's `ip_local_port_range` by
+    /// default (see `flannel_ebpf::nat` for why that range and how node flows are kept apart).
+    pub ports: (u16, u16),
+    /// Alternatives probed when a flow's original port is taken (at most 32).
+    pub probes: u32,
+    /// Idle timeouts.
+    pub timeouts: NatTimeouts,
+    /// Destinations never masqueraded (`--ip-masq-exclude-cidrs`).
+    pub no_masq: Vec<Ipv4Net>,
+}
+
+impl NatSettings {
+    /// Masquerade to `nat_addr` with the defaults: the calling thread's namespace's
+    /// `ip_local_port_range` (32768-60999 if unreadable), 32 probes, conntrack-like timeouts,
+    /// no exclusions.
+    pub fn new(nat_addr: Ipv4Addr) -> Self {
+        NatSettings {
+            nat_addr,
+            ports: default_port_range(),
+            probes: NAT_MAX_PROBES,
+            timeouts: NatTimeouts::default(),
+            no_masq: Vec::new(),
+        }
+    }
+
+    /// The map entry, after checking every value fits.
+    pub fn to_entry(&self) -> Result<NatConfig, BpfError> {
+        let (min, max) = self.ports;
+        if min == 0 || max < min {
+            return Err(BpfError::Invalid {
+                field: "NAT port range",
+                value: format!("{min}-{max}"),
+                reason: "need 1 <= min <= max",
+            });
+        }
+        if self.nat_addr.is_unspecified() {
+            return Err(BpfError::Invalid {
+                field: "masquerade address",
+                value: self.nat_addr.to_string(),
+                reason: "the external interface has no IPv4 address",
+            });
+        }
+        if self.probes > NAT_MAX_PROBES {
+            return Err(BpfError::Invalid {
+                field: "NAT probes",
+                value: self.probes.to_string(),
+                reason: "at most 32 (the programs' loop bound)",
+            });
+        }
+        let secs = |d: Duration| u32::try_from(d.as_secs().max(1)).unwrap_or(u32::MAX);
+        let t = &self.timeouts;
+        Ok(NatConfig {
+            flags: NAT_CFG_ENABLED,
+            nat_addr: self.nat_addr.octets(),
+            port_min: min,
+            port_max: max,
+            probes: self.probes,
+            no_masq_entries: u32::try_from(self.no_masq.len()).unwrap_or(u32::MAX),
+            tcp_syn_s: secs(t.tcp_syn),
+            tcp_established_s: secs(t.tcp_established),
+            tcp_half_closed_s: secs(t.tcp_half_closed),
+            tcp_closed_s: secs(t.tcp_closed),
+            udp_s: secs(t.udp),
+            udp_stream_s: secs(t.udp_stream),
+            icmp_s: secs(t.icmp),
+        })
+    }
+}
+
+/// The default port range: the calling thread's namespace's `ip_local_port_range`, inclusive.
+pub fn default_port_range() -> (u16, u16) {
+    // kernel_source_ports gives [low, high] as the sysctl holds them.
+    kernel_source_ports().unwrap_or((32768, 60999))
+}
+
+/// Parses `--ebpf-nat-port-range`: `MIN-MAX` (inclusive, 1..=65535, MIN <= MAX).
+pub fn parse_port_range(s: &str) -> Result<(u16, u16), String> {
+    let err = || format!("{s:?} is not a port range MIN-MAX (e.g. 32768-60999)");
+    let (a, b) = s.trim().split_once('-').ok_or_else(err)?;
+    let min: u16 = a.trim().parse().map_err(|_| err())?;
+    let max: u16 = b.trim().parse().map_err(|_| err())?;
+    if min == 0 || max < min {
+        return Err(format!("{s:?}: need 1 <= MIN <= MAX"));
+    }
+    Ok((min, max))
+}
+
+/// Share of node memory the NAT maps take by default (Cilium's `bpf-map-dynamic-size-ratio`
+/// default on managed offerings).
+pub const NAT_MEMORY_RATIO: f64 = 0.0025;
+/// Fewest flows the maps hold by default, whatever the node's memory.
+pub const NAT_MIN_ENTRIES: u32 = 65_536;
+/// Most flows the maps hold by default.
+pub const NAT_MAX_DEFAULT_ENTRIES: u32 = 2 * 1024 * 1024;
+/// Kernel memory one flow takes in the two preallocated LRU maps (element headers with their
+/// LRU node, key and value rounded to 8 bytes, both directions, and the bucket pointers).
+pub const NAT_BYTES_PER_FLOW: u64 = 192;
+
+/// The default number of flows the NAT maps hold on a node with `total_memory` bytes:
+/// [`NAT_MEMORY_RATIO`] of it at [`NAT_BYTES_PER_FLOW`], within
+/// [`NAT_MIN_ENTRIES`]..=[`NAT_MAX_DEFAULT_ENTRIES`].
+pub fn nat_map_size(total_memory: u64) -> u32 {
+    let budget = (total_memory as f64 * NAT_MEMORY_RATIO) as u64;
+    let flows = budget / NAT_BYTES_PER_FLOW;
+    u32::try_from(flows)
+        .unwrap_or(u32::MAX)
+        .clamp(NAT_MIN_ENTRIES, NAT_MAX_DEFAULT_ENTRIES)
+}
+
+/// `MemTotal` from /proc/meminfo, in bytes.
+pub fn node_memory() -> Option<u64> {
+    let text = fs::read_to_string("/proc/meminfo").ok()?;
+    parse_meminfo_total(&text)
+}
+
+fn parse_meminfo_total(text: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// How the NAT maps are sized and why, for the start-up log line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NatSizing {
+    /// Flows each NAT map holds.
+    pub entries: u32,
+    /// The node memory it was derived from, when not given explicitly.
+    pub from_memory: Option<u64>,
+}
+
+impl NatSizing {
+    /// `--ebpf-nat-max-entries`: `0` sizes from node memory.
+    pub fn resolve(flag: u32) -> NatSizing {
+        if flag > 0 {
+            return NatSizing {
+                entries: flag,
+                from_memory: None,
+            };
+        }
+        match node_memory() {
+            Some(mem) => NatSizing {
+                entries: nat_map_size(mem),
+                from_memory: Some(mem),
+            },
+            None => NatSizing {
+                entries: NAT_MIN_ENTRIES,
+                from_memory: None,
+            },
+        }
+    }
+
+    /// Approximate kernel memory of the two maps.
+    pub fn bytes(&self) -> u64 {
+        u64::from(self.entries) * NAT_BYTES_PER_FLOW
+    }
+}
+
+impl fmt::Display for NatSizing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} flows (~{} MiB of kernel memory)",
+            self.entries,
+            self.bytes() / (1024 * 1024)
+        )?;
+        match self.from_memory {
+            Some(mem) => write!(
+                f,
+                ", {:.2} % of {} MiB node memory",
+                NAT_MEMORY_RATIO * 100.0,
+                mem / (1024 * 1024)
+            ),
+            None => write!(f, ", set by --ebpf-nat-max-entries"),
+        }
+    }
+}
+
+/// A masqueraded flow as the maps hold it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NatFlow {
+    /// IP protocol (1, 6, 17).
+    pub proto: u8,
+    /// The original source (a pod, or the node for its own flows); the port is the echo
+    /// identifier for ICMP.
+    pub orig: SocketAddrV4,
+    /// The destination.
+    pub remote: SocketAddrV4,
+    /// The source on the wire.
+    pub nat: SocketAddrV4,
+    /// `ST_*` bits.
+    pub state: u8,
+    /// A node flow (registered, not a pod's).
+    pub host: bool,
+    /// Time since the mapping was made.
+    pub age: Duration,
+    /// Time since a packet of the flow was last seen.
+    pub idle: Duration,
+    /// Past its timeout (the programs treat it as gone; the next sweep deletes it).
+    pub expired: bool,
+    /// The reply entry points back at this flow.
+    pub reverse_ok: bool,
+}
+
+/// The name of a flow state, conntrack-style.
+pub fn state_name(proto_: u8, state: u8) -> &'static str {
+    match proto_ {
+        proto::TCP if tcp_closed(state) => {
+            if state & ST_RST != 0 {
+                "reset"
+            } else {
+                "closed"
+            }
+        }
+        proto::TCP if state & ST_FIN_OUT != 0 => "fin-out",
+        proto::TCP if state & ST_FIN_IN != 0 => "fin-in",
+        _ if state & ST_REPLIED != 0 => "established",
+        proto::TCP => "syn-sent",
+        _ => "unreplied",
+    }
+}
+
+/// A protocol's name.
+pub fn proto_name(proto_: u8) -> &'static str {
+    match proto_ {
+        proto::TCP => "tcp",
+        proto::UDP => "udp",
+        proto::ICMP => "icmp",
+        _ => "?",
+    }
+}
+
+impl fmt::Display for NatFlow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {} -> {} as {} {}{} age {}s idle {}s{}",
+            proto_name(self.proto),
+            self.orig,
+            self.remote,
+            self.nat,
+            state_name(self.proto, self.state),
+            if self.host { " (node)" } else { "" },
+            self.age.as_secs(),
+            self.idle.as_secs(),
+            if self.expired { " expired" } else { "" },
+        )
+    }
+}
+
+/// What a sweep did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SweepStats {
+    /// Live flows left.
+    pub flows: usize,
+    /// Expired flows deleted.
+    pub expired: usize,
+    /// Reply entries deleted because their flow was gone or points elsewhere.
+    pub orphans: usize,
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns`.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec to the pointer it is given.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) } != 0 {
+        return 0;
+    }
+    u64::try_from(ts.tv_sec).unwrap_or(0) * NS_PER_S + u64::try_from(ts.tv_nsec).unwrap_or(0)
+}
+
+/// Reply entries younger than this are never orphans: the program writes the reply entry
+/// first and the flow's entry right after.
+const ORPHAN_GRACE_NS: u64 = 5 * NS_PER_S;
+
+/// Pinned NAT maps (of `sizes`) whose size differs from the one asked for but which are
+/// otherwise compatible: opened (so their entries survive), then unpinned so the loader
+/// creates maps of the new size in their place.
+pub(super) fn take_resized(
+    layout: &PinLayout,
+    sizes: &[(&'static str, u32)],
+) -> Result<Vec<(&'static str, MapData)>, BpfError> {
+    let mut out = Vec::new();
+    for spec in MAP_SPECS.iter() {
+        let Some((_, size)) = sizes.iter().find(|(name, _)| *name == spec.name) else {
+            continue;
+        };
+        let path = layout.map(spec.name);
+        let Ok(info) = aya::maps::MapInfo::from_pin(&path) else {
+            continue;
+        };
+        if !spec.matches_but_size(&info) || info.max_entries() == *size {
+            continue;
+        }
+        let data = MapData::from_pin(&path).map_err(|e| BpfError::map(spec.name, e))?;
+        fs::remove_file(&path).map_err(|e| BpfError::io("removing", &path, e))?;
+        out.push((spec.name, data));
+    }
+    Ok(out)
+}
+
+/// Copies the entries of a resized NAT map's old instance into the new one; returns how many
+/// were copied (an LRU map of a smaller size keeps the last ones).
+pub(super) fn copy_resized(
+    ebpf: &mut aya::Ebpf,
+    name: &'static str,
+    old: MapData,
+) -> Result<usize, BpfError> {
+    let old = aya::maps::Map::from_map_data(old).map_err(|e| BpfError::map(name, e))?;
+    let new = ebpf.map_mut(name).ok_or_else(|| missing(name))?;
+    if name == names::NAT4 {
+        copy_all::<NatEntry>(name, &old, new)
+    } else {
+        copy_all::<NatRevEntry>(name, &old, new)
+    }
+}
+
+fn copy_all<V: aya::Pod>(
+    name: &'static str,
+    old: &aya::maps::Map,
+    new: &mut aya::maps::Map,
+) -> Result<usize, BpfError> {
+    let old: BpfHashMap<&MapData, NatKey, V> =
+        BpfHashMap::try_from(old).map_err(|e| BpfError::map(name, e))?;
+    let mut new: BpfHashMap<&mut MapData, NatKey, V> =
+        BpfHashMap::try_from(new).map_err(|e| BpfError::map(name, e))?;
+    let mut copied = 0;
+    for item in old.iter() {
+        let Ok((key, value)) = item else { continue };
+        if new.insert(key, value, 0).is_ok() {
+            copied += 1;
+        }
+    }
+    Ok(copied)
+}
+
+fn missing(name: &'static str) -> BpfError {
+    BpfError::BadMap {
+        name,
+        reason: "not in the eBPF object".into(),
+    }
+}
+
+fn lpm_key(net: &Ipv4Net) -> Key<[u8; 4]> {
+    Key::new(u32::from(net.prefix_len()), net.network().octets())
+}
+
+impl FastPath {
+    /// Turns masquerade in eBPF on with `settings`, or off with `None`, and makes the
+    /// no-masquerade map hold exactly `settings.no_masq`. Validated first; the prefixes are
+    /// written before the configuration, so the programs never see a count without entries.
+    pub fn set_nat(&mut self, settings: Option<&NatSettings>) -> Result<(), BpfError> {
+        let entry = match settings {
+            Some(s) => s.to_entry()?,
+            None => NatConfig::default(),
+        };
+        let want: BTreeSet<Ipv4Net> = settings
+            .map(|s| s.no_masq.iter().map(Ipv4Net::trunc).collect())
+            .unwrap_or_default();
+        if want.len() > names::NO_MASQ4_MAX_ENTRIES as usize {
+            return Err(BpfError::Invalid {
+                field: "no-masquerade prefixes",
+                value: want.len().to_string(),
+                reason: "more than the map holds (1024)",
+            });
+        }
+        {
+            let map = self
+                .ebpf_mut()
+                .map_mut(names::NO_MASQ4)
+                .ok_or_else(|| missing(names::NO_MASQ4))?;
+            let mut trie: LpmTrie<&mut MapData, [u8; 4], u32> =
+                LpmTrie::try_from(map).map_err(|e| BpfError::map(names::NO_MASQ4, e))?;
+            let mut have = Vec::new();
+            for key in trie.keys() {
+                have.push(key.map_err(|e| BpfError::map(names::NO_MASQ4, e))?);
+            }
+            for key in &have {
+                let net = u8::try_from(key.prefix_len())
+                    .ok()
+                    .and_then(|len| Ipv4Net::new(Ipv4Addr::from(key.data()), len).ok());
+                if !net.is_some_and(|n| want.contains(&n)) {
+                    let _ = trie.remove(key);
+                }
+            }
+            for net in &want {
+                trie.insert(&lpm_key(net), 1, 0)
+                    .map_err(|e| BpfError::map(names::NO_MASQ4, e))?;
+            }
+        }
+        let map = self
+            .ebpf_mut()
+            .map_mut(names::NAT_CONFIG)
+            .ok_or_else(|| missing(names::NAT_CONFIG))?;
+        let mut array: Array<&mut MapData, NatConfig> =
+            Array::try_from(map).map_err(|e| BpfError::map(names::NAT_CONFIG, e))?;
+        array
+            .set(0, entry, 0)
+            .map_err(|e| BpfError::map(names::NAT_CONFIG, e))
+    }
+
+    /// The masquerade configuration as the programs see it.
+    pub fn nat_config(&self) -> Result<NatConfig, BpfError> {
+        let map = self
+            .ebpf()
+            .map(names::NAT_CONFIG)
+            .ok_or_else(|| missing(names::NAT_CONFIG))?;
+        let array: Array<&MapData, NatConfig> =
+            Array::try_from(map).map_err(|e| BpfError::map(names::NAT_CONFIG, e))?;
+        array
+            .get(&0, 0)
+            .map_err(|e| BpfError::map(names::NAT_CONFIG, e))
+    }
+
+    /// The no-masquerade prefixes the map holds.
+    pub fn no_masq(&self) -> Result<Vec<Ipv4Net>, BpfError> {
+        let map = self
+            .ebpf()
+            .map(names::NO_MASQ4)
+            .ok_or_else(|| missing(names::NO_MASQ4))?;
+        let trie: LpmTrie<&MapData, [u8; 4], u32> =
+            LpmTrie::try_from(map).map_err(|e| BpfError::map(names::NO_MASQ4, e))?;
+        let mut out = Vec::new();
+        for key in trie.keys() {
+            let key = key.map_err(|e| BpfError::map(names::NO_MASQ4, e))?;
+            if let Some(net) = u8::try_from(key.prefix_len())
+                .ok()
+                .and_then(|len| Ipv4Net::new(Ipv4Addr::from(key.data()), len).ok())
+            {
+                out.push(net);
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// The number of flows the NAT maps hold at most (their `max_entries`).
+    pub fn nat_capacity(&self) -> Result<u32, BpfError> {
+        match self.ebpf().map(names::NAT4) {
+            Some(aya::maps::Map::LruHashMap(data)) => data
+                .info()
+                .map(|info| info.max_entries())
+                .map_err(|e| BpfError::map(names::NAT4, e)),
+            Some(_) => Err(BpfError::BadMap {
+                name: names::NAT4,
+                reason: "not an LRU hash map".into(),
+            }),
+            None => Err(missing(names::NAT4)),
+        }
+    }
+
+    fn nat_maps(
+        &self,
+    ) -> Result<
+        (
+            BpfHashMap<&MapData, NatKey, NatEntry>,
+            BpfHashMap<&MapData, NatKey, NatRevEntry>,
+        ),
+        BpfError,
+    > {
+        let fwd = self
+            .ebpf()
+            .map(names::NAT4)
+            .ok_or_else(|| missing(names::NAT4))?;
+        let rev = self
+            .ebpf()
+            .map(names::NAT_REV4)
+            .ok_or_else(|| missing(names::NAT_REV4))?;
+        Ok((
+            BpfHashMap::try_from(fwd).map_err(|e| BpfError::map(names::NAT4, e))?,
+            BpfHashMap::try_from(rev).map_err(|e| BpfError::map(names::NAT_REV4, e))?,
+        ))
+    }
+
+    /// Every flow the maps hold, oldest first, decoded (expired ones included and marked).
+    pub fn nat_flows(&self) -> Result<Vec<NatFlow>, BpfError> {
+        let cfg = self.nat_config()?;
+        let now = monotonic_ns();
+        let (fwd, rev) = self.nat_maps()?;
+        let mut flows = Vec::new();
+        for item in fwd.iter() {
+            let (key, e) = match item {
+                Ok(kv) => kv,
+                // The entry went away between the key walk and the lookup.
+                Err(aya::maps::MapError::KeyNotFound) => continue,
+                Err(e) => return Err(BpfError::map(names::NAT4, e)),
+            };
+            let reverse_ok = rev
+                .get(&key.reply_of(e.nat_addr, e.nat_port), 0)
+                .is_ok_and(|r| r.orig_addr == key.saddr && r.orig_port == key.sport);
+            let (remote_port, orig_port) = if key.proto == proto::ICMP {
+                (0, key.sport)
+            } else {
+                (key.dport, key.sport)
+            };
+            flows.push(NatFlow {
+                proto: key.proto,
+                orig: SocketAddrV4::new(key.saddr.into(), orig_port),
+                remote: SocketAddrV4::new(key.daddr.into(), remote_port),
+                nat: SocketAddrV4::new(e.nat_addr.into(), e.nat_port),
+                state: e.state,
+                host: e.flags & NAT_F_HOST != 0,
+                age: Duration::from_nanos(now.saturating_sub(e.created_ns)),
+                idle: Duration::from_nanos(now.saturating_sub(e.last_seen_ns)),
+                expired: cfg.expired(key.proto, e.state, e.last_seen_ns, now),
+                reverse_ok,
+            });
+        }
+        flows.sort_by_key(|f| std::cmp::Reverse(f.age));
+        Ok(flows)
+    }
+
+    /// Deletes expired flows (both entries) and reply entries whose flow is gone or points
+    /// elsewhere. Racing packets are harmless: the programs treat expired entries as absent
+    /// and re-create a missing reply entry of a live flow.
+    pub fn nat_sweep(&mut self) -> Result<SweepStats, BpfError> {
+        let cfg = self.nat_config()?;
+        let now = monotonic_ns();
+        let mut stats = SweepStats::default();
+        let mut expired: Vec<(NatKey, NatKey)> = Vec::new();
+        let mut live: BTreeMap<NatKey, NatEntry> = BTreeMap::new();
+        let mut orphans: Vec<NatKey> = Vec::new();
+        {
+            let (fwd, rev) = self.nat_maps()?;
+            for item in fwd.iter() {
+                let (key, e) = match item {
+                    Ok(kv) => kv,
+                    Err(aya::maps::MapError::KeyNotFound) => continue,
+                    Err(e) => return Err(BpfError::map(names::NAT4, e)),
+                };
+                if cfg.expired(key.proto, e.state, e.last_seen_ns, now) {
+                    expired.push((key, key.reply_of(e.nat_addr, e.nat_port)));
+                } else {
+                    live.insert(key, e);
+                }
+            }
+            for item in rev.iter() {
+                let (rkey, r) = match item {
+                    Ok(kv) => kv,
+                    Err(aya::maps::MapError::KeyNotFound) => continue,
+                    Err(e) => return Err(BpfError::map(names::NAT_REV4, e)),
+                };
+                if now.saturating_sub(r.created_ns) < ORPHAN_GRACE_NS {
+                    continue;
+                }
+                let owner = rkey.original_of(r.orig_addr, r.orig_port);
+                let held = live
+                    .get(&owner)
+                    .is_some_and(|e| e.nat_addr == rkey.daddr && e.nat_port == rkey.dport);
+                if !held {
+                    orphans.push(rkey);
+                }
+            }
+        }
+        stats.flows = live.len();
+        let (mut fwd, mut rev): (
+            BpfHashMap<&mut MapData, NatKey, NatEntry>,
+            BpfHashMap<&mut MapData, NatKey, NatRevEntry>,
+        ) = {
+            let ebpf = self.ebpf_mut();
+            let mut fwd_map = None;
+            let mut rev_map = None;
+            for (name, map) in ebpf.maps_mut() {
+                if name == names::NAT4 {
+                    fwd_map = Some(map);
+                } else if name == names::NAT_REV4 {
+                    rev_map = Some(map);
+                }
+            }
+            let fwd_map = fwd_map.ok_or_else(|| missing(names::NAT4))?;
+            let rev_map = rev_map.ok_or_else(|| missing(names::NAT_REV4))?;
+            (
+                BpfHashMap::try_from(fwd_map).map_err(|e| BpfError::map(names::NAT4, e))?,
+                BpfHashMap::try_from(rev_map).map_err(|e| BpfError::map(names::NAT_REV4, e))?,
+            )
+        };
+        for (key, rkey) in &expired {
+            // Re-check: a packet may have revived the flow since the walk.
+            if let Ok(e) = fwd.get(key, 0)
+                && !cfg.expired(key.proto, e.state, e.last_seen_ns, monotonic_ns())
+            {
+                continue;
+            }
+            if fwd.remove(key).is_ok() {
+                stats.expired += 1;
+            }
+            if rev
+                .get(rkey, 0)
+                .is_ok_and(|r| r.orig_addr == key.saddr && r.orig_port == key.sport)
+            {
+                let _ = rev.remove(rkey);
+            }
+        }
+        for rkey in &orphans {
+            if rev.remove(rkey).is_ok() {
+                stats.orphans += 1;
+            }
+        }
+        Ok(stats)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_convert_and_validate() {
+        let mut s = NatSettings::new(Ipv4Addr::new(192, 168, 1, 11));
+        s.ports = (32768, 60999);
+        s.no_masq = vec!["100.64.0.0/10".parse().expect("net")];
+        let e = s.to_entry().expect("valid");
+        assert_eq!(e.flags, NAT_CFG_ENABLED);
+        assert_eq!(e.nat_addr, [192, 168, 1, 11]);
+        assert_eq!((e.port_min, e.port_max, e.probes), (32768, 60999, 32));
+        assert_eq!(e.no_masq_entries, 1);
+        assert_eq!(
+            (e.tcp_syn_s, e.tcp_established_s, e.tcp_closed_s),
+            (120, 432_000, 10)
+        );
+        assert_eq!((e.udp_s, e.udp_stream_s, e.icmp_s), (30, 120, 30));
+        for bad in [
+            NatSettings {
+                ports: (0, 10),
+                ..s.clone()
+            },
+            NatSettings {
+                ports: (2000, 1000),
+                ..s.clone()
+            },
+            NatSettings {
+                probes: 33,
+                ..s.clone()
+            },
+            NatSettings {
+                nat_addr: Ipv4Addr::UNSPECIFIED,
+                ..s.clone()
+            },
+        ] {
+            assert!(matches!(bad.to_entry(), Err(BpfError::Invalid { .. })));
+        }
+    }
+
+    #[test]
+    fn port_ranges_parse() {
+        assert_eq!(parse_port_range("32768-60999"), Ok((32768, 60999)));
+        assert_eq!(parse_port_range(" 1024 - 2047 "), Ok((1024, 2047)));
+        assert_eq!(parse_port_range("5000-5000"), Ok((5000, 5000)));
+        for bad in ["", "5000", "0-10", "10-5", "1-70000", "a-b"] {
+            let err = parse_port_range(bad).expect_err(bad);
+            assert!(err.contains(&format!("{bad:?}")), "{err}");
+        }
+    }
+
+    #[test]
+    fn sizing_follows_memory_within_bounds() {
+        let gib = 1024 * 1024 * 1024u64;
+        // 0.25 % of 24 GiB at 192 bytes per flow.
+        assert_eq!(nat_map_size(24 * gib), 335_544);
+        assert_eq!(nat_map_size(gib), NAT_MIN_ENTRIES);
+        assert_eq!(nat_map_size(4096 * gib), NAT_MAX_DEFAULT_ENTRIES);
+        assert_eq!(
+            parse_meminfo_total("MemTotal:       24684636 kB\nMemFree: 1 kB\n"),
+            Some(24_684_636 * 1024)
+        );
+        assert_eq!(parse_meminfo_total("nothing"), None);
+        let explicit = NatSizing::resolve(1000);
+        assert_eq!(explicit.entries, 1000);
+        assert!(explicit.to_string().contains("--ebpf-nat-max-entries"));
+        let sized = NatSizing {
+            entries: 335_544,
+            from_memory: Some(24 * gib),
+        };
+        assert_eq!(
+            sized.to_string(),
+            "335544 flows (~61 MiB of kernel memory), 0.25 % of 24576 MiB node memory"
+        );
+    }
+
+    #[test]
+    fn state_names() {
+        assert_eq!(state_name(proto::TCP, 0), "syn-sent");
+        assert_eq!(state_name(proto::TCP, ST_REPLIED), "established");
+        assert_eq!(state_name(proto::TCP, ST_REPLIED | ST_FIN_OUT), "fin-out");
+        assert_eq!(
+            state_name(proto::TCP, ST_REPLIED | ST_FIN_OUT | ST_FIN_IN),
+            "closed"
+        );
+        assert_eq!(state_name(proto::TCP, ST_RST), "reset");
+        assert_eq!(state_name(proto::UDP, 0), "unreplied");
+        assert_eq!(state_name(proto::ICMP, ST_REPLIED), "established");
+        let flow = NatFlow {
+            proto: proto::TCP,
+            orig: "10.244.1.5:40000".parse().expect("addr"),
+            remote: "1.1.1.1:443".parse().expect("addr"),
+            nat: "192.168.1.11:40000".parse().expect("addr"),
+            state: ST_REPLIED,
+            host: false,
+            age: Duration::from_secs(12),
+            idle: Duration::from_secs(1),
+            expired: false,
+            reverse_ok: true,
+        };
+        assert_eq!(
+            flow.to_string(),
+            "tcp 10.244.1.5:40000 -> 1.1.1.1:443 as 192.168.1.11:40000 established age 12s idle 1s"
+        );
+    }
+}

@@ -1,0 +1,1187 @@
+//! Masquerade in eBPF, run with `BPF_PROG_TEST_RUN` on crafted packets through the agent's
+//! `flannel_agent::bpf` API: `tc_to_netdev` source-NATs, `tc_from_netdev` translates the
+//! replies back. Every output is compared byte for byte with a packet the builder made with
+//! the translated addresses (so the incremental checksums equal recomputed ones) and checked
+//! with the independent parser; counters are checked exactly.
+//!
+//! Covered: TCP, UDP (with and without checksum) and ICMP echo both ways; port collisions
+//! (another port, per destination); the node's own flows (registered, moved on collision);
+//! exhaustion (dropped, counted) and ports freed by closed or expired flows; what is not
+//! masqueraded (cluster destinations, multicast, excluded prefixes, kube-proxy's mark, other
+//! sources, NAT off); replies to unknown tuples; ICMP errors with their quoted headers in both
+//! directions; fragments; the agent's read-out, sweep and resize; `bpftool` output.
+//!
+//! Needs root; skips otherwise, and when the agent was built without the eBPF object.
+
+use std::{
+    collections::BTreeMap,
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+    process::Command,
+    thread,
+    time::Duration,
+};
+
+use aya::{TestRun as _, TestRunOptions};
+use flannel_agent::bpf::{
+    FastPath, Hook, LoadOptions, LocalConfig, NatSettings, ReasonCounters, Remote, Via, VxlanLocal,
+};
+use flannel_common::{maps as names, stats::Reason};
+use flannel_tests::{
+    netns::NetNs,
+    packet::{
+        self, Checksum, Ethernet, Icmp, Ipv4, ParsedL3, ParsedL4, Tcp, Transport, Udp, hexdump,
+        tcp_flags,
+    },
+};
+use ipnet::Ipv4Net;
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+
+type Mac = [u8; 6];
+const EXT_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x01];
+const GW_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0xfe];
+
+/// The node: public and masquerade address.
+const NODE: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 1);
+const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 5);
+const POD2: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 6);
+const POD3: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 7);
+const REMOTE_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 7);
+/// Destinations outside the cluster network.
+const OUT: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
+const OUT2: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 20);
+/// In the excluded prefix 100.64.0.0/10.
+const EXCLUDED: Ipv4Addr = Ipv4Addr::new(100, 64, 3, 3);
+/// A router on the path that reports errors.
+const ROUTER: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+
+fn net(s: &str) -> Ipv4Net {
+    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
+/// A node namespace (ext0 192.168.77.1/24, a host-gw route to 10.244.2.0/24) and a pin
+/// directory.
+struct Rig {
+    ns: NetNs,
+    pin: PathBuf,
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        let _ = flannel_agent::bpf::cleanup(&self.pin);
+    }
+}
+
+impl Rig {
+    fn new(name: &str) -> Option<Rig> {
+        if !flannel_tests::is_root() {
+            eprintln!("skipped: needs root (BPF_PROG_TEST_RUN, namespaces)");
+            return None;
+        }
+        if flannel_agent::EBPF_OBJECT.is_empty() {
+            eprintln!("skipped: flannel-agent was built with AYA_BUILD_SKIP=1");
+            return None;
+        }
+        let ns = NetNs::new(name).expect("namespace");
+        for cmd in [
+            "ip link add ext0 type veth peer name ext0p",
+            "ip link set ext0 address 02:ee:00:00:00:01",
+            "ip addr add 192.168.77.1/24 dev ext0",
+            "ip link set ext0 up",
+            "ip link set ext0p up",
+            "ip route add 10.244.2.0/24 via 192.168.77.2 dev ext0",
+            "sysctl -qw net.ipv4.ip_forward=1",
+        ] {
+            let argv: Vec<&str> = cmd.split_whitespace().collect();
+            ns.run(&argv).unwrap_or_else(|e| panic!("{cmd}: {e:#}"));
+        }
+        let pin = PathBuf::from(format!(
+            "/sys/fs/bpf/{}{name}",
+            flannel_tests::netns::run_prefix()
+        ));
+        Some(Rig { ns, pin })
+    }
+
+    /// Runs `f` in the namespace with a fast path loaded (NAT maps of `nat_entries` flows),
+    /// configured, synced, and masquerading with `settings`.
+    fn with_nat<R: Send>(
+        &self,
+        settings: NatSettings,
+        f: impl FnOnce(&mut FastPath, u32) -> R + Send,
+    ) -> R {
+        self.with_nat_sized(4096, settings, f)
+    }
+
+    fn with_nat_sized<R: Send>(
+        &self,
+        nat_entries: u32,
+        settings: NatSettings,
+        f: impl FnOnce(&mut FastPath, u32) -> R + Send,
+    ) -> R {
+        let pin = self.pin.clone();
+        self.ns
+            .enter(move || {
+                let ext = nix::net::if_::if_nametoindex("ext0").expect("ext0");
+                let options = LoadOptions {
+                    nat_max_entries: nat_entries,
+                };
+                let mut fp = FastPath::load_with(&pin, &options).expect("loading");
+                fp.set_config(&config(ext)).expect("config");
+                fp.sync(&remotes()).expect("sync");
+                fp.set_nat(Some(&settings)).expect("nat settings");
+                f(&mut fp, ext)
+            })
+            .expect("entering the namespace")
+    }
+}
+
+fn config(ext: u32) -> LocalConfig {
+    LocalConfig {
+        vxlan: Some(VxlanLocal {
+            vni: 1,
+            port: 8472,
+            vtep_mac: [0x0e, 0, 0, 0, 0, 1],
+        }),
+        source_ports: (32768, 60999),
+        outer_ttl: 64,
+        ..LocalConfig::new(NODE, ext, net("10.244.1.0/24"), net("10.244.0.0/16"))
+    }
+}
+
+fn remotes() -> BTreeMap<Ipv4Net, Remote> {
+    [(
+        net("10.244.2.0/24"),
+        Remote {
+            public_ip: Ipv4Addr::new(192, 168, 77, 2),
+            via: Via::HostGw,
+        },
+    )]
+    .into()
+}
+
+/// Masquerade to the node's address, ports 32768-60999, 100.64.0.0/10 excluded.
+fn settings() -> NatSettings {
+    NatSettings {
+        ports: (32768, 60999),
+        no_masq: vec![net("100.64.0.0/10")],
+        ..NatSettings::new(NODE)
+    }
+}
+
+/// The `__sk_buff` test_run takes as context.
+#[derive(Clone, Copy, Default)]
+struct Skb {
+    ifindex: u32,
+    mark: u32,
+}
+
+impl Skb {
+    fn on(ifindex: u32) -> Skb {
+        Skb { ifindex, mark: 0 }
+    }
+
+    fn bytes(&self) -> [u8; 192] {
+        let mut b = [0u8; 192];
+        b[8..12].copy_from_slice(&self.mark.to_ne_bytes());
+        b[36..40].copy_from_slice(&self.ifindex.to_ne_bytes());
+        b[40..44].copy_from_slice(&self.ifindex.to_ne_bytes());
+        b
+    }
+}
+
+struct Run {
+    verdict: u32,
+    out: Vec<u8>,
+    counted: Vec<(Reason, u64)>,
+}
+
+fn counters_of(fp: &FastPath, hook: Hook) -> ReasonCounters {
+    let all = fp.counters().expect("counters");
+    match hook {
+        Hook::FromBridge => all.from_bridge,
+        Hook::FromNetdev => all.from_netdev,
+        Hook::ToNetdev => all.to_netdev,
+    }
+}
+
+fn run(fp: &mut FastPath, hook: Hook, frame: &[u8], skb: Skb) -> Run {
+    let before = counters_of(fp, hook);
+    let ctx_in = skb.bytes();
+    let mut ctx_out = [0u8; 192];
+    let mut out = vec![0u8; frame.len() + 256];
+    let result = fp
+        .program_mut(hook)
+        .expect("program")
+        .test_run(TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ctx_in: Some(&ctx_in),
+            ctx_out: Some(&mut ctx_out),
+            ..TestRunOptions::default()
+        })
+        .unwrap_or_else(|e| panic!("test_run of {hook:?}: {e:?}\n{}", hexdump(frame)));
+    out.truncate(result.data_size_out as usize);
+    let after = counters_of(fp, hook);
+    let counted = Reason::ALL
+        .iter()
+        .filter_map(|r| {
+            let (a, b) = (after.get(*r), before.get(*r));
+            (a.packets != b.packets).then(|| (*r, a.packets - b.packets))
+        })
+        .collect();
+    Run {
+        verdict: result.return_value,
+        out,
+        counted,
+    }
+}
+
+fn assert_counted(run: &Run, reasons: &[Reason], what: &str) {
+    let mut want: Vec<(Reason, u64)> = reasons.iter().map(|r| (*r, 1)).collect();
+    want.sort_by_key(|(r, _)| r.index());
+    assert_eq!(run.counted, want, "{what}: counters");
+}
+
+fn assert_bytes(got: &[u8], want: &[u8], what: &str) {
+    assert!(
+        got == want,
+        "{what}: output differs\n got:\n{}want:\n{}",
+        hexdump(got),
+        hexdump(want)
+    );
+}
+
+/// A frame leaving through ext0 (the node's MAC to the gateway's).
+fn egress_frame(ip: &Ipv4) -> Vec<u8> {
+    Ethernet::new(EXT_MAC, GW_MAC, ip.clone()).encode()
+}
+
+/// A frame arriving on ext0.
+fn ingress_frame(ip: &Ipv4) -> Vec<u8> {
+    Ethernet::new(GW_MAC, EXT_MAC, ip.clone()).encode()
+}
+
+/// The packet with source `src`, or `src_port` (TCP/UDP) / identifier (ICMP) changed.
+fn with_source(ip: &Ipv4, src: Ipv4Addr, port: Option<u16>) -> Ipv4 {
+    let mut out = Ipv4 { src, ..ip.clone() };
+    if let Some(port) = port {
+        set_port(&mut out.payload, port, true);
+    }
+    out
+}
+
+/// The packet with destination `dst`, and its destination port / identifier changed.
+fn with_destination(ip: &Ipv4, dst: Ipv4Addr, port: Option<u16>) -> Ipv4 {
+    let mut out = Ipv4 { dst, ..ip.clone() };
+    if let Some(port) = port {
+        set_port(&mut out.payload, port, false);
+    }
+    out
+}
+
+fn set_port(l4: &mut Transport, port: u16, source: bool) {
+    match l4 {
+        Transport::Tcp(t) if source => t.src_port = port,
+        Transport::Tcp(t) => t.dst_port = port,
+        Transport::Udp(u) if source => u.src_port = port,
+        Transport::Udp(u) => u.dst_port = port,
+        Transport::Icmp(i) => i.rest[..2].copy_from_slice(&port.to_be_bytes()),
+        _ => panic!("no port to set"),
+    }
+}
+
+/// The L4 source port (ICMP: identifier) of an output frame, checking every checksum.
+fn source_port(frame: &[u8]) -> u16 {
+    let parsed = packet::verify(frame).expect("valid output");
+    let ParsedL3::Ipv4(ip) = parsed.l3 else {
+        panic!("not IPv4")
+    };
+    match ip.l4 {
+        ParsedL4::Tcp { src_port, .. } | ParsedL4::Udp { src_port, .. } => src_port,
+        ParsedL4::Icmp { rest, .. } => u16::from_be_bytes([rest[0], rest[1]]),
+        ParsedL4::Raw(_) => panic!("no L4 header"),
+    }
+}
+
+fn tcp(sport: u16, dport: u16, flags: u8) -> Tcp {
+    Tcp {
+        seq: 1000,
+        ack: if flags & tcp_flags::ACK != 0 { 2000 } else { 0 },
+        ..Tcp::new(sport, dport).flags(flags).payload(b"masquerade")
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn each_protocol_is_translated_both_ways_with_valid_checksums() {
+    let Some(rig) = Rig::new("ntprot") else {
+        return;
+    };
+    rig.with_nat(settings(), |fp, ext| {
+        let cases: Vec<(&str, Transport, Transport, Reason)> = vec![
+            (
+                "tcp",
+                tcp(40000, 443, tcp_flags::SYN).into(),
+                tcp(443, 40000, tcp_flags::SYN | tcp_flags::ACK).into(),
+                Reason::Ipv4Tcp,
+            ),
+            (
+                "udp",
+                Udp::new(40001, 53).payload(b"query").into(),
+                Udp::new(53, 40001).payload(b"answer").into(),
+                Reason::Ipv4Udp,
+            ),
+            (
+                "udp without checksum",
+                Udp {
+                    checksum: Checksum::Value(0),
+                    ..Udp::new(40002, 5000).payload(b"nocsum")
+                }
+                .into(),
+                Udp {
+                    checksum: Checksum::Value(0),
+                    ..Udp::new(5000, 40002).payload(b"nocsum back")
+                }
+                .into(),
+                Reason::Ipv4Udp,
+            ),
+            (
+                "icmp echo",
+                Icmp::echo_request(0x4242, 1).into(),
+                Icmp::echo_reply(0x4242, 1).into(),
+                Reason::Ipv4Icmp,
+            ),
+        ];
+        for (what, out_l4, back_l4, class) in cases {
+            let ip = Ipv4::new(POD, OUT, out_l4);
+            let frame = egress_frame(&ip);
+            let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
+            assert_eq!(r.verdict, TC_ACT_OK, "{what}");
+            // The original port is in the range and free: kept; only the address changes.
+            assert_bytes(&r.out, &egress_frame(&with_source(&ip, NODE, None)), what);
+            packet::verify(&r.out).unwrap_or_else(|e| panic!("{what}: {e:#}"));
+            assert_counted(&r, &[class, Reason::FastSnat, Reason::LearnSnatFlow], what);
+
+            let reply = Ipv4::new(OUT, NODE, back_l4);
+            let frame = ingress_frame(&reply);
+            let r = run(fp, Hook::FromNetdev, &frame, Skb::on(ext));
+            assert_eq!(r.verdict, TC_ACT_OK, "{what} reply");
+            assert_bytes(
+                &r.out,
+                &ingress_frame(&with_destination(&reply, POD, None)),
+                &format!("{what} reply"),
+            );
+            packet::verify(&r.out).unwrap_or_else(|e| panic!("{what} reply: {e:#}"));
+            assert_counted(
+                &r,
+                &[class, Reason::FastSnatReply],
+                &format!("{what} reply"),
+            );
+
+            // The next packet of the flow reuses the mapping: no new flow.
+            let r = run(fp, Hook::ToNetdev, &egress_frame(&ip), Skb::on(ext));
+            assert_counted(&r, &[class, Reason::FastSnat], &format!("{what} again"));
+        }
+        // A UDP checksum stays absent (0) both ways.
+        let flows = fp.nat_flows().expect("flows");
+        let summary: Vec<String> = flows
+            .iter()
+            .map(|f| format!("{} {} {} {}", f.orig, f.remote, f.nat, f.reverse_ok))
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                "10.244.1.5:40000 203.0.113.10:443 192.168.77.1:40000 true",
+                "10.244.1.5:40001 203.0.113.10:53 192.168.77.1:40001 true",
+                "10.244.1.5:40002 203.0.113.10:5000 192.168.77.1:40002 true",
+                "10.244.1.5:16962 203.0.113.10:0 192.168.77.1:16962 true",
+            ],
+            "{flows:#?}"
+        );
+        assert!(flows.iter().all(|f| !f.host && !f.expired));
+        assert!(
+            flows.iter().all(|f| f.to_string().contains("established")),
+            "every flow saw a reply: {flows:#?}"
+        );
+    });
+}
+
+#[test]
+fn port_collisions_get_another_port_per_destination() {
+    let Some(rig) = Rig::new("ntcoll") else {
+        return;
+    };
+    rig.with_nat(settings(), |fp, ext| {
+        let first = Ipv4::new(POD, OUT, tcp(41000, 443, tcp_flags::SYN));
+        let r = run(fp, Hook::ToNetdev, &egress_frame(&first), Skb::on(ext));
+        assert_eq!(source_port(&r.out), 41000);
+
+        // Another pod, same source port, same destination: the port is taken.
+        let second = Ipv4::new(POD2, OUT, tcp(41000, 443, tcp_flags::SYN));
+        let r = run(fp, Hook::ToNetdev, &egress_frame(&second), Skb::on(ext));
+        assert_eq!(r.verdict, TC_ACT_OK);
+        let moved = source_port(&r.out);
+        assert_ne!(moved, 41000);
+        assert!((32768..=60999).contains(&moved), "{moved}");
+        assert_bytes(
+            &r.out,
+            &egress_frame(&with_source(&second, NODE, Some(moved))),
+            "moved",
+        );
+        assert_counted(
+            &r,
+            &[
+                Reason::Ipv4Tcp,
+                Reason::FastSnat,
+                Reason::LearnSnatFlow,
+                Reason::LearnSnatRemap,
+            ],
+            "moved",
+        );
+
+        // A source port outside the range is never kept.
+        let low = Ipv4::new(POD3, OUT, Udp::new(53, 53).payload(b"q"));
+        let r = run(fp, Hook::ToNetdev, &egress_frame(&low), Skb::on(ext));
+        let port = source_port(&r.out);
+        assert!((32768..=60999).contains(&port), "{port}");
+
+        // Another destination: the same port is free there.
+        let elsewhere = Ipv4::new(POD2, OUT2, tcp(41000, 443, tcp_flags::SYN));
+        let r = run(fp, Hook::ToNetdev, &egress_frame(&elsewhere), Skb::on(ext));
+        assert_eq!(source_port(&r.out), 41000);
+        let same_ip_other_port = Ipv4::new(POD2, OUT, tcp(41000, 8443, tcp_flags::SYN));
+        let r = run(
+            fp,
+            Hook::ToNetdev,
+            &egress_frame(&same_ip_other_port),
+            Skb::on(ext),
+        );
+        assert_eq!(source_port(&r.out), 41000);
+
+        // Each reply goes to its own pod.
+        for (port, pod, pod_port) in [(41000, POD, 41000), (moved, POD2, 41000)] {
+            let reply = Ipv4::new(OUT, NODE, tcp(443, port, tcp_flags::SYN | tcp_flags::ACK));
+            let r = run(fp, Hook::FromNetdev, &ingress_frame(&reply), Skb::on(ext));
+            assert_bytes(
+                &r.out,
+                &ingress_frame(&with_destination(&reply, pod, Some(pod_port))),
+                &format!("reply to {port}"),
+            );
+        }
+    });
+}
+
+#[test]
+fn node_flows_are_registered_and_moved_on_collision() {
+    let Some(rig) = Rig::new("nthost") else {
+        return;
+    };
+    rig.with_nat(settings(), |fp, ext| {
+        // The node's own connection from a port in the range: registered, untouched.
+        let node_syn = Ipv4::new(NODE, OUT, tcp(42000, 443, tcp_flags::SYN));
+        let frame = egress_frame(&node_syn);
+        let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_bytes(&r.out, &frame, "node flow");
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Tcp, Reason::PassSnatHost, Reason::LearnSnatFlow],
+            "node flow",
+        );
+        // Its replies are left alone too.
+        let reply = Ipv4::new(OUT, NODE, tcp(443, 42000, tcp_flags::SYN | tcp_flags::ACK));
+        let frame = ingress_frame(&reply);
+        let r = run(fp, Hook::FromNetdev, &frame, Skb::on(ext));
+        assert_bytes(&r.out, &frame, "node reply");
+        assert_counted(&r, &[Reason::Ipv4Tcp, Reason::PassSnatHost], "node reply");
+
+        // A pod flow with that port to that destination does not get it.
+        let pod = Ipv4::new(POD, OUT, tcp(42000, 443, tcp_flags::SYN));
+        let r = run(fp, Hook::ToNetdev, &egress_frame(&pod), Skb::on(ext));
+        let pod_port = source_port(&r.out);
+        assert_ne!(pod_port, 42000);
+
+        // The other way round: a pod holds 43000; the node's new connection from 43000 to
+        // the same destination is moved (the kernel picked the port without knowing).
+        let pod = Ipv4::new(POD, OUT, tcp(43000, 443, tcp_flags::SYN));
+        let r = run(fp, Hook::ToNetdev, &egress_frame(&pod), Skb::on(ext));
+        assert_eq!(source_port(&r.out), 43000);
+        let node_syn = Ipv4::new(NODE, OUT, tcp(43000, 443, tcp_flags::SYN));
+        let r = run(fp, Hook::ToNetdev, &egress_frame(&node_syn), Skb::on(ext));
+        let node_port = source_port(&r.out);
+        assert_ne!(node_port, 43000);
+        assert_bytes(
+            &r.out,
+            &egress_frame(&with_source(&node_syn, NODE, Some(node_port))),
+            "node flow moved",
+        );
+        assert_counted(
+            &r,
+            &[
+                Reason::Ipv4Tcp,
+                Reason::FastSnat,
+                Reason::LearnSnatFlow,
+                Reason::LearnSnatRemap,
+            ],
+            "node flow moved",
+        );
+        let reply = Ipv4::new(
+            OUT,
+            NODE,
+            tcp(443, node_port, tcp_flags::SYN | tcp_flags::ACK),
+        );
+        let r = run(fp, Hook::FromNetdev, &ingress_frame(&reply), Skb::on(ext));
+        assert_bytes(
+            &r.out,
+            &ingress_frame(&with_destination(&reply, NODE, Some(43000))),
+            "moved node flow's reply",
+        );
+
+        // A node *reply* (not a SYN: an inbound connection to a listening port) cannot move.
+        let pod = Ipv4::new(POD2, OUT2, tcp(44000, 5432, tcp_flags::SYN));
+        let _ = run(fp, Hook::ToNetdev, &egress_frame(&pod), Skb::on(ext));
+        let node_reply = Ipv4::new(
+            NODE,
+            OUT2,
+            tcp(44000, 5432, tcp_flags::SYN | tcp_flags::ACK),
+        );
+        let frame = egress_frame(&node_reply);
+        let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
+        assert_bytes(&r.out, &frame, "node reply kept");
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Tcp, Reason::PassSnatUnhandled],
+            "node reply kept",
+        );
+
+        // Ports outside the range and VXLAN are not the NAT's business.
+        let ssh = Ipv4::new(NODE, OUT, tcp(22, 50000, tcp_flags::ACK));
+        let frame = egress_frame(&ssh);
+        let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
+        assert_bytes(&r.out, &frame, "port 22");
+        assert_counted(&r, &[Reason::Ipv4Tcp, Reason::PassNoRoute], "port 22");
+        let flows = fp.nat_flows().expect("flows");
+        assert_eq!(flows.iter().filter(|f| f.host).count(), 2, "{flows:#?}");
+    });
+}
+
+#[test]
+fn exhaustion_drops_and_counts_and_closed_flows_free_their_ports() {
+    let Some(rig) = Rig::new("ntexh") else {
+        return;
+    };
+    let mut s = settings();
+    s.ports = (40000, 40001);
+    s.timeouts.udp = Duration::from_secs(1);
+    s.timeouts.tcp_closed = Duration::from_secs(1);
+    rig.with_nat(s, |fp, ext| {
+        // Two ports for three flows to the same destination.
+        let flow = |pod| Ipv4::new(pod, OUT, tcp(50000, 80, tcp_flags::SYN));
+        let mut ports = Vec::new();
+        for pod in [POD, POD2] {
+            let r = run(fp, Hook::ToNetdev, &egress_frame(&flow(pod)), Skb::on(ext));
+            assert_eq!(r.verdict, TC_ACT_OK);
+            ports.push(source_port(&r.out));
+        }
+        ports.sort_unstable();
+        assert_eq!(ports, [40000, 40001]);
+        let frame = egress_frame(&flow(POD3));
+        let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
+        assert_eq!(r.verdict, TC_ACT_SHOT, "no free port: dropped");
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Tcp, Reason::DropSnatExhausted],
+            "exhausted",
+        );
+        let exhausted = fp
+            .counters()
+            .expect("counters")
+            .to_netdev
+            .get(Reason::DropSnatExhausted);
+        assert_eq!(exhausted.packets, 1);
+        assert_eq!(exhausted.bytes, frame.len() as u64);
+
+        // POD's flow closes (FIN both ways); POD2's stays established.
+        let pod_port = |pod| {
+            fp.nat_flows()
+                .expect("flows")
+                .iter()
+                .find(|f| *f.orig.ip() == pod)
+                .map(|f| f.nat.port())
+                .expect("flow")
+        };
+        let (p1, p2) = (pod_port(POD), pod_port(POD2));
+        let reply = |port, flags| Ipv4::new(OUT, NODE, tcp(80, port, flags));
+        for (port, pod) in [(p1, POD), (p2, POD2)] {
+            let r = run(
+                fp,
+                Hook::FromNetdev,
+                &ingress_frame(&reply(port, tcp_flags::SYN | tcp_flags::ACK)),
+                Skb::on(ext),
+            );
+            assert_bytes(
+                &r.out,
+                &ingress_frame(&with_destination(
+                    &reply(port, tcp_flags::SYN | tcp_flags::ACK),
+                    pod,
+                    Some(50000),
+                )),
+                "syn-ack",
+            );
+        }
+        let fin = Ipv4::new(POD, OUT, tcp(50000, 80, tcp_flags::FIN | tcp_flags::ACK));
+        let _ = run(fp, Hook::ToNetdev, &egress_frame(&fin), Skb::on(ext));
+        let _ = run(
+            fp,
+            Hook::FromNetdev,
+            &ingress_frame(&reply(p1, tcp_flags::FIN | tcp_flags::ACK)),
+            Skb::on(ext),
+        );
+        let states: Vec<String> = fp
+            .nat_flows()
+            .expect("flows")
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert!(
+            states
+                .iter()
+                .any(|s| s.contains("10.244.1.5") && s.contains("closed")),
+            "{states:#?}"
+        );
+        // Within the closing grace, the port is still taken.
+        let r = run(fp, Hook::ToNetdev, &egress_frame(&flow(POD3)), Skb::on(ext));
+        assert_eq!(r.verdict, TC_ACT_SHOT);
+        thread::sleep(Duration::from_millis(1300));
+        // After it, POD3 gets POD's port; POD2's established flow keeps its own.
+        let r = run(fp, Hook::ToNetdev, &egress_frame(&flow(POD3)), Skb::on(ext));
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_eq!(source_port(&r.out), p1);
+        let r = run(
+            fp,
+            Hook::FromNetdev,
+            &ingress_frame(&reply(p2, tcp_flags::ACK)),
+            Skb::on(ext),
+        );
+        assert_bytes(
+            &r.out,
+            &ingress_frame(&with_destination(
+                &reply(p2, tcp_flags::ACK),
+                POD2,
+                Some(50000),
+            )),
+            "established flow untouched",
+        );
+
+        // UDP flows expire after their (1 s) timeout and free the port as well.
+        let udp = |pod| Ipv4::new(pod, OUT2, Udp::new(50000, 53).payload(b"q"));
+        for pod in [POD, POD2] {
+            let r = run(fp, Hook::ToNetdev, &egress_frame(&udp(pod)), Skb::on(ext));
+            assert_eq!(r.verdict, TC_ACT_OK);
+        }
+        let r = run(fp, Hook::ToNetdev, &egress_frame(&udp(POD3)), Skb::on(ext));
+        assert_eq!(r.verdict, TC_ACT_SHOT);
+        thread::sleep(Duration::from_millis(1300));
+        let r = run(fp, Hook::ToNetdev, &egress_frame(&udp(POD3)), Skb::on(ext));
+        assert_eq!(r.verdict, TC_ACT_OK);
+
+        // The sweep deletes what expired (both entries of each flow).
+        thread::sleep(Duration::from_millis(1300));
+        let before = fp.nat_flows().expect("flows");
+        let stats = fp.nat_sweep().expect("sweep");
+        let after = fp.nat_flows().expect("flows");
+        assert_eq!(
+            stats.expired,
+            before.iter().filter(|f| f.expired).count(),
+            "{before:#?}"
+        );
+        assert!(stats.expired >= 3, "{stats:?}");
+        assert!(
+            after.iter().all(|f| !f.expired && f.reverse_ok),
+            "{after:#?}"
+        );
+        assert_eq!(stats.flows, after.len());
+    });
+}
+
+#[test]
+fn what_is_not_masqueraded_is_left_untouched() {
+    let Some(rig) = Rig::new("ntskip") else {
+        return;
+    };
+    rig.with_nat(settings(), |fp, ext| {
+        let cases: Vec<(&str, Ipv4, u32, Reason)> = vec![
+            (
+                "to a remote pod",
+                Ipv4::new(POD, REMOTE_POD, tcp(40000, 80, tcp_flags::SYN)),
+                0,
+                Reason::PassNotIpipRoute,
+            ),
+            (
+                "to multicast",
+                Ipv4::new(POD, Ipv4Addr::new(224, 0, 0, 251), Udp::new(5353, 5353)),
+                0,
+                Reason::PassNoRoute,
+            ),
+            (
+                "to an excluded prefix",
+                Ipv4::new(POD, EXCLUDED, tcp(40000, 80, tcp_flags::SYN)),
+                0,
+                Reason::PassSnatExcluded,
+            ),
+            (
+                "marked by kube-proxy",
+                Ipv4::new(POD, OUT, tcp(40000, 80, tcp_flags::SYN)),
+                0x4000,
+                Reason::PassSnatExcluded,
+            ),
+            (
+                "from another host address",
+                Ipv4::new(
+                    Ipv4Addr::new(172, 17, 0, 2),
+                    OUT,
+                    tcp(40000, 80, tcp_flags::SYN),
+                ),
+                0,
+                Reason::PassNoRoute,
+            ),
+            (
+                "flannel.1's VXLAN",
+                Ipv4::new(
+                    NODE,
+                    Ipv4Addr::new(192, 168, 77, 3),
+                    Udp::new(45000, 8472).payload(&[0; 8]),
+                ),
+                0,
+                Reason::PassNoRoute,
+            ),
+        ];
+        for (what, ip, mark, verdict) in cases {
+            let frame = egress_frame(&ip);
+            let r = run(fp, Hook::ToNetdev, &frame, Skb { ifindex: ext, mark });
+            assert_eq!(r.verdict, TC_ACT_OK, "{what}");
+            assert_bytes(&r.out, &frame, what);
+            let class = match ip.payload {
+                Transport::Tcp(_) => Reason::Ipv4Tcp,
+                _ => Reason::Ipv4Udp,
+            };
+            let mut want = vec![class, verdict];
+            if what == "to a remote pod" {
+                want.push(Reason::LearnKernelFlow);
+            }
+            assert_counted(&r, &want, what);
+        }
+        assert!(fp.nat_flows().expect("flows").is_empty());
+
+        // With masquerade off, pod traffic to the outside leaves as it is.
+        fp.set_nat(None).expect("off");
+        let frame = egress_frame(&Ipv4::new(POD, OUT, tcp(40000, 80, tcp_flags::SYN)));
+        let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
+        assert_bytes(&r.out, &frame, "nat off");
+        assert_counted(&r, &[Reason::Ipv4Tcp, Reason::PassNoRoute], "nat off");
+        assert_eq!(fp.nat_config().expect("config").flags, 0);
+    });
+}
+
+#[test]
+fn replies_to_unknown_tuples_are_passed_and_counted() {
+    let Some(rig) = Rig::new("ntunk") else {
+        return;
+    };
+    rig.with_nat(settings(), |fp, ext| {
+        let cases: Vec<(&str, Ipv4, Vec<Reason>)> = vec![
+            (
+                "tcp in the range",
+                Ipv4::new(OUT, NODE, tcp(443, 45000, tcp_flags::ACK)),
+                vec![Reason::Ipv4Tcp, Reason::PassSnatNoEntry],
+            ),
+            (
+                "udp in the range",
+                Ipv4::new(OUT, NODE, Udp::new(53, 45000).payload(b"late")),
+                vec![Reason::Ipv4Udp, Reason::PassSnatNoEntry],
+            ),
+            (
+                "echo reply",
+                Ipv4::new(OUT, NODE, Icmp::echo_reply(77, 1)),
+                vec![Reason::Ipv4Icmp, Reason::PassSnatNoEntry],
+            ),
+            // Not replies at all: left to the program's usual handling.
+            (
+                "a SYN",
+                Ipv4::new(OUT, NODE, tcp(50000, 45000, tcp_flags::SYN)),
+                vec![Reason::Ipv4Tcp, Reason::PassNotForPod],
+            ),
+            (
+                "a port outside the range",
+                Ipv4::new(OUT, NODE, tcp(50000, 22, tcp_flags::ACK)),
+                vec![Reason::Ipv4Tcp, Reason::PassNotForPod],
+            ),
+        ];
+        for (what, ip, reasons) in cases {
+            let frame = ingress_frame(&ip);
+            let r = run(fp, Hook::FromNetdev, &frame, Skb::on(ext));
+            assert_eq!(r.verdict, TC_ACT_OK, "{what}");
+            assert_bytes(&r.out, &frame, what);
+            assert_counted(&r, &reasons, what);
+        }
+        // A reply after its flow expired is unknown too.
+        fp.set_nat(Some(&NatSettings {
+            timeouts: flannel_agent::bpf::NatTimeouts {
+                udp: Duration::from_secs(1),
+                ..Default::default()
+            },
+            ..settings()
+        }))
+        .expect("settings");
+        let query = Ipv4::new(POD, OUT, Udp::new(46000, 53).payload(b"q"));
+        let _ = run(fp, Hook::ToNetdev, &egress_frame(&query), Skb::on(ext));
+        thread::sleep(Duration::from_millis(1300));
+        let late = Ipv4::new(OUT, NODE, Udp::new(53, 46000).payload(b"a"));
+        let frame = ingress_frame(&late);
+        let r = run(fp, Hook::FromNetdev, &frame, Skb::on(ext));
+        assert_bytes(&r.out, &frame, "expired");
+        assert_counted(&r, &[Reason::Ipv4Udp, Reason::PassSnatNoEntry], "expired");
+    });
+}
+
+/// The first 28 bytes of a frame's IPv4 packet: what an ICMP error quotes.
+fn quote(frame: &[u8]) -> Vec<u8> {
+    frame[14..14 + 28].to_vec()
+}
+
+fn icmp_error(ty: u8, code: u8, quoted: Vec<u8>) -> Icmp {
+    Icmp {
+        ty,
+        code,
+        rest: [0, 0, 0x05, 0xdc],
+        checksum: Checksum::Correct,
+        payload: quoted,
+    }
+}
+
+#[test]
+fn icmp_errors_are_translated_with_the_header_they_quote() {
+    let Some(rig) = Rig::new("nticmp") else {
+        return;
+    };
+    rig.with_nat(settings(), |fp, ext| {
+        // Two pods with the same port: the second one's port is moved, so the quoted port
+        // matters as much as the address.
+        for pod in [POD, POD2] {
+            let syn = Ipv4::new(pod, OUT, tcp(47000, 443, tcp_flags::SYN));
+            let _ = run(fp, Hook::ToNetdev, &egress_frame(&syn), Skb::on(ext));
+        }
+        let syn = Ipv4::new(POD2, OUT, tcp(47000, 443, tcp_flags::ACK));
+        let pod_frame = egress_frame(&syn);
+        let r = run(fp, Hook::ToNetdev, &pod_frame, Skb::on(ext));
+        let moved = source_port(&r.out);
+        assert_ne!(moved, 47000);
+
+        // A router answers the translated packet with "fragmentation needed".
+        let err = Ipv4::new(ROUTER, NODE, icmp_error(3, 4, quote(&r.out)));
+        let r = run(fp, Hook::FromNetdev, &ingress_frame(&err), Skb::on(ext));
+        assert_eq!(r.verdict, TC_ACT_OK);
+        let want = Ipv4::new(ROUTER, POD2, icmp_error(3, 4, quote(&pod_frame)));
+        assert_bytes(&r.out, &ingress_frame(&want), "frag needed for the pod");
+        packet::verify(&r.out).expect("outer checksums");
+        assert_eq!(
+            packet::checksum(&r.out[14 + 28..14 + 48]),
+            0,
+            "quoted header"
+        );
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Icmp, Reason::FastSnatIcmpError],
+            "frag needed",
+        );
+
+        // The pod reports "port unreachable" for a UDP reply it got: the quoted reply is
+        // put back the way it was on the wire.
+        let query = Ipv4::new(POD2, OUT, Udp::new(5353, 53).payload(b"q"));
+        let r = run(fp, Hook::ToNetdev, &egress_frame(&query), Skb::on(ext));
+        let nat_port = source_port(&r.out);
+        let wire_reply = Ipv4::new(OUT, NODE, Udp::new(53, nat_port).payload(b"answer!!"));
+        let r = run(
+            fp,
+            Hook::FromNetdev,
+            &ingress_frame(&wire_reply),
+            Skb::on(ext),
+        );
+        let pod_view = r.out.clone();
+        assert_bytes(
+            &pod_view,
+            &ingress_frame(&with_destination(&wire_reply, POD2, Some(5353))),
+            "reply",
+        );
+        let unreachable = Ipv4::new(POD2, OUT, icmp_error(3, 3, quote(&pod_view)));
+        let r = run(
+            fp,
+            Hook::ToNetdev,
+            &egress_frame(&unreachable),
+            Skb::on(ext),
+        );
+        let want = Ipv4::new(
+            NODE,
+            OUT,
+            icmp_error(3, 3, quote(&ingress_frame(&wire_reply))),
+        );
+        assert_bytes(
+            &r.out,
+            &egress_frame(&want),
+            "port unreachable from the pod",
+        );
+        packet::verify(&r.out).expect("outer checksums");
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Icmp, Reason::FastSnatIcmpError],
+            "port unreachable",
+        );
+
+        // "Time exceeded" for a translated echo request goes back to the pod's identifier.
+        let ping = Ipv4::new(POD, OUT2, Icmp::echo_request(9, 1));
+        let pod_frame = egress_frame(&ping);
+        let r = run(fp, Hook::ToNetdev, &pod_frame, Skb::on(ext));
+        let err = Ipv4::new(ROUTER, NODE, icmp_error(11, 0, quote(&r.out)));
+        let r = run(fp, Hook::FromNetdev, &ingress_frame(&err), Skb::on(ext));
+        let want = Ipv4::new(ROUTER, POD, icmp_error(11, 0, quote(&pod_frame)));
+        assert_bytes(&r.out, &ingress_frame(&want), "time exceeded");
+
+        // An error about a flow the NAT does not know is left alone.
+        let stranger = Ipv4::new(NODE, OUT, tcp(48000, 443, tcp_flags::ACK));
+        let err = Ipv4::new(
+            ROUTER,
+            NODE,
+            icmp_error(3, 4, quote(&egress_frame(&stranger))),
+        );
+        let frame = ingress_frame(&err);
+        let r = run(fp, Hook::FromNetdev, &frame, Skb::on(ext));
+        assert_bytes(&r.out, &frame, "unknown flow");
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Icmp, Reason::PassSnatNoEntry],
+            "unknown flow",
+        );
+    });
+}
+
+/// An Ethernet frame (destination, source, IPv4) around an encoded IPv4 packet.
+fn raw_frame(dst: Mac, src: Mac, ip: &[u8]) -> Vec<u8> {
+    [&dst[..], &src[..], &[0x08, 0x00], ip].concat()
+}
+
+/// The reassembled UDP datagram of `frames` (fragments of one IPv4 packet, in order) with its
+/// checksum verified against the pseudo-header of the first fragment's addresses.
+fn reassembled_udp(frames: &[Vec<u8>]) -> (Ipv4Addr, Ipv4Addr, Vec<u8>) {
+    let mut data = Vec::new();
+    let mut addrs = None;
+    for f in frames {
+        let parsed = packet::parse(f).expect("fragment");
+        let ParsedL3::Ipv4(ip) = parsed.l3 else {
+            panic!("not IPv4")
+        };
+        assert!(ip.checksum_ok, "fragment header checksum");
+        assert_eq!(usize::from(ip.fragment_offset) * 8, data.len());
+        let ParsedL4::Raw(bytes) = ip.l4 else {
+            panic!("fragments are raw")
+        };
+        data.extend_from_slice(&bytes);
+        addrs.get_or_insert((ip.src, ip.dst));
+        assert!(addrs == Some((ip.src, ip.dst)), "addresses differ");
+    }
+    let (src, dst) = addrs.expect("at least one fragment");
+    let sum = packet::pseudo_header_v4(src, dst, 17, data.len());
+    assert_eq!(
+        packet::fold(packet::sum_words(&data, sum)),
+        0xffff,
+        "UDP checksum over the reassembled datagram"
+    );
+    (src, dst, data)
+}
+
+#[test]
+fn fragments_follow_their_first_fragment() {
+    let Some(rig) = Rig::new("ntfrag") else {
+        return;
+    };
+    rig.with_nat(settings(), |fp, ext| {
+        let payload: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
+        // Out: a pod's datagram, fragmented; the port (in range, free) is kept.
+        let big = Ipv4 {
+            id: 0x1234,
+            ..Ipv4::new(POD, OUT, Udp::new(40500, 9000).payload(&payload))
+        };
+        let mut outs = Vec::new();
+        for (i, frag) in big.fragments(1000).iter().enumerate() {
+            let frame = raw_frame(GW_MAC, EXT_MAC, frag);
+            let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
+            assert_eq!(r.verdict, TC_ACT_OK);
+            let want: &[Reason] = if i == 0 {
+                &[
+                    Reason::Ipv4Fragment,
+                    Reason::FastSnat,
+                    Reason::LearnSnatFlow,
+                ]
+            } else {
+                &[Reason::Ipv4Fragment, Reason::FastSnatFragment]
+            };
+            assert_counted(&r, want, &format!("fragment {i}"));
+            outs.push(r.out);
+        }
+        let translated = Ipv4 {
+            src: NODE,
+            ..big.clone()
+        };
+        for (got, want) in outs.iter().zip(translated.fragments(1000)) {
+            assert_bytes(&got[14..], &want, "outgoing fragment");
+        }
+        let (src, _, data) = reassembled_udp(&outs);
+        assert_eq!(src, NODE);
+        assert_eq!(&data[8..], payload.as_slice());
+
+        // In: the reply's fragments; later ones follow the first one's translation.
+        let reply = Ipv4 {
+            id: 0x4321,
+            ..Ipv4::new(OUT, NODE, Udp::new(9000, 40500).payload(&payload))
+        };
+        let mut ins = Vec::new();
+        for (i, frag) in reply.fragments(1000).iter().enumerate() {
+            let frame = raw_frame(EXT_MAC, GW_MAC, frag);
+            let r = run(fp, Hook::FromNetdev, &frame, Skb::on(ext));
+            let want = if i == 0 {
+                Reason::FastSnatReply
+            } else {
+                Reason::FastSnatFragment
+            };
+            assert_counted(&r, &[Reason::Ipv4Fragment, want], &format!("in {i}"));
+            ins.push(r.out);
+        }
+        let back = Ipv4 {
+            dst: POD,
+            ..reply.clone()
+        };
+        for (got, want) in ins.iter().zip(back.fragments(1000)) {
+            assert_bytes(&got[14..], &want, "incoming fragment");
+        }
+        let (_, dst, _) = reassembled_udp(&ins);
+        assert_eq!(dst, POD);
+
+        // A later fragment whose first fragment was never seen is passed as it is.
+        let orphan = Ipv4 {
+            id: 0x9999,
+            ..Ipv4::new(OUT, NODE, Udp::new(9000, 40500).payload(&payload))
+        };
+        let frag = orphan.fragments(1000).remove(1);
+        let frame = raw_frame(EXT_MAC, GW_MAC, &frag);
+        let r = run(fp, Hook::FromNetdev, &frame, Skb::on(ext));
+        assert_bytes(&r.out, &frame, "orphan fragment");
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Fragment, Reason::PassFragment],
+            "orphan fragment",
+        );
+    });
+}
+
+/// `bpftool -j map dump` of a pinned map: the entries as bpftool decodes them with the map's
+/// BTF (the `formatted` part of each entry; bpftool also prints the raw bytes).
+fn bpftool_dump(path: &Path) -> serde_json::Value {
+    let out = Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned"])
+        .arg(path)
+        .output()
+        .expect("bpftool");
+    assert!(out.status.success(), "bpftool: {out:?}");
+    let raw: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool JSON");
+    let entries = raw.as_array().expect("a list of entries");
+    serde_json::Value::Array(
+        entries
+            .iter()
+            .map(|e| {
+                e.get("formatted")
+                    .cloned()
+                    .unwrap_or_else(|| panic!("no BTF: {e}"))
+            })
+            .collect(),
+    )
+}
+
+#[test]
+fn bpftool_shows_nat_entries_readably() {
+    let Some(rig) = Rig::new("ntbtf") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    rig.with_nat(settings(), move |fp, ext| {
+        let syn = Ipv4::new(POD, OUT, tcp(40000, 443, tcp_flags::SYN));
+        let _ = run(fp, Hook::ToNetdev, &egress_frame(&syn), Skb::on(ext));
+        let maps = pin.join(names::PIN_LAYOUT_VERSION);
+        let fwd = bpftool_dump(&maps.join(names::NAT4));
+        assert_eq!(fwd.as_array().map(Vec::len), Some(1), "{fwd}");
+        let entry = &fwd[0];
+        assert_eq!(entry["key"]["saddr"], serde_json::json!([10, 244, 1, 5]));
+        assert_eq!(entry["key"]["daddr"], serde_json::json!([203, 0, 113, 10]));
+        assert_eq!(entry["key"]["sport"], 40000);
+        assert_eq!(entry["key"]["dport"], 443);
+        assert_eq!(entry["key"]["proto"], 6);
+        assert_eq!(
+            entry["value"]["nat_addr"],
+            serde_json::json!([192, 168, 77, 1])
+        );
+        assert_eq!(entry["value"]["nat_port"], 40000);
+        assert!(entry["value"]["last_seen_ns"].as_u64().is_some(), "{entry}");
+        let rev = bpftool_dump(&maps.join(names::NAT_REV4));
+        assert_eq!(rev[0]["key"]["saddr"], serde_json::json!([203, 0, 113, 10]));
+        assert_eq!(rev[0]["key"]["dport"], 40000);
+        assert_eq!(
+            rev[0]["value"]["orig_addr"],
+            serde_json::json!([10, 244, 1, 5])
+        );
+        assert_eq!(rev[0]["value"]["orig_port"], 40000);
+        let cfg = bpftool_dump(&maps.join(names::NAT_CONFIG));
+        assert_eq!(cfg[0]["value"]["port_min"], 32768);
+        assert_eq!(cfg[0]["value"]["port_max"], 60999);
+        let nomasq = bpftool_dump(&maps.join(names::NO_MASQ4));
+        assert_eq!(nomasq.as_array().map(Vec::len), Some(1), "{nomasq}");
+        assert_eq!(fp.no_masq().expect("prefixes"), vec![net("100.64.0.0/10")]);
+    });
+}
+
+#[test]
+fn restart_adopts_and_resize_carries_the_flows_over() {
+    let Some(rig) = Rig::new("ntsize") else {
+        return;
+    };
+    rig.with_nat_sized(1024, settings(), |fp, ext| {
+        assert_eq!(fp.nat_capacity().expect("capacity"), 1024);
+        let syn = Ipv4::new(POD, OUT, tcp(40000, 443, tcp_flags::SYN));
+        let _ = run(fp, Hook::ToNetdev, &egress_frame(&syn), Skb::on(ext));
+    });
+    // A restarted agent with the same size adopts the pinned maps.
+    rig.with_nat_sized(1024, settings(), |fp, ext| {
+        assert_eq!(fp.nat_flows().expect("flows").len(), 1);
+        let reply = Ipv4::new(OUT, NODE, tcp(443, 40000, tcp_flags::SYN | tcp_flags::ACK));
+        let r = run(fp, Hook::FromNetdev, &ingress_frame(&reply), Skb::on(ext));
+        assert_bytes(
+            &r.out,
+            &ingress_frame(&with_destination(&reply, POD, None)),
+            "reply after restart",
+        );
+    });
+    // Another size: new maps, the flows carried over.
+    rig.with_nat_sized(2048, settings(), |fp, ext| {
+        assert_eq!(fp.nat_capacity().expect("capacity"), 2048);
+        let flows = fp.nat_flows().expect("flows");
+        assert_eq!(flows.len(), 1, "{flows:#?}");
+        assert!(flows[0].reverse_ok);
+        let reply = Ipv4::new(OUT, NODE, tcp(443, 40000, tcp_flags::ACK));
+        let r = run(fp, Hook::FromNetdev, &ingress_frame(&reply), Skb::on(ext));
+        assert_bytes(
+            &r.out,
+            &ingress_frame(&with_destination(&reply, POD, None)),
+            "reply after resize",
+        );
+    });
+}
