@@ -231,6 +231,26 @@ pub struct Cli {
     /// seconds between full reconciliations of the data path
     #[arg(long, default_value = "30", value_parser = parse_seconds)]
     pub resync_interval: u64,
+
+    /// with --ip-masq and the eBPF fast path active, masquerade in eBPF (TCP, UDP, ICMP echo
+    /// leaving the external interface); false keeps iptables/nftables MASQUERADE for all
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "true",
+          default_missing_value = "true", value_parser = parse_go_bool, action = ArgAction::Set)]
+    pub ebpf_masq: bool,
+
+    /// flows the eBPF NAT maps hold; 0 sizes them from node memory (0.25 %, at least 65536)
+    #[arg(long, default_value = "0")]
+    pub ebpf_nat_max_entries: u32,
+
+    /// ports eBPF masquerade hands out, MIN-MAX (default: the node's
+    /// net.ipv4.ip_local_port_range)
+    #[arg(long, value_parser = crate::bpf::nat::parse_port_range)]
+    pub ebpf_nat_port_range: Option<(u16, u16)>,
+
+    /// destinations (comma-separated CIDRs) pod traffic is never masqueraded to, with
+    /// iptables, nftables or eBPF masquerade
+    #[arg(long, value_delimiter = ',', action = ArgAction::Append)]
+    pub ip_masq_exclude_cidrs: Vec<ipnet::IpNet>,
 }
 
 /// Upstream's message for an out-of-range `--subnet-lease-renew-margin`.
@@ -472,6 +492,39 @@ mod tests {
     }
 
     #[test]
+    fn masquerade_flags() {
+        let c = parse(&[
+            "--ebpf-masq=false",
+            "--ebpf-nat-max-entries",
+            "100000",
+            "--ebpf-nat-port-range=20000-29999",
+            "--ip-masq-exclude-cidrs=100.64.0.0/10,192.0.2.0/24",
+            "--ip-masq-exclude-cidrs",
+            "fd00:64::/64",
+        ]);
+        assert!(!c.ebpf_masq);
+        assert_eq!(c.ebpf_nat_max_entries, 100_000);
+        assert_eq!(c.ebpf_nat_port_range, Some((20000, 29999)));
+        let nets: Vec<String> = c
+            .ip_masq_exclude_cidrs
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(nets, ["100.64.0.0/10", "192.0.2.0/24", "fd00:64::/64"]);
+        let c = parse_env(
+            &[],
+            &[(
+                "FLANNELD_IP_MASQ_EXCLUDE_CIDRS",
+                "10.10.0.0/16,10.11.0.0/16",
+            )],
+        )
+        .unwrap();
+        assert_eq!(c.ip_masq_exclude_cidrs.len(), 2);
+        assert!(err(&["--ebpf-nat-port-range=9-1"]).contains("MIN <= MAX"));
+        assert!(err(&["--ip-masq-exclude-cidrs=10.0.0.0/33"]).contains("10.0.0.0/33"));
+    }
+
+    #[test]
     fn defaults_match_upstream() {
         let c = parse(&[]);
         assert_eq!(
@@ -518,6 +571,10 @@ mod tests {
         assert!(!c.version);
         assert_eq!(c.v, 0);
         assert_eq!(c.dataplane, Dataplane::Auto);
+        assert!(c.ebpf_masq);
+        assert_eq!(c.ebpf_nat_max_entries, 0);
+        assert_eq!(c.ebpf_nat_port_range, None);
+        assert!(c.ip_masq_exclude_cidrs.is_empty());
         assert_eq!(c.bpf_pin_path, PathBuf::from("/sys/fs/bpf/flannel"));
         assert_eq!(c.state_dir, PathBuf::from("/var/lib/flannel"));
         assert_eq!(c.wireguard_key_file, PathBuf::from("/run/flannel/wgkey"));

@@ -68,6 +68,7 @@ pub fn start(
     pin_path: &Path,
     backend: &BackendOptions,
     stack: IpStack,
+    options: &bpf::LoadOptions,
 ) -> Result<ActivePath, DaemonError> {
     let mode = match requested {
         Dataplane::Auto => DataplaneMode::Auto,
@@ -88,7 +89,7 @@ pub fn start(
             why: format!("falling back to the kernel path: {why}"),
         });
     }
-    match bpf::start(mode, pin_path) {
+    match bpf::start_with(mode, pin_path, options) {
         Ok(Startup::FastPath(fp)) => Ok(ActivePath::Ebpf {
             fast_path: Arc::new(Mutex::new(fp)),
         }),

@@ -15,6 +15,7 @@
 
 mod fastpath;
 mod manager;
+mod masq;
 mod rules;
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
@@ -211,7 +212,16 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         mtu,
         vtep_macs,
     );
-    let mut active = fastpath::start(cli.dataplane, &cli.bpf_pin_path, &backend, stack)?;
+    let nat_sizing = crate::bpf::NatSizing::resolve(cli.ebpf_nat_max_entries);
+    let mut active = fastpath::start(
+        cli.dataplane,
+        &cli.bpf_pin_path,
+        &backend,
+        stack,
+        &crate::bpf::LoadOptions {
+            nat_max_entries: nat_sizing.entries,
+        },
+    )?;
     local.ipip_via_ebpf =
         matches!(backend, BackendOptions::Ipip(_)) && active.fast_path().is_some();
     dataplane::ensure_devices(&nl, &mut local).await?;
@@ -253,6 +263,9 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         fastpath::ActivePath::Kernel { why } => info!("dataplane: kernel path ({why})"),
     }
 
+    // Before the traffic rules: the programs masquerade before the kernel stops doing it.
+    let masquerade = masq::configure(&cli, active.fast_path(), &local, nat_sizing);
+
     let traffic_desired = rules::desired(&cli, &config, &lease);
     let traffic_previous = rules::previous(&cli.subnet_file);
     let mode = TrafficMode::from_netconf(config.enable_nftables, IptablesVariant::System);
@@ -271,6 +284,7 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         }
     }
     let mut traffic_manager = TrafficManager::new(mode, Arc::new(SystemRunner::new()));
+    traffic_manager.set_masq_options(masquerade.traffic_options(&cli));
     let init_desired = traffic_desired.clone();
     let (traffic_manager, report) = tokio::task::spawn_blocking(move || {
         let report = traffic_manager.init(&init_desired, &traffic_previous);
@@ -355,6 +369,14 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         let cancel = cancel.clone();
         tasks.spawn(async move {
             fastpath::attach_bridge(fp, nl, bridge, cancel).await;
+            Ok(None)
+        });
+    }
+    if let masq::Masquerade::Ebpf { fast_path, .. } = &masquerade {
+        let fp = fast_path.clone();
+        let cancel = cancel.clone();
+        tasks.spawn(async move {
+            masq::maintain(fp, cancel).await;
             Ok(None)
         });
     }

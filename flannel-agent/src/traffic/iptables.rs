@@ -51,7 +51,8 @@ use super::{
     Desired, TrafficError,
     rules::{
         FORWARD_CHAIN, FORWARD_COMMENT, FORWARD_HOOK_CHAIN, Family, IptRule, IptTable, MASQ_CHAIN,
-        MASQ_COMMENT, MASQ_HOOK_CHAIN, iptables_forward_rules, iptables_masq_rules,
+        MASQ_COMMENT, MASQ_HOOK_CHAIN, MasqOptions, iptables_forward_rules,
+        iptables_masq_rules_with,
     },
     runner::{CommandRunner, command_line, run_ok},
 };
@@ -440,6 +441,7 @@ pub struct IptablesManager {
     runner: Arc<dyn CommandRunner>,
     variant: IptablesVariant,
     tools: [Option<IptablesTool>; 2],
+    masq_options: MasqOptions,
 }
 
 fn slot(family: Family) -> usize {
@@ -457,7 +459,14 @@ impl IptablesManager {
             runner,
             variant,
             tools: [None, None],
+            masq_options: MasqOptions::default(),
         }
+    }
+
+    /// Sets what the masquerade chain adds to upstream's rules (see
+    /// [`super::rules::iptables_masq_rules_with`]); applied by the next [`Self::ensure`].
+    pub fn set_masq_options(&mut self, options: MasqOptions) {
+        self.masq_options = options;
     }
 
     /// The runner the commands go through.
@@ -497,10 +506,11 @@ impl IptablesManager {
             };
             let tool = self.tool(family)?.clone();
             let masq = if want.masquerade {
-                Some(iptables_masq_rules(
+                Some(iptables_masq_rules_with(
                     want.network,
                     want.subnet,
                     desired.random_fully && tool.random_fully,
+                    &self.masq_options,
                 )?)
             } else {
                 None
@@ -657,7 +667,8 @@ COMMIT
         "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n";
 
     fn masq() -> Vec<IptRule> {
-        iptables_masq_rules(net("10.244.0.0/16"), net("10.244.1.0/24"), true).expect("rules")
+        super::super::rules::iptables_masq_rules(net("10.244.0.0/16"), net("10.244.1.0/24"), true)
+            .expect("rules")
     }
 
     #[test]

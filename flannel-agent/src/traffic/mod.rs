@@ -73,7 +73,7 @@ pub use br_netfilter::{BR_NETFILTER_SYSCTL_DIR, BrNetfilterWarning, check_br_net
 pub use error::TrafficError;
 pub use iptables::{IptablesBackend, IptablesManager, IptablesVariant};
 pub use nftables::NftablesManager;
-pub use rules::Family;
+pub use rules::{Family, MasqOptions};
 pub use runner::{CommandOutput, CommandRunner, SystemRunner};
 
 /// The rules wanted for one address family.
@@ -221,6 +221,16 @@ impl TrafficManager {
                 TrafficManager::Iptables(IptablesManager::new(runner, variant))
             }
             TrafficMode::Nftables => TrafficManager::Nftables(NftablesManager::new(runner)),
+        }
+    }
+
+    /// Sets what the masquerade chains add to upstream's rules: the RETURN rules for traffic
+    /// the eBPF fast path masquerades, and excluded destinations ([`MasqOptions`]; the default
+    /// is upstream's rule set exactly). Applied by the next [`Self::init`] / [`Self::ensure`].
+    pub fn set_masq_options(&mut self, options: MasqOptions) {
+        match self {
+            TrafficManager::Iptables(m) => m.set_masq_options(options),
+            TrafficManager::Nftables(m) => m.set_masq_options(options),
         }
     }
 

@@ -29,8 +29,9 @@ use serde_json::Value;
 use super::{
     Desired, TrafficError,
     rules::{
-        AddrField, Family, KUBE_PROXY_MARK, NFT_FORWARD_CHAIN, NFT_MASQ_CHAIN, NftChain, NftExpr,
-        NftRule, nft_forward_chain, nft_masq_chain,
+        AddrField, Family, KUBE_PROXY_MARK, MasqOptions, NFT_FORWARD_CHAIN, NFT_MASQ_CHAIN,
+        NftChain, NftExpr, NftRule, nft_forward_chain, nft_icmp_type_name, nft_masq_chain_with,
+        nft_proto_name,
     },
     runner::{CommandRunner, command_line, run_ok},
 };
@@ -202,17 +203,39 @@ fn parse_match(body: &Value, family: Family) -> Option<NftExpr> {
     let left = body.get("left")?;
     let right = body.get("right")?;
     if let Some(meta) = left.get("meta") {
-        if meta.get("key")?.as_str()? != "mark" || negated {
+        if negated {
             return None;
         }
-        let mark = match right {
-            Value::Number(n) => u32::try_from(n.as_u64()?).ok()?,
-            Value::String(s) => u32::from_str_radix(s.strip_prefix("0x")?, 16).ok()?,
-            _ => return None,
+        return match meta.get("key")?.as_str()? {
+            "mark" => {
+                let mark = match right {
+                    Value::Number(n) => u32::try_from(n.as_u64()?).ok()?,
+                    Value::String(s) => u32::from_str_radix(s.strip_prefix("0x")?, 16).ok()?,
+                    _ => return None,
+                };
+                Some(NftExpr::MetaMark(mark))
+            }
+            "oifname" => Some(NftExpr::OifName(right.as_str()?.to_owned())),
+            "l4proto" => Some(NftExpr::L4Proto(match right {
+                Value::Number(n) => u8::try_from(n.as_u64()?).ok()?,
+                Value::String(s) => (0..=255u8).find(|p| nft_proto_name(*p) == Some(s))?,
+                _ => return None,
+            })),
+            _ => None,
         };
-        return Some(NftExpr::MetaMark(mark));
     }
     let payload = left.get("payload")?;
+    if payload.get("protocol")?.as_str()? == "icmp"
+        && payload.get("field")?.as_str()? == "type"
+        && !negated
+        && family == Family::Ipv4
+    {
+        return Some(NftExpr::IcmpType(match right {
+            Value::Number(n) => u8::try_from(n.as_u64()?).ok()?,
+            Value::String(s) => (0..=255u8).find(|t| nft_icmp_type_name(*t) == Some(s))?,
+            _ => return None,
+        }));
+    }
     if payload.get("protocol")?.as_str()? != family.nft_family() {
         return None;
     }
@@ -246,6 +269,7 @@ fn parse_match(body: &Value, family: Family) -> Option<NftExpr> {
 pub struct NftablesManager {
     runner: Arc<dyn CommandRunner>,
     fully_random: Option<bool>,
+    masq_options: MasqOptions,
 }
 
 impl NftablesManager {
@@ -254,7 +278,14 @@ impl NftablesManager {
         NftablesManager {
             runner,
             fully_random: None,
+            masq_options: MasqOptions::default(),
         }
+    }
+
+    /// Sets what the masquerade chain adds to upstream's rules (see
+    /// [`super::rules::nft_masq_chain_with`]); applied by the next [`Self::ensure`].
+    pub fn set_masq_options(&mut self, options: MasqOptions) {
+        self.masq_options = options;
     }
 
     /// The runner the commands go through.
@@ -350,7 +381,12 @@ impl NftablesManager {
                 continue;
             };
             let masq = if want.masquerade {
-                Some(nft_masq_chain(want.network, want.subnet, fully_random)?)
+                Some(nft_masq_chain_with(
+                    want.network,
+                    want.subnet,
+                    fully_random,
+                    &self.masq_options,
+                )?)
             } else {
                 None
             };
@@ -538,7 +574,9 @@ mod tests {
     #[test]
     fn parsed_upstream_table_equals_generated_chains() {
         let state = parse_table(TABLE_V4, Family::Ipv4).expect("parse");
-        let masq = nft_masq_chain(net("10.244.0.0/16"), net("10.244.1.0/24"), true).expect("chain");
+        let masq =
+            super::super::rules::nft_masq_chain(net("10.244.0.0/16"), net("10.244.1.0/24"), true)
+                .expect("chain");
         let have = state.chains.get("postrtg").expect("postrtg");
         assert!(
             have.definition_matches(&masq) && have.rules_match(&masq),
@@ -548,8 +586,46 @@ mod tests {
         let have = state.chains.get("forward").expect("forward");
         assert!(have.definition_matches(&fwd) && have.rules_match(&fwd));
         let no_rf =
-            nft_masq_chain(net("10.244.0.0/16"), net("10.244.1.0/24"), false).expect("chain");
+            super::super::rules::nft_masq_chain(net("10.244.0.0/16"), net("10.244.1.0/24"), false)
+                .expect("chain");
         assert!(!state.chains["postrtg"].rules_match(&no_rf));
+    }
+
+    /// `nft -j` (1.0.6) output for the eBPF masquerade RETURN rules, as this machine prints
+    /// them: `oifname`, `meta l4proto` and `icmp type` parse back to the generated rules.
+    #[test]
+    fn ebpf_return_rules_parse_back() {
+        let rules: Value = serde_json::from_str(
+            r#"[
+            [{"match": {"op": "==", "left": {"meta": {"key": "oifname"}}, "right": "eth0"}},
+             {"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}}, "right": {"prefix": {"addr": "10.244.0.0", "len": 16}}}},
+             {"match": {"op": "!=", "left": {"payload": {"protocol": "ip", "field": "daddr"}}, "right": {"prefix": {"addr": "10.244.0.0", "len": 16}}}},
+             {"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "tcp"}},
+             {"return": null}],
+            [{"match": {"op": "==", "left": {"meta": {"key": "oifname"}}, "right": "eth0"}},
+             {"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}}, "right": {"prefix": {"addr": "10.244.0.0", "len": 16}}}},
+             {"match": {"op": "!=", "left": {"payload": {"protocol": "ip", "field": "daddr"}}, "right": {"prefix": {"addr": "10.244.0.0", "len": 16}}}},
+             {"match": {"op": "==", "left": {"payload": {"protocol": "icmp", "field": "type"}}, "right": "echo-request"}},
+             {"return": null}]
+            ]"#,
+        )
+        .expect("json");
+        let options = MasqOptions {
+            ebpf_out_iface: Some("eth0".into()),
+            exclude: Vec::new(),
+        };
+        let chain = nft_masq_chain_with(net("10.244.0.0/16"), net("10.244.1.0/24"), true, &options)
+            .expect("chain");
+        let parsed: Vec<NftRule> = rules
+            .as_array()
+            .expect("rules")
+            .iter()
+            .map(|r| parse_rule(r.as_array().expect("exprs"), Family::Ipv4).expect("known"))
+            .collect();
+        assert_eq!(parsed[0], chain.rules[4]);
+        assert_eq!(parsed[1], chain.rules[6]);
+        // Another interface or protocol is another rule.
+        assert_ne!(parsed[0], chain.rules[5]);
     }
 
     #[test]

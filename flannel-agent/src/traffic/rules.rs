@@ -26,6 +26,8 @@ pub const FORWARD_HOOK_CHAIN: &str = "FORWARD";
 pub const MASQ_COMMENT: &str = "flanneld masq";
 /// Comment on every forward rule.
 pub const FORWARD_COMMENT: &str = "flanneld forward";
+/// Comment on the masquerade chain's RETURN rules for what the eBPF fast path masquerades.
+pub const MASQ_EBPF_COMMENT: &str = "flanneld masq: eBPF SNAT";
 /// kube-proxy's masquerade mark: packets it marked are left to its own rules.
 pub const KUBE_PROXY_MARK: u32 = 0x4000;
 /// nftables chain with the masquerade rules.
@@ -99,6 +101,49 @@ impl fmt::Display for Family {
         })
     }
 }
+
+/// Masquerade settings beyond upstream's rule set (both default to none, which gives
+/// upstream's exact rules).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MasqOptions {
+    /// The eBPF fast path source-NATs pod traffic (TCP, UDP, ICMP echo) leaving through this
+    /// interface (IPv4 only): the masquerade chain RETURNs that traffic so the kernel does not
+    /// NAT it a second time (see `flannel_ebpf::nat`).
+    pub ebpf_out_iface: Option<String>,
+    /// Destinations pod traffic is never masqueraded to (`--ip-masq-exclude-cidrs`): RETURN
+    /// rules before the MASQUERADE rules. Prefixes of the other family are ignored.
+    pub exclude: Vec<IpNet>,
+}
+
+impl MasqOptions {
+    /// Whether these are upstream's rules exactly.
+    pub fn is_upstream(&self) -> bool {
+        self.ebpf_out_iface.is_none() && self.exclude.is_empty()
+    }
+
+    /// The excluded prefixes of `family`, without host bits, deduplicated, in order.
+    pub fn exclude_of(&self, family: Family) -> Vec<IpNet> {
+        let mut out: Vec<IpNet> = Vec::new();
+        for net in self.exclude.iter().filter(|n| Family::of(n) == family) {
+            let net = net.trunc();
+            if !out.contains(&net) {
+                out.push(net);
+            }
+        }
+        out
+    }
+
+    /// The interface whose TCP/UDP/ICMP echo eBPF masquerades in `family`, if any.
+    pub fn ebpf_iface(&self, family: Family) -> Option<&str> {
+        match family {
+            Family::Ipv4 => self.ebpf_out_iface.as_deref(),
+            Family::Ipv6 => None,
+        }
+    }
+}
+
+/// Protocols (IP protocol number, ICMP type) the eBPF masquerade handles, in rule order.
+const EBPF_PROTOCOLS: [(u8, Option<u8>); 3] = [(6, None), (17, None), (1, Some(8))];
 
 /// Checks that `subnet` has the family of `network` and returns both without host bits.
 fn same_family(network: IpNet, subnet: IpNet) -> Result<(IpNet, IpNet), TrafficError> {
@@ -242,6 +287,68 @@ pub fn iptables_masq_rules(
     ])
 }
 
+/// [`iptables_masq_rules`] with `options`: after upstream's four RETURN rules and before its
+/// two MASQUERADE rules come
+///
+/// ```text
+/// -A FLANNEL-POSTRTG -s N -d <excluded> -m comment --comment "flanneld masq" -j RETURN
+/// -A FLANNEL-POSTRTG -s N ! -d N -o <iface> -p tcp -m comment --comment "flanneld masq: eBPF SNAT" -j RETURN
+/// -A FLANNEL-POSTRTG -s N ! -d N -o <iface> -p udp -m comment --comment "flanneld masq: eBPF SNAT" -j RETURN
+/// -A FLANNEL-POSTRTG -s N ! -d N -o <iface> -p icmp -m icmp --icmp-type 8 -m comment --comment "flanneld masq: eBPF SNAT" -j RETURN
+/// ```
+///
+/// (as `iptables-save` prints them). Everything else keeps upstream's treatment: other
+/// protocols and ICMP types, pod traffic through other interfaces, and traffic into the
+/// cluster network are masqueraded by the kernel.
+pub fn iptables_masq_rules_with(
+    network: IpNet,
+    subnet: IpNet,
+    random_fully: bool,
+    options: &MasqOptions,
+) -> Result<Vec<IptRule>, TrafficError> {
+    let mut rules = iptables_masq_rules(network, subnet, random_fully)?;
+    let family = Family::of(&network);
+    let n = network.trunc().to_string();
+    let c = ["-m", "comment", "--comment", MASQ_COMMENT];
+    let mut extra = Vec::new();
+    for net in options.exclude_of(family) {
+        let d = net.to_string();
+        extra.push(IptRule::new(
+            IptTable::Nat,
+            MASQ_CHAIN,
+            &[&["-s", &n, "-d", &d][..], &c, &["-j", "RETURN"]].concat(),
+        ));
+    }
+    if let Some(iface) = options.ebpf_iface(family) {
+        let c = ["-m", "comment", "--comment", MASQ_EBPF_COMMENT];
+        let base = ["-s", &n, "!", "-d", &n, "-o", iface];
+        for (proto, icmp_type) in EBPF_PROTOCOLS {
+            let matches: Vec<String> = match (proto, icmp_type) {
+                (1, Some(t)) => vec![
+                    "-p".into(),
+                    "icmp".into(),
+                    "-m".into(),
+                    "icmp".into(),
+                    "--icmp-type".into(),
+                    t.to_string(),
+                ],
+                (6, _) => vec!["-p".into(), "tcp".into()],
+                _ => vec!["-p".into(), "udp".into()],
+            };
+            let matches: Vec<&str> = matches.iter().map(String::as_str).collect();
+            extra.push(IptRule::new(
+                IptTable::Nat,
+                MASQ_CHAIN,
+                &[&base[..], &matches, &c, &["-j", "RETURN"]].concat(),
+            ));
+        }
+    }
+    // The jump and upstream's four RETURN rules come first.
+    let at = 5.min(rules.len());
+    rules.splice(at..at, extra);
+    Ok(rules)
+}
+
 /// The 3 forward rules of upstream, in order: the `FORWARD` jump, then the 2 ACCEPT rules of
 /// `FLANNEL-FWD`, all commented `flanneld forward`.
 pub fn iptables_forward_rules(network: IpNet) -> Vec<IptRule> {
@@ -294,6 +401,31 @@ pub enum NftExpr {
         /// Whether `fully-random` is set.
         fully_random: bool,
     },
+    /// `oifname "<name>"`.
+    OifName(String),
+    /// `meta l4proto <tcp|udp|icmp|number>`.
+    L4Proto(u8),
+    /// `icmp type <name|number>` (8 prints as `echo-request`).
+    IcmpType(u8),
+}
+
+/// nft's name of an IP protocol, if flannel's rules use it.
+pub fn nft_proto_name(proto: u8) -> Option<&'static str> {
+    match proto {
+        1 => Some("icmp"),
+        6 => Some("tcp"),
+        17 => Some("udp"),
+        _ => None,
+    }
+}
+
+/// nft's name of an ICMP type, if flannel's rules use it.
+pub fn nft_icmp_type_name(ty: u8) -> Option<&'static str> {
+    match ty {
+        0 => Some("echo-reply"),
+        8 => Some("echo-request"),
+        _ => None,
+    }
 }
 
 impl fmt::Display for NftExpr {
@@ -321,6 +453,15 @@ impl fmt::Display for NftExpr {
             NftExpr::Masquerade {
                 fully_random: false,
             } => f.write_str("masquerade"),
+            NftExpr::OifName(name) => write!(f, "oifname \"{name}\""),
+            NftExpr::L4Proto(p) => match nft_proto_name(*p) {
+                Some(name) => write!(f, "meta l4proto {name}"),
+                None => write!(f, "meta l4proto {p}"),
+            },
+            NftExpr::IcmpType(t) => match nft_icmp_type_name(*t) {
+                Some(name) => write!(f, "icmp type {name}"),
+                None => write!(f, "icmp type {t}"),
+            },
         }
     }
 }
@@ -436,6 +577,53 @@ pub fn nft_masq_chain(
             NftRule(vec![addr(Saddr, true, n), addr(Daddr, false, n), masq]),
         ],
     })
+}
+
+/// [`nft_masq_chain`] with `options`, the same additions as [`iptables_masq_rules_with`]:
+///
+/// ```text
+/// ip saddr N ip daddr <excluded> return
+/// oifname "<iface>" ip saddr N ip daddr != N meta l4proto tcp return
+/// oifname "<iface>" ip saddr N ip daddr != N meta l4proto udp return
+/// oifname "<iface>" ip saddr N ip daddr != N icmp type echo-request return
+/// ```
+pub fn nft_masq_chain_with(
+    network: IpNet,
+    subnet: IpNet,
+    random_fully: bool,
+    options: &MasqOptions,
+) -> Result<NftChain, TrafficError> {
+    use AddrField::{Daddr, Saddr};
+    let mut chain = nft_masq_chain(network, subnet, random_fully)?;
+    let family = Family::of(&network);
+    let n = network.trunc();
+    let mut extra = Vec::new();
+    for net in options.exclude_of(family) {
+        extra.push(NftRule(vec![
+            addr(Saddr, false, n),
+            addr(Daddr, false, net),
+            NftExpr::Return,
+        ]));
+    }
+    if let Some(iface) = options.ebpf_iface(family) {
+        for (proto, icmp_type) in EBPF_PROTOCOLS {
+            let matcher = match icmp_type {
+                Some(t) => NftExpr::IcmpType(t),
+                None => NftExpr::L4Proto(proto),
+            };
+            extra.push(NftRule(vec![
+                NftExpr::OifName(iface.to_owned()),
+                addr(Saddr, false, n),
+                addr(Daddr, true, n),
+                matcher,
+                NftExpr::Return,
+            ]));
+        }
+    }
+    // Upstream's four RETURN rules come first.
+    let at = 4.min(chain.rules.len());
+    chain.rules.splice(at..at, extra);
+    Ok(chain)
 }
 
 /// Upstream's nftables forward chain `forward` (type filter, hook forward, priority filter,
@@ -598,6 +786,90 @@ mod tests {
             r#"--comment "with \"quote\"""#
         );
         assert_eq!(render_spec(&strings(&["--comment", ""])), r#"--comment """#);
+    }
+
+    fn ebpf_options() -> MasqOptions {
+        MasqOptions {
+            ebpf_out_iface: Some("eth0".into()),
+            exclude: vec![
+                net("100.64.0.0/10"),
+                net("fd00:64::/64"),
+                net("100.64.1.1/10"),
+            ],
+        }
+    }
+
+    #[test]
+    fn masq_rules_with_ebpf_and_exclusions() {
+        let rules = iptables_masq_rules_with(
+            net("10.244.0.0/16"),
+            net("10.244.1.0/24"),
+            true,
+            &ebpf_options(),
+        )
+        .expect("rules");
+        let mut want: Vec<&str> = GOLDEN_MASQ_V4[..5].to_vec();
+        want.extend([
+            r#"-A FLANNEL-POSTRTG -s 10.244.0.0/16 -d 100.64.0.0/10 -m comment --comment "flanneld masq" -j RETURN"#,
+            r#"-A FLANNEL-POSTRTG -s 10.244.0.0/16 ! -d 10.244.0.0/16 -o eth0 -p tcp -m comment --comment "flanneld masq: eBPF SNAT" -j RETURN"#,
+            r#"-A FLANNEL-POSTRTG -s 10.244.0.0/16 ! -d 10.244.0.0/16 -o eth0 -p udp -m comment --comment "flanneld masq: eBPF SNAT" -j RETURN"#,
+            r#"-A FLANNEL-POSTRTG -s 10.244.0.0/16 ! -d 10.244.0.0/16 -o eth0 -p icmp -m icmp --icmp-type 8 -m comment --comment "flanneld masq: eBPF SNAT" -j RETURN"#,
+        ]);
+        want.extend(&GOLDEN_MASQ_V4[5..]);
+        assert_eq!(lines(&rules), want);
+        // IPv6 gets its own exclusions and no eBPF rules.
+        let v6 = iptables_masq_rules_with(
+            net("fd00:10:244::/56"),
+            net("fd00:10:244:100::/64"),
+            true,
+            &ebpf_options(),
+        )
+        .expect("rules");
+        assert_eq!(v6.len(), 8);
+        assert_eq!(
+            v6[5].spec(),
+            r#"-s fd00:10:244::/56 -d fd00:64::/64 -m comment --comment "flanneld masq" -j RETURN"#
+        );
+        // No options: upstream's rules exactly.
+        assert!(MasqOptions::default().is_upstream());
+        assert_eq!(
+            lines(
+                &iptables_masq_rules_with(
+                    net("10.244.0.0/16"),
+                    net("10.244.1.0/24"),
+                    true,
+                    &MasqOptions::default()
+                )
+                .expect("rules")
+            ),
+            GOLDEN_MASQ_V4
+        );
+    }
+
+    #[test]
+    fn nft_masq_chain_with_ebpf_and_exclusions() {
+        let chain = nft_masq_chain_with(
+            net("10.244.0.0/16"),
+            net("10.244.1.0/24"),
+            true,
+            &ebpf_options(),
+        )
+        .expect("chain");
+        assert_eq!(
+            rule_texts(&chain),
+            [
+                "meta mark 0x4000 return",
+                "ip saddr 10.244.1.0/24 ip daddr 10.244.0.0/16 return",
+                "ip saddr 10.244.0.0/16 ip daddr 10.244.1.0/24 return",
+                "ip saddr != 10.244.1.0/24 ip daddr 10.244.0.0/16 return",
+                "ip saddr 10.244.0.0/16 ip daddr 100.64.0.0/10 return",
+                "oifname \"eth0\" ip saddr 10.244.0.0/16 ip daddr != 10.244.0.0/16 meta l4proto tcp return",
+                "oifname \"eth0\" ip saddr 10.244.0.0/16 ip daddr != 10.244.0.0/16 meta l4proto udp return",
+                "oifname \"eth0\" ip saddr 10.244.0.0/16 ip daddr != 10.244.0.0/16 icmp type echo-request return",
+                "ip saddr 10.244.0.0/16 ip daddr != 224.0.0.0/4 masquerade fully-random",
+                "ip saddr != 10.244.0.0/16 ip daddr 10.244.0.0/16 masquerade fully-random",
+            ]
+        );
     }
 
     fn rule_texts(chain: &NftChain) -> Vec<String> {

@@ -1,0 +1,212 @@
+//! `--ip-masq`: which engine masquerades, and keeping the eBPF one healthy.
+//!
+//! With the eBPF fast path active and `--ebpf-masq` (the default), the programs source-NAT pod
+//! traffic to the outside (TCP, UDP, ICMP echo through the external interface; see
+//! `flannel_ebpf::nat`) and the traffic manager installs upstream's masquerade chain with
+//! RETURN rules for exactly that traffic, so the kernel does not NAT it a second time;
+//! everything else is still masqueraded by the kernel. Otherwise (kernel dataplane, or
+//! `--ebpf-masq=false`) upstream's rules do it all. `--ip-masq-exclude-cidrs` applies to both.
+//!
+//! Order at start-up: the programs' NAT is configured before the traffic rules change, so no
+//! new flow leaves unmasqueraded in between (a flow the kernel still NATs reaches the programs
+//! with the node's address and is only registered). Flows the kernel masqueraded before
+//! (upstream, or an earlier run without eBPF) keep their conntrack NAT binding and go on.
+
+use std::{net::Ipv4Addr, time::Duration};
+
+use ipnet::{IpNet, Ipv4Net};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::{
+    bpf::{NatSettings, NatSizing, SharedFastPath, nat::default_port_range},
+    cli::Cli,
+    dataplane::Local,
+    traffic::MasqOptions,
+};
+use flannel_common::stats::Reason;
+
+/// How often expired NAT entries are swept and exhaustion is checked.
+pub const MAINTENANCE_PERIOD: Duration = Duration::from_secs(30);
+
+/// Who masquerades pod traffic.
+pub enum Masquerade {
+    /// `--ip-masq` is off.
+    Off,
+    /// The iptables/nftables rules, as upstream.
+    Netfilter,
+    /// The eBPF programs, for TCP/UDP/ICMP echo leaving `iface`.
+    Ebpf {
+        /// The external interface.
+        iface: String,
+        /// The fast path whose NAT maps to keep.
+        fast_path: SharedFastPath,
+    },
+}
+
+impl Masquerade {
+    /// What the traffic manager adds to upstream's masquerade rules.
+    pub fn traffic_options(&self, cli: &Cli) -> MasqOptions {
+        MasqOptions {
+            ebpf_out_iface: match self {
+                Masquerade::Ebpf { iface, .. } => Some(iface.clone()),
+                _ => None,
+            },
+            exclude: cli.ip_masq_exclude_cidrs.clone(),
+        }
+    }
+}
+
+/// The IPv4 prefixes of `--ip-masq-exclude-cidrs`.
+fn excluded_v4(cli: &Cli) -> Vec<Ipv4Net> {
+    cli.ip_masq_exclude_cidrs
+        .iter()
+        .filter_map(|net| match net {
+            IpNet::V4(n) => Some(n.trunc()),
+            IpNet::V6(_) => None,
+        })
+        .collect()
+}
+
+/// Decides who masquerades and configures the programs accordingly (turning their NAT off
+/// when they do not masquerade, so a previous run's setting does not linger).
+pub fn configure(
+    cli: &Cli,
+    fast_path: Option<&SharedFastPath>,
+    local: &Local,
+    sizing: NatSizing,
+) -> Masquerade {
+    let Some(fp) = fast_path else {
+        return if cli.ip_masq {
+            Masquerade::Netfilter
+        } else {
+            Masquerade::Off
+        };
+    };
+    let wanted = cli.ip_masq && cli.ebpf_masq;
+    let settings = match (wanted, local.ext.iface_addr) {
+        (true, Some(addr)) if !addr.is_unspecified() => Some(settings(cli, addr)),
+        (true, _) => {
+            warn!(
+                iface = %local.ext.name,
+                "masquerade stays with iptables/nftables: the external interface has no IPv4 address"
+            );
+            None
+        }
+        (false, _) => None,
+    };
+    let Ok(mut guard) = fp.lock() else {
+        warn!("the fast-path handle is poisoned; masquerade stays with iptables/nftables");
+        return fallback(cli);
+    };
+    match settings {
+        Some(settings) => match guard.set_nat(Some(&settings)) {
+            Ok(()) => {
+                let capacity = guard.nat_capacity().unwrap_or(sizing.entries);
+                info!(
+                    address = %settings.nat_addr,
+                    ports = %format!("{}-{}", settings.ports.0, settings.ports.1),
+                    excluded = ?settings.no_masq,
+                    "masquerade: eBPF SNAT of TCP, UDP and ICMP echo leaving {}; NAT maps: {}",
+                    local.ext.name,
+                    NatSizing {
+                        entries: capacity,
+                        ..sizing
+                    }
+                );
+                Masquerade::Ebpf {
+                    iface: local.ext.name.clone(),
+                    fast_path: fp.clone(),
+                }
+            }
+            Err(err) => {
+                warn!("masquerade stays with iptables/nftables: configuring eBPF SNAT: {err}");
+                if let Err(e) = guard.set_nat(None) {
+                    warn!("turning eBPF SNAT off: {e}");
+                }
+                fallback(cli)
+            }
+        },
+        None => {
+            if let Err(err) = guard.set_nat(None) {
+                warn!("turning eBPF SNAT off: {err}");
+            }
+            if cli.ip_masq {
+                info!("masquerade: iptables/nftables (--ebpf-masq=false)");
+            }
+            fallback(cli)
+        }
+    }
+}
+
+fn fallback(cli: &Cli) -> Masquerade {
+    if cli.ip_masq {
+        Masquerade::Netfilter
+    } else {
+        Masquerade::Off
+    }
+}
+
+/// The programs' NAT settings from the command line.
+pub fn settings(cli: &Cli, addr: Ipv4Addr) -> NatSettings {
+    NatSettings {
+        ports: cli.ebpf_nat_port_range.unwrap_or_else(default_port_range),
+        no_masq: excluded_v4(cli),
+        ..NatSettings::new(addr)
+    }
+}
+
+/// Sweeps expired NAT entries every [`MAINTENANCE_PERIOD`] and reports exhaustion (packets
+/// dropped for lack of a free port since the last check) as a warning; the counter itself is
+/// in `/metrics` as `flannel_fastpath_packets_total{program="tc_to_netdev",
+/// reason="drop_snat_exhausted"}`. Runs until `cancel`.
+pub async fn maintain(fast_path: SharedFastPath, cancel: CancellationToken) {
+    let mut seen = None;
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(MAINTENANCE_PERIOD) => {}
+        }
+        let fp = fast_path.clone();
+        let result = tokio::task::spawn_blocking(move || {
+            let Ok(mut fp) = fp.lock() else {
+                return Err("the fast-path handle is poisoned".to_owned());
+            };
+            let swept = fp.nat_sweep().map_err(|e| e.to_string())?;
+            let exhausted = fp
+                .counters()
+                .map(|c| c.to_netdev.get(Reason::DropSnatExhausted).packets)
+                .map_err(|e| e.to_string())?;
+            let config = fp.nat_config().map_err(|e| e.to_string())?;
+            Ok((swept, exhausted, config))
+        })
+        .await;
+        match result {
+            Ok(Ok((swept, exhausted, config))) => {
+                if swept.expired + swept.orphans > 0 {
+                    tracing::debug!(
+                        flows = swept.flows,
+                        expired = swept.expired,
+                        orphans = swept.orphans,
+                        "NAT sweep"
+                    );
+                }
+                if let Some(before) = seen
+                    && exhausted > before
+                {
+                    warn!(
+                        dropped = exhausted - before,
+                        flows = swept.flows,
+                        "eBPF SNAT ran out of ports for some destinations (range {}-{}): new \
+                         connections were dropped; widen --ebpf-nat-port-range",
+                        config.port_min,
+                        config.port_max
+                    );
+                }
+                seen = Some(exhausted);
+            }
+            Ok(Err(err)) => warn!("NAT maintenance: {err}"),
+            Err(err) => warn!("NAT maintenance task: {err}"),
+        }
+    }
+}

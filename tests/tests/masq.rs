@@ -1,0 +1,537 @@
+//! Masquerade in eBPF with real agents (`--dataplane=ebpf --ip-masq`) in a simulated cluster:
+//! pods reach a server in the hub namespace ("the outside", which has no route to the pod
+//! network) and the server sees their node's address; many concurrent flows from several
+//! pods keep distinct tuples; a long-lived TCP connection survives an agent restart; replies
+//! to unknown tuples reach the node's stack and are counted; a node switched from iptables
+//! MASQUERADE to eBPF keeps its kernel-masqueraded connections.
+//!
+//! Needs root; skipped otherwise, and when the agent was built without the eBPF object.
+
+use std::{
+    collections::BTreeSet,
+    io::{BufRead as _, BufReader, Read as _, Write as _},
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    path::PathBuf,
+    process::Command,
+    sync::{
+        Arc, OnceLock,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use flannel_tests::{
+    lab::{
+        agent::{Agent, Dataplane},
+        bins,
+        cluster::{Cluster, ClusterSpec},
+        status::{http_get, parse_metrics},
+    },
+    netns::NetNs,
+    topology::{Node, TopologySpec, Underlay},
+};
+
+const T: Duration = Duration::from_secs(5);
+const SERVER_PORT: u16 = 7100;
+
+fn built(package: &str, bin: &str, env: &str) -> PathBuf {
+    bins::cargo_build(package, bin, env).unwrap_or_else(|e| panic!("cannot build {bin}: {e:#}"))
+}
+
+fn agent_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| built("flannel-agent", "flannel-agent", "FLANNEL_AGENT_BIN"))
+        .clone()
+}
+
+fn cni_plugin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| built("flannel-cni", bins::CNI_PLUGIN, "FLANNEL_CNI_BIN"))
+        .clone()
+}
+
+fn runnable() -> bool {
+    if !flannel_tests::is_root() {
+        eprintln!("skipped: needs root (network namespaces, BPF)");
+        return false;
+    }
+    if flannel_agent::EBPF_OBJECT.is_empty() {
+        eprintln!("skipped: flannel-agent was built with AYA_BUILD_SKIP=1");
+        return false;
+    }
+    true
+}
+
+fn up(nodes: usize, pods: usize, dataplane: Dataplane) -> Cluster {
+    let topo = TopologySpec::new(nodes, Underlay::L2).cni_plugin(cni_plugin());
+    let mut spec = ClusterSpec::new(topo, "vxlan", agent_bin());
+    spec.dataplane = dataplane;
+    spec.ip_masq = true;
+    spec.pods_per_node = pods;
+    spec.agent_args = vec![
+        "--ebpf-nat-max-entries=16384".into(),
+        "--ip-masq-exclude-cidrs=100.64.0.0/10".into(),
+    ];
+    Cluster::up(spec, &|line| eprintln!("lab: {line}"), &|| false).expect("cluster up")
+}
+
+/// A TCP server in a namespace: on every connection it writes the peer address it sees
+/// (`ip:port\n`), then echoes. Stops when dropped.
+struct WhoAmI {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+}
+
+impl WhoAmI {
+    fn start(ns: &NetNs, ip: IpAddr, port: u16) -> WhoAmI {
+        let addr = SocketAddr::new(ip, port);
+        let listener = ns
+            .enter(move || TcpListener::bind(addr))
+            .expect("enter")
+            .expect("bind");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        thread::spawn(move || {
+            while !flag.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut conn, peer)) => {
+                        thread::spawn(move || {
+                            let _ = conn.set_nonblocking(false);
+                            if conn.write_all(format!("{peer}\n").as_bytes()).is_err() {
+                                return;
+                            }
+                            let mut buf = [0u8; 4096];
+                            while let Ok(n) = conn.read(&mut buf) {
+                                if n == 0 || conn.write_all(&buf[..n]).is_err() {
+                                    return;
+                                }
+                            }
+                        });
+                    }
+                    Err(_) => thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        WhoAmI { addr, stop }
+    }
+}
+
+impl Drop for WhoAmI {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A UDP server in a namespace answering every datagram with the peer address it sees.
+fn udp_whoami(ns: &NetNs, addr: SocketAddr) -> Arc<AtomicBool> {
+    let sock = ns
+        .enter(move || UdpSocket::bind(addr))
+        .expect("enter")
+        .expect("bind");
+    sock.set_read_timeout(Some(Duration::from_millis(100)))
+        .expect("timeout");
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    thread::spawn(move || {
+        let mut buf = [0u8; 1500];
+        while !flag.load(Ordering::Relaxed) {
+            if let Ok((_, peer)) = sock.recv_from(&mut buf) {
+                let _ = sock.send_to(peer.to_string().as_bytes(), peer);
+            }
+        }
+    });
+    stop
+}
+
+/// A connection from a pod to a [`WhoAmI`], and the address the server saw.
+struct Conn {
+    stream: BufReader<TcpStream>,
+    local: SocketAddr,
+    seen: SocketAddr,
+}
+
+impl Conn {
+    fn open(from: &NetNs, server: SocketAddr) -> Conn {
+        let stream = from
+            .enter(move || TcpStream::connect_timeout(&server, T))
+            .expect("enter")
+            .unwrap_or_else(|e| panic!("connect to {server}: {e}"));
+        stream.set_read_timeout(Some(T)).expect("timeout");
+        let local = stream.local_addr().expect("local address");
+        let mut stream = BufReader::new(stream);
+        let mut line = String::new();
+        stream.read_line(&mut line).expect("the server's greeting");
+        let seen = line
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{line:?}: {e}"));
+        Conn {
+            stream,
+            local,
+            seen,
+        }
+    }
+
+    /// Sends `data` and checks it comes back.
+    fn echo(&mut self, data: &[u8]) -> std::io::Result<()> {
+        self.stream.get_mut().write_all(data)?;
+        let mut back = vec![0u8; data.len()];
+        self.stream.read_exact(&mut back)?;
+        if back != data {
+            return Err(std::io::Error::other("echo differs"));
+        }
+        Ok(())
+    }
+}
+
+/// Sends one datagram from `from` to `server` and returns the address the server saw.
+fn udp_seen(from: &NetNs, server: SocketAddr) -> SocketAddr {
+    let sock = from
+        .enter(|| UdpSocket::bind("0.0.0.0:0"))
+        .expect("enter")
+        .expect("bind");
+    sock.set_read_timeout(Some(Duration::from_millis(500)))
+        .expect("timeout");
+    let mut buf = [0u8; 128];
+    for _ in 0..10 {
+        sock.send_to(b"who", server).expect("send");
+        if let Ok((n, _)) = sock.recv_from(&mut buf) {
+            let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+            return text.parse().unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        }
+    }
+    panic!("no UDP answer from {server}");
+}
+
+/// `bpftool -j map dump` of one of a node's pinned maps, the BTF-formatted entries.
+fn dump(node: &Node, map: &str) -> Vec<serde_json::Value> {
+    let path: PathBuf = node
+        .bpf_pin_path()
+        .join(flannel_common::maps::PIN_LAYOUT_VERSION)
+        .join(map);
+    let out = Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned"])
+        .arg(&path)
+        .output()
+        .expect("bpftool");
+    assert!(
+        out.status.success(),
+        "bpftool on {}: {out:?}",
+        path.display()
+    );
+    let raw: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    raw.as_array()
+        .expect("entries")
+        .iter()
+        .map(|e| e["formatted"].clone())
+        .collect()
+}
+
+/// The NAT flows of pods (`saddr` in the cluster network) a node holds, as
+/// (pod address, pod port, NAT port).
+fn pod_flows(node: &Node) -> Vec<(Ipv4Addr, u16, u16)> {
+    dump(node, flannel_common::maps::NAT4)
+        .iter()
+        .filter_map(|e| {
+            let saddr: Vec<u8> = serde_json::from_value(e["key"]["saddr"].clone()).ok()?;
+            let addr = Ipv4Addr::new(saddr[0], saddr[1], saddr[2], saddr[3]);
+            (saddr[0] == 10).then(|| {
+                (
+                    addr,
+                    e["key"]["sport"].as_u64().unwrap_or(0) as u16,
+                    e["value"]["nat_port"].as_u64().unwrap_or(0) as u16,
+                )
+            })
+        })
+        .collect()
+}
+
+/// The agent's fast-path counter of `program` and `reason`.
+fn counter(node: &Node, program: &str, reason: &str) -> f64 {
+    let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9473);
+    let (code, body) = http_get(node.ns(), addr, "/metrics").expect("/metrics");
+    assert_eq!(code, 200);
+    let labels = format!("{{program=\"{program}\",reason=\"{reason}\"}}");
+    parse_metrics(&body)
+        .iter()
+        .find(|s| s.name == "flannel_fastpath_packets_total" && s.labels == labels)
+        .map_or(0.0, |s| s.value)
+}
+
+fn wait_ready(c: &mut Cluster, n: usize) {
+    let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9473);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        agent(c, n).check_running().expect("agent runs");
+        if matches!(
+            http_get(c.topology().node(n).ns(), addr, "/readyz"),
+            Ok((200, _))
+        ) {
+            return;
+        }
+        thread::sleep(Duration::from_millis(200));
+    }
+    panic!("agent on node{n} not ready:\n{}", agent(c, n).log_tail(30));
+}
+
+fn agent(c: &mut Cluster, n: usize) -> &mut Agent {
+    c.agent_mut(n).expect("agent")
+}
+
+fn masq_chain(node: &Node) -> String {
+    node.run(&["iptables", "-t", "nat", "-S", "FLANNEL-POSTRTG"])
+        .expect("iptables")
+}
+
+#[test]
+fn pods_reach_the_outside_with_their_node_address() {
+    if !runnable() {
+        return;
+    }
+    let mut c = up(2, 2, Dataplane::Ebpf);
+    let hub = c.topology().hub();
+    let outside = SocketAddr::new(IpAddr::V4(c.topology().hub_addr()), SERVER_PORT);
+    let _tcp = WhoAmI::start(hub, outside.ip(), SERVER_PORT);
+    let _udp = udp_whoami(hub, outside);
+
+    for pod in c.topology().pods() {
+        let node = c.topology().node(pod.node());
+        let mut conn = Conn::open(pod.ns(), outside);
+        assert_eq!(
+            conn.seen.ip(),
+            IpAddr::V4(node.addr()),
+            "{} seen as",
+            pod.name()
+        );
+        conn.echo(b"hello from a pod").expect("echo");
+        // The mapping the server saw is the one in the node's NAT map.
+        let flows = pod_flows(node);
+        assert!(
+            flows.contains(&(pod.ip(), conn.local.port(), conn.seen.port())),
+            "{} {} -> {}: {flows:?}",
+            pod.name(),
+            conn.local,
+            conn.seen
+        );
+        let seen = udp_seen(pod.ns(), outside);
+        assert_eq!(
+            seen.ip(),
+            IpAddr::V4(node.addr()),
+            "UDP from {}",
+            pod.name()
+        );
+    }
+
+    // Pod to pod is not masqueraded.
+    let target = c.topology().pods_on(2)[0];
+    let pod_server = WhoAmI::start(target.ns(), IpAddr::V4(target.ip()), SERVER_PORT);
+    let from = c.topology().pods_on(1)[0];
+    let conn = Conn::open(from.ns(), pod_server.addr);
+    assert_eq!(conn.seen.ip(), IpAddr::V4(from.ip()));
+
+    // The kernel leaves TCP/UDP/ICMP echo through eth0 to eBPF; the rest stays upstream's.
+    let node1 = c.topology().node(1);
+    let chain = masq_chain(node1);
+    for line in [
+        "-A FLANNEL-POSTRTG -s 10.244.0.0/16 -d 100.64.0.0/10 -m comment --comment \"flanneld masq\" -j RETURN",
+        "-A FLANNEL-POSTRTG -s 10.244.0.0/16 ! -d 10.244.0.0/16 -o eth0 -p tcp -m comment --comment \"flanneld masq: eBPF SNAT\" -j RETURN",
+        "-A FLANNEL-POSTRTG -s 10.244.0.0/16 ! -d 10.244.0.0/16 -o eth0 -p udp -m comment --comment \"flanneld masq: eBPF SNAT\" -j RETURN",
+        "-A FLANNEL-POSTRTG -s 10.244.0.0/16 ! -d 224.0.0.0/4 -m comment --comment \"flanneld masq\" -j MASQUERADE --random-fully",
+    ] {
+        assert!(chain.contains(line), "missing {line:?} in\n{chain}");
+    }
+    assert!(counter(node1, "tc_to_netdev", "fast_snat") > 0.0);
+    assert!(counter(node1, "tc_from_netdev", "fast_snat_reply") > 0.0);
+    let agent = c.agent_mut(1).expect("agent");
+    let log = std::fs::read_to_string(agent.log_path()).expect("log");
+    assert!(
+        log.contains("masquerade: eBPF SNAT of TCP, UDP and ICMP echo leaving eth0"),
+        "{}",
+        agent.log_tail(40)
+    );
+    assert!(log.contains("16384 flows"), "{}", agent.log_tail(40));
+}
+
+#[test]
+fn many_concurrent_flows_from_several_pods() {
+    if !runnable() {
+        return;
+    }
+    let c = up(2, 3, Dataplane::Ebpf);
+    let hub = c.topology().hub();
+    let outside = SocketAddr::new(IpAddr::V4(c.topology().hub_addr()), SERVER_PORT);
+    let _tcp = WhoAmI::start(hub, outside.ip(), SERVER_PORT);
+    const PER_POD: usize = 40;
+    let conns: Vec<(usize, Conn)> = thread::scope(|s| {
+        let handles: Vec<_> = c
+            .topology()
+            .pods()
+            .iter()
+            .map(|pod| {
+                s.spawn(move || {
+                    (0..PER_POD)
+                        .map(|_| (pod.node(), Conn::open(pod.ns(), outside)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("pod thread"))
+            .collect()
+    });
+    assert_eq!(conns.len(), 6 * PER_POD);
+    let mut tuples = BTreeSet::new();
+    for (node, conn) in &conns {
+        assert_eq!(conn.seen.ip(), IpAddr::V4(c.topology().node(*node).addr()));
+        assert!(tuples.insert(conn.seen), "two flows share {}", conn.seen);
+    }
+    // Every flow still carries its own data, all at once.
+    thread::scope(|s| {
+        for (i, (_, mut conn)) in conns.into_iter().enumerate() {
+            s.spawn(move || {
+                let data = format!("flow {i} payload").repeat(20);
+                for _ in 0..3 {
+                    conn.echo(data.as_bytes())
+                        .unwrap_or_else(|e| panic!("flow {i}: {e}"));
+                }
+            });
+        }
+    });
+    for n in 1..=2 {
+        let flows = pod_flows(c.topology().node(n));
+        assert!(flows.len() >= 3 * PER_POD, "node{n}: {} flows", flows.len());
+    }
+}
+
+#[test]
+fn a_long_lived_connection_survives_an_agent_restart() {
+    if !runnable() {
+        return;
+    }
+    let mut c = up(1, 1, Dataplane::Ebpf);
+    let outside = SocketAddr::new(IpAddr::V4(c.topology().hub_addr()), SERVER_PORT);
+    let _tcp = WhoAmI::start(c.topology().hub(), outside.ip(), SERVER_PORT);
+    let node_addr = IpAddr::V4(c.topology().node(1).addr());
+    let pod_ip = c.topology().pods()[0].ip();
+    let mut conn = Conn::open(c.topology().pods()[0].ns(), outside);
+    conn.echo(b"before").expect("echo before");
+
+    agent(&mut c, 1)
+        .stop(Duration::from_secs(10))
+        .expect("stop");
+    // The programs and maps stay in place while no agent runs.
+    conn.echo(b"while the agent is down")
+        .expect("echo while down");
+    let fresh = Conn::open(c.topology().pods()[0].ns(), outside);
+    assert_eq!(fresh.seen.ip(), node_addr);
+
+    agent(&mut c, 1).restart().expect("restart");
+    wait_ready(&mut c, 1);
+    for i in 0..20 {
+        conn.echo(format!("after restart {i}").as_bytes())
+            .expect("echo after restart");
+    }
+    let again = Conn::open(c.topology().pods()[0].ns(), outside);
+    assert_eq!(again.seen.ip(), node_addr);
+    let flows = pod_flows(c.topology().node(1));
+    assert!(
+        flows.contains(&(pod_ip, conn.local.port(), conn.seen.port())),
+        "{flows:?}"
+    );
+}
+
+#[test]
+fn replies_to_unknown_tuples_reach_the_node_and_are_counted() {
+    if !runnable() {
+        return;
+    }
+    let c = up(1, 1, Dataplane::Ebpf);
+    let node = c.topology().node(1);
+    let before = counter(node, "tc_from_netdev", "pass_snat_no_entry");
+    // A datagram to the node's address on a port of the NAT range that no flow uses: the
+    // program passes it, the node's stack answers "port unreachable".
+    let target = SocketAddr::new(IpAddr::V4(node.addr()), 45678);
+    let refused = c
+        .topology()
+        .hub()
+        .enter(move || {
+            let sock = UdpSocket::bind("0.0.0.0:0")?;
+            sock.connect(target)?;
+            sock.set_read_timeout(Some(T))?;
+            sock.send(b"stray")?;
+            let mut buf = [0u8; 16];
+            Ok::<_, std::io::Error>(sock.recv(&mut buf))
+        })
+        .expect("enter")
+        .expect("socket");
+    assert_eq!(
+        refused.map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::ConnectionRefused),
+        "the node's stack answered"
+    );
+    let after = counter(node, "tc_from_netdev", "pass_snat_no_entry");
+    assert_eq!(after - before, 1.0);
+}
+
+/// Waits until `f` holds, polling.
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if f() {
+            return;
+        }
+        thread::sleep(Duration::from_millis(200));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[test]
+fn switching_from_iptables_to_ebpf_keeps_established_connections() {
+    if !runnable() {
+        return;
+    }
+    let mut c = up(1, 1, Dataplane::Kernel);
+    let outside = SocketAddr::new(IpAddr::V4(c.topology().hub_addr()), SERVER_PORT);
+    let _tcp = WhoAmI::start(c.topology().hub(), outside.ip(), SERVER_PORT);
+    let node_addr = IpAddr::V4(c.topology().node(1).addr());
+    // Masqueraded by the kernel (iptables MASQUERADE --random-fully).
+    let mut old = Conn::open(c.topology().pods()[0].ns(), outside);
+    assert_eq!(old.seen.ip(), node_addr);
+    old.echo(b"kernel NAT").expect("echo");
+    assert!(!masq_chain(c.topology().node(1)).contains("eBPF SNAT"));
+
+    // The node's agent comes back with the eBPF fast path.
+    let mut spec = c.agent_spec();
+    spec.dataplane = Some(Dataplane::Ebpf);
+    agent(&mut c, 1)
+        .stop(Duration::from_secs(10))
+        .expect("stop");
+    let restarted = Agent::start(c.topology().node(1), &spec).expect("start with eBPF");
+    *agent(&mut c, 1) = restarted;
+    wait_ready(&mut c, 1);
+    eventually("the eBPF RETURN rules", || {
+        masq_chain(c.topology().node(1)).contains("eBPF SNAT")
+    });
+
+    // The kernel's connection goes on (conntrack keeps its NAT binding) ...
+    for i in 0..20 {
+        old.echo(format!("still here {i}").as_bytes())
+            .expect("kernel-masqueraded connection after the switch");
+    }
+    // ... and new ones are masqueraded by eBPF.
+    let new = Conn::open(c.topology().pods()[0].ns(), outside);
+    assert_eq!(new.seen.ip(), node_addr);
+    let pod_ip = c.topology().pods()[0].ip();
+    let flows = pod_flows(c.topology().node(1));
+    assert!(
+        flows.contains(&(pod_ip, new.local.port(), new.seen.port())),
+        "{flows:?}"
+    );
+    assert!(
+        !flows.iter().any(|(_, port, _)| *port == old.local.port()),
+        "the kernel's flow is not a pod flow of the NAT: {flows:?}"
+    );
+}
