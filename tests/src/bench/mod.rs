@@ -8,10 +8,14 @@
 //! | [`stats`] | median/min/max and ratios |
 //! | [`dataplane`] | the round-robin runner of `bench dataplane` |
 //! | [`control`] | `bench control`: N fake leases → time until the kernel holds them |
+//! | [`masq`] | `bench masq`: pod → outside through eBPF SNAT, iptables MASQUERADE, no NAT |
+//! | [`crr`] | the TCP connection-rate tool `bench masq` uses (`flannel-lab crr`) |
 //! | [`report`] | Markdown, JSON and SVG output with the machine header |
 
 pub mod control;
+pub mod crr;
 pub mod dataplane;
+pub mod masq;
 pub mod measure;
 pub mod report;
 pub mod stats;

@@ -3,7 +3,8 @@
 //! * `up`: etcd + N nodes + one agent per node + pods through CNI; prints the leases and a
 //!   pod-to-pod matrix, then a live status until Ctrl-C, then removes everything.
 //! * `host -- <flags>`: runs one agent on the real host with the given flags (exec).
-//! * `bench dataplane` / `bench control`: see `flannel_tests::bench`.
+//! * `bench dataplane` / `bench control` / `bench masq`: see `flannel_tests::bench`.
+//! * `crr`: the connection-rate tool of `bench masq`, by hand (server or client).
 //! * `variants`: lists the benchmark variants.
 
 use std::{
@@ -20,7 +21,9 @@ use clap::{Args, Parser, Subcommand};
 use flannel_tests::{
     bench::{
         control::{self, ControlOptions},
+        crr,
         dataplane::{self, DataplaneOptions},
+        masq::{self, MasqOptions},
         report,
         variant::{self, SetupCtx},
     },
@@ -67,6 +70,25 @@ enum Command {
         /// The report's JSON file.
         json: PathBuf,
     },
+    /// The TCP connection-rate tool of `bench masq`: a server (`--listen`) or clients
+    /// (`--server`); run it in a namespace with nsenter.
+    Crr(CrrArgs),
+}
+
+#[derive(Args)]
+struct CrrArgs {
+    /// Serve on this address until Ctrl-C.
+    #[arg(long, conflicts_with = "server")]
+    listen: Option<std::net::SocketAddr>,
+    /// Connect to this server.
+    #[arg(long)]
+    server: Option<std::net::SocketAddr>,
+    /// Concurrent clients (client mode) or accepting threads (server mode).
+    #[arg(long, default_value_t = 1)]
+    clients: usize,
+    /// Seconds to run (client mode).
+    #[arg(long, default_value_t = 5)]
+    seconds: u64,
 }
 
 #[derive(Args)]
@@ -122,6 +144,40 @@ enum BenchCommand {
     Dataplane(DataplaneArgs),
     /// Time and memory for one agent to program N remote leases.
     Control(ControlArgs),
+    /// Pod-to-outside throughput and connection rate: eBPF SNAT, iptables MASQUERADE, no NAT.
+    Masq(MasqArgs),
+}
+
+#[derive(Args)]
+struct MasqArgs {
+    /// Repetitions (round-robin across variants).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Seconds per throughput run.
+    #[arg(long, default_value_t = 5)]
+    duration: u64,
+    /// Seconds per connection-rate run.
+    #[arg(long, default_value_t = 5)]
+    crr_duration: u64,
+    /// Concurrent clients of the "many clients" connection rate.
+    #[arg(long, default_value_t = 8)]
+    clients: usize,
+    /// Comma-separated variants (`all` for every one): nat-none, masq-iptables, masq-ebpf,
+    /// masq-off, masq-iptables-kernel.
+    #[arg(long, value_delimiter = ',')]
+    variants: Option<Vec<String>>,
+    /// The variant ratios are relative to.
+    #[arg(long, default_value = "nat-none")]
+    baseline: String,
+    /// Output directory (default: target/bench of this workspace).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// The agent binary (default: flannel-agent next to flannel-lab).
+    #[arg(long)]
+    agent: Option<PathBuf>,
+    /// The CNI plugin (default: flannel next to flannel-lab).
+    #[arg(long)]
+    cni: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -217,6 +273,9 @@ fn main() -> Result<()> {
     if let Command::Render { json } = &cli.command {
         return render(json);
     }
+    if let Command::Crr(args) = &cli.command {
+        return crr_tool(args);
+    }
     if !flannel_tests::is_root() {
         bail!("flannel-lab needs root (network namespaces, netlink, BPF)");
     }
@@ -225,7 +284,10 @@ fn main() -> Result<()> {
         Command::Up(args) => up(args),
         Command::Bench(BenchCommand::Dataplane(args)) => bench_dataplane(args),
         Command::Bench(BenchCommand::Control(args)) => bench_control(args),
-        Command::Host { .. } | Command::Variants | Command::Render { .. } => Ok(()),
+        Command::Bench(BenchCommand::Masq(args)) => bench_masq(args),
+        Command::Host { .. } | Command::Variants | Command::Render { .. } | Command::Crr(_) => {
+            Ok(())
+        }
     }
 }
 
@@ -353,6 +415,68 @@ fn bench_dataplane(args: DataplaneArgs) -> Result<()> {
     };
     let report = dataplane::run(&opts, &ctx, &log, &stopped)?;
     print!("\n{}", report.markdown());
+    let dir = args.out.unwrap_or_else(report::default_dir);
+    for path in report.write(&dir)? {
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn crr_tool(args: &CrrArgs) -> Result<()> {
+    match (args.listen, args.server) {
+        (Some(addr), _) => {
+            install_signal_handlers()?;
+            let listener =
+                std::net::TcpListener::bind(addr).with_context(|| format!("binding {addr}"))?;
+            let server = crr::CrrServer::start(listener, args.clients)?;
+            eprintln!("==> serving on {}, Ctrl-C to stop", server.addr());
+            while !stopped() {
+                thread::sleep(Duration::from_millis(100));
+            }
+            Ok(())
+        }
+        (None, Some(addr)) => {
+            let r = crr::run_clients(addr, args.clients, Duration::from_secs(args.seconds))?;
+            println!(
+                "{:.0} connections/s ({} in {:.2} s, {} clients, {} errors)",
+                r.per_second(),
+                r.connections,
+                r.seconds,
+                args.clients,
+                r.errors
+            );
+            Ok(())
+        }
+        (None, None) => bail!("give --listen ADDR (server) or --server ADDR (clients)"),
+    }
+}
+
+fn bench_masq(args: MasqArgs) -> Result<()> {
+    let agent = bins::resolve(args.agent.as_deref(), bins::AGENT, "flannel-agent")?;
+    let cni = bins::resolve(args.cni.as_deref(), bins::CNI_PLUGIN, "flannel-cni")?;
+    let mut opts = MasqOptions::new(agent, cni);
+    opts.variants = match args.variants {
+        Some(v) if v.iter().any(|s| s == "all") => {
+            masq::variants().iter().map(|v| v.name.to_owned()).collect()
+        }
+        Some(v) => v,
+        None => opts.variants,
+    };
+    opts.baseline = args.baseline;
+    opts.reps = args.reps;
+    opts.duration = Duration::from_secs(args.duration);
+    opts.crr_duration = Duration::from_secs(args.crr_duration);
+    opts.clients = args.clients;
+    let log = |msg: &str| {
+        if !stopped() {
+            eprintln!("==> {msg}");
+        }
+    };
+    let report = masq::run(&opts, &log, &stopped)?;
+    print!("\n{}", report.markdown());
+    for line in masq::targets(&report) {
+        println!("- {line}");
+    }
     let dir = args.out.unwrap_or_else(report::default_dir);
     for path in report.write(&dir)? {
         println!("wrote {}", path.display());
