@@ -35,6 +35,14 @@ use crate::config::{Config, in_prefix};
 
 /// [`NatConfig::flags`]: masquerade in eBPF is on.
 pub const NAT_CFG_ENABLED: u32 = 1 << 0;
+/// [`NatConfig::flags`]: the agent is handing masquerade back to iptables/nftables (eBPF SNAT
+/// was switched off while pod flows it translates were still live). Those flows go on being
+/// translated here (their conntrack entries carry no NAT binding, so the kernel leaves them
+/// alone); no new pod flow is mapped (the kernel masquerades new flows, which then reach
+/// `tc_to_netdev` with the masquerade address and the port conntrack chose: they are
+/// registered as node flows, and never moved to another port). The agent turns the NAT off
+/// when no pod flow is left.
+pub const NAT_CFG_HANDOVER: u32 = 1 << 1;
 
 /// kube-proxy's masquerade mark (`0x4000`): upstream's first rule returns such packets, which
 /// kube-proxy's own chain masquerades.
@@ -228,6 +236,12 @@ impl NatConfig {
     #[inline(always)]
     pub fn enabled(&self) -> bool {
         self.flags & NAT_CFG_ENABLED != 0
+    }
+
+    /// Whether [`NAT_CFG_HANDOVER`] is set.
+    #[inline(always)]
+    pub fn handover(&self) -> bool {
+        self.flags & NAT_CFG_HANDOVER != 0
     }
 
     /// Whether `port` lies in the allocator's range.

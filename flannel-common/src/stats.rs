@@ -198,7 +198,7 @@ pub enum Reason {
     PassSnatHost = 64,
     /// `tc_to_netdev`: from the pod network to the outside, but kube-proxy marked it (0x4000) or the destination is in a no-masquerade prefix: unchanged, as upstream's RETURN rules decide.
     PassSnatExcluded = 65,
-    /// `tc_from_netdev`: for the masquerade address with a port (identifier) of the NAT range, or a later fragment, but no live NAT entry: handed to the stack unchanged (the node's own traffic, or a reply after the flow expired).
+    /// `tc_from_netdev`: for the masquerade address with a port (identifier) of the NAT range, or a later fragment, but no live NAT entry: handed to the stack unchanged (the node's own traffic, or a reply after the flow expired). `tc_to_netdev`, while handing masquerade back to the kernel: a pod packet of no live NAT flow, unchanged (the kernel's rules decide).
     PassSnatNoEntry = 66,
     /// From the pod network to the outside, or a node flow, that the NAT cannot translate (another protocol or ICMP type, an ICMP error about an unknown flow, a node reply whose port a pod flow holds): unchanged.
     PassSnatUnhandled = 67,

@@ -52,6 +52,17 @@
 //! Flows the kernel masqueraded before eBPF took over arrive with the node's address and are
 //! registered the same way, so they keep working.
 //!
+//! # Handing back to the kernel
+//!
+//! When eBPF masquerade is switched off while pod flows it translates are live, the agent
+//! sets [`flannel_common::nat::NAT_CFG_HANDOVER`] instead of turning the NAT off: live
+//! entries go on being translated both ways (their conntrack entries were made while the
+//! RETURN rules were in place and carry no NAT binding, so the kernel does not NAT them now),
+//! a pod packet without a live entry is passed unchanged (`pass_snat_no_entry`: the kernel's
+//! MASQUERADE handles new flows, so this is only a flow netfilter chose not to masquerade),
+//! and the kernel's masqueraded flows are registered as node flows but never moved. The agent
+//! turns the NAT off once no pod flow (and no moved node flow) is left.
+//!
 //! # Connection tracking
 //!
 //! Each flow's outgoing entry keeps TCP flags seen (SYN restarts a closed flow, FIN each way,
@@ -398,7 +409,8 @@ fn masquerade(ctx: &TcContext, nat: &NatConfig, ip: &Ip) -> NatOutcome {
 }
 
 /// A packet of the node itself from the masquerade address: registered so that pod flows
-/// never take its port (moved only if an earlier flow holds it and it is a new flow).
+/// never take its port (moved only if an earlier flow holds it and it is a new flow; never
+/// during a handover, where these are the flows the kernel masquerades).
 #[inline(always)]
 fn host(ctx: &TcContext, cfg: &Config, nat: &NatConfig, ip: &Ip) -> Option<NatOutcome> {
     if ip.frag == Frag::Later {
@@ -407,10 +419,9 @@ fn host(ctx: &TcContext, cfg: &Config, nat: &NatConfig, ip: &Ip) -> Option<NatOu
     let l4 = read_l4(ctx, ip);
     let may_move = match l4.kind {
         Kind::Tcp => l4.flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN,
-        Kind::Udp => true,
-        Kind::EchoRequest => true,
+        Kind::Udp | Kind::EchoRequest => true,
         _ => return None,
-    };
+    } && !nat.handover();
     let ranged = matches!(l4.kind, Kind::Tcp | Kind::Udp);
     if ranged && !nat.port_in_range(l4.sport) {
         return None;
@@ -522,6 +533,10 @@ fn resolve(nat: &NatConfig, want: &Want) -> Result<(u16, [Option<Reason>; 2]), N
             }
         }
     }
+    if !host && nat.handover() {
+        // Handing over to the kernel: new pod flows are its business.
+        return Err(NatOutcome::pass(Reason::PassSnatNoEntry));
+    }
     let rev = NatRevEntry {
         orig_addr: key.saddr,
         orig_port: key.sport,
@@ -543,11 +558,8 @@ fn resolve(nat: &NatConfig, want: &Want) -> Result<(u16, [Option<Reason>; 2]), N
         created_ns: now,
         last_seen_ns: now,
     };
-    if FLANNEL_NAT4
-        .insert(key, &entry, u64::from(BPF_ANY))
-        .is_err()
-    {
-        let _ = FLANNEL_NATREV4.remove(&key.reply_of(nat.nat_addr, port));
+    if FLANNEL_NAT4.insert(key, entry, u64::from(BPF_ANY)).is_err() {
+        let _ = FLANNEL_NATREV4.remove(key.reply_of(nat.nat_addr, port));
         return Err(if host {
             NatOutcome::pass(Reason::PassSnatUnhandled)
         } else {
@@ -563,7 +575,7 @@ fn resolve(nat: &NatConfig, want: &Want) -> Result<(u16, [Option<Reason>; 2]), N
 #[inline(always)]
 fn reverse_holds(key: &NatKey, e: &NatEntry) -> bool {
     let rkey = key.reply_of(e.nat_addr, e.nat_port);
-    match FLANNEL_NATREV4.get_ptr(&rkey) {
+    match FLANNEL_NATREV4.get_ptr(rkey) {
         Some(r) => {
             // SAFETY: the pointer comes from a successful lookup.
             let r = unsafe { r.read() };
@@ -578,7 +590,7 @@ fn reverse_holds(key: &NatKey, e: &NatEntry) -> bool {
                 created_ns: e.created_ns,
             };
             FLANNEL_NATREV4
-                .insert(&rkey, &rev, u64::from(BPF_NOEXIST))
+                .insert(rkey, rev, u64::from(BPF_NOEXIST))
                 .is_ok()
         }
     }
@@ -661,7 +673,7 @@ fn claim(nat: &NatConfig, rkey: &NatKey, rev: &NatRevEntry, now: u64) -> Claim {
 #[inline(always)]
 fn stale(nat: &NatConfig, rkey: &NatKey, cur: &NatRevEntry, now: u64) -> bool {
     let owner = rkey.original_of(cur.orig_addr, cur.orig_port);
-    match FLANNEL_NAT4.get_ptr(&owner) {
+    match FLANNEL_NAT4.get_ptr(owner) {
         None => now.saturating_sub(cur.created_ns) > NS_PER_S,
         Some(e) => {
             // SAFETY: the pointer comes from a successful lookup.
@@ -829,7 +841,7 @@ fn reply_in(ctx: &TcContext, cfg: &Config, nat: &NatConfig, ip: &Ip) -> Option<N
         let entry = FragEntry {
             orig_addr: rev.orig_addr,
         };
-        let _ = FLANNEL_NATFRG4.insert(&fkey, &entry, u64::from(BPF_ANY));
+        let _ = FLANNEL_NATFRG4.insert(fkey, entry, u64::from(BPF_ANY));
     }
     Some(
         match rewrite_destination(ctx, ip, &l4, rev.orig_addr, rev.orig_port) {
@@ -847,7 +859,7 @@ fn live_reverse(nat: &NatConfig, rkey: &NatKey, now: u64, l4: Option<&L4>) -> Op
     // SAFETY: the pointer comes from a successful lookup.
     let rev = unsafe { rev.read() };
     let fkey = rkey.original_of(rev.orig_addr, rev.orig_port);
-    let entry = FLANNEL_NAT4.get_ptr_mut(&fkey)?;
+    let entry = FLANNEL_NAT4.get_ptr_mut(fkey)?;
     // SAFETY: as above.
     let e = unsafe { entry.read() };
     if e.nat_addr != rkey.daddr
@@ -880,7 +892,7 @@ fn fragment_in(ctx: &TcContext, ip: &Ip) -> Option<NatOutcome> {
         proto: ip.proto,
         _pad: 0,
     };
-    let entry = FLANNEL_NATFRG4.get_ptr(&key)?;
+    let entry = FLANNEL_NATFRG4.get_ptr(key)?;
     // SAFETY: the pointer comes from a successful lookup.
     let orig = unsafe { (*entry).orig_addr };
     Some(
@@ -967,7 +979,7 @@ fn icmp_error_out(ctx: &TcContext, nat: &NatConfig, ip: &Ip) -> NatOutcome {
     if q.dst != ip.src {
         return NatOutcome::pass(Reason::PassSnatUnhandled);
     }
-    let Some(e) = FLANNEL_NAT4.get_ptr(&key) else {
+    let Some(e) = FLANNEL_NAT4.get_ptr(key) else {
         return NatOutcome::pass(Reason::PassSnatUnhandled);
     };
     // SAFETY: the pointer comes from a successful lookup.

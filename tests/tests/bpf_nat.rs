@@ -569,6 +569,95 @@ fn node_flows_are_registered_and_moved_on_collision() {
 }
 
 #[test]
+fn a_handover_keeps_live_flows_and_maps_no_new_ones() {
+    let Some(rig) = Rig::new("nthand") else {
+        return;
+    };
+    rig.with_nat(settings(), |fp, ext| {
+        // A pod flow masqueraded before the handover.
+        let syn = Ipv4::new(POD, OUT, tcp(45000, 443, tcp_flags::SYN));
+        let r = run(fp, Hook::ToNetdev, &egress_frame(&syn), Skb::on(ext));
+        assert_eq!(source_port(&r.out), 45000);
+        assert!(fp.begin_nat_handover().expect("handover"));
+        assert!(fp.nat_config().expect("config").handover());
+
+        // It goes on being translated both ways.
+        let data = Ipv4::new(POD, OUT, tcp(45000, 443, tcp_flags::ACK));
+        let r = run(fp, Hook::ToNetdev, &egress_frame(&data), Skb::on(ext));
+        assert_bytes(
+            &r.out,
+            &egress_frame(&with_source(&data, NODE, None)),
+            "live flow",
+        );
+        assert_counted(&r, &[Reason::Ipv4Tcp, Reason::FastSnat], "live flow");
+        let reply = Ipv4::new(OUT, NODE, tcp(443, 45000, tcp_flags::ACK));
+        let r = run(fp, Hook::FromNetdev, &ingress_frame(&reply), Skb::on(ext));
+        assert_bytes(
+            &r.out,
+            &ingress_frame(&with_destination(&reply, POD, None)),
+            "live flow's reply",
+        );
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Tcp, Reason::FastSnatReply],
+            "live flow's reply",
+        );
+
+        // A new pod flow is the kernel's: unchanged, nothing mapped.
+        let new = Ipv4::new(POD2, OUT, tcp(46000, 443, tcp_flags::SYN));
+        let frame = egress_frame(&new);
+        let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_bytes(&r.out, &frame, "new pod flow");
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Tcp, Reason::PassSnatNoEntry],
+            "new pod flow",
+        );
+
+        // The kernel's masqueraded flows are registered, never moved: not even a new one
+        // whose port a live pod flow holds (it is passed as it is).
+        let kernel = Ipv4::new(NODE, OUT, tcp(47000, 443, tcp_flags::SYN));
+        let frame = egress_frame(&kernel);
+        let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
+        assert_bytes(&r.out, &frame, "kernel flow");
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Tcp, Reason::PassSnatHost, Reason::LearnSnatFlow],
+            "kernel flow",
+        );
+        let clash = Ipv4::new(NODE, OUT, tcp(45000, 443, tcp_flags::SYN));
+        let frame = egress_frame(&clash);
+        let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
+        assert_bytes(&r.out, &frame, "kernel flow on a held port");
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Tcp, Reason::PassSnatUnhandled],
+            "kernel flow on a held port",
+        );
+
+        let flows = fp.nat_flows().expect("flows");
+        assert_eq!(flows.len(), 2, "{flows:#?}");
+        assert_eq!(
+            flannel_agent::bpf::nat::handover_pending(&flows),
+            1,
+            "{flows:#?}"
+        );
+
+        // Turning eBPF SNAT on again ends the handover.
+        fp.set_nat(Some(&settings())).expect("nat settings");
+        assert!(!fp.nat_config().expect("config").handover());
+        let r = run(fp, Hook::ToNetdev, &egress_frame(&new), Skb::on(ext));
+        assert_eq!(source_port(&r.out), 46000);
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Tcp, Reason::FastSnat, Reason::LearnSnatFlow],
+            "pod flow after the handover",
+        );
+    });
+}
+
+#[test]
 fn exhaustion_drops_and_counts_and_closed_flows_free_their_ports() {
     let Some(rig) = Rig::new("ntexh") else {
         return;

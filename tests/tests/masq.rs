@@ -3,7 +3,8 @@
 //! network) and the server sees their node's address; many concurrent flows from several
 //! pods keep distinct tuples; a long-lived TCP connection survives an agent restart; replies
 //! to unknown tuples reach the node's stack and are counted; a node switched from iptables
-//! MASQUERADE to eBPF keeps its kernel-masqueraded connections.
+//! MASQUERADE to eBPF keeps its kernel-masqueraded connections, and one switched back hands
+//! its eBPF-masqueraded connections over without breaking them.
 //!
 //! Needs root; skipped otherwise, and when the agent was built without the eBPF object.
 
@@ -534,4 +535,99 @@ fn switching_from_iptables_to_ebpf_keeps_established_connections() {
         !flows.iter().any(|(_, port, _)| *port == old.local.port()),
         "the kernel's flow is not a pod flow of the NAT: {flows:?}"
     );
+}
+
+/// The node's NAT flows with the node's own address as source (`NAT_F_HOST`), as (source
+/// port, NAT port).
+fn node_flows(node: &Node) -> Vec<(u16, u16)> {
+    let addr = node.addr().octets().to_vec();
+    dump(node, flannel_common::maps::NAT4)
+        .iter()
+        .filter_map(|e| {
+            let saddr: Vec<u8> = serde_json::from_value(e["key"]["saddr"].clone()).ok()?;
+            let host = e["value"]["flags"].as_u64()? & u64::from(flannel_common::nat::NAT_F_HOST);
+            (saddr == addr && host != 0).then(|| {
+                (
+                    e["key"]["sport"].as_u64().unwrap_or(0) as u16,
+                    e["value"]["nat_port"].as_u64().unwrap_or(0) as u16,
+                )
+            })
+        })
+        .collect()
+}
+
+/// The `flags` of the node's NAT configuration.
+fn nat_flags(node: &Node) -> u64 {
+    let cfg = dump(node, flannel_common::maps::NAT_CONFIG);
+    cfg[0]["value"]["flags"].as_u64().expect("flags")
+}
+
+#[test]
+fn switching_from_ebpf_to_iptables_hands_established_connections_over() {
+    use flannel_common::nat::{NAT_CFG_ENABLED, NAT_CFG_HANDOVER};
+    if !runnable() {
+        return;
+    }
+    let mut c = up(1, 1, Dataplane::Ebpf);
+    let outside = SocketAddr::new(IpAddr::V4(c.topology().hub_addr()), SERVER_PORT);
+    let _tcp = WhoAmI::start(c.topology().hub(), outside.ip(), SERVER_PORT);
+    let node_addr = IpAddr::V4(c.topology().node(1).addr());
+    let pod_ip = c.topology().pods()[0].ip();
+    // Masqueraded by eBPF.
+    let mut old = Conn::open(c.topology().pods()[0].ns(), outside);
+    assert_eq!(old.seen.ip(), node_addr);
+    old.echo(b"eBPF NAT").expect("echo");
+    assert!(masq_chain(c.topology().node(1)).contains("eBPF SNAT"));
+    assert!(pod_flows(c.topology().node(1)).contains(&(pod_ip, old.local.port(), old.seen.port())));
+    assert_eq!(nat_flags(c.topology().node(1)), u64::from(NAT_CFG_ENABLED));
+
+    // The node's agent comes back with masquerade in iptables.
+    let mut spec = c.agent_spec();
+    spec.extra_args.push("--ebpf-masq=false".into());
+    agent(&mut c, 1)
+        .stop(Duration::from_secs(10))
+        .expect("stop");
+    let restarted = Agent::start(c.topology().node(1), &spec).expect("start without eBPF SNAT");
+    *agent(&mut c, 1) = restarted;
+    wait_ready(&mut c, 1);
+    eventually("the kernel's masquerade rules", || {
+        !masq_chain(c.topology().node(1)).contains("eBPF SNAT")
+    });
+    eventually("the handover flag", || {
+        nat_flags(c.topology().node(1)) == u64::from(NAT_CFG_ENABLED | NAT_CFG_HANDOVER)
+    });
+
+    // The eBPF-masqueraded connection goes on (its conntrack entry has no NAT binding, the
+    // programs keep translating it) ...
+    for i in 0..20 {
+        old.echo(format!("still here {i}").as_bytes())
+            .expect("eBPF-masqueraded connection after the switch");
+    }
+    // ... and new ones are masqueraded by the kernel: they reach the programs with the node's
+    // address and are only registered, as node flows.
+    let mut new = Conn::open(c.topology().pods()[0].ns(), outside);
+    assert_eq!(new.seen.ip(), node_addr);
+    for i in 0..5 {
+        new.echo(format!("kernel NAT {i}").as_bytes())
+            .expect("kernel-masqueraded connection");
+    }
+    let flows = pod_flows(c.topology().node(1));
+    assert!(
+        flows.contains(&(pod_ip, old.local.port(), old.seen.port())),
+        "{flows:?}"
+    );
+    assert_eq!(flows.len(), 1, "no new pod flow in the NAT: {flows:?}");
+    // MASQUERADE --random-fully may pick a port outside the NAT's range; in it, the flow is
+    // registered, unmoved.
+    let cfg = &dump(c.topology().node(1), flannel_common::maps::NAT_CONFIG)[0]["value"];
+    let range = cfg["port_min"].as_u64().expect("min")..=cfg["port_max"].as_u64().expect("max");
+    let port = new.seen.port();
+    if range.contains(&u64::from(port)) {
+        let nodes = node_flows(c.topology().node(1));
+        assert!(
+            nodes.contains(&(port, port)),
+            "the kernel's flow registered unmoved: {nodes:?}"
+        );
+    }
+    old.echo(b"last").expect("echo at the end");
 }

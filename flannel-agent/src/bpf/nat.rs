@@ -18,8 +18,9 @@ use aya::maps::{Array, HashMap as BpfHashMap, LpmTrie, MapData, lpm_trie::Key};
 use flannel_common::{
     maps as names,
     nat::{
-        NAT_CFG_ENABLED, NAT_F_HOST, NAT_MAX_PROBES, NS_PER_S, NatConfig, NatEntry, NatKey,
-        NatRevEntry, ST_FIN_IN, ST_FIN_OUT, ST_REPLIED, ST_RST, proto, tcp_closed,
+        NAT_CFG_ENABLED, NAT_CFG_HANDOVER, NAT_F_HOST, NAT_MAX_PROBES, NS_PER_S, NatConfig,
+        NatEntry, NatKey, NatRevEntry, ST_FIN_IN, ST_FIN_OUT, ST_REPLIED, ST_RST, proto,
+        tcp_closed,
     },
 };
 use ipnet::Ipv4Net;
@@ -325,6 +326,17 @@ pub struct SweepStats {
     pub orphans: usize,
 }
 
+/// The live flows that need the programs' translation to go on: pod flows, and node flows
+/// the programs moved to another port. While any is left, a switch to iptables/nftables
+/// masquerade hands over (see [`FastPath::begin_nat_handover`]) instead of turning the NAT
+/// off.
+pub fn handover_pending(flows: &[NatFlow]) -> usize {
+    flows
+        .iter()
+        .filter(|f| !f.expired && (!f.host || f.nat.port() != f.orig.port()))
+        .count()
+}
+
 /// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns`.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
@@ -403,6 +415,12 @@ fn copy_all<V: aya::Pod>(
     Ok(copied)
 }
 
+/// Both NAT maps, read-only: the flows and their reply entries.
+type NatMaps<'a> = (
+    BpfHashMap<&'a MapData, NatKey, NatEntry>,
+    BpfHashMap<&'a MapData, NatKey, NatRevEntry>,
+);
+
 fn missing(name: &'static str) -> BpfError {
     BpfError::BadMap {
         name,
@@ -468,6 +486,30 @@ impl FastPath {
             .map_err(|e| BpfError::map(names::NAT_CONFIG, e))
     }
 
+    /// Hands masquerade over to the kernel: the programs keep translating the flows they
+    /// hold but map no new pod flow ([`NAT_CFG_HANDOVER`]). Returns whether the NAT was on
+    /// (nothing changes otherwise).
+    pub fn begin_nat_handover(&mut self) -> Result<bool, BpfError> {
+        let mut cfg = self.nat_config()?;
+        if !cfg.enabled() {
+            return Ok(false);
+        }
+        if cfg.handover() {
+            return Ok(true);
+        }
+        cfg.flags |= NAT_CFG_HANDOVER;
+        let map = self
+            .ebpf_mut()
+            .map_mut(names::NAT_CONFIG)
+            .ok_or_else(|| missing(names::NAT_CONFIG))?;
+        let mut array: Array<&mut MapData, NatConfig> =
+            Array::try_from(map).map_err(|e| BpfError::map(names::NAT_CONFIG, e))?;
+        array
+            .set(0, cfg, 0)
+            .map_err(|e| BpfError::map(names::NAT_CONFIG, e))?;
+        Ok(true)
+    }
+
     /// The masquerade configuration as the programs see it.
     pub fn nat_config(&self) -> Result<NatConfig, BpfError> {
         let map = self
@@ -518,15 +560,7 @@ impl FastPath {
         }
     }
 
-    fn nat_maps(
-        &self,
-    ) -> Result<
-        (
-            BpfHashMap<&MapData, NatKey, NatEntry>,
-            BpfHashMap<&MapData, NatKey, NatRevEntry>,
-        ),
-        BpfError,
-    > {
+    fn nat_maps(&self) -> Result<NatMaps<'_>, BpfError> {
         let fwd = self
             .ebpf()
             .map(names::NAT4)
@@ -744,6 +778,30 @@ mod tests {
             sized.to_string(),
             "335544 flows (~61 MiB of kernel memory), 0.25 % of 24576 MiB node memory"
         );
+    }
+
+    #[test]
+    fn handover_waits_for_pod_flows_and_moved_node_flows() {
+        let flow = |orig: &str, nat: &str, host: bool, expired: bool| NatFlow {
+            proto: proto::TCP,
+            orig: orig.parse().expect("addr"),
+            remote: "1.1.1.1:443".parse().expect("addr"),
+            nat: nat.parse().expect("addr"),
+            state: ST_REPLIED,
+            host,
+            age: Duration::from_secs(1),
+            idle: Duration::from_secs(1),
+            expired,
+            reverse_ok: true,
+        };
+        let node = flow("192.168.1.11:40000", "192.168.1.11:40000", true, false);
+        let moved = flow("192.168.1.11:40001", "192.168.1.11:50001", true, false);
+        let pod = flow("10.244.1.5:40000", "192.168.1.11:40000", false, false);
+        let gone = flow("10.244.1.6:40000", "192.168.1.11:40002", false, true);
+        assert_eq!(handover_pending(&[]), 0);
+        assert_eq!(handover_pending(&[node.clone(), gone.clone()]), 0);
+        assert_eq!(handover_pending(&[node.clone(), moved]), 1);
+        assert_eq!(handover_pending(&[node, pod, gone]), 1);
     }
 
     #[test]

@@ -11,6 +11,14 @@
 //! new flow leaves unmasqueraded in between (a flow the kernel still NATs reaches the programs
 //! with the node's address and is only registered). Flows the kernel masqueraded before
 //! (upstream, or an earlier run without eBPF) keep their conntrack NAT binding and go on.
+//!
+//! The other way (eBPF SNAT was on, the programs stay loaded, masquerade goes back to the
+//! kernel: `--ebpf-masq=false`, no IPv4 address on the external interface), the pod flows the
+//! programs translate have conntrack entries without a NAT binding, which the kernel will
+//! not masquerade now. So when such flows are live the agent *hands over*
+//! ([`Masquerade::Handover`]): once the traffic rules are the kernel's, the programs keep
+//! translating the flows they hold and map no new ones (`NAT_CFG_HANDOVER`), and the NAT is
+//! turned off when the last of them has ended ([`hand_over`]).
 
 use std::{net::Ipv4Addr, time::Duration};
 
@@ -19,7 +27,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::{
-    bpf::{NatSettings, NatSizing, SharedFastPath, nat::default_port_range},
+    bpf::{
+        NatSettings, NatSizing, SharedFastPath,
+        nat::{default_port_range, handover_pending},
+    },
     cli::Cli,
     dataplane::Local,
     traffic::MasqOptions,
@@ -40,6 +51,12 @@ pub enum Masquerade {
         /// The external interface.
         iface: String,
         /// The fast path whose NAT maps to keep.
+        fast_path: SharedFastPath,
+    },
+    /// The rules are upstream's (as [`Masquerade::Netfilter`], or none with `--ip-masq=false`),
+    /// but the programs still translate the pod flows they masqueraded before, until these end.
+    Handover {
+        /// The fast path whose NAT to wind down.
         fast_path: SharedFastPath,
     },
 }
@@ -128,6 +145,21 @@ pub fn configure(
             }
         },
         None => {
+            if let Some(pending) = flows_to_hand_over(&guard) {
+                info!(
+                    flows = pending,
+                    "masquerade: {}; eBPF SNAT keeps translating the established flows it \
+                     holds until they end",
+                    if cli.ip_masq {
+                        "iptables/nftables"
+                    } else {
+                        "off (--ip-masq=false)"
+                    }
+                );
+                return Masquerade::Handover {
+                    fast_path: fp.clone(),
+                };
+            }
             if let Err(err) = guard.set_nat(None) {
                 warn!("turning eBPF SNAT off: {err}");
             }
@@ -135,6 +167,71 @@ pub fn configure(
                 info!("masquerade: iptables/nftables (--ebpf-masq=false)");
             }
             fallback(cli)
+        }
+    }
+}
+
+/// How many live flows the programs' NAT (on, from an earlier run or a handover in progress)
+/// still translates, if any.
+fn flows_to_hand_over(fp: &crate::bpf::FastPath) -> Option<usize> {
+    let cfg = fp.nat_config().ok()?;
+    if !cfg.enabled() {
+        return None;
+    }
+    match fp.nat_flows() {
+        Ok(flows) => Some(handover_pending(&flows)).filter(|n| *n > 0),
+        Err(err) => {
+            warn!("reading the NAT flows: {err}; eBPF SNAT is turned off");
+            None
+        }
+    }
+}
+
+/// The handover: marks the programs' NAT as handing over (call it once the traffic rules are
+/// the kernel's: until then new flows still skip the kernel's MASQUERADE), then every
+/// [`MAINTENANCE_PERIOD`] sweeps expired flows and turns the NAT off when none is left to
+/// translate. Runs until then or `cancel` (a restarted agent takes the handover up again).
+pub async fn hand_over(fast_path: SharedFastPath, cancel: CancellationToken) {
+    let fp = fast_path.clone();
+    let begun = tokio::task::spawn_blocking(move || {
+        let mut fp = fp
+            .lock()
+            .map_err(|_| "the fast-path handle is poisoned".to_owned())?;
+        fp.begin_nat_handover().map_err(|e| e.to_string())
+    })
+    .await;
+    match begun {
+        Ok(Ok(true)) => {}
+        Ok(Ok(false)) => return,
+        Ok(Err(err)) => warn!("handing masquerade over to the kernel: {err}"),
+        Err(err) => warn!("handing masquerade over to the kernel: {err}"),
+    }
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(MAINTENANCE_PERIOD) => {}
+        }
+        let fp = fast_path.clone();
+        let result = tokio::task::spawn_blocking(move || {
+            let mut fp = fp
+                .lock()
+                .map_err(|_| "the fast-path handle is poisoned".to_owned())?;
+            fp.nat_sweep().map_err(|e| e.to_string())?;
+            let pending = handover_pending(&fp.nat_flows().map_err(|e| e.to_string())?);
+            if pending == 0 {
+                fp.set_nat(None).map_err(|e| e.to_string())?;
+            }
+            Ok::<_, String>(pending)
+        })
+        .await;
+        match result {
+            Ok(Ok(0)) => {
+                info!("masquerade handover finished: eBPF SNAT is off");
+                return;
+            }
+            Ok(Ok(pending)) => tracing::debug!(flows = pending, "masquerade handover"),
+            Ok(Err(err)) => warn!("masquerade handover: {err}"),
+            Err(err) => warn!("masquerade handover task: {err}"),
         }
     }
 }

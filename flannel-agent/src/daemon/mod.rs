@@ -372,13 +372,25 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             Ok(None)
         });
     }
-    if let masq::Masquerade::Ebpf { fast_path, .. } = &masquerade {
-        let fp = fast_path.clone();
-        let cancel = cancel.clone();
-        tasks.spawn(async move {
-            masq::maintain(fp, cancel).await;
-            Ok(None)
-        });
+    match &masquerade {
+        masq::Masquerade::Ebpf { fast_path, .. } => {
+            let fp = fast_path.clone();
+            let cancel = cancel.clone();
+            tasks.spawn(async move {
+                masq::maintain(fp, cancel).await;
+                Ok(None)
+            });
+        }
+        // The traffic rules are the kernel's by now.
+        masq::Masquerade::Handover { fast_path } => {
+            let fp = fast_path.clone();
+            let cancel = cancel.clone();
+            tasks.spawn(async move {
+                masq::hand_over(fp, cancel).await;
+                Ok(None)
+            });
+        }
+        masq::Masquerade::Off | masq::Masquerade::Netfilter => {}
     }
     if cli.ip_blackhole_route {
         let nl = nl.clone();
