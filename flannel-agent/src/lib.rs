@@ -22,6 +22,7 @@
 //! | [`telemetry`] | logging (`-v` levels, `RUST_LOG`) |
 //! | [`traffic`] | masquerade and forward rules (iptables / nftables) |
 //! | [`dataplane`] | devices, routes, neighbours, FDB: desired state, appliers, reconciler |
+//! | [`udp`] | the udp backend's TUN path: `flannel0`, the UDP socket, the forwarding loops |
 
 pub mod alloc;
 pub mod backend;
@@ -41,6 +42,7 @@ pub mod subnet;
 pub mod subnet_env;
 pub mod telemetry;
 pub mod traffic;
+pub mod udp;
 
 /// The eBPF object built by `build.rs` (empty when built with `AYA_BUILD_SKIP=1`).
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/flannel"));

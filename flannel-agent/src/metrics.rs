@@ -1,6 +1,6 @@
 //! Prometheus metrics: what the agent knows (leases), what it programmed (kernel entries, BPF
 //! map entries), how reconciling goes (runs, duration, errors by kind) and, read at scrape time,
-//! the fast path's per-reason packet and byte counters.
+//! the fast path's (and the udp backend forwarder's) per-reason packet and byte counters.
 //!
 //! The daemon and the reconciler update the families directly; the fast-path counters come
 //! from a [`CounterSource`] that reads the BPF maps when `/metrics` is scraped.
@@ -48,9 +48,45 @@ pub trait CounterSource: Send + Sync + 'static {
     fn read(&self) -> Vec<FastPathCount>;
 }
 
-#[derive(Default)]
+/// Per-reason packet/byte counters read at scrape time from a [`CounterSource`], exported as
+/// `<prefix>_packets_total{reason}` and `<prefix>_bytes_total{reason}`.
 struct FastPathCollector {
+    packets: (&'static str, &'static str),
+    bytes: (&'static str, &'static str),
     source: Mutex<Option<Arc<dyn CounterSource>>>,
+}
+
+impl Default for FastPathCollector {
+    fn default() -> Self {
+        Self {
+            packets: (
+                "fastpath_packets",
+                "Packets seen by the eBPF programs, by reason (fast-pathed, passed to the kernel path, dropped)",
+            ),
+            bytes: (
+                "fastpath_bytes",
+                "Bytes seen by the eBPF programs, by reason",
+            ),
+            source: Mutex::new(None),
+        }
+    }
+}
+
+impl FastPathCollector {
+    /// The udp backend's user-space forwarder (TUN path).
+    fn udp() -> Self {
+        Self {
+            packets: (
+                "udp_packets",
+                "Packets handled by the udp backend's TUN forwarder, by reason (encapsulated, decapsulated, dropped)",
+            ),
+            bytes: (
+                "udp_bytes",
+                "Bytes of inner packets handled by the udp backend's TUN forwarder, by reason",
+            ),
+            source: Mutex::new(None),
+        }
+    }
 }
 
 impl std::fmt::Debug for FastPathCollector {
@@ -71,17 +107,12 @@ impl Collector for FastPathCollector {
             return Ok(());
         };
         let counts = source.read();
-        for (name, help, pick) in [
+        for ((name, help), pick) in [
             (
-                "flannel_fastpath_packets",
-                "Packets seen by the eBPF programs, by reason (fast-pathed, passed to the kernel path, dropped)",
+                self.packets,
                 (|c: &FastPathCount| c.packets) as fn(&FastPathCount) -> u64,
             ),
-            (
-                "flannel_fastpath_bytes",
-                "Bytes seen by the eBPF programs, by reason",
-                |c: &FastPathCount| c.bytes,
-            ),
+            (self.bytes, |c: &FastPathCount| c.bytes),
         ] {
             let mut family = encoder.encode_descriptor(
                 name,
@@ -105,6 +136,7 @@ impl Collector for FastPathCollector {
 pub struct Metrics {
     registry: Registry,
     fast_path: Arc<FastPathCollector>,
+    udp: Arc<FastPathCollector>,
     /// Remote leases currently known.
     pub leases: Gauge,
     /// 1 for the active dataplane path and backend.
@@ -183,9 +215,12 @@ impl Metrics {
         );
         let fast_path = Arc::new(FastPathCollector::default());
         registry.register_collector(Box::new(fast_path.clone()));
+        let udp = Arc::new(FastPathCollector::udp());
+        registry.register_collector(Box::new(udp.clone()));
         Metrics {
             registry,
             fast_path,
+            udp,
             leases,
             dataplane,
             kernel_entries,
@@ -201,6 +236,14 @@ impl Metrics {
     /// Sets where the fast-path counters are read from (once the eBPF path is active).
     pub fn set_counter_source(&self, source: Arc<dyn CounterSource>) {
         if let Ok(mut slot) = self.fast_path.source.lock() {
+            *slot = Some(source);
+        }
+    }
+
+    /// Sets where the udp backend's forwarder counters are read from
+    /// (`flannel_udp_packets_total{reason}`, `flannel_udp_bytes_total{reason}`).
+    pub fn set_udp_counter_source(&self, source: Arc<dyn CounterSource>) {
+        if let Ok(mut slot) = self.udp.source.lock() {
             *slot = Some(source);
         }
     }
@@ -276,11 +319,26 @@ mod tests {
         m.set_counter_source(Arc::new(Fixed));
         let text = m.render();
         assert!(
-            text.contains("flannel_fastpath_packets_total{reason=\"vxlan_encap\"} 7"),
+            text.lines()
+                .any(|l| l == "flannel_fastpath_packets_total{reason=\"vxlan_encap\"} 7"),
             "{text}"
         );
         assert!(
-            text.contains("flannel_fastpath_bytes_total{reason=\"vxlan_encap\"} 700"),
+            text.lines()
+                .any(|l| l == "flannel_fastpath_bytes_total{reason=\"vxlan_encap\"} 700"),
+            "{text}"
+        );
+        assert!(!text.contains("flannel_udp_"), "{text}");
+        m.set_udp_counter_source(Arc::new(Fixed));
+        let text = m.render();
+        assert!(
+            text.lines()
+                .any(|l| l == "flannel_udp_packets_total{reason=\"vxlan_encap\"} 7"),
+            "{text}"
+        );
+        assert!(
+            text.lines()
+                .any(|l| l == "flannel_udp_bytes_total{reason=\"vxlan_encap\"} 700"),
             "{text}"
         );
     }

@@ -44,6 +44,7 @@ use crate::{
         self, BR_NETFILTER_SYSCTL_DIR, IptablesVariant, SystemRunner, TrafficError, TrafficManager,
         TrafficMode,
     },
+    udp::{UdpConfig, UdpError, UdpForwarder},
 };
 
 /// Why the daemon stopped with an error (exit code 1). A revoked lease and a signal are not
@@ -70,6 +71,8 @@ pub enum DaemonError {
     Dataplane(#[from] DataplaneError),
     #[error("failed to set up masquerade/forward rules: {0}")]
     Traffic(#[from] TrafficError),
+    #[error("failed to start the udp backend: {0}")]
+    Udp(#[from] UdpError),
     #[error("Failed to write subnet file: {0}")]
     SubnetEnv(#[from] SubnetEnvError),
     #[error("health server on {addr}: {source}")]
@@ -180,6 +183,18 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         vtep_macs,
     );
     let fast_path = choose_dataplane(cli.dataplane)?;
+    // udp: the forwarder creates flannel0 (it holds the TUN descriptor) before the device
+    // set-up configures it; it lives until `run` returns.
+    let udp = match &backend {
+        BackendOptions::Udp(opts) => {
+            if stack.has_v6() {
+                warn!("the udp backend carries IPv4 only: IPv6 pod traffic will not cross nodes");
+            }
+            let config = UdpConfig::for_node(&local, opts)?;
+            Some(UdpForwarder::start(&config, cancel.clone())?)
+        }
+        _ => None,
+    };
     dataplane::ensure_devices(&nl, &mut local).await?;
     metrics.set_dataplane(fast_path.name(), backend_type.name());
     info!(
@@ -240,7 +255,11 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
 
     // 6. Long-running tasks.
     let (publisher, snapshots) = lease_channel();
-    let reconciler = Reconciler::new(nl.clone(), local, ReconcilerConfig::from_cli(&cli));
+    let mut reconciler = Reconciler::new(nl.clone(), local, ReconcilerConfig::from_cli(&cli));
+    if let Some(forwarder) = &udp {
+        reconciler.push_applier(Box::new(forwarder.applier()));
+        metrics.set_udp_counter_source(forwarder.counters());
+    }
     let status = reconciler.status();
     let mut tasks: JoinSet<Result<Option<Exit>, DaemonError>> = JoinSet::new();
 
@@ -330,6 +349,8 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             }
         }
     }
+    // Closing the TUN descriptor removes flannel0, as upstream does on shutdown.
+    drop(udp);
     info!("Exiting cleanly...");
     match failure {
         Some(err) => Err(err),

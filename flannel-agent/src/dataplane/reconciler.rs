@@ -212,6 +212,7 @@ impl Reconciler {
                 names
             }
             BackendOptions::Ipip(_) => vec![IPIP_DEVICE.to_owned()],
+            BackendOptions::Udp(_) => vec![crate::udp::TUN_DEVICE.to_owned()],
             _ => Vec::new(),
         }
     }
