@@ -5,8 +5,9 @@
 //! 2. network config (etcd: retried every second), backend options, IP stack
 //! 3. external interface (kube: annotation-stored public IPs override the flags)
 //! 4. backend data (persisted VTEP MACs) → lease attributes → lease
-//! 5. devices, traffic rules, subnet.env → ready once the first reconcile on a complete lease
-//!    set succeeded
+//! 5. devices (udp: the forwarder creates `flannel0` and binds its socket first, and its
+//!    applier joins the reconciler), traffic rules, subnet.env → ready once the first
+//!    reconcile on a complete lease set succeeded
 //! 6. tasks: lease watch → reconciler; lease keeper (etcd) / NetworkUnavailable (kube);
 //!    traffic-rule resync; blackhole route; status → metrics and readiness
 //!
