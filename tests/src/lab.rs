@@ -11,9 +11,11 @@
 //! | [`status`] | kernel route/neighbour/FDB counts, `/healthz` and `/metrics` |
 //! | [`cluster`] | everything together: `flannel-lab up` |
 //! | [`bins`] | finding (or building) the workspace's binaries |
+//! | [`capture`] | packet capture on an interface of a namespace (`AF_PACKET`) |
 
 pub mod agent;
 pub mod bins;
+pub mod capture;
 pub mod cluster;
 pub mod kv;
 pub mod lease;

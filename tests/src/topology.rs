@@ -395,8 +395,9 @@ impl Node {
         fs::write(self.subnet_file(), env.render()).context("writing subnet.env")
     }
 
-    /// Waits until the node's subnet.env exists and has a `FLANNEL_SUBNET`. `check` runs on
-    /// each poll and aborts the wait with its error (e.g. "the agent exited").
+    /// Waits until the node's subnet.env exists and has a `FLANNEL_SUBNET` (or, on an
+    /// IPv6-only node, a `FLANNEL_IPV6_SUBNET`). `check` runs on each poll and aborts the
+    /// wait with its error (e.g. "the agent exited").
     pub fn wait_subnet_env(
         &self,
         timeout: Duration,
@@ -406,7 +407,8 @@ impl Node {
         loop {
             // A half-written file (no atomic rename) parses as incomplete or fails: retry.
             if let Ok(Some(env)) = self.read_subnet_env()
-                && env.subnet.is_some()
+                && (env.subnet.is_some() || env.ipv6_subnet.is_some())
+                && env.mtu.is_some()
             {
                 return Ok(env);
             }
@@ -490,7 +492,7 @@ impl Pod {
         &self.ns
     }
 
-    /// The pod's IPv4 address.
+    /// The pod's IPv4 address (`0.0.0.0` for a pod of an IPv6-only network).
     pub fn ip(&self) -> Ipv4Addr {
         self.ip
     }
@@ -834,9 +836,9 @@ impl Topology {
                 pod.ip6 = Some(net.addr());
             }
         }
-        if pod.ip.is_unspecified() {
+        if pod.ip.is_unspecified() && pod.ip6.is_none() {
             bail!(
-                "CNI ADD of pod {} returned no IPv4 address: {result}",
+                "CNI ADD of pod {} returned no IP address: {result}",
                 pod.name
             );
         }

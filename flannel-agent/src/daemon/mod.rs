@@ -5,8 +5,9 @@
 //! 2. network config (etcd: retried every second), backend options, IP stack
 //! 3. external interface (kube: annotation-stored public IPs override the flags)
 //! 4. backend data (persisted VTEP MACs) → lease attributes → lease
-//! 5. devices, traffic rules, subnet.env → ready once the first reconcile on a complete lease
-//!    set succeeded
+//! 5. devices (udp: the forwarder creates `flannel0` and binds its socket first, and its
+//!    applier joins the reconciler), traffic rules, subnet.env → ready once the first
+//!    reconcile on a complete lease set succeeded
 //! 6. tasks: lease watch → reconciler; lease keeper (etcd) / NetworkUnavailable (kube);
 //!    traffic-rule resync; blackhole route; status → metrics and readiness
 //!
@@ -46,6 +47,7 @@ use crate::{
         self, BR_NETFILTER_SYSCTL_DIR, IptablesVariant, SystemRunner, TrafficError, TrafficManager,
         TrafficMode,
     },
+    udp::{UdpConfig, UdpError, UdpForwarder},
     wireguard,
 };
 
@@ -77,6 +79,8 @@ pub enum DaemonError {
     Ipsec(Box<ipsec::IpsecError>),
     #[error("failed to set up masquerade/forward rules: {0}")]
     Traffic(#[from] TrafficError),
+    #[error("failed to start the udp backend: {0}")]
+    Udp(#[from] UdpError),
     #[error("Failed to write subnet file: {0}")]
     SubnetEnv(#[from] SubnetEnvError),
     #[error("health server on {addr}: {source}")]
@@ -214,6 +218,18 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     let mut active = fastpath::start(cli.dataplane, &cli.bpf_pin_path, &backend, stack)?;
     local.ipip_via_ebpf =
         matches!(backend, BackendOptions::Ipip(_)) && active.fast_path().is_some();
+    // udp: the forwarder creates flannel0 (it holds the TUN descriptor) before the device
+    // set-up configures it; it lives until `run` returns.
+    let udp = match &backend {
+        BackendOptions::Udp(opts) => {
+            if stack.has_v6() {
+                warn!("the udp backend carries IPv4 only: IPv6 pod traffic will not cross nodes");
+            }
+            let config = UdpConfig::for_node(&local, opts)?;
+            Some(UdpForwarder::start(&config, cancel.clone())?)
+        }
+        _ => None,
+    };
     dataplane::ensure_devices(&nl, &mut local).await?;
     let mut backend_appliers: Vec<Box<dyn dataplane::Applier>> = Vec::new();
     if let (BackendOptions::Wireguard(opts), Some(key)) = (&backend, wireguard_key) {
@@ -316,6 +332,10 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     for applier in backend_appliers {
         reconciler.push_applier(applier);
     }
+    if let Some(forwarder) = &udp {
+        reconciler.push_applier(Box::new(forwarder.applier()));
+        metrics.set_udp_counter_source(forwarder.counters());
+    }
     let status = reconciler.status();
     let mut tasks: JoinSet<Result<Option<Exit>, DaemonError>> = JoinSet::new();
 
@@ -415,6 +435,8 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             }
         }
     }
+    // Closing the TUN descriptor removes flannel0, as upstream does on shutdown.
+    drop(udp);
     info!("Exiting cleanly...");
     match failure {
         Some(err) => Err(err),

@@ -218,6 +218,7 @@ impl Reconciler {
                     .map(|(name, _)| name.to_owned())
                     .collect()
             }
+            BackendOptions::Udp(_) => vec![crate::udp::TUN_DEVICE.to_owned()],
             _ => Vec::new(),
         }
     }

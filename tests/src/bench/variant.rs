@@ -10,6 +10,7 @@
 //! | `ref-hostgw` | pod → cni0 → node1 → static route via node2 → cni0 → pod (by hand) |
 //! | `ref-vxlan` | the same through hand-made `flannel.1` VXLAN devices with static FDB/neighbour/routes |
 //! | `agent-host-gw`, `agent-vxlan` | pods on two nodes of a cluster run by flannel-agent, kernel dataplane |
+//! | `agent-udp` | the same with the udp backend's TUN path (`flannel0`, user-space forwarder) |
 //! | `agent-ebpf-host-gw`, `agent-ebpf-vxlan` | the same with `--dataplane=ebpf` |
 
 use std::{net::IpAddr, path::PathBuf};
@@ -256,6 +257,12 @@ pub fn all() -> Vec<Variant> {
             "agent-vxlan",
             "pod to pod across nodes, flannel-agent vxlan, kernel dataplane",
             "vxlan",
+            Dataplane::Kernel,
+        ),
+        (
+            "agent-udp",
+            "pod to pod across nodes, flannel-agent udp (flannel0 TUN + user-space forwarder)",
+            "udp",
             Dataplane::Kernel,
         ),
         (

@@ -9,7 +9,7 @@ use std::{
 };
 
 use anyhow::{Result, bail};
-use ipnet::Ipv4Net;
+use ipnet::{Ipv4Net, Ipv6Net};
 use serde_json::Value;
 
 use super::{
@@ -31,6 +31,12 @@ pub struct ClusterSpec {
     pub topology: TopologySpec,
     /// `Network` of the config.
     pub network: Ipv4Net,
+    /// `IPv6Network` of the config; `Some` also sets `EnableIPv6` (dual stack, or IPv6 only
+    /// with [`enable_ipv4`](Self::enable_ipv4) false). Needs an IPv6 underlay
+    /// ([`TopologySpec::ipv6`](crate::topology::TopologySpec::ipv6)).
+    pub ipv6_network: Option<Ipv6Net>,
+    /// `EnableIPv4` (default true; `false` writes `"EnableIPv4": false` and no `Network`).
+    pub enable_ipv4: bool,
     /// `Backend.Type`: vxlan, host-gw, ipip, wireguard, udp.
     pub backend: String,
     /// Further `Backend` options (a JSON object), e.g. `{"DirectRouting": true}`.
@@ -57,6 +63,8 @@ impl ClusterSpec {
         ClusterSpec {
             topology,
             network: Ipv4Net::new(std::net::Ipv4Addr::new(10, 244, 0, 0), 16).unwrap_or_default(),
+            ipv6_network: None,
+            enable_ipv4: true,
             backend: backend.to_owned(),
             backend_options: Value::Object(Default::default()),
             agent: agent.into(),
@@ -69,9 +77,20 @@ impl ClusterSpec {
         }
     }
 
-    /// The JSON stored at `<prefix>/config`.
+    /// The JSON stored at `<prefix>/config` (or written to `net-conf.json` in kube mode).
     pub fn netconf(&self) -> Value {
-        lease::netconf(self.network, &self.backend, self.backend_options.clone())
+        let mut conf = lease::netconf(self.network, &self.backend, self.backend_options.clone());
+        if let Some(obj) = conf.as_object_mut() {
+            if !self.enable_ipv4 {
+                obj.remove("Network");
+                obj.insert("EnableIPv4".into(), Value::Bool(false));
+            }
+            if let Some(v6) = self.ipv6_network {
+                obj.insert("EnableIPv6".into(), Value::Bool(true));
+                obj.insert("IPv6Network".into(), Value::String(v6.to_string()));
+            }
+        }
+        conf
     }
 }
 
