@@ -16,6 +16,7 @@
 
 mod fastpath;
 mod manager;
+mod policy;
 mod rules;
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
@@ -215,7 +216,24 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         mtu,
         vtep_macs,
     );
-    let mut active = fastpath::start(cli.dataplane, &cli.bpf_pin_path, &backend, stack)?;
+    let requested = match (cli.dataplane, policy::detect()) {
+        (Dataplane::Auto, Some(engine)) => {
+            info!(
+                "{engine} NetworkPolicy rules found in netfilter: keeping the kernel path, which \
+                 they filter (the eBPF fast path would bypass them); --dataplane=ebpf overrides"
+            );
+            Dataplane::Kernel
+        }
+        (Dataplane::Ebpf, Some(engine)) => {
+            warn!(
+                "{engine} NetworkPolicy rules found in netfilter: the eBPF fast path bypasses \
+                 them for pod-to-pod traffic (--dataplane=ebpf was asked for explicitly)"
+            );
+            Dataplane::Ebpf
+        }
+        (requested, _) => requested,
+    };
+    let mut active = fastpath::start(requested, &cli.bpf_pin_path, &backend, stack)?;
     local.ipip_via_ebpf =
         matches!(backend, BackendOptions::Ipip(_)) && active.fast_path().is_some();
     // udp: the forwarder creates flannel0 (it holds the TUN descriptor) before the device
