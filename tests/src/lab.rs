@@ -11,6 +11,7 @@
 //! | [`status`] | kernel route/neighbour/FDB counts, `/healthz` and `/metrics` |
 //! | [`cluster`] | everything together: `flannel-lab up` |
 //! | [`bins`] | finding (or building) the workspace's binaries |
+//! | [`wait`] | bounded polling with a message on timeout |
 
 pub mod agent;
 pub mod bins;
@@ -20,3 +21,4 @@ pub mod lease;
 pub mod probe;
 pub mod process;
 pub mod status;
+pub mod wait;
