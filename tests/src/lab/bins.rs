@@ -120,12 +120,6 @@ pub fn test_cni_plugin() -> Result<PathBuf> {
     built_once(&BIN, "flannel-cni", CNI_PLUGIN, "FLANNEL_CNI_BIN")
 }
 
-/// `flannel-lab` for tests, built once per process (`FLANNEL_LAB_BIN` overrides).
-pub fn test_lab() -> Result<PathBuf> {
-    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    built_once(&BIN, "flannel-tests", "flannel-lab", "FLANNEL_LAB_BIN")
-}
-
 /// Resolves a binary for the lab: the explicit path if given, else the one next to the running
 /// executable; the error says how to build it.
 pub fn resolve(explicit: Option<&Path>, name: &str, package: &str) -> Result<PathBuf> {
