@@ -218,6 +218,16 @@ pub struct Cli {
     #[arg(long, default_value = "/run/flannel/wgkey")]
     pub wireguard_key_file: PathBuf,
 
+    /// the pod bridge the CNI plugin creates (the eBPF fast path attaches to it when it appears)
+    #[arg(long, default_value = "cni0")]
+    pub pod_bridge: String,
+
+    /// directory of the UAPI sockets of userspace WireGuard devices (kernels without
+    /// WireGuard); another directory than /var/run/wireguard runs the userspace device in a
+    /// private mount namespace (one directory per node when several share a host)
+    #[arg(long, default_value = "/var/run/wireguard")]
+    pub wireguard_socket_dir: PathBuf,
+
     /// seconds between full reconciliations of the data path
     #[arg(long, default_value = "30", value_parser = parse_seconds)]
     pub resync_interval: u64,
@@ -511,6 +521,7 @@ mod tests {
         assert_eq!(c.bpf_pin_path, PathBuf::from("/sys/fs/bpf/flannel"));
         assert_eq!(c.state_dir, PathBuf::from("/var/lib/flannel"));
         assert_eq!(c.wireguard_key_file, PathBuf::from("/run/flannel/wgkey"));
+        assert_eq!(c.wireguard_socket_dir, PathBuf::from("/var/run/wireguard"));
         assert_eq!(c.resync_interval, 30);
     }
 

@@ -22,9 +22,12 @@
 //! | [`telemetry`] | logging (`-v` levels, `RUST_LOG`) |
 //! | [`traffic`] | masquerade and forward rules (iptables / nftables) |
 //! | [`dataplane`] | devices, routes, neighbours, FDB: desired state, appliers, reconciler |
+//! | [`wireguard`] | the wireguard backend: key, kernel/userspace devices, peers applier |
+//! | [`ipsec`] | the ipsec backend: strongSwan over VICI, XFRM policies, ESP detection |
 
 pub mod alloc;
 pub mod backend;
+pub mod bpf;
 pub mod cli;
 pub mod daemon;
 pub mod dataplane;
@@ -33,6 +36,7 @@ pub mod health;
 pub mod hostnet;
 pub mod iface;
 pub mod ip;
+pub mod ipsec;
 pub mod lease;
 pub mod metrics;
 pub mod netconf;
@@ -41,6 +45,7 @@ pub mod subnet;
 pub mod subnet_env;
 pub mod telemetry;
 pub mod traffic;
+pub mod wireguard;
 
 /// The eBPF object built by `build.rs` (empty when built with `AYA_BUILD_SKIP=1`).
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/flannel"));

@@ -37,6 +37,8 @@ pub struct DataplaneLabels {
 /// One fast-path counter, as read from the per-CPU counters map (summed over CPUs).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FastPathCount {
+    /// The program that counted it (`tc_from_bridge`, ...).
+    pub program: &'static str,
     /// The reason's name (`flannel_common::stats::Reason::name`).
     pub reason: &'static str,
     pub packets: u64,
@@ -61,6 +63,7 @@ impl std::fmt::Debug for FastPathCollector {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabel {
+    program: &'static str,
     reason: &'static str,
 }
 
@@ -73,12 +76,12 @@ impl Collector for FastPathCollector {
         let counts = source.read();
         for (name, help, pick) in [
             (
-                "flannel_fastpath_packets",
+                "fastpath_packets",
                 "Packets seen by the eBPF programs, by reason (fast-pathed, passed to the kernel path, dropped)",
                 (|c: &FastPathCount| c.packets) as fn(&FastPathCount) -> u64,
             ),
             (
-                "flannel_fastpath_bytes",
+                "fastpath_bytes",
                 "Bytes seen by the eBPF programs, by reason",
                 |c: &FastPathCount| c.bytes,
             ),
@@ -91,6 +94,7 @@ impl Collector for FastPathCollector {
             )?;
             for count in &counts {
                 let label = ReasonLabel {
+                    program: count.program,
                     reason: count.reason,
                 };
                 ConstCounter::new(pick(count)).encode(family.encode_family(&label)?)?;
@@ -244,6 +248,7 @@ mod tests {
     impl CounterSource for Fixed {
         fn read(&self) -> Vec<FastPathCount> {
             vec![FastPathCount {
+                program: "tc_from_bridge",
                 reason: "vxlan_encap",
                 packets: 7,
                 bytes: 700,
@@ -275,12 +280,17 @@ mod tests {
 
         m.set_counter_source(Arc::new(Fixed));
         let text = m.render();
+        assert!(!text.contains("flannel_flannel_"), "{text}");
         assert!(
-            text.contains("flannel_fastpath_packets_total{reason=\"vxlan_encap\"} 7"),
+            text.contains(
+                "flannel_fastpath_packets_total{program=\"tc_from_bridge\",reason=\"vxlan_encap\"} 7"
+            ),
             "{text}"
         );
         assert!(
-            text.contains("flannel_fastpath_bytes_total{reason=\"vxlan_encap\"} 700"),
+            text.contains(
+                "flannel_fastpath_bytes_total{program=\"tc_from_bridge\",reason=\"vxlan_encap\"} 700"
+            ),
             "{text}"
         );
     }

@@ -3,8 +3,22 @@
 //! Everything here is `#[repr(C)]`, `Copy`, free of implicit padding and of `bool`
 //! (use `u32` flags), so the same bytes mean the same thing on both sides of the
 //! kernel boundary. With the `user` feature the types implement `aya::Pod`.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`maps`] | map names, sizes and the pin layout version |
+//! | [`programs`] | program names |
+//! | [`stats`] | the per-reason counters and [`stats::Reason`] |
+//! | [`route`] | remote subnets ([`route::RemoteEntry`]) and tunnel peers ([`route::NodeEntry`]) |
+//! | [`config`] | the local node's configuration ([`config::Config`]) |
+//! | [`flow`] | keys of the flow-tracking LRU maps |
+//! | [`csum`] | checksums and the VXLAN source port, as pure functions |
 #![cfg_attr(not(test), no_std)]
 
+pub mod config;
+pub mod csum;
+pub mod flow;
 pub mod maps;
 pub mod programs;
+pub mod route;
 pub mod stats;

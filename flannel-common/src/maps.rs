@@ -1,24 +1,94 @@
-//! Map names, keys and values.
+//! Map names, sizes and the pin layout.
 //!
 //! Kernel object names are at most 15 characters (`BPF_OBJ_NAME_LEN` - 1); longer names would be
 //! silently truncated in `bpftool map list`, so every name is checked at compile time.
+//!
+//! The fast-path maps are pinned under `<--bpf-pin-path>/<PIN_LAYOUT_VERSION>/<NAME>` so that a
+//! restarted agent finds them (entries and counters intact); the classifier maps are not pinned.
+//!
+//! | name | type | key → value | written by |
+//! |---|---|---|---|
+//! | [`ROUTES4`] | LPM trie | remote pod subnet → [`crate::route::RemoteEntry`] | agent (`sync`) |
+//! | [`NODES4`] | hash | peer public IPv4 → [`crate::route::NodeEntry`] | agent (`sync`) |
+//! | [`CONFIG`] | array (1) | 0 → [`crate::config::Config`] | agent |
+//! | [`NAT_GUARD4`] | LRU hash | [`crate::flow::PeerKey`] → `u32` | `tc_from_netdev` |
+//! | [`KERNEL_FLOWS4`] | LRU hash | [`crate::flow::FlowKey`] → `u32` | `tc_to_netdev` |
+//! | [`CNT_FROM_BRIDGE`], [`CNT_FROM_NETDEV`], [`CNT_TO_NETDEV`], [`CNT_XDP_NETDEV`] | per-CPU array | [`crate::stats::Reason`] → [`crate::stats::Counter`] | the program of that name |
+//! | [`TC_STATS`], [`XDP_STATS`] | per-CPU array | [`crate::stats::Reason`] → [`crate::stats::Counter`] | the classifiers |
 
-/// Directory (under the bpffs pin path) holding this layout version's pins.
+/// Directory (under the bpffs pin path) holding this layout version's pinned maps. Bump it when
+/// a pinned map's key, value or size changes; the agent then loads fresh maps and removes the
+/// old version's directory once its programs are replaced.
 pub const PIN_LAYOUT_VERSION: &str = "v1";
 
+/// Directory (under the bpffs pin path, next to the layout versions) holding the pinned TCX
+/// links, named `<program>-<ifindex>` (bpffs refuses dots in link names). Links outlive layout versions: a new agent replaces the
+/// program behind an existing link atomically.
+pub const PIN_LINKS_DIR: &str = "links";
+
+/// LPM trie of remote IPv4 pod subnets.
+pub const ROUTES4: &str = "FLANNEL_ROUTES4";
+/// Maximum remote IPv4 subnets (nodes) the trie holds.
+pub const ROUTES4_MAX_ENTRIES: u32 = 65536;
+
+/// Hash of tunnel peers (public IPv4 → accepted tunnel kinds).
+pub const NODES4: &str = "FLANNEL_NODES4";
+/// Maximum tunnel peers.
+pub const NODES4_MAX_ENTRIES: u32 = 65536;
+
+/// Single-entry array holding the local node's configuration.
+pub const CONFIG: &str = "FLANNEL_CONFIG";
+
+/// LRU of remote pod endpoints that contacted a host address of this node.
+pub const NAT_GUARD4: &str = "FLANNEL_NATGRD4";
+/// Size of [`NAT_GUARD4`].
+pub const NAT_GUARD4_MAX_ENTRIES: u32 = 16384;
+
+/// LRU of local pod → remote pod flows that left through the kernel.
+pub const KERNEL_FLOWS4: &str = "FLANNEL_KFLOWS4";
+/// Size of [`KERNEL_FLOWS4`].
+pub const KERNEL_FLOWS4_MAX_ENTRIES: u32 = 65536;
+
+/// Counters of `tc_from_bridge` ([`crate::stats::COUNTER_SLOTS`] entries).
+pub const CNT_FROM_BRIDGE: &str = "FLANNEL_CNT_FBR";
+/// Counters of `tc_from_netdev`.
+pub const CNT_FROM_NETDEV: &str = "FLANNEL_CNT_FND";
+/// Counters of `tc_to_netdev`.
+pub const CNT_TO_NETDEV: &str = "FLANNEL_CNT_TND";
+/// Counters of `xdp_from_netdev`.
+pub const CNT_XDP_NETDEV: &str = "FLANNEL_CNT_XND";
+
 /// Per-CPU array of [`crate::stats::Counter`] indexed by [`crate::stats::Reason`], filled by the
-/// TC programs.
+/// TC classifier.
 pub const TC_STATS: &str = "FLANNEL_TC_CNT";
 
 /// Per-CPU array of [`crate::stats::Counter`] indexed by [`crate::stats::Reason`], filled by the
-/// XDP programs (kept apart from [`TC_STATS`] so a packet seen by both hooks is not counted twice
-/// in one place).
+/// XDP classifier (kept apart from [`TC_STATS`] so a packet seen by both hooks is not counted
+/// twice in one place).
 pub const XDP_STATS: &str = "FLANNEL_XDP_CNT";
+
+/// The maps the agent pins (and adopts after a restart).
+pub const PINNED: [&str; 9] = [
+    ROUTES4,
+    NODES4,
+    CONFIG,
+    NAT_GUARD4,
+    KERNEL_FLOWS4,
+    CNT_FROM_BRIDGE,
+    CNT_FROM_NETDEV,
+    CNT_TO_NETDEV,
+    CNT_XDP_NETDEV,
+];
 
 /// Longest name the kernel keeps for a map or program.
 pub const MAX_OBJ_NAME_LEN: usize = 15;
 
 const _: () = {
+    let mut i = 0;
+    while i < PINNED.len() {
+        assert!(PINNED[i].len() <= MAX_OBJ_NAME_LEN);
+        i += 1;
+    }
     assert!(TC_STATS.len() <= MAX_OBJ_NAME_LEN);
     assert!(XDP_STATS.len() <= MAX_OBJ_NAME_LEN);
 };

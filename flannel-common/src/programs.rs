@@ -1,4 +1,14 @@
 //! Names of the programs in the eBPF object (the loader looks them up by these names).
+//!
+//! Fast-path programs are named `<hook>_<from|to>_<device>` from the device's point of view, as
+//! Cilium does:
+//!
+//! | program | attach point | job |
+//! |---|---|---|
+//! | [`TC_FROM_BRIDGE`] | TC ingress of the pod bridge (`cni0`) | pod → remote pod: host-gw redirect, VXLAN or IPIP encapsulation |
+//! | [`TC_FROM_NETDEV`] | TC ingress of the external interface | IPIP decapsulation, VXLAN receive, delivery to the bridge, NAT-guard learning |
+//! | [`TC_TO_NETDEV`] | TC egress of the external interface | IPIP encapsulation of kernel-routed packets, kernel-flow learning |
+//! | [`XDP_FROM_NETDEV`] | XDP (native mode only) of the external interface | decapsulation of deliverable IPIP/VXLAN before GRO |
 
 use crate::maps::MAX_OBJ_NAME_LEN;
 
@@ -10,7 +20,32 @@ pub const TC_CLASSIFY: &str = "tc_classify";
 /// returns `XDP_PASS`.
 pub const XDP_CLASSIFY: &str = "xdp_classify";
 
+/// Pod egress: TC ingress of the pod bridge.
+pub const TC_FROM_BRIDGE: &str = "tc_from_bridge";
+
+/// Node ingress: TC ingress of the external interface.
+pub const TC_FROM_NETDEV: &str = "tc_from_netdev";
+
+/// Node egress: TC egress of the external interface.
+pub const TC_TO_NETDEV: &str = "tc_to_netdev";
+
+/// Node ingress before GRO: XDP (native mode) of the external interface.
+pub const XDP_FROM_NETDEV: &str = "xdp_from_netdev";
+
+/// Measurement only, never attached by the agent: VXLAN transmit through a collect_md device
+/// (`bpf_skb_set_tunnel_key` + redirect), the alternative the fast path was measured against.
+pub const TC_BENCH_VXMD: &str = "tc_bench_vxmd";
+
+/// The bench program's map: index 0 holds the collect_md device's ifindex.
+pub const BENCH_MD_MAP: &str = "FLANNEL_BENCHMD";
+
 const _: () = {
+    assert!(TC_BENCH_VXMD.len() <= MAX_OBJ_NAME_LEN);
+    assert!(BENCH_MD_MAP.len() <= MAX_OBJ_NAME_LEN);
     assert!(TC_CLASSIFY.len() <= MAX_OBJ_NAME_LEN);
     assert!(XDP_CLASSIFY.len() <= MAX_OBJ_NAME_LEN);
+    assert!(TC_FROM_BRIDGE.len() <= MAX_OBJ_NAME_LEN);
+    assert!(TC_FROM_NETDEV.len() <= MAX_OBJ_NAME_LEN);
+    assert!(TC_TO_NETDEV.len() <= MAX_OBJ_NAME_LEN);
+    assert!(XDP_FROM_NETDEV.len() <= MAX_OBJ_NAME_LEN);
 };

@@ -1,11 +1,20 @@
 //! Per-CPU counters kept by the eBPF programs, indexed by [`Reason`].
 //!
 //! Every program run counts the packet exactly once under a *classification* reason (what the
-//! parser saw: [`ReasonKind::Class`] or [`ReasonKind::Malformed`]). The fast path will add
-//! *verdict* reasons (forwarded in eBPF, passed to the kernel because of X, dropped because of
-//! Y), each counted once more per packet. New reasons are only ever appended, so the index of an
-//! existing reason never changes; the map's size is [`Reason::COUNT`], so growing the enum grows
-//! the map (bump [`crate::maps::PIN_LAYOUT_VERSION`] when pinned maps change size).
+//! parser saw: [`ReasonKind::Class`] or [`ReasonKind::Malformed`]). The fast-path programs also
+//! count it exactly once under a *verdict* reason: [`ReasonKind::Fast`] (handled in eBPF),
+//! [`ReasonKind::Pass`] (handed to the kernel unchanged, and why) or [`ReasonKind::Drop`].
+//! [`ReasonKind::Event`] reasons count side effects (a flow learnt) on top of that.
+//!
+//! New reasons are only ever appended, so the index of an existing reason never changes. The
+//! classifier maps are sized [`Reason::COUNT`]; the fast-path maps, which are pinned and
+//! survive agent upgrades, have [`COUNTER_SLOTS`] entries so that appending reasons does not
+//! change their layout.
+
+/// Entries of the pinned fast-path counter maps: room for reasons appended later.
+pub const COUNTER_SLOTS: usize = 128;
+
+const _: () = assert!(Reason::COUNT <= COUNTER_SLOTS);
 
 /// Packets and bytes for one reason.
 #[repr(C)]
@@ -36,6 +45,14 @@ pub enum ReasonKind {
     /// A packet the parser rejected (one per packet and program run, instead of a class).
     /// Such packets are still handed to the kernel, which drops or answers them itself.
     Malformed,
+    /// Handled by the fast path (forwarded, encapsulated, decapsulated or delivered).
+    Fast,
+    /// Handed to the kernel unchanged; the reason says why the fast path did not take it.
+    Pass,
+    /// Dropped by the fast path.
+    Drop,
+    /// A side effect counted in addition to the verdict.
+    Event,
 }
 
 /// Why a packet was counted: the index into the stats maps.
@@ -91,11 +108,89 @@ pub enum Reason {
     L4Truncated = 21,
     /// TCP data offset below 5, or TCP options beyond the end of the IP datagram.
     TcpBadOffset = 22,
+    /// `tc_from_bridge`: a pod's packet to a host-gw (or DirectRouting) peer, routed by `bpf_fib_lookup` and redirected to the external interface.
+    FastHostGw = 23,
+    /// `tc_from_bridge`: a pod's packet encapsulated in VXLAN and sent out of the external interface.
+    FastVxlan = 24,
+    /// `tc_from_bridge`: a pod's packet encapsulated in IPIP and sent out of the external interface.
+    FastIpip = 25,
+    /// `tc_to_netdev`: a packet the kernel routed to an IPIP peer (host-originated, or passed by `tc_from_bridge`), encapsulated on its way out.
+    FastIpipEgress = 26,
+    /// `tc_from_netdev`: IPIP from a known node, decapsulated and handed to the stack.
+    FastDecapIpip = 27,
+    /// `tc_from_netdev`: IPIP from a known node, decapsulated and delivered to the pod bridge.
+    FastDeliverIpip = 28,
+    /// `tc_from_netdev`: VXLAN from a known node, decapsulated and delivered to the pod bridge.
+    FastDeliverVxlan = 29,
+    /// `tc_from_netdev`: a plain (host-gw) packet from a remote pod delivered to the pod bridge.
+    FastDeliver = 30,
+    /// The config entry is not enabled yet.
+    PassNotConfigured = 31,
+    /// Not IPv4 (IPv6, ARP, other EtherTypes).
+    PassNotIpv4 = 32,
+    /// The parser rejected the packet (its class counter says why).
+    PassMalformed = 33,
+    /// An IPv4 fragment (the kernel reassembles; ports are unknown).
+    PassFragment = 34,
+    /// IPv4 with options.
+    PassIpOptions = 35,
+    /// Neither TCP, UDP nor ICMP.
+    PassOtherProto = 36,
+    /// ICMP other than echo request/reply (errors quote headers conntrack may have to rewrite).
+    PassIcmpNotEcho = 37,
+    /// The destination is not in a remote pod subnet (a local pod, a service, the host, the outside).
+    PassNoRoute = 38,
+    /// `tc_from_netdev`: neither a tunnel packet for us nor a remote pod's packet to a local pod.
+    PassNotForPod = 39,
+    /// The source is not where it should be (`tc_from_bridge`: not a local pod; `tc_from_netdev`: not in a remote pod subnet).
+    PassForeignSource = 40,
+    /// TTL 1 or 0: the kernel sends the ICMP time-exceeded.
+    PassTtlExceeded = 41,
+    /// `tc_from_bridge`: the remote endpoint reached this node through a host address (NAT guard hit), so conntrack may have to undo a DNAT.
+    PassNatReply = 42,
+    /// `tc_from_netdev`: the flow's outgoing packets went through the kernel (conntrack knows it).
+    PassKernelFlow = 43,
+    /// Too big for the path after encapsulation: the kernel path fragments or sends ICMP.
+    PassTooBig = 44,
+    /// `bpf_fib_lookup` found no usable route (or needs fragmentation).
+    PassFibFailed = 45,
+    /// `bpf_skb_adjust_room` refused the packet (it is unchanged).
+    PassAdjustFailed = 46,
+    /// The remote subnet's map entry has an unknown kind.
+    PassBadRoute = 47,
+    /// `tc_to_netdev`: the remote subnet is not an IPIP one; the kernel's packet goes out as it is.
+    PassNotIpipRoute = 48,
+    /// `tc_from_netdev`: a tunnel packet from a node that is not a peer of that kind.
+    PassUnknownPeer = 49,
+    /// `tc_from_netdev`: VXLAN for us with another VNI, flags, inner MAC or inner protocol: left to `flannel.<VNI>`.
+    PassVxlanMismatch = 50,
+    /// `tc_from_netdev`: VXLAN receive in eBPF is disabled (`CFG_VXLAN_RX`).
+    PassVxlanRxOff = 51,
+    /// `tc_from_netdev`: delivery of plain/IPIP packets is disabled (`CFG_ROUTED_RX`).
+    PassRoutedRxOff = 52,
+    /// Writing headers failed after the packet was already resized: it cannot be handed on.
+    DropRewriteFailed = 53,
+    /// `tc_to_netdev`: an IPIP packet too big for the external interface (no kernel IPIP path exists to fall back to).
+    DropTooBig = 54,
+    /// `tc_from_netdev` recorded a remote pod endpoint that talks to a host address (counted in addition to the verdict).
+    LearnNatGuard = 55,
+    /// `tc_to_netdev` recorded a pod-to-pod flow leaving through the kernel (counted in addition to the verdict).
+    LearnKernelFlow = 56,
+    /// `tc_from_netdev`: a GSO (GRO-aggregated) VXLAN packet. `bpf_skb_adjust_room` cannot
+    /// reset the tunnel offload state the way the kernel's VXLAN receive does, so the packet
+    /// would be segmented again in software on the way to the pod; it is left to
+    /// `flannel.<VNI>` and its flow is handed to the kernel in both directions.
+    PassGso = 57,
+    /// `xdp_from_netdev`: IPIP for a local pod from a known node, decapsulated before GRO
+    /// (`tc_from_netdev` then delivers the inner packet).
+    FastXdpDecapIpip = 58,
+    /// `xdp_from_netdev`: VXLAN for a local pod from a known node, decapsulated before GRO.
+    FastXdpDecapVxlan = 59,
 }
 
 impl Reason {
     /// Number of reasons: the `max_entries` of the stats maps.
-    pub const COUNT: usize = 23;
+    pub const COUNT: usize = 60;
 
     /// Every reason, in index order.
     pub const ALL: [Reason; Reason::COUNT] = [
@@ -122,6 +217,43 @@ impl Reason {
         Reason::Ipv6BadLength,
         Reason::L4Truncated,
         Reason::TcpBadOffset,
+        Reason::FastHostGw,
+        Reason::FastVxlan,
+        Reason::FastIpip,
+        Reason::FastIpipEgress,
+        Reason::FastDecapIpip,
+        Reason::FastDeliverIpip,
+        Reason::FastDeliverVxlan,
+        Reason::FastDeliver,
+        Reason::PassNotConfigured,
+        Reason::PassNotIpv4,
+        Reason::PassMalformed,
+        Reason::PassFragment,
+        Reason::PassIpOptions,
+        Reason::PassOtherProto,
+        Reason::PassIcmpNotEcho,
+        Reason::PassNoRoute,
+        Reason::PassNotForPod,
+        Reason::PassForeignSource,
+        Reason::PassTtlExceeded,
+        Reason::PassNatReply,
+        Reason::PassKernelFlow,
+        Reason::PassTooBig,
+        Reason::PassFibFailed,
+        Reason::PassAdjustFailed,
+        Reason::PassBadRoute,
+        Reason::PassNotIpipRoute,
+        Reason::PassUnknownPeer,
+        Reason::PassVxlanMismatch,
+        Reason::PassVxlanRxOff,
+        Reason::PassRoutedRxOff,
+        Reason::DropRewriteFailed,
+        Reason::DropTooBig,
+        Reason::LearnNatGuard,
+        Reason::LearnKernelFlow,
+        Reason::PassGso,
+        Reason::FastXdpDecapIpip,
+        Reason::FastXdpDecapVxlan,
     ];
 
     /// The map index of this reason.
@@ -165,6 +297,43 @@ impl Reason {
             Reason::Ipv6BadLength => "malformed_ipv6_bad_length",
             Reason::L4Truncated => "malformed_l4_truncated",
             Reason::TcpBadOffset => "malformed_tcp_bad_offset",
+            Reason::FastHostGw => "fast_host_gw",
+            Reason::FastVxlan => "fast_vxlan",
+            Reason::FastIpip => "fast_ipip",
+            Reason::FastIpipEgress => "fast_ipip_egress",
+            Reason::FastDecapIpip => "fast_decap_ipip",
+            Reason::FastDeliverIpip => "fast_deliver_ipip",
+            Reason::FastDeliverVxlan => "fast_deliver_vxlan",
+            Reason::FastDeliver => "fast_deliver",
+            Reason::PassNotConfigured => "pass_not_configured",
+            Reason::PassNotIpv4 => "pass_not_ipv4",
+            Reason::PassMalformed => "pass_malformed",
+            Reason::PassFragment => "pass_fragment",
+            Reason::PassIpOptions => "pass_ip_options",
+            Reason::PassOtherProto => "pass_other_proto",
+            Reason::PassIcmpNotEcho => "pass_icmp_not_echo",
+            Reason::PassNoRoute => "pass_no_route",
+            Reason::PassNotForPod => "pass_not_for_pod",
+            Reason::PassForeignSource => "pass_foreign_source",
+            Reason::PassTtlExceeded => "pass_ttl_exceeded",
+            Reason::PassNatReply => "pass_nat_reply",
+            Reason::PassKernelFlow => "pass_kernel_flow",
+            Reason::PassTooBig => "pass_too_big",
+            Reason::PassFibFailed => "pass_fib_failed",
+            Reason::PassAdjustFailed => "pass_adjust_room_failed",
+            Reason::PassBadRoute => "pass_bad_route",
+            Reason::PassNotIpipRoute => "pass_not_ipip_route",
+            Reason::PassUnknownPeer => "pass_unknown_peer",
+            Reason::PassVxlanMismatch => "pass_vxlan_mismatch",
+            Reason::PassVxlanRxOff => "pass_vxlan_rx_off",
+            Reason::PassRoutedRxOff => "pass_routed_rx_off",
+            Reason::DropRewriteFailed => "drop_rewrite_failed",
+            Reason::DropTooBig => "drop_too_big",
+            Reason::LearnNatGuard => "learn_nat_guard",
+            Reason::LearnKernelFlow => "learn_kernel_flow",
+            Reason::PassGso => "pass_gso",
+            Reason::FastXdpDecapIpip => "fast_xdp_decap_ipip",
+            Reason::FastXdpDecapVxlan => "fast_xdp_decap_vxlan",
         }
     }
 
@@ -194,6 +363,41 @@ impl Reason {
             | Reason::Ipv6BadLength
             | Reason::L4Truncated
             | Reason::TcpBadOffset => ReasonKind::Malformed,
+            Reason::FastHostGw
+            | Reason::FastVxlan
+            | Reason::FastIpip
+            | Reason::FastIpipEgress
+            | Reason::FastDecapIpip
+            | Reason::FastDeliverIpip
+            | Reason::FastDeliverVxlan
+            | Reason::FastDeliver
+            | Reason::FastXdpDecapIpip
+            | Reason::FastXdpDecapVxlan => ReasonKind::Fast,
+            Reason::PassNotConfigured
+            | Reason::PassNotIpv4
+            | Reason::PassMalformed
+            | Reason::PassFragment
+            | Reason::PassIpOptions
+            | Reason::PassOtherProto
+            | Reason::PassIcmpNotEcho
+            | Reason::PassNoRoute
+            | Reason::PassNotForPod
+            | Reason::PassForeignSource
+            | Reason::PassTtlExceeded
+            | Reason::PassNatReply
+            | Reason::PassKernelFlow
+            | Reason::PassTooBig
+            | Reason::PassFibFailed
+            | Reason::PassAdjustFailed
+            | Reason::PassBadRoute
+            | Reason::PassNotIpipRoute
+            | Reason::PassUnknownPeer
+            | Reason::PassVxlanMismatch
+            | Reason::PassVxlanRxOff
+            | Reason::PassRoutedRxOff
+            | Reason::PassGso => ReasonKind::Pass,
+            Reason::DropRewriteFailed | Reason::DropTooBig => ReasonKind::Drop,
+            Reason::LearnNatGuard | Reason::LearnKernelFlow => ReasonKind::Event,
         }
     }
 }
@@ -246,6 +450,29 @@ mod tests {
                 "{reason:?}"
             );
         }
+    }
+
+    #[test]
+    fn verdict_names_carry_their_kind() {
+        for reason in Reason::ALL {
+            let prefix = match reason.kind() {
+                ReasonKind::Fast => "fast_",
+                ReasonKind::Pass => "pass_",
+                ReasonKind::Drop => "drop_",
+                ReasonKind::Event => "learn_",
+                ReasonKind::Class | ReasonKind::Malformed => continue,
+            };
+            assert!(reason.name().starts_with(prefix), "{reason:?}");
+        }
+    }
+
+    #[test]
+    fn classifier_reasons_keep_their_indices() {
+        // Appending must never renumber what the classifier maps already use.
+        assert_eq!(Reason::Ipv4Tcp.index(), 0);
+        assert_eq!(Reason::Arp.index(), 11);
+        assert_eq!(Reason::TcpBadOffset.index(), 22);
+        assert_eq!(Reason::FastHostGw.index(), 23);
     }
 
     #[test]

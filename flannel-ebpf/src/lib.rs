@@ -3,13 +3,31 @@
 //! | module | job |
 //! |---|---|
 //! | [`parse`] | bounds-checked packet access and the Ethernet → IP → L4 parser/classifier |
+//! | [`ipv4`] | the IPv4 fields the fast path decides on; TTL decrement |
+//! | [`decide`] | the fast path's decisions as pure functions (host-tested) |
+//! | [`bridge`] | `tc_from_bridge`: pod → remote pod transmit |
+//! | [`netdev`] | `tc_from_netdev` / `tc_to_netdev`: receive, delivery, IPIP egress |
+//! | [`xdp`] | `xdp_from_netdev`: tunnel decapsulation before GRO |
+//! | [`encap`] | VXLAN and IPIP headers and encapsulation (and why not collect_md) |
+//! | [`deliver`] | decapsulation, delivery to the bridge, the conntrack-consistency flow tables |
+//! | [`fib`] | `bpf_fib_lookup` + redirect |
 //! | [`maps`] | every map of the object |
 //! | [`stats`] | counting packets per [`flannel_common::stats::Reason`] |
+//! | [`bench`] | measurement only: the collect_md alternative (`tc_bench_vxmd`) |
 //!
 //! On the bpf target this is `no_std`; on the host it compiles with std so that clippy and the
 //! unit tests (`cargo test -p flannel-ebpf --lib`) cover the pure logic.
 #![cfg_attr(target_arch = "bpf", no_std)]
 
+pub mod bench;
+pub mod bridge;
+pub mod decide;
+pub mod deliver;
+pub mod encap;
+pub mod fib;
+pub mod ipv4;
 pub mod maps;
+pub mod netdev;
 pub mod parse;
 pub mod stats;
+pub mod xdp;

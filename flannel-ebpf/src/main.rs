@@ -1,5 +1,14 @@
 //! flannel's eBPF object: the program entry points. Each is a thin wrapper over the library
-//! (`flannel_ebpf::{parse, stats, maps}`) so that TC and XDP share the same logic.
+//! (`flannel_ebpf::*`) so that the programs share the parser, the decisions and the counters.
+//!
+//! | program | attach point |
+//! |---|---|
+//! | `tc_from_bridge` | TC ingress of the pod bridge (`cni0`) |
+//! | `tc_from_netdev` | TC ingress of the external interface |
+//! | `tc_to_netdev` | TC egress of the external interface |
+//! | `xdp_from_netdev` | XDP (native mode) of the external interface |
+//! | `tc_classify`, `xdp_classify` | anywhere: classification counters only |
+//! | `tc_bench_vxmd` | measurement only (never attached by the agent): collect_md transmit |
 //!
 //! Built for bpfel-unknown-none by aya-build; on the host it compiles too (empty `main`) so that
 //! `cargo clippy --workspace --all-targets` covers it.
@@ -11,15 +20,20 @@ use aya_ebpf::{
     macros::{classifier, xdp},
     programs::{TcContext, XdpContext},
 };
+use flannel_common::stats::Reason;
 use flannel_ebpf::{
-    maps::{FLANNEL_TC_CNT, FLANNEL_XDP_CNT},
+    bench, bridge,
+    maps::{
+        FLANNEL_CNT_FBR, FLANNEL_CNT_FND, FLANNEL_CNT_TND, FLANNEL_CNT_XND, FLANNEL_TC_CNT,
+        FLANNEL_XDP_CNT,
+    },
+    netdev,
     parse::{self, PULL_LEN, PacketCtx as _},
-    stats,
+    stats, xdp,
 };
 
 /// TC classifier for any device and direction: parses the packet, counts it under its class
-/// (or malformed reason) in `FLANNEL_TC_CNT`, and always lets it through. The forwarding
-/// decisions of the fast path will be made on top of this classification.
+/// (or malformed reason) in `FLANNEL_TC_CNT`, and always lets it through.
 #[classifier]
 pub fn tc_classify(ctx: TcContext) -> i32 {
     ctx.pull_headers(PULL_LEN);
@@ -34,6 +48,78 @@ pub fn xdp_classify(ctx: XdpContext) -> u32 {
     let reason = parse::classify(&ctx);
     stats::count(&FLANNEL_XDP_CNT, reason, ctx.packet_len() as u64);
     XDP_PASS
+}
+
+/// Pod egress, on TC ingress of the pod bridge: see `flannel_ebpf::bridge`.
+#[classifier]
+pub fn tc_from_bridge(ctx: TcContext) -> i32 {
+    ctx.pull_headers(PULL_LEN);
+    let bytes = ctx.packet_len() as u64;
+    let out = bridge::run(&ctx);
+    stats::count_run(
+        &FLANNEL_CNT_FBR,
+        out.class,
+        out.verdict,
+        [None, None],
+        bytes,
+    );
+    out.action
+}
+
+/// Node ingress, on TC ingress of the external interface: see `flannel_ebpf::netdev`.
+#[classifier]
+pub fn tc_from_netdev(ctx: TcContext) -> i32 {
+    ctx.pull_headers(PULL_LEN);
+    let bytes = ctx.packet_len() as u64;
+    let (out, learnt) = netdev::from_netdev(&ctx);
+    let events = [
+        learnt.nat_guard.then_some(Reason::LearnNatGuard),
+        learnt.kernel_flow.then_some(Reason::LearnKernelFlow),
+    ];
+    stats::count_run(&FLANNEL_CNT_FND, out.class, out.verdict, events, bytes);
+    out.action
+}
+
+/// Node egress, on TC egress of the external interface: see `flannel_ebpf::netdev`.
+#[classifier]
+pub fn tc_to_netdev(ctx: TcContext) -> i32 {
+    let bytes = ctx.packet_len() as u64;
+    match netdev::to_netdev(&ctx) {
+        Some((out, learnt)) => {
+            let event = learnt.then_some(Reason::LearnKernelFlow);
+            stats::count_run(
+                &FLANNEL_CNT_TND,
+                out.class,
+                out.verdict,
+                [event, None],
+                bytes,
+            );
+            out.action
+        }
+        None => TC_ACT_OK,
+    }
+}
+
+/// Node ingress before GRO, native XDP on the external interface: see `flannel_ebpf::xdp`.
+#[xdp]
+pub fn xdp_from_netdev(ctx: XdpContext) -> u32 {
+    let bytes = ctx.packet_len() as u64;
+    let out = xdp::from_netdev(&ctx);
+    stats::count_run(
+        &FLANNEL_CNT_XND,
+        out.class,
+        out.verdict,
+        [None, None],
+        bytes,
+    );
+    out.action
+}
+
+/// Measurement only: the collect_md transmit alternative, see `flannel_ebpf::bench`.
+#[classifier]
+pub fn tc_bench_vxmd(ctx: TcContext) -> i32 {
+    ctx.pull_headers(PULL_LEN);
+    bench::vxlan_md(&ctx)
 }
 
 #[cfg(target_arch = "bpf")]

@@ -1,12 +1,22 @@
 //! Every map of the eBPF object, in one place to audit names and sizes.
 //!
 //! All maps are BTF-defined (`#[btf_map]`) so that `bpftool map dump` prints their keys and
-//! values as typed JSON. Names must match `flannel_common::maps`.
+//! values as typed JSON. Names must match `flannel_common::maps` (checked by the agent when it
+//! loads the object); the table there says who writes what.
 
-use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map};
-use flannel_common::stats::{Counter, Reason};
+use aya_ebpf::{
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
+    macros::btf_map,
+};
+use flannel_common::{
+    config::Config,
+    flow::{FlowKey, PeerKey},
+    maps as names,
+    route::{NodeEntry, RemoteEntry},
+    stats::{COUNTER_SLOTS, Counter, Reason},
+};
 
-/// Per-CPU packet/byte counters of the TC programs, indexed by [`Reason`]
+/// Per-CPU packet/byte counters of the TC classifier, indexed by [`Reason`]
 /// (`flannel_common::maps::TC_STATS`).
 #[btf_map]
 pub static FLANNEL_TC_CNT: PerCpuArray<Counter, { Reason::COUNT }> = PerCpuArray::new();
@@ -15,3 +25,74 @@ pub static FLANNEL_TC_CNT: PerCpuArray<Counter, { Reason::COUNT }> = PerCpuArray
 /// (`flannel_common::maps::XDP_STATS`).
 #[btf_map]
 pub static FLANNEL_XDP_CNT: PerCpuArray<Counter, { Reason::COUNT }> = PerCpuArray::new();
+
+/// Remote IPv4 pod subnets → how to reach them (`flannel_common::maps::ROUTES4`).
+#[btf_map]
+pub static FLANNEL_ROUTES4: LpmTrie<[u8; 4], RemoteEntry, { names::ROUTES4_MAX_ENTRIES as usize }> =
+    LpmTrie::new();
+
+/// Tunnel peers: public IPv4 → accepted tunnel kinds (`flannel_common::maps::NODES4`).
+#[btf_map]
+pub static FLANNEL_NODES4: HashMap<[u8; 4], NodeEntry, { names::NODES4_MAX_ENTRIES as usize }> =
+    HashMap::new();
+
+/// The local node's configuration, one entry (`flannel_common::maps::CONFIG`).
+#[btf_map]
+pub static FLANNEL_CONFIG: Array<Config, 1> = Array::new();
+
+/// Remote pod endpoints that talked to a host address of this node
+/// (`flannel_common::maps::NAT_GUARD4`).
+#[btf_map]
+pub static FLANNEL_NATGRD4: LruHashMap<PeerKey, u32, { names::NAT_GUARD4_MAX_ENTRIES as usize }> =
+    LruHashMap::new();
+
+/// Local pod → remote pod flows that left through the kernel
+/// (`flannel_common::maps::KERNEL_FLOWS4`).
+#[btf_map]
+pub static FLANNEL_KFLOWS4: LruHashMap<
+    FlowKey,
+    u32,
+    { names::KERNEL_FLOWS4_MAX_ENTRIES as usize },
+> = LruHashMap::new();
+
+/// Counters of `tc_from_bridge` (`flannel_common::maps::CNT_FROM_BRIDGE`).
+#[btf_map]
+pub static FLANNEL_CNT_FBR: PerCpuArray<Counter, COUNTER_SLOTS> = PerCpuArray::new();
+
+/// Counters of `tc_from_netdev` (`flannel_common::maps::CNT_FROM_NETDEV`).
+#[btf_map]
+pub static FLANNEL_CNT_FND: PerCpuArray<Counter, COUNTER_SLOTS> = PerCpuArray::new();
+
+/// Counters of `tc_to_netdev` (`flannel_common::maps::CNT_TO_NETDEV`).
+#[btf_map]
+pub static FLANNEL_CNT_TND: PerCpuArray<Counter, COUNTER_SLOTS> = PerCpuArray::new();
+
+/// Counters of `xdp_from_netdev` (`flannel_common::maps::CNT_XDP_NETDEV`).
+#[btf_map]
+pub static FLANNEL_CNT_XND: PerCpuArray<Counter, COUNTER_SLOTS> = PerCpuArray::new();
+
+/// The configuration, if the agent has enabled it.
+#[inline(always)]
+pub fn config() -> Option<&'static Config> {
+    match FLANNEL_CONFIG.get(0) {
+        Some(cfg) if cfg.enabled() => Some(cfg),
+        _ => None,
+    }
+}
+
+/// The remote subnet containing `addr`, if any (longest prefix).
+#[inline(always)]
+pub fn route(addr: [u8; 4]) -> Option<&'static RemoteEntry> {
+    FLANNEL_ROUTES4.get(&Key::new(32, addr))
+}
+
+/// The tunnel kinds accepted from the node with public IP `addr` (`NODE_F_*`), 0 if unknown.
+#[inline(always)]
+pub fn node_flags(addr: [u8; 4]) -> u32 {
+    match FLANNEL_NODES4.get_ptr(addr) {
+        // SAFETY: the pointer comes from a successful lookup; NodeEntry is a plain u32 that is
+        // read once (a concurrent update can only replace it with another valid value).
+        Some(entry) => unsafe { (*entry).flags },
+        None => 0,
+    }
+}

@@ -214,6 +214,13 @@ pub fn classify<C: PacketCtx>(ctx: &C) -> Reason {
     }
 }
 
+/// Parses an IPv4 packet whose header starts at `l3` (an inner packet of a tunnel, for
+/// example): its layout and class, or the reason it is malformed.
+#[inline(always)]
+pub fn parse_ipv4_at<C: PacketCtx>(ctx: &C, l3: usize) -> Result<Packet, Reason> {
+    parse_ipv4(ctx, l3)
+}
+
 #[inline(always)]
 fn parse_ipv4<C: PacketCtx>(ctx: &C, l3: usize) -> Result<Packet, Reason> {
     let hdr: Ipv4Hdr = read(ctx, l3).ok_or(Reason::Ipv4Truncated)?;

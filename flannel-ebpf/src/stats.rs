@@ -16,3 +16,20 @@ pub fn count<const N: usize>(map: &PerCpuArray<Counter, N>, reason: Reason, byte
         }
     }
 }
+
+/// Counts a fast-path program run: the packet's class, its verdict, and the events that
+/// happened.
+#[inline(always)]
+pub fn count_run<const N: usize>(
+    map: &PerCpuArray<Counter, N>,
+    class: Reason,
+    verdict: Reason,
+    events: [Option<Reason>; 2],
+    bytes: u64,
+) {
+    count(map, class, bytes);
+    count(map, verdict, bytes);
+    for event in events.into_iter().flatten() {
+        count(map, event, bytes);
+    }
+}

@@ -1333,6 +1333,65 @@ pub fn write_pcap(path: &Path, frames: &[Vec<u8>]) -> Result<()> {
         .with_context(|| format!("writing {}", path.display()))
 }
 
+/// Reads the frames of a pcap file (as `tcpdump -w` writes it: microsecond or nanosecond
+/// timestamps, either byte order, Ethernet or Linux "cooked" (SLL) link type; SLL frames are
+/// returned with a synthetic Ethernet header built from the SLL address and protocol).
+pub fn read_pcap(path: &Path) -> Result<Vec<Vec<u8>>> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    parse_pcap(&bytes).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// [`read_pcap`] on bytes.
+pub fn parse_pcap(bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+    const LINKTYPE_ETHERNET: u32 = 1;
+    const LINKTYPE_LINUX_SLL: u32 = 113;
+    let header = take(bytes, 0, 24, "pcap header")?;
+    let magic = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
+    let little = match magic {
+        0xa1b2_c3d4 | 0xa1b2_3c4d => true,
+        0xd4c3_b2a1 | 0x4d3c_b2a1 => false,
+        other => bail!("not a pcap file (magic {other:#010x})"),
+    };
+    let u32_at = |b: &[u8], at: usize| {
+        let w = [b[at], b[at + 1], b[at + 2], b[at + 3]];
+        if little {
+            u32::from_le_bytes(w)
+        } else {
+            u32::from_be_bytes(w)
+        }
+    };
+    let link_type = u32_at(header, 20);
+    ensure!(
+        link_type == LINKTYPE_ETHERNET || link_type == LINKTYPE_LINUX_SLL,
+        "unsupported pcap link type {link_type}"
+    );
+    let mut frames = Vec::new();
+    let mut at = 24;
+    while at < bytes.len() {
+        let record = take(bytes, at, 16, "pcap record header")?;
+        let captured = u32_at(record, 8) as usize;
+        let original = u32_at(record, 12) as usize;
+        ensure!(
+            captured == original,
+            "frame {} was truncated by the capture ({captured} of {original} bytes); use -s 0",
+            frames.len()
+        );
+        let data = take(bytes, at + 16, captured, "pcap frame")?;
+        frames.push(if link_type == LINKTYPE_LINUX_SLL {
+            let sll = take(data, 0, 16, "SLL header")?;
+            let mut eth = vec![0u8; 6];
+            eth.extend_from_slice(&sll[6..12]);
+            eth.extend_from_slice(&sll[14..16]);
+            eth.extend_from_slice(&data[16..]);
+            eth
+        } else {
+            data.to_vec()
+        });
+        at += 16 + captured;
+    }
+    Ok(frames)
+}
+
 /// A hex dump of `bytes`, 16 per line with offsets, for assertion messages.
 pub fn hexdump(bytes: &[u8]) -> String {
     let mut out = String::new();
@@ -1361,6 +1420,25 @@ mod tests {
 
     fn b6() -> Ipv6Addr {
         "fd00:10:244:2::3".parse().unwrap_or(Ipv6Addr::LOCALHOST)
+    }
+
+    #[test]
+    fn pcap_round_trips() {
+        let frames = vec![
+            Ethernet::new(
+                MAC_A,
+                MAC_B,
+                Ipv4::new(A4, B4, Udp::new(1, 2).payload(b"x")),
+            )
+            .encode(),
+            Ethernet::new(MAC_B, MAC_A, Arp::request(MAC_B, B4, A4)).encode(),
+        ];
+        let path = std::env::temp_dir().join(format!("flannel-pcap-{}.pcap", std::process::id()));
+        write_pcap(&path, &frames).expect("write");
+        let back = read_pcap(&path).expect("read");
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(back, frames);
+        assert!(parse_pcap(&[0u8; 24]).is_err());
     }
 
     #[test]

@@ -106,7 +106,7 @@ impl FromStr for MacAddr {
 }
 
 /// A WireGuard key (public key or PSK): 32 bytes, standard base64 (44 characters) as text.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WgKey(pub [u8; 32]);
 
 impl fmt::Display for WgKey {

@@ -13,6 +13,7 @@
 //! On SIGTERM everything that forwards traffic stays in place (devices, routes, rules, BPF
 //! programs and pins) so a restarted agent adopts it without a gap.
 
+mod fastpath;
 mod manager;
 mod rules;
 
@@ -34,6 +35,7 @@ use crate::{
     health::{self, Readiness},
     hostnet, iface,
     ip::IpStack,
+    ipsec,
     lease::{Lease, LeaseAttrs},
     metrics::{KindLabel, Metrics},
     netconf::ConfigError,
@@ -44,6 +46,7 @@ use crate::{
         self, BR_NETFILTER_SYSCTL_DIR, IptablesVariant, SystemRunner, TrafficError, TrafficManager,
         TrafficMode,
     },
+    wireguard,
 };
 
 /// Why the daemon stopped with an error (exit code 1). A revoked lease and a signal are not
@@ -68,6 +71,10 @@ pub enum DaemonError {
     Iface(#[from] iface::IfaceError),
     #[error("failed to register network: {0}")]
     Dataplane(#[from] DataplaneError),
+    #[error("failed to register network: {0}")]
+    Wireguard(Box<wireguard::WireguardError>),
+    #[error("failed to register network: {0}")]
+    Ipsec(Box<ipsec::IpsecError>),
     #[error("failed to set up masquerade/forward rules: {0}")]
     Traffic(#[from] TrafficError),
     #[error("Failed to write subnet file: {0}")]
@@ -86,6 +93,18 @@ pub enum DaemonError {
     Cancelled,
     #[error("a background task failed: {0}")]
     Task(String),
+}
+
+impl From<wireguard::WireguardError> for DaemonError {
+    fn from(e: wireguard::WireguardError) -> Self {
+        DaemonError::Wireguard(Box::new(e))
+    }
+}
+
+impl From<ipsec::IpsecError> for DaemonError {
+    fn from(e: ipsec::IpsecError) -> Self {
+        DaemonError::Ipsec(Box::new(e))
+    }
 }
 
 /// How a run ended without an error.
@@ -160,7 +179,20 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         }
         _ => VtepMacs::default(),
     };
-    let attrs = lease_attrs(&backend, &ext, stack, &vtep_macs);
+    let mut attrs = lease_attrs(&backend, &ext, stack, &vtep_macs);
+    let wireguard_key = match &backend {
+        BackendOptions::Wireguard(opts) => {
+            let key = wireguard::load_key(&cli.wireguard_key_file)?;
+            (attrs.backend_data, attrs.backend_v6_data) = wireguard::lease_data(opts, &key, stack);
+            Some(key)
+        }
+        _ => None,
+    };
+    let ipsec_backend = match &backend {
+        // Before the lease: a node that cannot encrypt must not announce itself.
+        BackendOptions::Ipsec(opts) => Some(ipsec::IpsecBackend::prepare(opts, &ext).await?),
+        _ => None,
+    };
     let previous = subnet_env::previous_subnets(&cli.subnet_file);
     let lease = tokio::select! {
         () = cancel.cancelled() => return Err(DaemonError::Cancelled),
@@ -179,14 +211,47 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         mtu,
         vtep_macs,
     );
-    let fast_path = choose_dataplane(cli.dataplane)?;
+    let mut active = fastpath::start(cli.dataplane, &cli.bpf_pin_path, &backend, stack)?;
+    local.ipip_via_ebpf =
+        matches!(backend, BackendOptions::Ipip(_)) && active.fast_path().is_some();
     dataplane::ensure_devices(&nl, &mut local).await?;
-    metrics.set_dataplane(fast_path.name(), backend_type.name());
-    info!(
-        "dataplane: {} path ({})",
-        fast_path.name(),
-        fast_path.reason()
-    );
+    let mut backend_appliers: Vec<Box<dyn dataplane::Applier>> = Vec::new();
+    if let (BackendOptions::Wireguard(opts), Some(key)) = (&backend, wireguard_key) {
+        let userspace = wireguard::Userspace::new(cli.wireguard_socket_dir.clone());
+        let mut applier =
+            wireguard::WireguardApplier::new(nl.clone(), opts.clone(), key, userspace);
+        for d in applier.ensure_devices(&local).await? {
+            info!(
+                device = %d.name,
+                index = d.index,
+                implementation = %d.implementation,
+                ensured = ?d.ensured,
+                "WireGuard device ready"
+            );
+        }
+        backend_appliers.push(Box::new(applier));
+    }
+    if let Some(ipsec_backend) = ipsec_backend {
+        backend_appliers.push(Box::new(ipsec_backend.start(&local).await?));
+    }
+    if let Some(fp) = active.fast_path()
+        && let Err(err) = fastpath::configure(fp, &local)
+    {
+        if cli.dataplane == Dataplane::Ebpf || local.ipip_via_ebpf {
+            return Err(err);
+        }
+        if let Err(e) = crate::bpf::cleanup(&cli.bpf_pin_path) {
+            warn!("removing the fast path's pins: {e}");
+        }
+        active = fastpath::ActivePath::Kernel {
+            why: format!("falling back to the kernel path: {err}"),
+        };
+    }
+    metrics.set_dataplane(active.name(), backend_type.name());
+    match &active {
+        fastpath::ActivePath::Ebpf { .. } => info!("dataplane: eBPF fast path active"),
+        fastpath::ActivePath::Kernel { why } => info!("dataplane: kernel path ({why})"),
+    }
 
     let traffic_desired = rules::desired(&cli, &config, &lease);
     let traffic_previous = rules::previous(&cli.subnet_file);
@@ -240,7 +305,17 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
 
     // 6. Long-running tasks.
     let (publisher, snapshots) = lease_channel();
-    let reconciler = Reconciler::new(nl.clone(), local, ReconcilerConfig::from_cli(&cli));
+    let mut reconciler = Reconciler::new(nl.clone(), local, ReconcilerConfig::from_cli(&cli));
+    if let Some(fp) = active.fast_path() {
+        reconciler.push_applier(Box::new(crate::bpf::BpfApplier::new(
+            fp.clone(),
+            fastpath::vxlan_vni(&backend),
+        )));
+        metrics.set_counter_source(Arc::new(crate::bpf::FastPathCounters(fp.clone())));
+    }
+    for applier in backend_appliers {
+        reconciler.push_applier(applier);
+    }
     let status = reconciler.status();
     let mut tasks: JoinSet<Result<Option<Exit>, DaemonError>> = JoinSet::new();
 
@@ -270,6 +345,16 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             // The sender lives as long as this task: the rule set is fixed for a run.
             let _keep = _desired_tx;
             traffic_manager.run(desired_rx, period, shutdown).await;
+            Ok(None)
+        });
+    }
+    if let Some(fp) = active.fast_path() {
+        let fp = fp.clone();
+        let nl = nl.clone();
+        let bridge = cli.pod_bridge.clone();
+        let cancel = cancel.clone();
+        tasks.spawn(async move {
+            fastpath::attach_bridge(fp, nl, bridge, cancel).await;
             Ok(None)
         });
     }
@@ -362,37 +447,6 @@ fn lease_attrs(
         attrs.backend_v6_data = macs.v6.filter(|_| stack.has_v6()).map(data);
     }
     attrs
-}
-
-/// Which dataplane path runs, and why.
-#[derive(Debug, Clone)]
-pub enum FastPath {
-    Kernel(String),
-}
-
-impl FastPath {
-    pub fn name(&self) -> &'static str {
-        match self {
-            FastPath::Kernel(_) => "kernel",
-        }
-    }
-
-    pub fn reason(&self) -> &str {
-        match self {
-            FastPath::Kernel(why) => why,
-        }
-    }
-}
-
-fn choose_dataplane(requested: Dataplane) -> Result<FastPath, DaemonError> {
-    let unavailable = "this build has no eBPF fast path yet";
-    match requested {
-        Dataplane::Kernel => Ok(FastPath::Kernel("--dataplane=kernel".into())),
-        Dataplane::Auto => Ok(FastPath::Kernel(format!(
-            "falling back to the kernel path: {unavailable}"
-        ))),
-        Dataplane::Ebpf => Err(DaemonError::FastPathUnavailable(unavailable.into())),
-    }
 }
 
 /// `--ip-blackhole-route`: keeps `blackhole <own subnet>` in place (for Canal), checked every

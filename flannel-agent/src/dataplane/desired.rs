@@ -8,7 +8,12 @@
 //!   a public IP on a directly connected network, a plain route instead;
 //! * host-gw: a plain route when the public IP is directly connected, otherwise no route and
 //!   an [`Note::Unreachable`] (upstream installs a route the kernel rejects, and retries);
-//! * ipip (IPv4): the tunnel, or with `DirectRouting` a plain route to connected peers.
+//! * ipip (IPv4): the tunnel, or with `DirectRouting` a plain route to connected peers;
+//! * wireguard (2.4): the peer's public key and `<public IP>:<Port>` from its BackendData of
+//!   that family (`Port` 0: the local listen port of that family). In the single-device
+//!   modes (`auto`, `ipv4`, `ipv6`) both families of a peer get one key (the IPv6 data's
+//!   when present, as upstream) and one endpoint chosen by the mode ([`wireguard_endpoint`]);
+//! * ipsec (2.6, IPv4): the peer's public IP.
 //!
 //! Leases are taken in id order. A subnet that overlaps this node's subnet or one taken by an
 //! earlier lease is dropped with a [`Note::Overlap`]; a VTEP MAC already used by an earlier
@@ -17,13 +22,13 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
-    net::IpAddr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
 use ipnet::IpNet;
 
 use crate::{
-    backend::{BackendOptions, MacAddr, VxlanLeaseData},
+    backend::{BackendOptions, MacAddr, VxlanLeaseData, WireguardLeaseData, WireguardMode},
     lease::Lease,
     netlink::IpFamily,
     subnet::{LeaseId, LeaseSnapshot},
@@ -37,7 +42,7 @@ use super::{
 /// Computes the desired dataplane. See the module documentation for the rules.
 pub fn desired(local: &Local, snapshot: &LeaseSnapshot, facts: &Facts) -> Desired {
     let Some(backend) = Backend::of(&local.backend) else {
-        // alloc, udp, ipsec, wireguard: nothing for this module to program.
+        // alloc, udp: nothing for this module to program.
         return Desired::default();
     };
     let lease_type = local.backend.backend_type().lease_type();
@@ -72,7 +77,7 @@ pub fn desired(local: &Local, snapshot: &LeaseSnapshot, facts: &Facts) -> Desire
             let Some(subnet) = lease_subnet(lease, family) else {
                 continue;
             };
-            if family == IpFamily::V6 && matches!(backend, Backend::Ipip { .. }) {
+            if family == IpFamily::V6 && matches!(backend, Backend::Ipip { .. } | Backend::Ipsec) {
                 continue;
             }
             let Some(public_ip) = lease_public_ip(lease, family) else {
@@ -130,6 +135,11 @@ pub fn desired(local: &Local, snapshot: &LeaseSnapshot, facts: &Facts) -> Desire
                 IpFamily::V6 => peer.v6 = path,
             }
         }
+        if let Backend::Wireguard { mode, .. } = backend
+            && mode != WireguardMode::Separate
+        {
+            unify_wireguard(&mut peer, mode, local);
+        }
         if peer.v4.is_some() || peer.v6.is_some() {
             out.peers.push(peer);
         }
@@ -140,9 +150,21 @@ pub fn desired(local: &Local, snapshot: &LeaseSnapshot, facts: &Facts) -> Desire
 /// The backends this module programs, with the options that matter here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
-    Vxlan { vni: u32, direct_routing: bool },
+    Vxlan {
+        vni: u32,
+        direct_routing: bool,
+    },
     HostGw,
-    Ipip { direct_routing: bool },
+    Ipip {
+        direct_routing: bool,
+    },
+    Wireguard {
+        mode: WireguardMode,
+        /// The local listen port used when a peer publishes none, per family.
+        port_v4: u16,
+        port_v6: u16,
+    },
+    Ipsec,
 }
 
 impl Backend {
@@ -156,6 +178,16 @@ impl Backend {
             BackendOptions::Ipip(o) => Some(Self::Ipip {
                 direct_routing: o.direct_routing,
             }),
+            BackendOptions::Wireguard(o) => Some(Self::Wireguard {
+                mode: o.mode,
+                port_v4: o.listen_port,
+                port_v6: if o.mode == WireguardMode::Separate {
+                    o.listen_port_v6
+                } else {
+                    o.listen_port
+                },
+            }),
+            BackendOptions::Ipsec(_) => Some(Self::Ipsec),
             _ => None,
         }
     }
@@ -246,7 +278,114 @@ fn reach_of(
                     oif,
                 });
             }
-            Ok(Reach::Ipip { public_ip: v4 })
+            let next_hop = match direct_oif(facts, public_ip, own_ip) {
+                Reachability::Direct { .. } => Some(public_ip),
+                Reachability::Gateway { gateway } => Some(gateway),
+                _ => None,
+            };
+            Ok(Reach::Ipip {
+                public_ip: v4,
+                next_hop,
+            })
+        }
+        Backend::Wireguard {
+            port_v4, port_v6, ..
+        } => {
+            let raw = match family {
+                IpFamily::V4 => lease.attrs.backend_data.as_ref(),
+                IpFamily::V6 => lease.attrs.backend_v6_data.as_ref(),
+            };
+            let data = raw
+                .ok_or_else(|| NoPath::Data("no BackendData".into()))
+                .and_then(|raw| {
+                    WireguardLeaseData::from_json(raw).map_err(|e| NoPath::Data(e.to_string()))
+                })?;
+            let port = match (data.port, family) {
+                (0, IpFamily::V4) => port_v4,
+                (0, IpFamily::V6) => port_v6,
+                (p, _) => p,
+            };
+            Ok(Reach::Wireguard {
+                public_key: data.public_key,
+                endpoint: SocketAddr::new(public_ip, port),
+            })
+        }
+        Backend::Ipsec => {
+            let IpAddr::V4(v4) = public_ip else {
+                return Err(NoPath::Data("ipsec carries IPv4 only".into()));
+            };
+            Ok(Reach::Ipsec { public_ip: v4 })
+        }
+    }
+}
+
+/// Single-device WireGuard modes: one peer carries both families, so both paths get one key
+/// (the IPv6 data's when there is one, as upstream) and one endpoint.
+fn unify_wireguard(peer: &mut Peer, mode: WireguardMode, local: &Local) {
+    let parts = |p: &Option<PeerPath>| match p.as_ref().map(|p| p.reach) {
+        Some(Reach::Wireguard {
+            public_key,
+            endpoint,
+        }) => Some((public_key, endpoint)),
+        _ => None,
+    };
+    let (v4, v6) = (parts(&peer.v4), parts(&peer.v6));
+    let Some(public_key) = v6.or(v4).map(|(k, _)| k) else {
+        return;
+    };
+    let Some(endpoint) = wireguard_endpoint(
+        mode,
+        v4.map(|(_, e)| e),
+        v6.map(|(_, e)| e),
+        local.ext.ext_addr,
+        local.ext.ext_v6_addr,
+    ) else {
+        return;
+    };
+    for path in [&mut peer.v4, &mut peer.v6].into_iter().flatten() {
+        path.reach = Reach::Wireguard {
+            public_key,
+            endpoint,
+        };
+    }
+}
+
+/// The endpoint of a peer in the single-device modes (upstream 2.4): `ipv4` / `ipv6` take
+/// that family (the other one when the peer has only that); `auto` takes IPv4 when the peer
+/// has no IPv6 endpoint, or when its IPv4 address is public (not RFC 1918) and this node has
+/// an IPv4 public address; else IPv6 when the peer's IPv6 address is not a ULA (fc00::/7) and
+/// this node has a non-ULA IPv6 public address; else IPv4.
+pub fn wireguard_endpoint(
+    mode: WireguardMode,
+    v4: Option<SocketAddr>,
+    v6: Option<SocketAddr>,
+    own_v4: Option<Ipv4Addr>,
+    own_v6: Option<Ipv6Addr>,
+) -> Option<SocketAddr> {
+    match mode {
+        WireguardMode::Ipv4 | WireguardMode::Separate => v4.or(v6),
+        WireguardMode::Ipv6 => v6.or(v4),
+        WireguardMode::Auto => {
+            let (Some(e4), Some(e6)) = (v4, v6) else {
+                return v4.or(v6);
+            };
+            let public_v4 = match e4.ip() {
+                IpAddr::V4(a) => !a.is_private(),
+                IpAddr::V6(_) => false,
+            };
+            if public_v4 && own_v4.is_some() {
+                return Some(e4);
+            }
+            let ula = |a: &Ipv6Addr| (a.segments()[0] & 0xfe00) == 0xfc00;
+            let global_v6 = match e6.ip() {
+                IpAddr::V6(a) => !ula(&a),
+                IpAddr::V4(_) => false,
+            };
+            if global_v6 && own_v6.is_some_and(|a| !ula(&a)) {
+                Some(e6)
+            } else {
+                Some(e4)
+            }
         }
     }
 }
@@ -656,7 +795,9 @@ mod tests {
                     oif: EXT_INDEX
                 },
                 Reach::Ipip {
-                    public_ip: Ipv4Addr::new(192, 168, 20, 3)
+                    public_ip: Ipv4Addr::new(192, 168, 20, 3),
+                    // Behind the default gateway: that is the underlay next hop.
+                    next_hop: Some(ip("192.168.10.254")),
                 },
             ]
         );
@@ -893,5 +1034,218 @@ mod tests {
             .count();
         assert_eq!(direct, 2500);
         assert!(took < std::time::Duration::from_secs(2), "{took:?}");
+    }
+
+    fn wg_opts(mode: WireguardMode) -> BackendOptions {
+        BackendOptions::Wireguard(crate::backend::WireguardOptions {
+            mode,
+            ..Default::default()
+        })
+    }
+
+    fn wg_key(b: u8) -> crate::backend::WgKey {
+        crate::backend::WgKey([b; 32])
+    }
+
+    fn wg_data(b: u8, port: u16) -> RawJson {
+        WireguardLeaseData {
+            public_key: wg_key(b),
+            port,
+        }
+        .to_json()
+    }
+
+    /// A dual-stack wireguard lease: v4 key `b`, v6 key `b + 0x40`.
+    fn wg_lease(key: &str, ip: [u8; 4], ip6: Option<&str>, b: u8, port: u16) -> Lease {
+        let mut l = lease(key, "wireguard", ip);
+        l.attrs.backend_data = Some(wg_data(b, port));
+        if let Some(ip6) = ip6 {
+            l.attrs.public_ipv6 = Some(ip6.parse().unwrap());
+            l.attrs.backend_v6_data = Some(wg_data(b + 0x40, port + 1));
+        }
+        l
+    }
+
+    #[test]
+    fn wireguard_separate_mode_uses_each_familys_key_and_port() {
+        let local = local(wg_opts(WireguardMode::Separate), IpStack::Dual);
+        let k = "10.244.2.0-24&fd00:244:2::-64";
+        let mut l = wg_lease(k, [192, 168, 10, 2], Some("fd00:10::2"), 2, 51830);
+        let snap = snapshot(vec![(k, l.clone())]);
+        let d = desired(&local, &snap, &Facts::none());
+        assert_eq!(d.notes, vec![]);
+        let reaches: Vec<(IpNet, Reach)> = d.paths().map(|(_, p)| (p.subnet, p.reach)).collect();
+        assert_eq!(
+            reaches,
+            vec![
+                (
+                    net("10.244.2.0/24"),
+                    Reach::Wireguard {
+                        public_key: wg_key(2),
+                        endpoint: "192.168.10.2:51830".parse().unwrap()
+                    }
+                ),
+                (
+                    net("fd00:244:2::/64"),
+                    Reach::Wireguard {
+                        public_key: wg_key(0x42),
+                        endpoint: "[fd00:10::2]:51831".parse().unwrap()
+                    }
+                ),
+            ]
+        );
+        // Port 0 (unpublished) falls back to the local port of that family.
+        l.attrs.backend_data = Some(wg_data(2, 0));
+        l.attrs.backend_v6_data = Some(wg_data(0x42, 0));
+        let d = desired(&local, &snapshot(vec![(k, l.clone())]), &Facts::none());
+        let eps: Vec<SocketAddr> = d
+            .paths()
+            .map(|(_, p)| match p.reach {
+                Reach::Wireguard { endpoint, .. } => endpoint,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            eps,
+            vec![
+                "192.168.10.2:51820".parse().unwrap(),
+                "[fd00:10::2]:51821".parse().unwrap()
+            ]
+        );
+        // Broken v6 data drops only that family, with a note.
+        l.attrs.backend_v6_data = Some(RawJson::from_json(r#"{"PublicKey":"x"}"#).unwrap());
+        let d = desired(&local, &snapshot(vec![(k, l)]), &Facts::none());
+        assert_eq!(d.paths().count(), 1);
+        assert!(matches!(
+            &d.notes[..],
+            [Note::Ignored {
+                reason: IgnoreReason::BadBackendData {
+                    family: IpFamily::V6,
+                    ..
+                },
+                ..
+            }]
+        ));
+        // Leases of other backends are ignored.
+        let other = vx_lease("10.244.5.0-24", [192, 168, 10, 5], mac(5));
+        let d = desired(
+            &local,
+            &snapshot(vec![("10.244.5.0-24", other)]),
+            &Facts::none(),
+        );
+        assert!(d.peers.is_empty());
+        assert_eq!(d.ignored(), 1);
+    }
+
+    #[test]
+    fn wireguard_single_device_modes_share_key_and_endpoint() {
+        let k = "10.244.2.0-24&fd00:244:2::-64";
+        // RFC 1918 v4 and ULA v6: auto falls through to IPv4.
+        let l = wg_lease(k, [192, 168, 10, 2], Some("fd00:10::2"), 2, 51820);
+        let check = |mode, l: &Lease, want: &str| {
+            let local = local(wg_opts(mode), IpStack::Dual);
+            let d = desired(&local, &snapshot(vec![(k, l.clone())]), &Facts::none());
+            let reaches: Vec<Reach> = d.paths().map(|(_, p)| p.reach).collect();
+            assert_eq!(reaches.len(), 2, "{mode:?}");
+            for r in reaches {
+                assert_eq!(
+                    r,
+                    Reach::Wireguard {
+                        // The v6 data's key, as upstream.
+                        public_key: wg_key(0x42),
+                        endpoint: want.parse().unwrap()
+                    },
+                    "{mode:?}"
+                );
+            }
+        };
+        check(WireguardMode::Ipv4, &l, "192.168.10.2:51820");
+        check(WireguardMode::Ipv6, &l, "[fd00:10::2]:51821");
+        check(WireguardMode::Auto, &l, "192.168.10.2:51820");
+        // A public v4 address wins in auto mode.
+        let public = wg_lease(k, [203, 0, 113, 7], Some("2001:db8::7"), 2, 51820);
+        check(WireguardMode::Auto, &public, "203.0.113.7:51820");
+    }
+
+    #[test]
+    fn wireguard_auto_endpoint_rules() {
+        let e4: SocketAddr = "192.168.1.2:51820".parse().unwrap();
+        let p4: SocketAddr = "198.51.100.2:51820".parse().unwrap();
+        let g6: SocketAddr = "[2001:db8::2]:51820".parse().unwrap();
+        let u6: SocketAddr = "[fd00::2]:51820".parse().unwrap();
+        let own4 = Some(Ipv4Addr::new(192, 168, 1, 1));
+        let own_g6: Option<Ipv6Addr> = Some("2001:db8::1".parse().unwrap());
+        let own_u6: Option<Ipv6Addr> = Some("fd00::1".parse().unwrap());
+        let auto = WireguardMode::Auto;
+        // No v6 endpoint: v4.
+        assert_eq!(
+            wireguard_endpoint(auto, Some(e4), None, own4, own_g6),
+            Some(e4)
+        );
+        // Only v6: v6.
+        assert_eq!(
+            wireguard_endpoint(auto, None, Some(g6), own4, own_g6),
+            Some(g6)
+        );
+        // Public v4 and a local v4 address: v4.
+        assert_eq!(
+            wireguard_endpoint(auto, Some(p4), Some(g6), own4, own_g6),
+            Some(p4)
+        );
+        // Public v4 but no local v4: global v6.
+        assert_eq!(
+            wireguard_endpoint(auto, Some(p4), Some(g6), None, own_g6),
+            Some(g6)
+        );
+        // Private v4, global v6 on both sides: v6.
+        assert_eq!(
+            wireguard_endpoint(auto, Some(e4), Some(g6), own4, own_g6),
+            Some(g6)
+        );
+        // Private v4, peer's v6 is a ULA: v4.
+        assert_eq!(
+            wireguard_endpoint(auto, Some(e4), Some(u6), own4, own_g6),
+            Some(e4)
+        );
+        // Private v4, our own v6 is a ULA: v4.
+        assert_eq!(
+            wireguard_endpoint(auto, Some(e4), Some(g6), own4, own_u6),
+            Some(e4)
+        );
+        assert_eq!(wireguard_endpoint(auto, None, None, own4, own_g6), None);
+        assert_eq!(
+            wireguard_endpoint(WireguardMode::Ipv6, Some(e4), None, own4, None),
+            Some(e4)
+        );
+    }
+
+    #[test]
+    fn ipsec_peers_are_ipv4_only() {
+        let local = local(
+            BackendOptions::Ipsec(crate::backend::IpsecOptions {
+                psk: crate::backend::Secret::new("k".repeat(96)),
+                udp_encap: false,
+                esp_proposal: "aes128gcm16".into(),
+            }),
+            IpStack::Dual,
+        );
+        let k = "10.244.2.0-24&fd00:244:2::-64";
+        let mut l = lease(k, "ipsec", [192, 168, 10, 2]);
+        l.attrs.public_ipv6 = Some("fd00:10::2".parse().unwrap());
+        let d = desired(&local, &snapshot(vec![(k, l)]), &Facts::none());
+        assert_eq!(d.notes, vec![]);
+        assert_eq!(
+            d.peers,
+            vec![Peer {
+                id: k.into(),
+                v4: Some(PeerPath {
+                    subnet: net("10.244.2.0/24"),
+                    reach: Reach::Ipsec {
+                        public_ip: Ipv4Addr::new(192, 168, 10, 2)
+                    }
+                }),
+                v6: None,
+            }]
+        );
     }
 }

@@ -86,11 +86,15 @@ pub async fn ensure_devices(
             }
         }
         BackendOptions::HostGw => check_host_gw(&local.ext)?,
+        BackendOptions::Ipip(_) if local.ipip_via_ebpf => local.devices.ipip = None,
         BackendOptions::Ipip(_) => {
             let device = ensure_ipip_device(nl, local, &mut report).await?;
             local.devices.ipip = Some(device);
         }
         BackendOptions::Alloc => {}
+        // Their devices (flannel-wg, none for ipsec) belong to their own appliers
+        // (`crate::wireguard`, `crate::ipsec`), which set them up in every sync.
+        BackendOptions::Wireguard(_) | BackendOptions::Ipsec(_) => {}
         other => return Err(DataplaneError::UnsupportedBackend(other.backend_type())),
     }
     Ok(report)

@@ -98,16 +98,29 @@ pub fn expand(local: &Local, desired: &Desired) -> KernelObjects {
                     .dev(dev.index)
                     .onlink()
             }
-            Reach::Ipip { public_ip } => {
-                let Some(dev) = local.devices.ipip.as_ref() else {
-                    out.skipped += 1;
-                    continue;
-                };
-                Route::new(path.subnet)
+            // Programmed by their own appliers; no per-peer kernel objects.
+            Reach::Wireguard { .. } | Reach::Ipsec { .. } => continue,
+            Reach::Ipip {
+                public_ip,
+                next_hop,
+            } => match (local.devices.ipip.as_ref(), next_hop) {
+                (Some(dev), _) => Route::new(path.subnet)
                     .via(IpAddr::V4(public_ip))
                     .dev(dev.index)
+                    .onlink(),
+                // No kernel device: the eBPF program on the external interface's egress
+                // encapsulates, so route towards the underlay next hop with room for the
+                // 20-byte outer header (host-originated packets honour the route MTU).
+                (None, Some(next_hop)) if local.ipip_via_ebpf => Route::new(path.subnet)
+                    .via(next_hop)
+                    .dev(local.ext.index)
                     .onlink()
-            }
+                    .mtu(local.mtu.flannel_mtu),
+                _ => {
+                    out.skipped += 1;
+                    continue;
+                }
+            },
         };
         out.routes.insert(route_key(&route), route);
     }
@@ -636,6 +649,40 @@ mod tests {
         let objects = expand(&l, &desired());
         assert_eq!(objects.skipped, 1);
         assert_eq!(objects.routes.len(), 2);
+    }
+
+    #[test]
+    fn ipip_without_a_device_routes_out_of_the_external_interface_when_ebpf_carries_it() {
+        let ipip = |next_hop: Option<&str>| Desired {
+            peers: vec![Peer {
+                id: "c".into(),
+                v4: Some(PeerPath {
+                    subnet: net("10.244.4.0/24"),
+                    reach: Reach::Ipip {
+                        public_ip: "192.168.20.4".parse().unwrap(),
+                        next_hop: next_hop.map(ip),
+                    },
+                }),
+                v6: None,
+            }],
+            notes: vec![],
+        };
+        let mut l = local();
+        l.mtu.flannel_mtu = 1480;
+        // Neither a kernel ipip device nor the fast path: nothing to route through.
+        let objects = expand(&l, &ipip(Some("192.168.10.254")));
+        assert_eq!((objects.routes.len(), objects.skipped), (0, 1));
+        // The fast path carries it: towards the underlay next hop, with the tunnel's MTU.
+        l.ipip_via_ebpf = true;
+        let objects = expand(&l, &ipip(Some("192.168.10.254")));
+        let routes: Vec<String> = objects.routes.values().map(|r| r.to_string()).collect();
+        assert_eq!(
+            routes,
+            ["10.244.4.0/24 via 192.168.10.254 dev #2 onlink mtu 1480 table 254 proto 165"]
+        );
+        // No known next hop (no route to the peer): skipped, never a guess.
+        let objects = expand(&l, &ipip(None));
+        assert_eq!((objects.routes.len(), objects.skipped), (0, 1));
     }
 
     #[test]

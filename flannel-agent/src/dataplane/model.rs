@@ -4,13 +4,13 @@
 
 use std::{
     fmt,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 use crate::{
-    backend::{BackendOptions, MacAddr, MtuPlan},
+    backend::{BackendOptions, MacAddr, MtuPlan, WgKey},
     iface::ExternalInterface,
     ip::IpStack,
     lease::Lease,
@@ -46,6 +46,9 @@ pub struct Local {
     pub vtep_macs: VtepMacs,
     /// The devices in place now.
     pub devices: Devices,
+    /// ipip is carried by the eBPF fast path (no kernel `flannel.ipip`): routes to ipip peers
+    /// then point out of the external interface, where `tc_to_netdev` encapsulates.
+    pub ipip_via_ebpf: bool,
 }
 
 impl Local {
@@ -71,6 +74,7 @@ impl Local {
             mtu,
             vtep_macs,
             devices: Devices::default(),
+            ipip_via_ebpf: false,
         }
     }
 
@@ -199,6 +203,27 @@ pub enum Reach {
     Ipip {
         /// The peer's public IP (outer destination).
         public_ip: Ipv4Addr,
+        /// The underlay next hop towards `public_ip` (the peer itself when directly connected,
+        /// else the gateway), when the routing table says; used when the eBPF fast path
+        /// carries ipip without a kernel device.
+        next_hop: Option<IpAddr>,
+    },
+    /// A WireGuard peer: the subnet is one of its allowed IPs. The WireGuard applier
+    /// (`crate::wireguard`) programs it; the kernel applier has nothing to add (one
+    /// `<Network> dev flannel-wg` route covers every peer).
+    Wireguard {
+        /// The peer's public key (its BackendData of this family; in single-device modes the
+        /// same key for both families).
+        public_key: WgKey,
+        /// Where its packets go: `<public IP>:<Port>` of this family, or in single-device
+        /// modes the endpoint chosen by `Mode` (the same for both families).
+        endpoint: SocketAddr,
+    },
+    /// An IPsec tunnel (strongSwan) to the peer's public IP, IPv4 only. The IPsec applier
+    /// (`crate::ipsec`) programs it; there are no routes (XFRM policies select the traffic).
+    Ipsec {
+        /// The peer's public IP (outer destination, IKE peer).
+        public_ip: Ipv4Addr,
     },
 }
 
@@ -208,7 +233,8 @@ impl Reach {
         match self {
             Self::Direct { gateway, .. } => *gateway,
             Self::Vxlan { public_ip, .. } => *public_ip,
-            Self::Ipip { public_ip } => IpAddr::V4(*public_ip),
+            Self::Ipip { public_ip, .. } | Self::Ipsec { public_ip } => IpAddr::V4(*public_ip),
+            Self::Wireguard { endpoint, .. } => endpoint.ip(),
         }
     }
 }
@@ -222,7 +248,12 @@ impl fmt::Display for Reach {
                 vni,
                 public_ip,
             } => write!(f, "vxlan {public_ip} vni {vni} vtep {vtep_mac}"),
-            Self::Ipip { public_ip } => write!(f, "ipip {public_ip}"),
+            Self::Ipip { public_ip, .. } => write!(f, "ipip {public_ip}"),
+            Self::Wireguard {
+                public_key,
+                endpoint,
+            } => write!(f, "wireguard {endpoint} key {public_key}"),
+            Self::Ipsec { public_ip } => write!(f, "ipsec {public_ip}"),
         }
     }
 }

@@ -193,7 +193,7 @@ impl Reconciler {
         match &self.local.backend {
             BackendOptions::Vxlan(o) => o.direct_routing,
             BackendOptions::HostGw => true,
-            BackendOptions::Ipip(o) => o.direct_routing,
+            BackendOptions::Ipip(o) => o.direct_routing || self.local.ipip_via_ebpf,
             _ => false,
         }
     }
@@ -212,6 +212,12 @@ impl Reconciler {
                 names
             }
             BackendOptions::Ipip(_) => vec![IPIP_DEVICE.to_owned()],
+            BackendOptions::Wireguard(o) => {
+                crate::wireguard::device_names(o.mode, self.local.stack)
+                    .into_iter()
+                    .map(|(name, _)| name.to_owned())
+                    .collect()
+            }
             _ => Vec::new(),
         }
     }

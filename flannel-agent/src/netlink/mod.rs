@@ -15,6 +15,7 @@
 //! | [`neighbours`] | ARP/NDP neighbours and vxlan FDB entries |
 //! | [`batch`] | many operations per datagram, results matched back per operation |
 //! | [`events`] | a stream of link added/removed notifications |
+//! | [`raw`] | hand-built messages for generic netlink (WireGuard) and XFRM |
 //! | [`errors`] | [`NetlinkError`] |
 //!
 //! The socket is opened in the network namespace of the calling thread when [`Netlink::new`]
@@ -30,6 +31,7 @@ pub mod errors;
 pub mod events;
 pub mod links;
 pub mod neighbours;
+pub mod raw;
 pub mod routes;
 
 use std::{

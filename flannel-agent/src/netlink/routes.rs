@@ -13,8 +13,8 @@ use rtnetlink::{
     packet_route::{
         AddressFamily, RouteNetlinkMessage,
         route::{
-            RouteAddress, RouteAttribute, RouteFlags, RouteHeader, RouteMessage, RouteProtocol,
-            RouteScope as PacketScope, RouteType,
+            RouteAddress, RouteAttribute, RouteFlags, RouteHeader, RouteMessage, RouteMetric,
+            RouteProtocol, RouteScope as PacketScope, RouteType,
         },
     },
 };
@@ -160,6 +160,8 @@ pub struct Route {
     pub kind: RouteKind,
     /// Preferred source address (`src`).
     pub prefsrc: Option<IpAddr>,
+    /// Path MTU of the route (`mtu`, RTAX_MTU); `None` = the device's.
+    pub mtu: Option<u32>,
 }
 
 impl Route {
@@ -177,6 +179,7 @@ impl Route {
             metric: 0,
             kind: RouteKind::Unicast,
             prefsrc: None,
+            mtu: None,
         }
     }
 
@@ -225,6 +228,12 @@ impl Route {
     /// Makes it a blackhole route (no gateway, no device).
     pub fn blackhole(mut self) -> Self {
         self.kind = RouteKind::Blackhole;
+        self
+    }
+
+    /// Sets the route's path MTU.
+    pub fn mtu(mut self, mtu: u32) -> Self {
+        self.mtu = Some(mtu);
         self
     }
 
@@ -303,6 +312,9 @@ impl Route {
         if let Some(src) = self.prefsrc {
             attrs.push(RouteAttribute::PrefSource(route_address(src)));
         }
+        if let Some(mtu) = self.mtu {
+            attrs.push(RouteAttribute::Metrics(vec![RouteMetric::Mtu(mtu)]));
+        }
         message
     }
 }
@@ -330,6 +342,9 @@ impl fmt::Display for Route {
         }
         if self.metric != 0 {
             write!(f, " metric {}", self.metric)?;
+        }
+        if let Some(mtu) = self.mtu {
+            write!(f, " mtu {mtu}")?;
         }
         write!(f, " table {} proto {}", self.table, self.protocol)
     }
@@ -471,6 +486,12 @@ pub(crate) fn route_from_message(message: &RouteMessage) -> Option<Route> {
             RouteAttribute::Priority(p) => route.metric = *p,
             RouteAttribute::Table(t) => route.table = *t,
             RouteAttribute::PrefSource(a) => route.prefsrc = ip_of(a),
+            RouteAttribute::Metrics(metrics) => {
+                route.mtu = metrics.iter().find_map(|m| match m {
+                    RouteMetric::Mtu(mtu) => Some(*mtu),
+                    _ => None,
+                });
+            }
             _ => {}
         }
     }

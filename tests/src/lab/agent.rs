@@ -1,5 +1,6 @@
 //! Running `flannel-agent` in a simulated node: [`AgentSpec`] holds the cluster-wide flags,
-//! [`Agent::start`] adds the node's own (subnet file, state dir, bpffs pin path, public IP)
+//! [`Agent::start`] adds the node's own (subnet file, state dir, bpffs pin path, WireGuard key
+//! file and socket directory, public IP)
 //! and runs it with `nsenter --net=` (not `ip netns exec`, which hides /sys/fs/bpf), logging
 //! to the node's `agent.log`. The [`Agent`] guard stops it on drop.
 
@@ -121,6 +122,16 @@ impl AgentSpec {
         args.push(format!("--subnet-file={}", node.subnet_file().display()));
         args.push(format!("--state-dir={}", node.state_dir().display()));
         args.push(format!("--bpf-pin-path={}", node.bpf_pin_path().display()));
+        // WireGuard: a key per node, and a UAPI socket directory per node (userspace devices
+        // of several nodes on one host would otherwise share /var/run/wireguard).
+        args.push(format!(
+            "--wireguard-key-file={}",
+            node.dir().join("wgkey").display()
+        ));
+        args.push(format!(
+            "--wireguard-socket-dir={}",
+            node.dir().join("wireguard").display()
+        ));
         if let Some(dp) = self.dataplane {
             args.push(format!("--dataplane={dp}"));
         }

@@ -1,0 +1,190 @@
+//! The eBPF applier: the reconciler's desired model ([`Desired`]) written into the fast path's
+//! route map through [`FastPath::sync`] — the second of the "one reconciler, two appliers".
+//!
+//! Every IPv4 peer path becomes one [`Remote`]: host-gw and DirectRouting peers are followed
+//! through the kernel FIB, vxlan peers are encapsulated in the program (when the VXLAN fast
+//! path is enabled: not with GBP), ipip peers too. IPv6 paths stay on the kernel path.
+
+use std::{
+    collections::BTreeMap,
+    net::IpAddr,
+    sync::{Arc, Mutex},
+};
+
+use futures::future::BoxFuture;
+use ipnet::{IpNet, Ipv4Net};
+
+use super::{FastPath, Remote, Via};
+use crate::{
+    backend::BackendOptions,
+    dataplane::{Applier, ApplyError, ApplyReport, ApplyStats, Desired, Local, Reach, SyncMode},
+    metrics::{CounterSource, FastPathCount},
+};
+
+/// The loaded fast path, shared by the applier, the bridge attacher and the metrics.
+pub type SharedFastPath = Arc<Mutex<FastPath>>;
+
+/// The route-map entries for `desired`. `vxlan_vni` is the local device's VNI when the VXLAN
+/// fast path is enabled (`None`: vxlan paths stay on `flannel.<VNI>`).
+pub fn remotes(
+    local: &Local,
+    desired: &Desired,
+    vxlan_vni: Option<u32>,
+) -> BTreeMap<Ipv4Net, Remote> {
+    let host_gw = matches!(local.backend, BackendOptions::HostGw);
+    let mut out = BTreeMap::new();
+    for (_, path) in desired.paths() {
+        let IpNet::V4(subnet) = path.subnet else {
+            continue;
+        };
+        let remote = match path.reach {
+            Reach::Direct {
+                gateway: IpAddr::V4(gateway),
+                ..
+            } => Remote {
+                public_ip: gateway,
+                via: if host_gw {
+                    Via::HostGw
+                } else {
+                    Via::DirectRouting
+                },
+            },
+            Reach::Vxlan {
+                vtep_mac,
+                public_ip: IpAddr::V4(public_ip),
+                ..
+            } => match vxlan_vni {
+                Some(vni) => Remote {
+                    public_ip,
+                    via: Via::Vxlan {
+                        vtep_mac: vtep_mac.octets(),
+                        vni,
+                    },
+                },
+                None => continue,
+            },
+            Reach::Ipip { public_ip, .. } => Remote {
+                public_ip,
+                via: Via::Ipip,
+            },
+            _ => continue,
+        };
+        out.insert(subnet, remote);
+    }
+    out
+}
+
+/// Keeps the fast path's maps equal to the desired model.
+pub struct BpfApplier {
+    fast_path: SharedFastPath,
+    vxlan_vni: Option<u32>,
+}
+
+impl BpfApplier {
+    pub fn new(fast_path: SharedFastPath, vxlan_vni: Option<u32>) -> Self {
+        Self {
+            fast_path,
+            vxlan_vni,
+        }
+    }
+
+    fn apply(&self, local: &Local, desired: &Desired, mode: SyncMode) -> ApplyReport {
+        let mut want = remotes(local, desired, self.vxlan_vni);
+        let mut report = ApplyReport::default();
+        let Ok(mut fp) = self.fast_path.lock() else {
+            report.errors.push(ApplyError {
+                kind: "bpf:lock".into(),
+                message: "the fast-path handle is poisoned".into(),
+            });
+            report.stats.errors += 1;
+            return report;
+        };
+        if mode == SyncMode::AddOnly {
+            // Before the first complete listing nothing may be deleted: keep what the maps
+            // hold (e.g. entries adopted from the previous run's pins).
+            match fp.remotes() {
+                Ok(current) => {
+                    for (subnet, remote) in current {
+                        want.entry(subnet).or_insert(remote);
+                    }
+                }
+                Err(err) => {
+                    report.errors.push(ApplyError {
+                        kind: "bpf:read".into(),
+                        message: format!("reading the route map: {err}"),
+                    });
+                    report.stats.errors += 1;
+                    return report;
+                }
+            }
+        }
+        match fp.sync(&want) {
+            Ok(s) => {
+                report.stats = ApplyStats {
+                    added: s.added as u64,
+                    replaced: s.updated as u64,
+                    deleted: s.removed as u64,
+                    unchanged: s.unchanged as u64,
+                    errors: 0,
+                    ops: (s.added + s.updated + s.removed + s.nodes_written + s.nodes_removed)
+                        as u64,
+                    skipped: 0,
+                };
+            }
+            Err(err) => {
+                report.errors.push(ApplyError {
+                    kind: "bpf:sync".into(),
+                    message: format!("syncing the fast-path maps: {err}"),
+                });
+                report.stats.errors += 1;
+            }
+        }
+        report
+    }
+}
+
+impl Applier for BpfApplier {
+    fn name(&self) -> &'static str {
+        "ebpf"
+    }
+
+    fn sync<'a>(
+        &'a mut self,
+        local: &'a Local,
+        desired: &'a Desired,
+        mode: SyncMode,
+    ) -> BoxFuture<'a, ApplyReport> {
+        Box::pin(async move { self.apply(local, desired, mode) })
+    }
+}
+
+/// The fast path's per-program counters for `/metrics`, read at scrape time.
+pub struct FastPathCounters(pub SharedFastPath);
+
+impl CounterSource for FastPathCounters {
+    fn read(&self) -> Vec<FastPathCount> {
+        let Ok(fp) = self.0.lock() else {
+            return Vec::new();
+        };
+        let Ok(counters) = fp.counters() else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (program, per_reason) in [
+            ("tc_from_bridge", &counters.from_bridge),
+            ("tc_from_netdev", &counters.from_netdev),
+            ("tc_to_netdev", &counters.to_netdev),
+            ("xdp_from_netdev", &counters.xdp_from_netdev),
+        ] {
+            for (reason, c) in per_reason.nonzero() {
+                out.push(FastPathCount {
+                    program,
+                    reason: reason.name(),
+                    packets: c.packets,
+                    bytes: c.bytes,
+                });
+            }
+        }
+        out
+    }
+}

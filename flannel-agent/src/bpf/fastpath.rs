@@ -1,0 +1,681 @@
+//! [`FastPath`]: the loaded object, its pinned maps and its pinned TCX links.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    ffi::CStr,
+    fs,
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap as BpfHashMap, LpmTrie, MapData, lpm_trie::Key},
+    programs::{
+        LinkOrder, ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode,
+        links::{FdLink, PinnedLink},
+        tc::{SchedClassifierLink, TcAttachOptions},
+        xdp::XdpLink,
+    },
+};
+use flannel_common::{
+    config::Config,
+    maps as names, programs,
+    route::{NodeEntry, RemoteEntry},
+};
+use ipnet::Ipv4Net;
+
+use super::{
+    BpfError, LocalConfig, Remote, SyncStats,
+    counters::Counters,
+    pins::{MAP_SPECS, PinLayout},
+    probe::probe,
+    remote::{DesiredEntries, desired_entries, diff},
+};
+
+/// The three attach points of the fast path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Hook {
+    /// `tc_from_bridge` on TC ingress of the pod bridge.
+    FromBridge,
+    /// `tc_from_netdev` on TC ingress of the external interface.
+    FromNetdev,
+    /// `tc_to_netdev` on TC egress of the external interface.
+    ToNetdev,
+}
+
+impl Hook {
+    /// Every hook.
+    pub const ALL: [Hook; 3] = [Hook::FromBridge, Hook::FromNetdev, Hook::ToNetdev];
+
+    /// The program attached there.
+    pub fn program(self) -> &'static str {
+        match self {
+            Hook::FromBridge => programs::TC_FROM_BRIDGE,
+            Hook::FromNetdev => programs::TC_FROM_NETDEV,
+            Hook::ToNetdev => programs::TC_TO_NETDEV,
+        }
+    }
+
+    fn attach_type(self) -> TcAttachType {
+        match self {
+            Hook::FromBridge | Hook::FromNetdev => TcAttachType::Ingress,
+            Hook::ToNetdev => TcAttachType::Egress,
+        }
+    }
+}
+
+/// What [`FastPath::attach_netdev`] did on the external interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NetdevAttach {
+    /// `tc_from_netdev` on TC ingress.
+    pub ingress: Attached,
+    /// `tc_to_netdev` on TC egress.
+    pub egress: Attached,
+    /// `xdp_from_netdev` in native XDP mode; `None` when the driver has no native XDP (the TC
+    /// programs then decapsulate on their own, after GRO).
+    pub xdp: Option<Attached>,
+}
+
+/// What an attach call did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attached {
+    /// A new TCX link was created and pinned.
+    New,
+    /// A pinned link (from an earlier run) now runs this object's program: the swap is atomic,
+    /// no packet meets an empty hook.
+    Replaced,
+    /// This handle had already attached the program there.
+    Already,
+}
+
+/// A link this handle holds, and where it is pinned.
+#[derive(Debug)]
+struct HeldLink {
+    path: PathBuf,
+    // Keeps the kernel link referenced while this handle lives; the pin keeps it afterwards.
+    _link: FdLink,
+}
+
+/// The eBPF fast path of one agent: the loaded programs, the pinned maps under
+/// `<pin path>/v1/` and the pinned TCX links under `<pin path>/links/`.
+///
+/// Dropping it leaves everything attached and pinned: packets keep flowing with the last map
+/// contents until the next agent adopts them ([`FastPath::load`] + `attach_*`) or
+/// [`super::cleanup`] removes them.
+#[derive(Debug)]
+pub struct FastPath {
+    ebpf: Ebpf,
+    layout: PinLayout,
+    links: HashMap<(Hook, u32), HeldLink>,
+    xdp_links: HashMap<u32, HeldLink>,
+}
+
+impl FastPath {
+    /// Probes the kernel, loads the embedded object with its maps pinned under
+    /// `<pin_path>/<layout version>/` (adopting compatible pinned maps with their entries) and
+    /// loads the three programs into the kernel. Nothing is attached yet.
+    pub fn load(pin_path: &Path) -> Result<FastPath, BpfError> {
+        if crate::EBPF_OBJECT.is_empty() {
+            return Err(BpfError::NoObject);
+        }
+        probe()?;
+        let layout = PinLayout::new(pin_path);
+        layout.prepare()?;
+        for name in layout.drop_incompatible_maps()? {
+            tracing::warn!(
+                map = name,
+                "pinned map does not match this build's layout; creating it afresh"
+            );
+        }
+        let paths: Vec<(&'static str, PathBuf)> = MAP_SPECS
+            .iter()
+            .map(|spec| (spec.name, layout.map(spec.name)))
+            .collect();
+        let mut loader = EbpfLoader::new();
+        for (name, path) in &paths {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader
+            .load(crate::EBPF_OBJECT)
+            .map_err(|e| BpfError::Load(Box::new(e)))?;
+        for hook in Hook::ALL {
+            classifier(&mut ebpf, hook)?
+                .load()
+                .map_err(|e| verifier_error(hook.program(), e))?;
+        }
+        xdp_program(&mut ebpf)?
+            .load()
+            .map_err(|e| verifier_error(programs::XDP_FROM_NETDEV, e))?;
+        Ok(FastPath {
+            ebpf,
+            layout,
+            links: HashMap::new(),
+            xdp_links: HashMap::new(),
+        })
+    }
+
+    /// The pin layout in use.
+    pub fn pins(&self) -> &PinLayout {
+        &self.layout
+    }
+
+    /// Writes the local configuration (validated first). Until it is written, the programs
+    /// hand every packet to the kernel.
+    pub fn set_config(&mut self, config: &LocalConfig) -> Result<(), BpfError> {
+        let entry = config.to_entry()?;
+        let mut map = self.array_mut()?;
+        map.set(0, entry, 0)
+            .map_err(|e| BpfError::map(names::CONFIG, e))
+    }
+
+    /// The configuration entry as the programs see it.
+    pub fn config_entry(&self) -> Result<Config, BpfError> {
+        let map = self
+            .ebpf
+            .map(names::CONFIG)
+            .ok_or_else(|| missing(names::CONFIG))?;
+        let array: Array<&MapData, Config> =
+            Array::try_from(map).map_err(|e| BpfError::map(names::CONFIG, e))?;
+        array
+            .get(&0, 0)
+            .map_err(|e| BpfError::map(names::CONFIG, e))
+    }
+
+    /// Makes the route and node maps hold exactly `desired` (remote subnet → how to reach it):
+    /// reads what the maps hold, writes only new and changed entries, deletes the rest.
+    /// Idempotent; a restarted agent calling it with the same set changes nothing.
+    pub fn sync(&mut self, desired: &BTreeMap<Ipv4Net, Remote>) -> Result<SyncStats, BpfError> {
+        let DesiredEntries { routes, nodes } = desired_entries(desired)?;
+
+        let current_nodes = self.current_nodes()?;
+        let (node_upserts, node_deletes, _, _) = diff(&current_nodes, &nodes);
+        let CurrentRoutes {
+            routes: current_routes,
+            invalid: invalid_keys,
+        } = self.current_routes()?;
+        let (route_upserts, route_deletes, added, unchanged) = diff(&current_routes, &routes);
+
+        let stats = SyncStats {
+            added,
+            updated: route_upserts.len() - added,
+            removed: route_deletes.len() + invalid_keys.len(),
+            unchanged,
+            nodes_written: node_upserts.len(),
+            nodes_removed: node_deletes.len(),
+        };
+        {
+            let mut map = self.nodes_mut()?;
+            for (addr, entry) in &node_upserts {
+                map.insert(addr.octets(), entry, 0)
+                    .map_err(|e| BpfError::map(names::NODES4, e))?;
+            }
+        }
+        {
+            let mut trie = self.routes_mut()?;
+            for (net, entry) in &route_upserts {
+                trie.insert(&route_key(net), entry, 0)
+                    .map_err(|e| BpfError::map(names::ROUTES4, e))?;
+            }
+            for net in &route_deletes {
+                remove_ignoring_missing(trie.remove(&route_key(net)), names::ROUTES4)?;
+            }
+            for key in &invalid_keys {
+                remove_ignoring_missing(trie.remove(key), names::ROUTES4)?;
+            }
+        }
+        {
+            let mut map = self.nodes_mut()?;
+            for addr in &node_deletes {
+                remove_ignoring_missing(map.remove(&addr.octets()), names::NODES4)?;
+            }
+        }
+        Ok(stats)
+    }
+
+    /// The remote subnets the route map holds (invalid entries are left out).
+    pub fn remotes(&self) -> Result<BTreeMap<Ipv4Net, Remote>, BpfError> {
+        let routes = self.current_routes()?.routes;
+        Ok(routes
+            .iter()
+            .filter_map(|(net, entry)| Some((*net, Remote::from_entry(entry)?)))
+            .collect())
+    }
+
+    /// Attaches `tc_from_netdev` (ingress) and `tc_to_netdev` (egress) to the external
+    /// interface and, with `xdp`, `xdp_from_netdev` in native XDP mode if the driver supports
+    /// it, replacing the programs of pinned links from an earlier run atomically; links of these
+    /// programs on other interfaces are removed (and the XDP link when `xdp` is false). Then
+    /// removes older layout versions' pins. Call [`FastPath::set_config`] and
+    /// [`FastPath::sync`] first: a replaced program starts using this object's maps at once.
+    ///
+    /// Pass `xdp: false` by default: decapsulating in XDP (before GRO) only pays on NICs whose
+    /// driver runs native XDP with GRO behind it; on veth it cost throughput (see
+    /// `flannel_ebpf::xdp`).
+    pub fn attach_netdev(&mut self, ifindex: u32, xdp: bool) -> Result<NetdevAttach, BpfError> {
+        let ingress = self.attach(Hook::FromNetdev, ifindex)?;
+        let egress = self.attach(Hook::ToNetdev, ifindex)?;
+        if !xdp {
+            self.detach_xdp()?;
+        }
+        let xdp = if !xdp {
+            None
+        } else {
+            match self.attach_xdp(ifindex) {
+                Ok(outcome) => Some(outcome),
+                Err(e) => {
+                    tracing::info!(
+                        ifindex,
+                        error = %e,
+                        "no native XDP on the external interface; TC decapsulates alone"
+                    );
+                    None
+                }
+            }
+        };
+        for old in self.layout.prune_old_versions()? {
+            tracing::info!(path = %old.display(), "removed an older layout version's pins");
+        }
+        Ok(NetdevAttach {
+            ingress,
+            egress,
+            xdp,
+        })
+    }
+
+    /// Attaches `xdp_from_netdev` to `ifindex` in native (driver) mode, adopting a pinned link.
+    fn attach_xdp(&mut self, ifindex: u32) -> Result<Attached, BpfError> {
+        let program_name = programs::XDP_FROM_NETDEV;
+        if self.xdp_links.contains_key(&ifindex) {
+            return Ok(Attached::Already);
+        }
+        let attach_error = |reason: String| BpfError::Attach {
+            program: program_name,
+            ifindex,
+            reason,
+        };
+        let path = self.layout.link(program_name, ifindex);
+        let program = xdp_program(&mut self.ebpf)?;
+        let mut outcome = Attached::New;
+        let mut link_id = None;
+        if path.exists() {
+            let adopted = PinnedLink::from_pin(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|p| XdpLink::try_from(FdLink::from(p)).map_err(|e| e.to_string()))
+                .and_then(|link| program.attach_to_link(link).map_err(|e| e.to_string()));
+            match adopted {
+                Ok(id) => {
+                    outcome = Attached::Replaced;
+                    link_id = Some(id);
+                }
+                Err(reason) => {
+                    tracing::info!(path = %path.display(), %reason, "pinned XDP link is unusable");
+                    remove_pin(&path)?;
+                }
+            }
+        }
+        let id = match link_id {
+            Some(id) => id,
+            None => program
+                .attach_to_if_index(ifindex, XdpMode::Driver)
+                .map_err(|e| attach_error(e.to_string()))?,
+        };
+        let link = program
+            .take_link(id)
+            .map_err(|e| attach_error(e.to_string()))?;
+        // Netlink attachments (kernels without XDP links) cannot be pinned: give up on XDP.
+        let mut fd_link = FdLink::try_from(link).map_err(|e| attach_error(e.to_string()))?;
+        if outcome == Attached::New {
+            fd_link = FdLink::from(
+                fd_link
+                    .pin(&path)
+                    .map_err(|e| attach_error(format!("pinning {}: {e:?}", path.display())))?,
+            );
+        }
+        self.xdp_links.insert(
+            ifindex,
+            HeldLink {
+                path,
+                _link: fd_link,
+            },
+        );
+        let stale: Vec<u32> = self
+            .xdp_links
+            .keys()
+            .filter(|i| **i != ifindex)
+            .copied()
+            .collect();
+        for key in stale {
+            if let Some(held) = self.xdp_links.remove(&key) {
+                remove_pin(&held.path)?;
+            }
+        }
+        for (_, path) in self.layout.other_links(program_name, ifindex) {
+            remove_pin(&path)?;
+        }
+        Ok(outcome)
+    }
+
+    /// Attaches `tc_from_bridge` to TC ingress of the pod bridge (`cni0`). Call it when the
+    /// bridge appears (the CNI bridge plugin creates it with the first pod) and again when it
+    /// is re-created: the link of the previous bridge (gone with its device) is unpinned.
+    pub fn attach_bridge(&mut self, ifindex: u32) -> Result<Attached, BpfError> {
+        self.attach(Hook::FromBridge, ifindex)
+    }
+
+    /// Detaches `tc_from_bridge` from every bridge.
+    pub fn detach_bridge(&mut self) -> Result<(), BpfError> {
+        self.detach(Hook::FromBridge)
+    }
+
+    /// Detaches the external interface's programs.
+    pub fn detach_netdev(&mut self) -> Result<(), BpfError> {
+        self.detach(Hook::FromNetdev)?;
+        self.detach(Hook::ToNetdev)?;
+        self.detach_xdp()
+    }
+
+    fn detach_xdp(&mut self) -> Result<(), BpfError> {
+        for (_, held) in self.xdp_links.drain() {
+            remove_pin(&held.path)?;
+        }
+        for (_, path) in self.layout.other_links(programs::XDP_FROM_NETDEV, 0) {
+            remove_pin(&path)?;
+        }
+        Ok(())
+    }
+
+    /// The interface `xdp_from_netdev` is attached to by this handle, if any.
+    pub fn xdp_attachment(&self) -> Option<u32> {
+        self.xdp_links.keys().next().copied()
+    }
+
+    /// Where each hook is attached by this handle, as `(hook, ifindex)`.
+    pub fn attachments(&self) -> Vec<(Hook, u32)> {
+        let mut out: Vec<(Hook, u32)> = self.links.keys().copied().collect();
+        out.sort();
+        out
+    }
+
+    /// The loaded program of `hook`, for `BPF_PROG_TEST_RUN` (tests, debugging tools).
+    pub fn program_mut(&mut self, hook: Hook) -> Result<&mut SchedClassifier, BpfError> {
+        classifier(&mut self.ebpf, hook)
+    }
+
+    /// The loaded `xdp_from_netdev`, for `BPF_PROG_TEST_RUN` (tests, debugging tools).
+    pub fn xdp_program_mut(&mut self) -> Result<&mut Xdp, BpfError> {
+        xdp_program(&mut self.ebpf)
+    }
+
+    /// The per-reason counters of the three programs (summed over CPUs).
+    pub fn counters(&self) -> Result<Counters, BpfError> {
+        Counters::read(&self.ebpf)
+    }
+
+    fn attach(&mut self, hook: Hook, ifindex: u32) -> Result<Attached, BpfError> {
+        if self.links.contains_key(&(hook, ifindex)) {
+            return Ok(Attached::Already);
+        }
+        let attach_error = |reason: String| BpfError::Attach {
+            program: hook.program(),
+            ifindex,
+            reason,
+        };
+        let ifname = interface_name(ifindex)?;
+        let path = self.layout.link(hook.program(), ifindex);
+        let program = classifier(&mut self.ebpf, hook)?;
+
+        let mut outcome = Attached::New;
+        let mut link_id = None;
+        if path.exists() {
+            match adopt(program, &path) {
+                Ok(id) => {
+                    outcome = Attached::Replaced;
+                    link_id = Some(id);
+                }
+                Err(reason) => {
+                    tracing::info!(
+                        path = %path.display(),
+                        %reason,
+                        "pinned link is unusable; attaching afresh"
+                    );
+                    remove_pin(&path)?;
+                }
+            }
+        }
+        let id = match link_id {
+            Some(id) => id,
+            None => program
+                .attach_with_options(
+                    &ifname,
+                    hook.attach_type(),
+                    TcAttachOptions::TcxOrder(LinkOrder::default()),
+                )
+                .map_err(|e| attach_error(e.to_string()))?,
+        };
+        let link = program
+            .take_link(id)
+            .map_err(|e| attach_error(e.to_string()))?;
+        let mut fd_link = FdLink::try_from(link).map_err(|e| attach_error(e.to_string()))?;
+        if outcome == Attached::New {
+            let pinned = fd_link
+                .pin(&path)
+                .map_err(|e| attach_error(format!("pinning {}: {e:?}", path.display())))?;
+            fd_link = FdLink::from(pinned);
+        }
+        self.links.insert(
+            (hook, ifindex),
+            HeldLink {
+                path,
+                _link: fd_link,
+            },
+        );
+        // The same program on another interface (an old bridge, a previous external interface).
+        let stale: Vec<(Hook, u32)> = self
+            .links
+            .keys()
+            .filter(|(h, i)| *h == hook && *i != ifindex)
+            .copied()
+            .collect();
+        for key in stale {
+            if let Some(held) = self.links.remove(&key) {
+                remove_pin(&held.path)?;
+            }
+        }
+        for (_, path) in self.layout.other_links(hook.program(), ifindex) {
+            remove_pin(&path)?;
+        }
+        Ok(outcome)
+    }
+
+    fn detach(&mut self, hook: Hook) -> Result<(), BpfError> {
+        let keys: Vec<(Hook, u32)> = self
+            .links
+            .keys()
+            .filter(|(h, _)| *h == hook)
+            .copied()
+            .collect();
+        for key in keys {
+            if let Some(held) = self.links.remove(&key) {
+                remove_pin(&held.path)?;
+            }
+        }
+        for (_, path) in self.layout.other_links(hook.program(), 0) {
+            remove_pin(&path)?;
+        }
+        Ok(())
+    }
+
+    fn current_routes(&self) -> Result<CurrentRoutes, BpfError> {
+        let map = self
+            .ebpf
+            .map(names::ROUTES4)
+            .ok_or_else(|| missing(names::ROUTES4))?;
+        let trie: LpmTrie<&MapData, [u8; 4], RemoteEntry> =
+            LpmTrie::try_from(map).map_err(|e| BpfError::map(names::ROUTES4, e))?;
+        let mut routes = BTreeMap::new();
+        let mut invalid = Vec::new();
+        for item in trie.iter() {
+            let (key, entry) = item.map_err(|e| BpfError::map(names::ROUTES4, e))?;
+            let prefix = key.prefix_len();
+            match u8::try_from(prefix)
+                .ok()
+                .and_then(|p| Ipv4Net::new(Ipv4Addr::from(key.data()), p).ok())
+            {
+                Some(net) if net.trunc() == net => {
+                    routes.insert(net, entry);
+                }
+                _ => invalid.push(key),
+            }
+        }
+        Ok(CurrentRoutes { routes, invalid })
+    }
+
+    fn current_nodes(&self) -> Result<BTreeMap<Ipv4Addr, NodeEntry>, BpfError> {
+        let map = self
+            .ebpf
+            .map(names::NODES4)
+            .ok_or_else(|| missing(names::NODES4))?;
+        let hash: BpfHashMap<&MapData, [u8; 4], NodeEntry> =
+            BpfHashMap::try_from(map).map_err(|e| BpfError::map(names::NODES4, e))?;
+        let mut nodes = BTreeMap::new();
+        for item in hash.iter() {
+            let (addr, entry) = item.map_err(|e| BpfError::map(names::NODES4, e))?;
+            nodes.insert(Ipv4Addr::from(addr), entry);
+        }
+        Ok(nodes)
+    }
+
+    fn routes_mut(&mut self) -> Result<LpmTrie<&mut MapData, [u8; 4], RemoteEntry>, BpfError> {
+        let map = self
+            .ebpf
+            .map_mut(names::ROUTES4)
+            .ok_or_else(|| missing(names::ROUTES4))?;
+        LpmTrie::try_from(map).map_err(|e| BpfError::map(names::ROUTES4, e))
+    }
+
+    fn nodes_mut(&mut self) -> Result<BpfHashMap<&mut MapData, [u8; 4], NodeEntry>, BpfError> {
+        let map = self
+            .ebpf
+            .map_mut(names::NODES4)
+            .ok_or_else(|| missing(names::NODES4))?;
+        BpfHashMap::try_from(map).map_err(|e| BpfError::map(names::NODES4, e))
+    }
+
+    fn array_mut(&mut self) -> Result<Array<&mut MapData, Config>, BpfError> {
+        let map = self
+            .ebpf
+            .map_mut(names::CONFIG)
+            .ok_or_else(|| missing(names::CONFIG))?;
+        Array::try_from(map).map_err(|e| BpfError::map(names::CONFIG, e))
+    }
+}
+
+/// What the route map holds.
+struct CurrentRoutes {
+    /// Valid keys (normalised subnets) and their values.
+    routes: BTreeMap<Ipv4Net, RemoteEntry>,
+    /// Keys that are no subnet (prefix > 32, host bits set): deleted by `sync`.
+    invalid: Vec<Key<[u8; 4]>>,
+}
+
+/// The LPM key of a (normalised) subnet.
+fn route_key(net: &Ipv4Net) -> Key<[u8; 4]> {
+    Key::new(u32::from(net.prefix_len()), net.network().octets())
+}
+
+fn missing(name: &'static str) -> BpfError {
+    BpfError::BadMap {
+        name,
+        reason: "not in the eBPF object".into(),
+    }
+}
+
+fn classifier(ebpf: &mut Ebpf, hook: Hook) -> Result<&mut SchedClassifier, BpfError> {
+    let program = ebpf
+        .program_mut(hook.program())
+        .ok_or(BpfError::MissingProgram(hook.program()))?;
+    program
+        .try_into()
+        .map_err(|_| BpfError::MissingProgram(hook.program()))
+}
+
+fn xdp_program(ebpf: &mut Ebpf) -> Result<&mut Xdp, BpfError> {
+    let name = programs::XDP_FROM_NETDEV;
+    let program = ebpf
+        .program_mut(name)
+        .ok_or(BpfError::MissingProgram(name))?;
+    program
+        .try_into()
+        .map_err(|_| BpfError::MissingProgram(name))
+}
+
+fn verifier_error(program: &'static str, e: ProgramError) -> BpfError {
+    match e {
+        ProgramError::LoadError {
+            io_error,
+            verifier_log,
+        } => BpfError::Verifier {
+            program,
+            error: io_error.to_string(),
+            log: verifier_log.to_string(),
+        },
+        other => BpfError::Verifier {
+            program,
+            error: other.to_string(),
+            log: String::new(),
+        },
+    }
+}
+
+/// Re-targets the pinned link at `path` to `program` (atomic `BPF_LINK_UPDATE`).
+fn adopt(
+    program: &mut SchedClassifier,
+    path: &Path,
+) -> Result<aya::programs::tc::SchedClassifierLinkId, String> {
+    let pinned = PinnedLink::from_pin(path).map_err(|e| e.to_string())?;
+    let link = SchedClassifierLink::try_from(FdLink::from(pinned)).map_err(|e| e.to_string())?;
+    program.attach_to_link(link).map_err(|e| e.to_string())
+}
+
+fn remove_pin(path: &Path) -> Result<(), BpfError> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(BpfError::io("removing", path, e)),
+    }
+}
+
+fn remove_ignoring_missing(
+    result: Result<(), aya::maps::MapError>,
+    map: &'static str,
+) -> Result<(), BpfError> {
+    match result {
+        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+        Err(aya::maps::MapError::SyscallError(e))
+            if e.io_error.kind() == std::io::ErrorKind::NotFound =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(BpfError::map(map, e)),
+    }
+}
+
+/// The name of interface `ifindex` in the calling thread's network namespace (aya attaches by
+/// name), checked to map back to the same index.
+fn interface_name(ifindex: u32) -> Result<String, BpfError> {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: buf has IF_NAMESIZE bytes, as if_indextoname requires.
+    let name = unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) };
+    if name.is_null() {
+        return Err(BpfError::NoSuchInterface(ifindex));
+    }
+    // SAFETY: on success the buffer holds a NUL-terminated name.
+    let name = unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    match nix::net::if_::if_nametoindex(name.as_str()) {
+        Ok(index) if index == ifindex => Ok(name),
+        _ => Err(BpfError::NoSuchInterface(ifindex)),
+    }
+}

@@ -1,0 +1,216 @@
+//! The eBPF fast path, agent side: loading, pinning, attaching, map sync, counters, cleanup.
+//!
+//! The reconciler computes one desired model and hands it to two appliers; this is the eBPF
+//! one. The kernel path (routes, `flannel.<VNI>` with neighbours and FDB, masquerade) is always
+//! configured as well: whatever the programs do not handle, and everything when they are
+//! detached, goes through it.
+//!
+//! # Lifecycle (what the daemon calls, in this order)
+//!
+//! ```text
+//! let startup = bpf::start(mode, pin_path)?;        // --dataplane auto|ebpf|kernel
+//! if let Some(line) = startup.fallback_message() { warn!("{line}") }
+//! if let Startup::FastPath(mut fp) = startup {
+//!     fp.set_config(&LocalConfig { .. })?;          // after the lease: public IP, subnet, VTEP
+//!     fp.sync(&desired)?;                            // reconciler: subnet -> Remote, every pass
+//!     fp.attach_netdev(ext_ifindex, false)?;         // external interface (XDP: opt-in)
+//!     fp.attach_bridge(cni0_ifindex)?;               // link watcher: when cni0 (re)appears
+//!     fp.counters()?;                                // metrics / status
+//! }
+//! ```
+//!
+//! `sync` before `attach_*` matters on upgrades: attaching replaces the program behind a link
+//! pinned by the previous agent atomically, and the new program reads this object's maps at
+//! once. With the same layout version the maps are the pinned ones, entries intact, so a
+//! restart forwards without a gap.
+//!
+//! # Modes (`--dataplane`)
+//!
+//! - `kernel`: never loads; removes the pins (links, maps) of a previous eBPF run so the kernel
+//!   path is really the one in use.
+//! - `ebpf`: loads or fails ([`BpfError`]); pins of an earlier run stay in place.
+//! - `auto`: loads; on any failure removes leftovers like `kernel` and reports the reason for
+//!   the daemon's single "falling back to the kernel path: <reason>" line.
+//!
+//! # What the kernel applier must provide for the programs
+//!
+//! - host-gw and DirectRouting peers: `<subnet> via <peer public IP> dev <ext>` (the programs
+//!   route by `bpf_fib_lookup`); `net.ipv4.ip_forward = 1`.
+//! - vxlan peers: upstream's `flannel.<VNI>` setup (it receives what kernel-path peers send and
+//!   carries host traffic); the entries carry the peer's VtepMAC.
+//! - ipip peers (no kernel IPIP device is needed): `<subnet> via <next hop towards the peer's
+//!   public IP> dev <ext> onlink mtu <ext MTU - 20>`, so that host-originated packets leave
+//!   through the external interface, where `tc_to_netdev` encapsulates them; the pod MTU is
+//!   ext MTU - 20 as upstream's.
+//!
+//! | module | job |
+//! |---|---|
+//! | [`applier`] | the reconciler's eBPF applier (desired model → route map) and the metrics source |
+//! | [`fastpath`] | [`FastPath`]: load, config, sync, attach/detach, counters |
+//! | [`config`] | [`LocalConfig`] |
+//! | [`remote`] | [`Remote`] / [`Via`] and the diff behind `sync` |
+//! | [`pins`] | the pin layout, adopted-map checks, cleanup |
+//! | [`probe`] | kernel feature probes |
+//! | [`counters`] | [`Counters`] |
+//! | [`error`] | [`BpfError`] |
+
+pub mod applier;
+pub mod config;
+pub mod counters;
+pub mod error;
+pub mod fastpath;
+pub mod pins;
+pub mod probe;
+pub mod remote;
+
+use std::{fmt, path::Path, str::FromStr};
+
+pub use applier::{BpfApplier, FastPathCounters, SharedFastPath};
+pub use config::{LocalConfig, VxlanLocal};
+pub use counters::{Counters, ReasonCounters};
+pub use error::BpfError;
+pub use fastpath::{Attached, FastPath, Hook, NetdevAttach};
+pub use pins::PinLayout;
+pub use remote::{Remote, SyncStats, Via};
+
+/// `--dataplane`: which data path forwards pod traffic.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DataplaneMode {
+    /// Use the eBPF fast path if it loads, the kernel path otherwise.
+    #[default]
+    Auto,
+    /// The eBPF fast path or nothing (fail if it cannot load).
+    Ebpf,
+    /// The kernel path only; remove leftovers of an earlier eBPF run.
+    Kernel,
+}
+
+impl FromStr for DataplaneMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(DataplaneMode::Auto),
+            "ebpf" => Ok(DataplaneMode::Ebpf),
+            "kernel" => Ok(DataplaneMode::Kernel),
+            other => Err(format!(
+                "invalid --dataplane {other:?}: expected auto, ebpf or kernel"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for DataplaneMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DataplaneMode::Auto => "auto",
+            DataplaneMode::Ebpf => "ebpf",
+            DataplaneMode::Kernel => "kernel",
+        })
+    }
+}
+
+/// The outcome of [`start`].
+#[derive(Debug)]
+pub enum Startup {
+    /// The fast path is loaded (not attached yet).
+    FastPath(FastPath),
+    /// The kernel path alone forwards.
+    KernelPath {
+        /// Why the fast path is not in use (`None` for `--dataplane kernel`).
+        reason: Option<BpfError>,
+        /// Removing an earlier run's pins failed (the old programs may still be attached).
+        cleanup_error: Option<BpfError>,
+    },
+}
+
+impl Startup {
+    /// The line to log when `auto` fell back to the kernel path.
+    pub fn fallback_message(&self) -> Option<String> {
+        match self {
+            Startup::KernelPath {
+                reason: Some(reason),
+                cleanup_error,
+            } => Some(match cleanup_error {
+                None => format!("falling back to the kernel path: {reason}"),
+                Some(e) => format!(
+                    "falling back to the kernel path: {reason} (and removing the previous eBPF \
+                     run's pins failed: {e})"
+                ),
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// Applies `--dataplane` with pins under `pin_path` (`--bpf-pin-path`). Only `ebpf` returns
+/// an error (the load failure); `kernel` fails only if removing old pins fails.
+pub fn start(mode: DataplaneMode, pin_path: &Path) -> Result<Startup, BpfError> {
+    match mode {
+        DataplaneMode::Kernel => {
+            cleanup(pin_path)?;
+            Ok(Startup::KernelPath {
+                reason: None,
+                cleanup_error: None,
+            })
+        }
+        DataplaneMode::Ebpf => FastPath::load(pin_path).map(Startup::FastPath),
+        DataplaneMode::Auto => match FastPath::load(pin_path) {
+            Ok(fast_path) => Ok(Startup::FastPath(fast_path)),
+            Err(reason) => Ok(Startup::KernelPath {
+                reason: Some(reason),
+                cleanup_error: cleanup(pin_path).err(),
+            }),
+        },
+    }
+}
+
+/// Removes every pin under `pin_path` (links first, which detaches the programs, then the maps
+/// of every layout version). Returns how many pins were removed; a missing directory is fine.
+pub fn cleanup(pin_path: &Path) -> Result<usize, BpfError> {
+    PinLayout::new(pin_path).remove_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_parse_and_print() {
+        for mode in [
+            DataplaneMode::Auto,
+            DataplaneMode::Ebpf,
+            DataplaneMode::Kernel,
+        ] {
+            assert_eq!(mode.to_string().parse::<DataplaneMode>(), Ok(mode));
+        }
+        let err = "xdp".parse::<DataplaneMode>().expect_err("invalid");
+        assert!(err.contains("\"xdp\"") && err.contains("auto, ebpf or kernel"));
+    }
+
+    #[test]
+    fn fallback_message_names_the_reason() {
+        let startup = Startup::KernelPath {
+            reason: Some(BpfError::NoObject),
+            cleanup_error: None,
+        };
+        assert_eq!(
+            startup.fallback_message().as_deref(),
+            Some(
+                "falling back to the kernel path: this agent was built without the eBPF \
+                 object (AYA_BUILD_SKIP=1)"
+            )
+        );
+        let kernel = Startup::KernelPath {
+            reason: None,
+            cleanup_error: None,
+        };
+        assert_eq!(kernel.fallback_message(), None);
+    }
+
+    #[test]
+    fn cleanup_of_a_missing_directory_is_fine() {
+        let dir = std::env::temp_dir().join(format!("flannel-bpf-none-{}", std::process::id()));
+        assert_eq!(cleanup(&dir).ok(), Some(0));
+    }
+}

@@ -1,0 +1,185 @@
+//! The daemon's side of the eBPF fast path: load it or fall back (`--dataplane`), configure it
+//! for this node, attach it to the external interface and to the pod bridge (again whenever the
+//! CNI plugin recreates the bridge), and say which path is active.
+
+use std::{
+    path::Path,
+    sync::{Arc, Mutex},
+};
+
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::DaemonError;
+use crate::{
+    backend::BackendOptions,
+    bpf::{self, DataplaneMode, LocalConfig, SharedFastPath, Startup, VxlanLocal},
+    cli::Dataplane,
+    dataplane::Local,
+    ip::IpStack,
+    netlink::{LinkEvent, Netlink},
+};
+
+/// The active forwarding path.
+pub enum ActivePath {
+    /// Only the kernel path forwards; `why` says why (for the log and `xtask run`'s status).
+    Kernel { why: String },
+    /// The eBPF fast path is loaded (the kernel path stays configured underneath).
+    Ebpf { fast_path: SharedFastPath },
+}
+
+impl ActivePath {
+    pub fn name(&self) -> &'static str {
+        match self {
+            ActivePath::Kernel { .. } => "kernel",
+            ActivePath::Ebpf { .. } => "ebpf",
+        }
+    }
+
+    pub fn fast_path(&self) -> Option<&SharedFastPath> {
+        match self {
+            ActivePath::Ebpf { fast_path } => Some(fast_path),
+            ActivePath::Kernel { .. } => None,
+        }
+    }
+}
+
+/// Why the fast path cannot serve this configuration, if it cannot.
+fn unsupported(backend: &BackendOptions, stack: IpStack) -> Option<String> {
+    if !stack.has_v4() {
+        return Some("the fast path carries IPv4; this cluster is IPv6-only".into());
+    }
+    match backend {
+        BackendOptions::Vxlan(o) if o.gbp => {
+            Some("VXLAN Group Based Policy (GBP) is not supported by the fast path".into())
+        }
+        BackendOptions::Vxlan(_) | BackendOptions::HostGw | BackendOptions::Ipip(_) => None,
+        other => Some(format!(
+            "the {} backend has no eBPF fast path",
+            other.backend_type()
+        )),
+    }
+}
+
+/// Loads the fast path as `--dataplane` asks, or says why the kernel path runs alone. With
+/// `ebpf`, a fast path that cannot run is an error; with `auto`, a fallback with its reason.
+pub fn start(
+    requested: Dataplane,
+    pin_path: &Path,
+    backend: &BackendOptions,
+    stack: IpStack,
+) -> Result<ActivePath, DaemonError> {
+    let mode = match requested {
+        Dataplane::Auto => DataplaneMode::Auto,
+        Dataplane::Ebpf => DataplaneMode::Ebpf,
+        Dataplane::Kernel => DataplaneMode::Kernel,
+    };
+    if mode != DataplaneMode::Kernel
+        && let Some(why) = unsupported(backend, stack)
+    {
+        if mode == DataplaneMode::Ebpf {
+            return Err(DaemonError::FastPathUnavailable(why));
+        }
+        // Make sure no earlier eBPF run keeps forwarding behind our back.
+        if let Err(err) = bpf::cleanup(pin_path) {
+            warn!("removing the pins of an earlier eBPF run: {err}");
+        }
+        return Ok(ActivePath::Kernel {
+            why: format!("falling back to the kernel path: {why}"),
+        });
+    }
+    match bpf::start(mode, pin_path) {
+        Ok(Startup::FastPath(fp)) => Ok(ActivePath::Ebpf {
+            fast_path: Arc::new(Mutex::new(fp)),
+        }),
+        Ok(startup @ Startup::KernelPath { .. }) => Ok(ActivePath::Kernel {
+            why: startup
+                .fallback_message()
+                .unwrap_or_else(|| "--dataplane=kernel".into()),
+        }),
+        Err(err) => Err(DaemonError::FastPathUnavailable(err.to_string())),
+    }
+}
+
+/// The VNI the VXLAN fast path writes, when the backend is vxlan.
+pub fn vxlan_vni(backend: &BackendOptions) -> Option<u32> {
+    match backend {
+        BackendOptions::Vxlan(o) => Some(o.vni),
+        _ => None,
+    }
+}
+
+/// Writes this node's configuration into the fast path and attaches it to the external
+/// interface (TC ingress and egress; XDP stays off: it measured slower on veth).
+pub fn configure(fast_path: &SharedFastPath, local: &Local) -> Result<(), DaemonError> {
+    let fail =
+        |what: &str, err: bpf::BpfError| DaemonError::FastPathUnavailable(format!("{what}: {err}"));
+    let (Some(public_ip), Some(subnet), Some(network)) =
+        (local.ext.ext_addr, local.lease.subnet, local.network)
+    else {
+        return Err(DaemonError::FastPathUnavailable(
+            "no IPv4 public address, lease or network".into(),
+        ));
+    };
+    let mut config = LocalConfig::new(public_ip, local.ext.index, subnet, network);
+    if let (BackendOptions::Vxlan(o), Some(mac)) = (&local.backend, local.vtep_macs.v4) {
+        config.vxlan = Some(VxlanLocal {
+            vni: o.vni,
+            port: o.effective_port(),
+            vtep_mac: mac.octets(),
+        });
+    }
+    let mut fp = fast_path
+        .lock()
+        .map_err(|_| DaemonError::FastPathUnavailable("fast-path handle poisoned".into()))?;
+    fp.set_config(&config).map_err(|e| fail("configuring", e))?;
+    fp.attach_netdev(local.ext.index, false)
+        .map_err(|e| fail("attaching to the external interface", e))?;
+    Ok(())
+}
+
+/// Attaches the pod-side program to `bridge` now if it exists and again every time it is
+/// (re)created, until `cancel`.
+pub async fn attach_bridge(
+    fast_path: SharedFastPath,
+    nl: Netlink,
+    bridge: String,
+    cancel: CancellationToken,
+) {
+    let attach = |index: u32| {
+        let Ok(mut fp) = fast_path.lock() else { return };
+        match fp.attach_bridge(index) {
+            Ok(bpf::Attached::Already) => {}
+            Ok(_) => info!(bridge = %bridge, index, "fast path attached to the pod bridge"),
+            Err(err) => warn!(bridge = %bridge, index, "attaching to the pod bridge: {err}"),
+        }
+    };
+    let mut events = match nl.link_events() {
+        Ok(events) => events,
+        Err(err) => {
+            warn!("cannot watch links for the pod bridge: {err}");
+            return;
+        }
+    };
+    match nl.link_by_name(&bridge).await {
+        Ok(Some(link)) => attach(link.index),
+        Ok(None) => info!(bridge = %bridge, "pod bridge not there yet; attaching when it appears"),
+        Err(err) => warn!("looking up the pod bridge: {err}"),
+    }
+    loop {
+        let event = tokio::select! {
+            () = cancel.cancelled() => return,
+            event = events.next() => event,
+        };
+        match event {
+            Some(LinkEvent::New { index, name }) if name == bridge => attach(index),
+            Some(LinkEvent::Overrun) => {
+                if let Ok(Some(link)) = nl.link_by_name(&bridge).await {
+                    attach(link.index);
+                }
+            }
+            Some(_) => {}
+            None => return,
+        }
+    }
+}

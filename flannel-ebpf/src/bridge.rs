@@ -1,0 +1,115 @@
+//! `tc_from_bridge` (TC ingress of the pod bridge `cni0`): pod → remote pod transmit.
+//!
+//! Pods route everything off their subnet through their gateway, the bridge's own address, so
+//! such packets are handed "up" to the bridge device and meet this hook: one attach point, no
+//! per-pod state. Pod-to-pod traffic on the same node is bridged at L2 and never gets here.
+//!
+//! A packet whose destination lies in a remote subnet of `FLANNEL_ROUTES4` is sent according
+//! to the entry's kind (see [`crate::decide::from_bridge`] for every condition):
+//! - host-gw: `bpf_fib_lookup` (the kernel route `<subnet> via <peer>`), TTL decremented,
+//!   `bpf_redirect` with the neighbour's MACs or `bpf_redirect_neigh`;
+//! - VXLAN / IPIP: encapsulated ([`crate::encap`]) and redirected to the external interface.
+//!
+//! Everything else is handed to the kernel path unchanged (`TC_ACT_OK`), counted with a reason.
+
+use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
+use flannel_common::{config::FASTPATH_MARK, stats::Reason};
+
+use crate::{
+    decide::{self, BridgeAction},
+    deliver, encap,
+    fib::{self, Fib},
+    ipv4, maps,
+    parse::{self, Packet},
+};
+
+/// What one run did: the TC action, the packet's class and the verdict to count.
+pub struct Outcome {
+    /// The TC action to return.
+    pub action: i32,
+    /// The classification (or malformed reason).
+    pub class: Reason,
+    /// The verdict.
+    pub verdict: Reason,
+}
+
+impl Outcome {
+    #[inline(always)]
+    fn pass(class: Reason, verdict: Reason) -> Self {
+        Outcome {
+            action: TC_ACT_OK,
+            class,
+            verdict,
+        }
+    }
+}
+
+/// The body of `tc_from_bridge`.
+#[inline(always)]
+pub fn run(ctx: &TcContext) -> Outcome {
+    let parsed = parse::parse(ctx);
+    let class = match &parsed {
+        Ok(p) => p.class,
+        Err(reason) => *reason,
+    };
+    let Some(cfg) = maps::config() else {
+        return Outcome::pass(class, Reason::PassNotConfigured);
+    };
+    let packet: Packet = match ipv4::screen(&parsed) {
+        Ok(p) => p,
+        Err(reason) => return Outcome::pass(class, reason),
+    };
+    let Some(info) = ipv4::read(ctx, &packet) else {
+        return Outcome::pass(class, Reason::PassMalformed);
+    };
+    let action = decide::from_bridge(
+        cfg,
+        &info,
+        |dst| maps::route(dst).copied(),
+        deliver::is_nat_guarded,
+        deliver::is_kernel_flow,
+    );
+    let sent = match action {
+        BridgeAction::Pass(reason) => Err(reason),
+        BridgeAction::HostGw => host_gw(ctx, &info),
+        BridgeAction::Vxlan(peer) => encap::vxlan(ctx, cfg, &peer, &info)
+            .and_then(|route| send(ctx, route))
+            .map(|action| (action, Reason::FastVxlan)),
+        BridgeAction::Ipip(peer) => encap::ipip(ctx, cfg, &peer, &info, true)
+            .and_then(|route| send(ctx, route))
+            .map(|action| (action, Reason::FastIpip)),
+    };
+    match sent {
+        Ok((action, verdict)) => Outcome {
+            action,
+            class,
+            verdict,
+        },
+        Err(Reason::DropRewriteFailed) => Outcome {
+            action: aya_ebpf::bindings::TC_ACT_SHOT,
+            class,
+            verdict: Reason::DropRewriteFailed,
+        },
+        Err(reason) => Outcome::pass(class, reason),
+    }
+}
+
+/// Host-gw: route by the kernel FIB, decrement the TTL and redirect.
+#[inline(always)]
+fn host_gw(ctx: &TcContext, info: &ipv4::Ipv4Info) -> Result<(i32, Reason), Reason> {
+    let route = fib::lookup(ctx, fib::ingress_ifindex(ctx), info, 0);
+    if route == Fib::Failed {
+        return Err(Reason::PassFibFailed);
+    }
+    if !ipv4::decrement_ttl(ctx, info.l3) {
+        return Err(Reason::PassMalformed);
+    }
+    send(ctx, route).map(|action| (action, Reason::FastHostGw))
+}
+
+/// Tags the packet as the fast path's own (for `tc_to_netdev`) and redirects it.
+#[inline(always)]
+fn send(ctx: &TcContext, route: Fib) -> Result<i32, Reason> {
+    ctx.set_mark(FASTPATH_MARK);
+    fib::redirect(ctx, route).ok_or(Reason::DropRewriteFailed)
+}

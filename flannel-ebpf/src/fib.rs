@@ -1,0 +1,165 @@
+//! Routing through the kernel's FIB from TC: `bpf_fib_lookup`, then `bpf_redirect` with the
+//! neighbour's MACs, or `bpf_redirect_neigh` when the neighbour is not resolved yet (the kernel
+//! resolves it and queues the packet). Used for host-gw transmit and for delivery to the pod
+//! bridge on receive.
+//!
+//! The lookup needs forwarding enabled on the ingress device (`net.ipv4.ip_forward=1`, which
+//! flannel requires anyway); otherwise it fails with `FWD_DISABLED` and the packet is passed.
+
+use core::mem::{size_of, zeroed};
+
+use aya_ebpf::{
+    bindings::{
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_OUTPUT,
+        bpf_fib_lookup as FibParams, bpf_redir_neigh,
+    },
+    helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    programs::TcContext,
+};
+
+use crate::{
+    ipv4::Ipv4Info,
+    parse::{PacketCtx as _, ptr_at_mut},
+};
+
+/// `AF_INET`.
+const AF_INET: u8 = 2;
+
+/// The outcome of a FIB lookup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fib {
+    /// Route and neighbour known: send out of `ifindex` with these MACs.
+    Resolved {
+        /// Output interface.
+        ifindex: u32,
+        /// Source MAC (the output interface's).
+        smac: [u8; 6],
+        /// Destination MAC (the next hop's).
+        dmac: [u8; 6],
+    },
+    /// Route known, neighbour not resolved: let the kernel resolve `nexthop` on `ifindex`.
+    NoNeigh {
+        /// Output interface.
+        ifindex: u32,
+        /// Next hop (gateway or the destination itself), network order as stored in memory.
+        nexthop: u32,
+    },
+    /// No usable route, fragmentation needed, or forwarding disabled: leave it to the kernel.
+    Failed,
+}
+
+/// Looks up the route for `info`'s destination as if the packet arrived on `ifindex`.
+///
+/// `tot_len` is the IP length to check against the output MTU; 0 lets the kernel check the
+/// skb itself (which understands GSO packets).
+#[inline(always)]
+pub fn lookup(ctx: &TcContext, ifindex: u32, info: &Ipv4Info, tot_len: u16) -> Fib {
+    // SAFETY: bpf_fib_lookup is a plain C struct; all-zero is a valid starting point.
+    let mut params: FibParams = unsafe { zeroed() };
+    params.family = AF_INET;
+    params.l4_protocol = info.proto;
+    params.sport = u16::from_ne_bytes(info.sport);
+    params.dport = u16::from_ne_bytes(info.dport);
+    params.__bindgen_anon_1.tot_len = tot_len;
+    params.ifindex = ifindex;
+    params.__bindgen_anon_2.tos = info.tos;
+    params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(info.src);
+    params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(info.dst);
+    run(ctx, &mut params, 0)
+}
+
+/// Looks up the route of an outer (tunnel) packet from `src` to `dst` leaving through `oif`,
+/// as the kernel would for a locally generated packet. The skb's mark plays no part, so
+/// policy routing by fwmark cannot divert tunnel packets.
+#[inline(always)]
+pub fn lookup_output(ctx: &TcContext, oif: u32, src: [u8; 4], dst: [u8; 4]) -> Fib {
+    // SAFETY: as in `lookup`.
+    let mut params: FibParams = unsafe { zeroed() };
+    params.family = AF_INET;
+    params.ifindex = oif;
+    params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(src);
+    params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(dst);
+    run(ctx, &mut params, BPF_FIB_LOOKUP_OUTPUT)
+}
+
+#[inline(always)]
+fn run(ctx: &TcContext, params: &mut FibParams, flags: u32) -> Fib {
+    // SAFETY: the helper reads and writes `params` (of the size given) only.
+    let rc = unsafe {
+        bpf_fib_lookup(
+            ctx.skb.skb.cast(),
+            params,
+            size_of::<FibParams>() as i32,
+            flags,
+        )
+    };
+    if rc == BPF_FIB_LKUP_RET_SUCCESS as i64 {
+        Fib::Resolved {
+            ifindex: params.ifindex,
+            smac: params.smac,
+            dmac: params.dmac,
+        }
+    } else if rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
+        Fib::NoNeigh {
+            ifindex: params.ifindex,
+            // SAFETY: for IPv4 lookups the kernel fills the IPv4 member with the next hop.
+            nexthop: unsafe { params.__bindgen_anon_4.ipv4_dst },
+        }
+    } else {
+        Fib::Failed
+    }
+}
+
+/// Sends the packet (whose Ethernet header is at offset 0) the way `fib` says: writes the MACs
+/// and `bpf_redirect`s, or `bpf_redirect_neigh`s. Returns the TC action, or `None` if `fib`
+/// failed or the header is not writable.
+#[inline(always)]
+pub fn redirect(ctx: &TcContext, fib: Fib) -> Option<i32> {
+    match fib {
+        Fib::Resolved {
+            ifindex,
+            smac,
+            dmac,
+        } => {
+            let eth = ptr_at_mut::<TcContext, [u8; 12]>(ctx, 0)?;
+            let mut macs = [0u8; 12];
+            macs[..6].copy_from_slice(&dmac);
+            macs[6..].copy_from_slice(&smac);
+            // SAFETY: ptr_at_mut checked the 12 bytes lie within the packet.
+            unsafe { eth.write_unaligned(macs) };
+            // SAFETY: plain helper call.
+            Some(unsafe { bpf_redirect(ifindex, 0) } as i32)
+        }
+        Fib::NoNeigh { ifindex, nexthop } => {
+            // SAFETY: bpf_redir_neigh is a plain C struct.
+            let mut nh: bpf_redir_neigh = unsafe { zeroed() };
+            nh.nh_family = u32::from(AF_INET);
+            nh.__bindgen_anon_1.ipv4_nh = nexthop;
+            // SAFETY: the helper reads `nh` of the size given.
+            Some(unsafe {
+                bpf_redirect_neigh(ifindex, &mut nh, size_of::<bpf_redir_neigh>() as i32, 0)
+            } as i32)
+        }
+        Fib::Failed => None,
+    }
+}
+
+/// The ingress interface of the packet in `ctx`.
+#[inline(always)]
+pub fn ingress_ifindex(ctx: &TcContext) -> u32 {
+    // SAFETY: reading a field of the __sk_buff the kernel passed.
+    unsafe { (*ctx.skb.skb).ingress_ifindex }
+}
+
+/// The GSO segment size of the packet (0 when it is not a GSO packet).
+#[inline(always)]
+pub fn gso_size(ctx: &TcContext) -> u32 {
+    // SAFETY: reading a field of the __sk_buff the kernel passed.
+    unsafe { (*ctx.skb.skb).gso_size }
+}
+
+/// The packet's `skb->len`.
+#[inline(always)]
+pub fn skb_len(ctx: &TcContext) -> u32 {
+    ctx.packet_len() as u32
+}

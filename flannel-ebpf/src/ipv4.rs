@@ -1,0 +1,161 @@
+//! The IPv4 fields the fast path decides on, read once from a parsed packet, and the in-place
+//! TTL decrement every forwarding path applies.
+
+use flannel_common::{csum, stats::Reason};
+
+use crate::parse::{Packet, PacketCtx, proto, ptr_at, ptr_at_mut};
+
+/// ICMP echo reply.
+pub const ICMP_ECHO_REPLY: u8 = 0;
+/// ICMP echo request.
+pub const ICMP_ECHO_REQUEST: u8 = 8;
+
+/// IPv4 "don't fragment" flag in the first byte of the flags/offset field.
+const IPV4_DF_BYTE: u8 = 0x40;
+
+/// An IPv4 packet as the fast path sees it. Addresses and ports are network-order bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Ipv4Info {
+    /// Offset of the IPv4 header in the packet.
+    pub l3: usize,
+    /// Offset of the L4 header.
+    pub l4: usize,
+    /// Source address.
+    pub src: [u8; 4],
+    /// Destination address.
+    pub dst: [u8; 4],
+    /// Protocol.
+    pub proto: u8,
+    /// Time to live.
+    pub ttl: u8,
+    /// Type of service (DSCP + ECN).
+    pub tos: u8,
+    /// Whether DF is set.
+    pub dont_fragment: bool,
+    /// Total length field.
+    pub tot_len: u16,
+    /// Header checksum field (as a big-endian value).
+    pub check: u16,
+    /// TCP/UDP source port; the identifier for ICMP echo; zero otherwise.
+    pub sport: [u8; 2],
+    /// TCP/UDP destination port; the identifier for ICMP echo; zero otherwise.
+    pub dport: [u8; 2],
+    /// ICMP type (0 for other protocols).
+    pub icmp_type: u8,
+    /// Length of the L4 header: TCP data offset × 4, 8 for UDP and ICMP, 0 otherwise.
+    pub l4_hdr_len: u16,
+}
+
+impl Ipv4Info {
+    /// Whether this is ICMP echo request or reply.
+    #[inline(always)]
+    pub fn is_icmp_echo(&self) -> bool {
+        self.proto == proto::ICMP
+            && (self.icmp_type == ICMP_ECHO_REQUEST || self.icmp_type == ICMP_ECHO_REPLY)
+    }
+
+    /// Whether the packet has ports (TCP or UDP).
+    #[inline(always)]
+    pub fn has_ports(&self) -> bool {
+        self.proto == proto::TCP || self.proto == proto::UDP
+    }
+}
+
+/// Why a parsed packet is not one the fast path forwards: not IPv4, malformed, a fragment, IP
+/// options, or a protocol other than TCP, UDP and ICMP.
+#[inline(always)]
+pub fn screen(parsed: &Result<Packet, Reason>) -> Result<Packet, Reason> {
+    match parsed {
+        Err(_) => Err(Reason::PassMalformed),
+        Ok(p) => match p.class {
+            Reason::Ipv4Tcp | Reason::Ipv4Udp | Reason::Ipv4Icmp => Ok(*p),
+            Reason::Ipv4Fragment => Err(Reason::PassFragment),
+            Reason::Ipv4Options => Err(Reason::PassIpOptions),
+            Reason::Ipv4OtherProto => Err(Reason::PassOtherProto),
+            _ => Err(Reason::PassNotIpv4),
+        },
+    }
+}
+
+/// Reads the fields of a well-formed, unfragmented IPv4 packet without options (a packet
+/// [`screen`] accepted), or `None` if the bytes are not readable.
+#[inline(always)]
+pub fn read<C: PacketCtx>(ctx: &C, packet: &Packet) -> Option<Ipv4Info> {
+    let l3 = packet.l3_offset;
+    let hdr: [u8; 20] = {
+        let p = ptr_at::<C, [u8; 20]>(ctx, l3)?;
+        // SAFETY: ptr_at checked that the 20 bytes are readable.
+        unsafe { p.read_unaligned() }
+    };
+    let mut info = Ipv4Info {
+        l3,
+        l4: packet.l4_offset,
+        src: [hdr[12], hdr[13], hdr[14], hdr[15]],
+        dst: [hdr[16], hdr[17], hdr[18], hdr[19]],
+        proto: hdr[9],
+        ttl: hdr[8],
+        tos: hdr[1],
+        dont_fragment: hdr[6] & IPV4_DF_BYTE != 0,
+        tot_len: u16::from_be_bytes([hdr[2], hdr[3]]),
+        check: u16::from_be_bytes([hdr[10], hdr[11]]),
+        ..Ipv4Info::default()
+    };
+    let l4: [u8; 8] = {
+        let p = ptr_at::<C, [u8; 8]>(ctx, packet.l4_offset)?;
+        // SAFETY: as above; the parser checked TCP/UDP/ICMP headers are at least 8 bytes.
+        unsafe { p.read_unaligned() }
+    };
+    match info.proto {
+        proto::TCP => {
+            info.sport = [l4[0], l4[1]];
+            info.dport = [l4[2], l4[3]];
+            let p = ptr_at::<C, [u8; 13]>(ctx, packet.l4_offset)?;
+            // SAFETY: as above (the parser checked the 20-byte TCP header).
+            let offset_byte = unsafe { (*p)[12] };
+            info.l4_hdr_len = u16::from(offset_byte >> 4) * 4;
+        }
+        proto::UDP => {
+            info.sport = [l4[0], l4[1]];
+            info.dport = [l4[2], l4[3]];
+            info.l4_hdr_len = 8;
+        }
+        proto::ICMP => {
+            info.icmp_type = l4[0];
+            if info.is_icmp_echo() {
+                info.sport = [l4[4], l4[5]];
+                info.dport = [l4[4], l4[5]];
+            }
+            info.l4_hdr_len = 8;
+        }
+        _ => {}
+    }
+    Some(info)
+}
+
+/// Decrements the TTL of the IPv4 header at `l3` in place and updates its checksum
+/// incrementally, as kernel forwarding does. Returns false if the header is not writable.
+#[inline(always)]
+pub fn decrement_ttl<C: PacketCtx>(ctx: &C, l3: usize) -> bool {
+    let Some(p) = ptr_at_mut::<C, [u8; 4]>(ctx, l3 + 8) else {
+        return false;
+    };
+    // SAFETY: ptr_at_mut checked the 4 bytes (TTL, protocol, checksum) lie in the packet.
+    unsafe {
+        let mut field = p.read_unaligned();
+        let check = csum::ttl_decremented(u16::from_be_bytes([field[2], field[3]]));
+        field[0] = field[0].wrapping_sub(1);
+        let [hi, lo] = check.to_be_bytes();
+        field[2] = hi;
+        field[3] = lo;
+        p.write_unaligned(field);
+    }
+    true
+}
+
+/// The bytes `[ttl - 1, proto, checksum]` that replace bytes 8..12 of `info`'s header when the
+/// TTL is decremented (for writes with `bpf_skb_store_bytes` after the packet moved).
+#[inline(always)]
+pub fn decremented_ttl_field(info: &Ipv4Info) -> [u8; 4] {
+    let [hi, lo] = csum::ttl_decremented(info.check).to_be_bytes();
+    [info.ttl.wrapping_sub(1), info.proto, hi, lo]
+}

@@ -1,0 +1,460 @@
+//! The programs on the external (underlay) interface.
+//!
+//! `tc_from_netdev` (TC ingress), for packets addressed to this node or its pods:
+//! - IPIP (protocol 4) to our public IP from a node in `FLANNEL_NODES4` with `NODE_F_IPIP`:
+//!   decapsulated (no kernel IPIP device exists to do it), then delivered to the pod bridge or
+//!   handed to the stack;
+//! - VXLAN to our public IP and port, with our VNI and VTEP MAC, from a VXLAN peer: a
+//!   pod-to-pod packet is decapsulated and delivered to the bridge; anything else is left to
+//!   `flannel.<VNI>` untouched;
+//! - a plain (host-gw) packet from a remote pod to a local pod: delivered to the bridge;
+//! - and on the way it records remote pods that address a host address in the NAT guard.
+//!
+//! See [`crate::deliver`] for why delivery bypasses the stack and when it must not.
+//!
+//! `tc_to_netdev` (TC egress), for packets the kernel sends out:
+//! - the fast path's own packets (marked [`FASTPATH_MARK`]) go out untouched, mark cleared;
+//! - a local pod → remote pod packet (plain, or inside `flannel.<VNI>`'s VXLAN) is recorded in
+//!   `FLANNEL_KFLOWS4`, since conntrack saw it;
+//! - a packet routed to a remote subnet of kind IPIP (host-originated traffic, or a pod's
+//!   packet `tc_from_bridge` passed) is encapsulated: the kernel routes such subnets through the
+//!   external interface (`<subnet> via <next hop to the peer> dev <ext> onlink`), and this is the
+//!   only IPIP implementation on kernels without the `ipip` module.
+
+use aya_ebpf::{
+    bindings::{TC_ACT_OK, TC_ACT_SHOT},
+    programs::TcContext,
+};
+use flannel_common::{
+    config::{CFG_IPIP_KERNEL_RX, CFG_ROUTED_RX, CFG_VXLAN_RX, Config, FASTPATH_MARK},
+    route::{NODE_F_IPIP, NODE_F_VXLAN, RouteKind},
+    stats::Reason,
+};
+
+use crate::{
+    bridge::Outcome,
+    decide, deliver,
+    encap::{self, IPIP_OVERHEAD, IPPROTO_IPIP, VXLAN_FLAG_I, VXLAN_OVERHEAD},
+    fib::{self, Fib},
+    ipv4::{self, Ipv4Info},
+    maps,
+    parse::{self, ETH_HDR_LEN, ETH_P_IP, Packet, PacketCtx as _, proto, ptr_at},
+};
+
+/// Offset of the inner Ethernet header of a VXLAN packet (outer Ethernet, IPv4 without
+/// options, UDP, VXLAN).
+const VXLAN_INNER_ETH: usize = ETH_HDR_LEN + 20 + 8 + 8;
+/// Offset of the inner IPv4 header of a VXLAN packet.
+const VXLAN_INNER_L3: usize = VXLAN_INNER_ETH + ETH_HDR_LEN;
+/// Offset of the inner IPv4 header of an IPIP packet.
+const IPIP_INNER_L3: usize = ETH_HDR_LEN + IPIP_OVERHEAD;
+
+/// A TC action and the verdict reason to count.
+struct Verdict {
+    action: i32,
+    reason: Reason,
+}
+
+impl Verdict {
+    #[inline(always)]
+    fn pass(reason: Reason) -> Self {
+        Verdict {
+            action: TC_ACT_OK,
+            reason,
+        }
+    }
+}
+
+impl From<Reason> for Verdict {
+    #[inline(always)]
+    fn from(reason: Reason) -> Self {
+        if reason == Reason::DropRewriteFailed {
+            Verdict {
+                action: TC_ACT_SHOT,
+                reason,
+            }
+        } else {
+            Verdict::pass(reason)
+        }
+    }
+}
+
+/// Side effects of a `tc_from_netdev` run, counted in addition to the verdict.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Learnt {
+    /// The NAT guard learnt a remote endpoint.
+    pub nat_guard: bool,
+    /// A flow was handed to the kernel.
+    pub kernel_flow: bool,
+}
+
+/// The body of `tc_from_netdev`.
+#[inline(always)]
+pub fn from_netdev(ctx: &TcContext) -> (Outcome, Learnt) {
+    let parsed = parse::parse(ctx);
+    let class = match &parsed {
+        Ok(p) => p.class,
+        Err(reason) => *reason,
+    };
+    let outcome = |v: Verdict| Outcome {
+        action: v.action,
+        class,
+        verdict: v.reason,
+    };
+    let Some(cfg) = maps::config() else {
+        return (
+            outcome(Verdict::pass(Reason::PassNotConfigured)),
+            Learnt::default(),
+        );
+    };
+    let outer: Packet = match &parsed {
+        Ok(p) if p.ethertype == ETH_P_IP => *p,
+        Ok(_) => {
+            return (
+                outcome(Verdict::pass(Reason::PassNotIpv4)),
+                Learnt::default(),
+            );
+        }
+        Err(_) => {
+            return (
+                outcome(Verdict::pass(Reason::PassMalformed)),
+                Learnt::default(),
+            );
+        }
+    };
+    let mut learnt = Learnt::default();
+    let verdict = if outer.class == Reason::Ipv4Fragment {
+        Verdict::pass(Reason::PassFragment)
+    } else if outer.class == Reason::Ipv4Options {
+        Verdict::pass(Reason::PassIpOptions)
+    } else {
+        match ipv4::read(ctx, &outer) {
+            None => Verdict::pass(Reason::PassMalformed),
+            Some(info) if info.dst == cfg.public_ip && info.proto == IPPROTO_IPIP => ipip_in(
+                ctx,
+                cfg,
+                &info,
+                &mut learnt.nat_guard,
+                &mut learnt.kernel_flow,
+            ),
+            Some(info)
+                if info.dst == cfg.public_ip
+                    && info.proto == proto::UDP
+                    && u16::from_be_bytes(info.dport) == cfg.vxlan_port =>
+            {
+                vxlan_in(
+                    ctx,
+                    cfg,
+                    &info,
+                    &mut learnt.nat_guard,
+                    &mut learnt.kernel_flow,
+                )
+            }
+            Some(info) => plain_in(ctx, cfg, &outer, &info, &mut learnt.nat_guard),
+        }
+    };
+    (outcome(verdict), learnt)
+}
+
+/// A packet that is not a tunnel packet for us: maybe a host-gw packet for a local pod.
+#[inline(always)]
+fn plain_in(
+    ctx: &TcContext,
+    cfg: &Config,
+    packet: &Packet,
+    info: &Ipv4Info,
+    learnt: &mut bool,
+) -> Verdict {
+    if let Err(reason) = ipv4::screen(&Ok(*packet)) {
+        return Verdict::pass(reason);
+    }
+    *learnt = deliver::learn_nat_guard(cfg, info);
+    if let Err(reason) = decide::deliverable(
+        cfg,
+        info,
+        |src| maps::route(src).copied(),
+        deliver::is_kernel_flow,
+    ) {
+        return Verdict::pass(reason);
+    }
+    if cfg.flags & CFG_ROUTED_RX == 0 {
+        return Verdict::pass(Reason::PassRoutedRxOff);
+    }
+    let route = deliver::route_to_pod(ctx, info);
+    if route == Fib::Failed {
+        return Verdict::pass(Reason::PassFibFailed);
+    }
+    match deliver::deliver(ctx, info, route) {
+        Ok(action) => Verdict {
+            action,
+            reason: Reason::FastDeliver,
+        },
+        Err(reason) => reason.into(),
+    }
+}
+
+/// IPIP for our public IP.
+#[inline(always)]
+fn ipip_in(
+    ctx: &TcContext,
+    cfg: &Config,
+    outer: &Ipv4Info,
+    learnt: &mut bool,
+    kernel_flow: &mut bool,
+) -> Verdict {
+    if maps::node_flags(outer.src) & NODE_F_IPIP == 0 {
+        return Verdict::pass(Reason::PassUnknownPeer);
+    }
+    if cfg.flags & CFG_IPIP_KERNEL_RX != 0 && fib::gso_size(ctx) != 0 {
+        // A kernel IPIP device exists: it receives GSO packets properly (see `deliver`).
+        if let Ok(inner) = ipv4::screen(&parse::parse_ipv4_at(ctx, IPIP_INNER_L3))
+            && let Some(inner) = ipv4::read(ctx, &inner)
+        {
+            *learnt = deliver::learn_nat_guard(cfg, &inner);
+            if cfg.is_local_pod(inner.dst) {
+                *kernel_flow = deliver::hand_to_kernel(&inner);
+            }
+        }
+        return Verdict::pass(Reason::PassGso);
+    }
+    let inner = parse::parse_ipv4_at(ctx, IPIP_INNER_L3);
+    let inner_packet = match ipv4::screen(&inner) {
+        Ok(p) => Some(p),
+        // Fragments, options and other protocols are still ours to decapsulate: no one else
+        // will. The stack gets them.
+        Err(Reason::PassFragment | Reason::PassIpOptions | Reason::PassOtherProto) => None,
+        Err(reason) => return Verdict::pass(reason),
+    };
+    let info = match inner_packet {
+        Some(p) => match ipv4::read(ctx, &p) {
+            Some(info) => Some(info),
+            None => return Verdict::pass(Reason::PassMalformed),
+        },
+        None => None,
+    };
+    let route = match &info {
+        Some(info) => {
+            *learnt = deliver::learn_nat_guard(cfg, info);
+            let deliverable = decide::deliverable(
+                cfg,
+                info,
+                |src| maps::route(src).copied(),
+                deliver::is_kernel_flow,
+            )
+            .is_ok()
+                && cfg.flags & CFG_ROUTED_RX != 0;
+            if deliverable {
+                deliver::route_to_pod(ctx, info)
+            } else {
+                Fib::Failed
+            }
+        }
+        None => Fib::Failed,
+    };
+    if let Err(reason) = deliver::decap(ctx, IPIP_OVERHEAD) {
+        return Verdict::pass(reason);
+    }
+    match (info, route) {
+        (Some(info), Fib::Resolved { .. } | Fib::NoNeigh { .. }) => {
+            match deliver::deliver(ctx, &info, route) {
+                Ok(action) => Verdict {
+                    action,
+                    reason: Reason::FastDeliverIpip,
+                },
+                Err(reason) => reason.into(),
+            }
+        }
+        _ => Verdict::pass(Reason::FastDecapIpip),
+    }
+}
+
+/// VXLAN for our public IP and port.
+#[inline(always)]
+fn vxlan_in(
+    ctx: &TcContext,
+    cfg: &Config,
+    outer: &Ipv4Info,
+    learnt: &mut bool,
+    kernel_flow: &mut bool,
+) -> Verdict {
+    if outer.l4 != ETH_HDR_LEN + 20 {
+        return Verdict::pass(Reason::PassVxlanMismatch);
+    }
+    // VXLAN header and inner Ethernet header: 8 + 14 bytes.
+    let Some(p) = ptr_at::<TcContext, [u8; 22]>(ctx, VXLAN_INNER_ETH - 8) else {
+        return Verdict::pass(Reason::PassVxlanMismatch);
+    };
+    // SAFETY: ptr_at checked the 22 bytes are readable.
+    let hdr = unsafe { p.read_unaligned() };
+    let vni = u32::from_be_bytes([0, hdr[4], hdr[5], hdr[6]]);
+    let inner_ethertype = u16::from_be_bytes([hdr[20], hdr[21]]);
+    if hdr[0] != VXLAN_FLAG_I
+        || vni != cfg.vni
+        || hdr[8..14] != cfg.vtep_mac
+        || inner_ethertype != ETH_P_IP
+    {
+        return Verdict::pass(Reason::PassVxlanMismatch);
+    }
+    let inner = parse::parse_ipv4_at(ctx, VXLAN_INNER_L3);
+    let packet = match ipv4::screen(&inner) {
+        Ok(p) => p,
+        Err(reason) => return Verdict::pass(reason),
+    };
+    let Some(info) = ipv4::read(ctx, &packet) else {
+        return Verdict::pass(Reason::PassMalformed);
+    };
+    *learnt = deliver::learn_nat_guard(cfg, &info);
+    if cfg.flags & CFG_VXLAN_RX == 0 {
+        return Verdict::pass(Reason::PassVxlanRxOff);
+    }
+    if maps::node_flags(outer.src) & NODE_F_VXLAN == 0 {
+        return Verdict::pass(Reason::PassUnknownPeer);
+    }
+    if let Err(reason) = decide::deliverable(
+        cfg,
+        &info,
+        |src| maps::route(src).copied(),
+        deliver::is_kernel_flow,
+    ) {
+        return Verdict::pass(reason);
+    }
+    if fib::gso_size(ctx) != 0 {
+        // See `deliver`: the kernel's VXLAN receive handles GSO packets properly; the flow
+        // moves to the kernel in both directions.
+        *kernel_flow = deliver::hand_to_kernel(&info);
+        return Verdict::pass(Reason::PassGso);
+    }
+    let route = deliver::route_to_pod(ctx, &info);
+    if route == Fib::Failed {
+        return Verdict::pass(Reason::PassFibFailed);
+    }
+    if let Err(reason) = deliver::decap(ctx, VXLAN_OVERHEAD) {
+        return Verdict::pass(reason);
+    }
+    match deliver::deliver(ctx, &info, route) {
+        Ok(action) => Verdict {
+            action,
+            reason: Reason::FastDeliverVxlan,
+        },
+        Err(reason) => reason.into(),
+    }
+}
+
+/// The body of `tc_to_netdev`; `None` for the fast path's own packets (not counted). The
+/// second value says whether a kernel flow was learnt.
+#[inline(always)]
+pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, bool)> {
+    // SAFETY: reading a field of the __sk_buff the kernel passed.
+    if unsafe { (*ctx.skb.skb).mark } == FASTPATH_MARK {
+        ctx.set_mark(0);
+        return None;
+    }
+    ctx.pull_headers(parse::PULL_LEN);
+    let parsed = parse::parse(ctx);
+    let class = match &parsed {
+        Ok(p) => p.class,
+        Err(reason) => *reason,
+    };
+    let outcome = |v: Verdict| Outcome {
+        action: v.action,
+        class,
+        verdict: v.reason,
+    };
+    let Some(cfg) = maps::config() else {
+        return Some((outcome(Verdict::pass(Reason::PassNotConfigured)), false));
+    };
+    let packet = match ipv4::screen(&parsed) {
+        Ok(p) => p,
+        Err(reason) => return Some((outcome(Verdict::pass(reason)), false)),
+    };
+    let Some(info) = ipv4::read(ctx, &packet) else {
+        return Some((outcome(Verdict::pass(Reason::PassMalformed)), false));
+    };
+    let mut learnt = false;
+    let verdict = if info.src == cfg.public_ip
+        && info.proto == proto::UDP
+        && u16::from_be_bytes(info.dport) == cfg.vxlan_port
+    {
+        // flannel.<VNI>'s VXLAN: the inner packet went through the kernel.
+        if let Ok(inner) = ipv4::screen(&parse::parse_ipv4_at(ctx, VXLAN_INNER_L3))
+            && let Some(inner) = ipv4::read(ctx, &inner)
+        {
+            learnt = deliver::learn_kernel_flow(cfg, &inner);
+        }
+        Verdict::pass(Reason::PassNoRoute)
+    } else if !cfg.in_cluster(info.dst) {
+        Verdict::pass(Reason::PassNoRoute)
+    } else {
+        learnt = deliver::learn_kernel_flow(cfg, &info);
+        match maps::route(info.dst).copied() {
+            None => Verdict::pass(Reason::PassNoRoute),
+            Some(peer) if peer.kind == RouteKind::Ipip as u32 => ipip_out(ctx, cfg, &peer, &info),
+            Some(_) => Verdict::pass(Reason::PassNotIpipRoute),
+        }
+    };
+    Some((outcome(verdict), learnt))
+}
+
+/// IPIP for a kernel-routed packet on its way out.
+#[inline(always)]
+fn ipip_out(
+    ctx: &TcContext,
+    cfg: &Config,
+    peer: &flannel_common::route::RemoteEntry,
+    info: &Ipv4Info,
+) -> Verdict {
+    let route = match encap::ipip(ctx, cfg, peer, info, false) {
+        Ok(route) => route,
+        // No kernel IPIP exists to fall back to: a raw pod packet must not leak out.
+        Err(Reason::PassTooBig) => {
+            return Verdict {
+                action: TC_ACT_SHOT,
+                reason: Reason::DropTooBig,
+            };
+        }
+        Err(reason) => return reason.into(),
+    };
+    let ext = cfg.ext_ifindex;
+    let action = match route {
+        // Already on the right device: fix the MACs and let the packet continue.
+        Fib::Resolved {
+            ifindex,
+            smac,
+            dmac,
+        } if ifindex == ext && ctx.ifindex_is(ext) => {
+            let Some(eth) = parse::ptr_at_mut::<TcContext, [u8; 12]>(ctx, 0) else {
+                return Reason::DropRewriteFailed.into();
+            };
+            let mut macs = [0u8; 12];
+            macs[..6].copy_from_slice(&dmac);
+            macs[6..].copy_from_slice(&smac);
+            // SAFETY: ptr_at_mut checked the 12 bytes lie within the packet.
+            unsafe { eth.write_unaligned(macs) };
+            TC_ACT_OK
+        }
+        route => {
+            ctx.set_mark(FASTPATH_MARK);
+            match fib::redirect(ctx, route) {
+                Some(action) => action,
+                None => return Reason::DropRewriteFailed.into(),
+            }
+        }
+    };
+    Verdict {
+        action,
+        reason: Reason::FastIpipEgress,
+    }
+}
+
+/// `skb->ifindex` comparisons for the program's own device.
+trait IfindexIs {
+    fn ifindex_is(&self, ifindex: u32) -> bool;
+}
+
+impl IfindexIs for TcContext {
+    #[inline(always)]
+    fn ifindex_is(&self, ifindex: u32) -> bool {
+        // SAFETY: reading a field of the __sk_buff the kernel passed.
+        unsafe { (*self.skb.skb).ifindex == ifindex }
+    }
+}
