@@ -19,6 +19,7 @@ use anyhow::{Context as _, Result, bail, ensure};
 use flannel_tests::{
     bench::variant::link_mac,
     lab::{
+        agent::DEFAULT_HEALTHZ_PORT,
         cluster::{Cluster, ClusterSpec},
         probe::{UdpEcho, UdpStream},
         status, wait,
@@ -123,7 +124,11 @@ fn restart_is_hitless() {
             "the restarted agent's /readyz",
             || {
                 c.agent_mut(1).context("agent 1")?.check_running()?;
-                match status::http_status(c.topology().node(1).ns(), 9473, "/readyz")? {
+                match status::http_status(
+                    c.topology().node(1).ns(),
+                    DEFAULT_HEALTHZ_PORT,
+                    "/readyz",
+                )? {
                     200 => Ok(()),
                     code => bail!("/readyz {code}"),
                 }
@@ -207,7 +212,7 @@ fn etcd_outage_is_ridden_out() {
             for n in 1..=2 {
                 c.agent_mut(n).context("agent")?.check_running()?;
                 let ns = c.topology().node(n).ns();
-                let code = status::http_status(ns, 9473, "/healthz")?;
+                let code = status::http_status(ns, DEFAULT_HEALTHZ_PORT, "/healthz")?;
                 ensure!(code == 200, "node{n} /healthz {code} during the outage");
             }
             thread::sleep(Duration::from_secs(1));
@@ -256,7 +261,8 @@ fn etcd_outage_is_ridden_out() {
         ensure!(c.kv().get(&key2)?.is_some(), "node2's lease is gone");
         for n in 1..=2 {
             c.agent_mut(n).context("agent")?.check_running()?;
-            let code = status::http_status(c.topology().node(n).ns(), 9473, "/readyz")?;
+            let code =
+                status::http_status(c.topology().node(n).ns(), DEFAULT_HEALTHZ_PORT, "/readyz")?;
             ensure!(code == 200, "node{n} /readyz {code} after the outage");
         }
 
