@@ -12,6 +12,7 @@
 //! | [`cluster`] | everything together: `flannel-lab up` |
 //! | [`bins`] | finding (or building) the workspace's binaries |
 //! | [`capture`] | packet capture on an interface of a namespace (`AF_PACKET`) |
+//! | [`wait`] | bounded polling with a message on timeout |
 
 pub mod agent;
 pub mod bins;
@@ -22,3 +23,4 @@ pub mod lease;
 pub mod probe;
 pub mod process;
 pub mod status;
+pub mod wait;

@@ -146,6 +146,9 @@ pub struct TopologySpec {
     pub ipv6: bool,
     /// The `flannel` CNI plugin binary; needed by [`Topology::add_pod`].
     pub cni_plugin: Option<PathBuf>,
+    /// `ipMasq` of the CNI `bridge` delegate; `None` leaves it to the flannel plugin, which
+    /// (as upstream) masquerades in the bridge plugin unless subnet.env says the agent does.
+    pub cni_ip_masq: Option<bool>,
 }
 
 impl TopologySpec {
@@ -157,6 +160,7 @@ impl TopologySpec {
             mtu: 1500,
             ipv6: false,
             cni_plugin: None,
+            cni_ip_masq: None,
         }
     }
 
@@ -169,6 +173,12 @@ impl TopologySpec {
     /// Adds IPv6 underlay addresses.
     pub fn ipv6(mut self, on: bool) -> Self {
         self.ipv6 = on;
+        self
+    }
+
+    /// Sets `ipMasq` of the CNI `bridge` delegate (see [`TopologySpec::cni_ip_masq`]).
+    pub fn cni_ip_masq(mut self, on: bool) -> Self {
+        self.cni_ip_masq = Some(on);
         self
     }
 
@@ -781,11 +791,12 @@ impl Topology {
             .cni_plugin
             .clone()
             .context("no CNI plugin configured (TopologySpec::cni_plugin)")?;
+        let cni_ip_masq = self.spec.cni_ip_masq;
         let (name, node_ns, config) = {
             let node = self.node_mut(n)?;
             node.pods_created += 1;
             let name = format!("n{n}p{}", node.pods_created);
-            let config = json!({
+            let mut config = json!({
                 "cniVersion": "1.0.0",
                 "name": CNI_NETWORK,
                 "type": "flannel",
@@ -794,6 +805,9 @@ impl Topology {
                 "delegate": {"hairpinMode": true, "isDefaultGateway": true},
                 "ipam": {"dataDir": node.ipam_data_dir()},
             });
+            if let Some(masq) = cni_ip_masq {
+                config["delegate"]["ipMasq"] = json!(masq);
+            }
             (name, node.ns.path(), config)
         };
         let pod_ns = NetNs::new(&format!("{}{name}", self.tag))?;
