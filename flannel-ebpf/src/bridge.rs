@@ -8,7 +8,8 @@
 //! to the entry's kind (see [`crate::decide::from_bridge`] for every condition):
 //! - host-gw: `bpf_fib_lookup` (the kernel route `<subnet> via <peer>`), TTL decremented,
 //!   `bpf_redirect` with the neighbour's MACs or `bpf_redirect_neigh`;
-//! - VXLAN / IPIP: encapsulated ([`crate::encap`]) and redirected to the external interface.
+//! - VXLAN / IPIP: encapsulated ([`crate::encap`]) and redirected to the external interface;
+//! - udp: encapsulated as the udp backend's TUN path would ([`crate::udp`]) and redirected.
 //!
 //! Everything else is handed to the kernel path unchanged (`TC_ACT_OK`), counted with a reason.
 
@@ -21,6 +22,7 @@ use crate::{
     fib::{self, Fib},
     ipv4, maps,
     parse::{self, Packet},
+    udp,
 };
 
 /// What one run did: the TC action, the packet's class and the verdict to count.
@@ -78,6 +80,9 @@ pub fn run(ctx: &TcContext) -> Outcome {
         BridgeAction::Ipip(peer) => encap::ipip(ctx, cfg, &peer, &info, true)
             .and_then(|route| send(ctx, route))
             .map(|action| (action, Reason::FastIpip)),
+        BridgeAction::Udp(peer) => udp::encap(ctx, cfg, &peer, &info)
+            .and_then(|route| send(ctx, route))
+            .map(|action| (action, Reason::FastUdp)),
     };
     match sent {
         Ok((action, verdict)) => Outcome {

@@ -8,6 +8,7 @@
 //!   pod-to-pod packet is decapsulated and delivered to the bridge; anything else is left to
 //!   `flannel.<VNI>` untouched;
 //! - a plain (host-gw) packet from a remote pod to a local pod: delivered to the bridge;
+//! - a udp-backend datagram to our interface address and port: see [`crate::udp`];
 //! - and on the way it records remote pods that address a host address in the NAT guard.
 //!
 //! See [`crate::deliver`] for why delivery bypasses the stack and when it must not.
@@ -149,6 +150,13 @@ pub fn from_netdev(ctx: &TcContext) -> (Outcome, Learnt) {
                     &mut learnt.nat_guard,
                     &mut learnt.kernel_flow,
                 )
+            }
+            Some(info) if crate::udp::is_for_us(&info) => {
+                let r = crate::udp::receive(ctx, cfg, &info, &mut learnt.nat_guard);
+                Verdict {
+                    action: r.action,
+                    reason: r.reason,
+                }
             }
             Some(info) => plain_in(ctx, cfg, &outer, &info, &mut learnt.nat_guard),
         }
@@ -371,7 +379,11 @@ pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, bool)> {
         return Some((outcome(Verdict::pass(Reason::PassMalformed)), false));
     };
     let mut learnt = false;
-    let verdict = if info.src == cfg.public_ip
+    let verdict = if let Some(l) = crate::udp::learn_from_forwarder(ctx, cfg, &info) {
+        // The udp backend's forwarder: the inner packet went through the kernel.
+        learnt = l;
+        Verdict::pass(Reason::PassNoRoute)
+    } else if info.src == cfg.public_ip
         && info.proto == proto::UDP
         && u16::from_be_bytes(info.dport) == cfg.vxlan_port
     {

@@ -67,6 +67,11 @@ pub fn remotes(
                 public_ip,
                 via: Via::Ipip,
             },
+            // The port is this node's own (`UdpLocal`), as upstream sends to every peer.
+            Reach::Udp { public_ip, .. } => Remote {
+                public_ip,
+                via: Via::Udp,
+            },
             _ => continue,
         };
         out.insert(subnet, remote);

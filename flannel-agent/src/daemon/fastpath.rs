@@ -13,7 +13,7 @@ use tracing::{info, warn};
 use super::DaemonError;
 use crate::{
     backend::BackendOptions,
-    bpf::{self, DataplaneMode, LocalConfig, SharedFastPath, Startup, VxlanLocal},
+    bpf::{self, DataplaneMode, LocalConfig, SharedFastPath, Startup, UdpLocal, VxlanLocal},
     cli::Dataplane,
     dataplane::Local,
     ip::IpStack,
@@ -53,7 +53,10 @@ fn unsupported(backend: &BackendOptions, stack: IpStack) -> Option<String> {
         BackendOptions::Vxlan(o) if o.gbp => {
             Some("VXLAN Group Based Policy (GBP) is not supported by the fast path".into())
         }
-        BackendOptions::Vxlan(_) | BackendOptions::HostGw | BackendOptions::Ipip(_) => None,
+        BackendOptions::Vxlan(_)
+        | BackendOptions::HostGw
+        | BackendOptions::Ipip(_)
+        | BackendOptions::Udp(_) => None,
         other => Some(format!(
             "the {} backend has no eBPF fast path",
             other.backend_type()
@@ -129,10 +132,26 @@ pub fn configure(fast_path: &SharedFastPath, local: &Local) -> Result<(), Daemon
             vtep_mac: mac.octets(),
         });
     }
+    let udp = match &local.backend {
+        BackendOptions::Udp(o) => {
+            let iface_addr = local.ext.iface_addr.ok_or_else(|| {
+                DaemonError::FastPathUnavailable(
+                    "the udp backend needs an IPv4 interface address".into(),
+                )
+            })?;
+            Some(UdpLocal {
+                iface_addr,
+                port: o.port,
+            })
+        }
+        _ => None,
+    };
     let mut fp = fast_path
         .lock()
         .map_err(|_| DaemonError::FastPathUnavailable("fast-path handle poisoned".into()))?;
     fp.set_config(&config).map_err(|e| fail("configuring", e))?;
+    fp.set_udp(udp.as_ref())
+        .map_err(|e| fail("configuring the udp encapsulation", e))?;
     fp.attach_netdev(local.ext.index, false)
         .map_err(|e| fail("attaching to the external interface", e))?;
     Ok(())
