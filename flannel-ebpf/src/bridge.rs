@@ -11,7 +11,8 @@
 //! - VXLAN / IPIP: encapsulated ([`crate::encap`]) and redirected to the external interface;
 //! - udp: encapsulated as the udp backend's TUN path would ([`crate::udp`]) and redirected.
 //!
-//! Everything else is handed to the kernel path unchanged (`TC_ACT_OK`), counted with a reason.
+//! IPv6 frames are handled by [`crate::v6`]. Everything else is handed to the kernel path
+//! unchanged (`TC_ACT_OK`), counted with a reason.
 
 use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
 use flannel_common::{config::FASTPATH_MARK, stats::Reason};
@@ -46,8 +47,9 @@ impl Outcome {
     }
 }
 
-/// The body of `tc_from_bridge`.
-#[inline(always)]
+/// The body of `tc_from_bridge` for everything but IPv6 frames (see [`crate::v6`]). A BPF
+/// subprogram of its own, so that its stack does not add to the IPv6 side's.
+#[inline(never)]
 pub fn run(ctx: &TcContext) -> Outcome {
     let parsed = parse::parse(ctx);
     let class = match &parsed {

@@ -11,6 +11,8 @@
 //! - a udp-backend datagram to our interface address and port: see [`crate::udp`];
 //! - and on the way it records remote pods that address a host address in the NAT guard.
 //!
+//! IPv6 frames go to [`crate::v6`] instead (the entry points choose).
+//!
 //! See [`crate::deliver`] for why delivery bypasses the stack and when it must not.
 //!
 //! `tc_to_netdev` (TC egress), for packets the kernel sends out:
@@ -89,8 +91,9 @@ pub struct Learnt {
     pub kernel_flow: bool,
 }
 
-/// The body of `tc_from_netdev`.
-#[inline(always)]
+/// The body of `tc_from_netdev` for everything but IPv6 frames (see [`crate::v6`]); a BPF
+/// subprogram of its own (its stack does not add to the IPv6 side's).
+#[inline(never)]
 pub fn from_netdev(ctx: &TcContext) -> (Outcome, Learnt) {
     let parsed = parse::parse(ctx);
     let class = match &parsed {
@@ -348,9 +351,10 @@ fn vxlan_in(
     }
 }
 
-/// The body of `tc_to_netdev`; `None` for the fast path's own packets (not counted). The
-/// second value says whether a kernel flow was learnt.
-#[inline(always)]
+/// The body of `tc_to_netdev` for everything but IPv6 frames (see [`crate::v6`]); `None` for
+/// the fast path's own packets (not counted). The second value says whether a kernel flow was
+/// learnt. A BPF subprogram of its own.
+#[inline(never)]
 pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, bool)> {
     // SAFETY: reading a field of the __sk_buff the kernel passed.
     if unsafe { (*ctx.skb.skb).mark } == FASTPATH_MARK {

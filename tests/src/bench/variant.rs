@@ -12,6 +12,7 @@
 //! | `agent-host-gw`, `agent-vxlan` | pods on two nodes of a cluster run by flannel-agent, kernel dataplane |
 //! | `agent-udp` | the same with the udp backend's TUN path (`flannel0`, user-space forwarder) |
 //! | `agent-ebpf-host-gw`, `agent-ebpf-vxlan` | the same with `--dataplane=ebpf` |
+//! | `agent-ebpf-udp` | the udp backend with `--dataplane=ebpf`: encapsulation in TC, `flannel0` for the rest |
 
 use std::{net::IpAddr, path::PathBuf};
 
@@ -275,6 +276,12 @@ pub fn all() -> Vec<Variant> {
             "agent-ebpf-vxlan",
             "pod to pod across nodes, flannel-agent vxlan, eBPF dataplane",
             "vxlan",
+            Dataplane::Ebpf,
+        ),
+        (
+            "agent-ebpf-udp",
+            "pod to pod across nodes, flannel-agent udp, eBPF dataplane (UDP encapsulation in TC)",
+            "udp",
             Dataplane::Ebpf,
         ),
     ] {
