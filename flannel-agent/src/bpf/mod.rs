@@ -57,6 +57,7 @@
 //! | [`counters`] | [`Counters`] |
 //! | [`error`] | [`BpfError`] |
 //! | [`udp`] | [`UdpLocal`]: the udp backend's encapsulation on the fast path |
+//! | [`v6`] | [`LocalConfig6`], [`Remote6`]: IPv6 on the fast path |
 
 pub mod applier;
 pub mod config;
@@ -67,6 +68,7 @@ pub mod pins;
 pub mod probe;
 pub mod remote;
 pub mod udp;
+pub mod v6;
 
 use std::{fmt, path::Path, str::FromStr};
 
@@ -78,6 +80,7 @@ pub use fastpath::{Attached, FastPath, Hook, NetdevAttach};
 pub use pins::PinLayout;
 pub use remote::{Remote, SyncStats, Via};
 pub use udp::UdpLocal;
+pub use v6::{LocalConfig6, Remote6};
 
 /// `--dataplane`: which data path forwards pod traffic.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
