@@ -199,17 +199,15 @@ impl Remote6 {
     }
 }
 
+/// The IPv6 route map's and node map's contents.
+type Entries6 = (
+    BTreeMap<Ipv6Net, RemoteEntry6>,
+    BTreeMap<Ipv6Addr, NodeEntry>,
+);
+
 /// The route and node entries for a desired IPv6 set (subnets normalised; two desired subnets
 /// with the same key are an error).
-fn desired_entries6(
-    desired: &BTreeMap<Ipv6Net, Remote6>,
-) -> Result<
-    (
-        BTreeMap<Ipv6Net, RemoteEntry6>,
-        BTreeMap<Ipv6Addr, NodeEntry>,
-    ),
-    BpfError,
-> {
+fn desired_entries6(desired: &BTreeMap<Ipv6Net, Remote6>) -> Result<Entries6, BpfError> {
     let mut routes = BTreeMap::new();
     let mut nodes: BTreeMap<Ipv6Addr, NodeEntry> = BTreeMap::new();
     for (subnet, remote) in desired {

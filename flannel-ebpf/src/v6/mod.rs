@@ -158,17 +158,17 @@ fn learn_nat_guard(cfg: &Config6, info: &Ipv6Info) -> bool {
         return false;
     }
     let key = decide::peer_key_from(info);
-    if FLANNEL_NATGRD6.get_ptr(&key).is_some() {
+    if FLANNEL_NATGRD6.get_ptr(key).is_some() {
         return false;
     }
-    FLANNEL_NATGRD6.insert(&key, &1u32, 0).is_ok()
+    FLANNEL_NATGRD6.insert(key, 1u32, 0).is_ok()
 }
 
 /// Hands the flow of a packet arriving for a local pod to the kernel.
 #[inline(always)]
 fn hand_to_kernel(info: &Ipv6Info) -> bool {
     let key = decide::flow_key_incoming(info);
-    FLANNEL_KFLOWS6.insert(&key, &1u32, 0).is_ok()
+    FLANNEL_KFLOWS6.insert(key, 1u32, 0).is_ok()
 }
 
 /// Records the flow of a local pod's packet that leaves through the kernel.
@@ -178,10 +178,10 @@ fn learn_kernel_flow(cfg: &Config6, info: &Ipv6Info) -> bool {
         return false;
     }
     let key = decide::flow_key_outgoing(info);
-    if FLANNEL_KFLOWS6.get_ptr(&key).is_some() {
+    if FLANNEL_KFLOWS6.get_ptr(key).is_some() {
         return false;
     }
-    FLANNEL_KFLOWS6.insert(&key, &1u32, 0).is_ok()
+    FLANNEL_KFLOWS6.insert(key, 1u32, 0).is_ok()
 }
 
 /// A TC action with the verdict to count.
