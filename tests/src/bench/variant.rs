@@ -303,6 +303,14 @@ pub fn all() -> Vec<Variant> {
             "pod to pod across nodes, flannel-agent udp, eBPF dataplane (UDP encapsulation in TC)",
             "udp",
             Dataplane::Ebpf,
+            false,
+        ),
+        (
+            "agent-ebpf-ipip",
+            "pod to pod across nodes, flannel-agent ipip, eBPF dataplane (IPIP encapsulation in TC; this kernel has no ipip module)",
+            "ipip",
+            Dataplane::Ebpf,
+            false,
         ),
     ] {
         let mut topology = two_nodes.clone();
