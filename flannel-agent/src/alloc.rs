@@ -75,7 +75,10 @@ pub enum AllocError {
     #[error("out of subnets")]
     OutOfSubnets,
     /// The config disables IPv4; etcd keys and upstream allocation require an IPv4 subnet.
-    #[error("IPv6-only networks are not supported in etcd mode (EnableIPv4 is false)")]
+    #[error(
+        "IPv6-only networks are not supported in etcd mode (EnableIPv4 is false): etcd lease \
+         keys need an IPv4 subnet; use the Kubernetes subnet manager (--kube-subnet-mgr)"
+    )]
     Ipv6OnlyUnsupported,
 }
 

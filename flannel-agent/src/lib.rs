@@ -24,6 +24,7 @@
 //! | [`dataplane`] | devices, routes, neighbours, FDB: desired state, appliers, reconciler |
 //! | [`wireguard`] | the wireguard backend: key, kernel/userspace devices, peers applier |
 //! | [`ipsec`] | the ipsec backend: strongSwan over VICI, XFRM policies, ESP detection |
+//! | [`udp`] | the udp backend's TUN path: `flannel0`, the UDP socket, the forwarding loops |
 
 pub mod alloc;
 pub mod backend;
@@ -45,6 +46,7 @@ pub mod subnet;
 pub mod subnet_env;
 pub mod telemetry;
 pub mod traffic;
+pub mod udp;
 pub mod wireguard;
 
 /// The eBPF object built by `build.rs` (empty when built with `AYA_BUILD_SKIP=1`).

@@ -1,6 +1,6 @@
 //! Prometheus metrics: what the agent knows (leases), what it programmed (kernel entries, BPF
 //! map entries), how reconciling goes (runs, duration, errors by kind) and, read at scrape time,
-//! the fast path's per-reason packet and byte counters.
+//! the fast path's (and the udp backend forwarder's) per-reason packet and byte counters.
 //!
 //! The daemon and the reconciler update the families directly; the fast-path counters come
 //! from a [`CounterSource`] that reads the BPF maps when `/metrics` is scraped.
@@ -37,7 +37,7 @@ pub struct DataplaneLabels {
 /// One fast-path counter, as read from the per-CPU counters map (summed over CPUs).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FastPathCount {
-    /// The program that counted it (`tc_from_bridge`, ...).
+    /// Where it was counted: the eBPF program (`tc_from_bridge`, ...) or `udp-forwarder`.
     pub program: &'static str,
     /// The reason's name (`flannel_common::stats::Reason::name`).
     pub reason: &'static str,
@@ -50,9 +50,45 @@ pub trait CounterSource: Send + Sync + 'static {
     fn read(&self) -> Vec<FastPathCount>;
 }
 
-#[derive(Default)]
+/// Per-reason packet/byte counters read at scrape time from a [`CounterSource`], exported as
+/// `<prefix>_packets_total{reason}` and `<prefix>_bytes_total{reason}`.
 struct FastPathCollector {
+    packets: (&'static str, &'static str),
+    bytes: (&'static str, &'static str),
     source: Mutex<Option<Arc<dyn CounterSource>>>,
+}
+
+impl Default for FastPathCollector {
+    fn default() -> Self {
+        Self {
+            packets: (
+                "fastpath_packets",
+                "Packets seen by the eBPF programs, by reason (fast-pathed, passed to the kernel path, dropped)",
+            ),
+            bytes: (
+                "fastpath_bytes",
+                "Bytes seen by the eBPF programs, by reason",
+            ),
+            source: Mutex::new(None),
+        }
+    }
+}
+
+impl FastPathCollector {
+    /// The udp backend's user-space forwarder (TUN path).
+    fn udp() -> Self {
+        Self {
+            packets: (
+                "udp_packets",
+                "Packets handled by the udp backend's TUN forwarder, by reason (encapsulated, decapsulated, dropped)",
+            ),
+            bytes: (
+                "udp_bytes",
+                "Bytes of inner packets handled by the udp backend's TUN forwarder, by reason",
+            ),
+            source: Mutex::new(None),
+        }
+    }
 }
 
 impl std::fmt::Debug for FastPathCollector {
@@ -74,17 +110,12 @@ impl Collector for FastPathCollector {
             return Ok(());
         };
         let counts = source.read();
-        for (name, help, pick) in [
+        for ((name, help), pick) in [
             (
-                "fastpath_packets",
-                "Packets seen by the eBPF programs, by reason (fast-pathed, passed to the kernel path, dropped)",
+                self.packets,
                 (|c: &FastPathCount| c.packets) as fn(&FastPathCount) -> u64,
             ),
-            (
-                "fastpath_bytes",
-                "Bytes seen by the eBPF programs, by reason",
-                |c: &FastPathCount| c.bytes,
-            ),
+            (self.bytes, |c: &FastPathCount| c.bytes),
         ] {
             let mut family = encoder.encode_descriptor(
                 name,
@@ -109,6 +140,7 @@ impl Collector for FastPathCollector {
 pub struct Metrics {
     registry: Registry,
     fast_path: Arc<FastPathCollector>,
+    udp: Arc<FastPathCollector>,
     /// Remote leases currently known.
     pub leases: Gauge,
     /// 1 for the active dataplane path and backend.
@@ -187,9 +219,12 @@ impl Metrics {
         );
         let fast_path = Arc::new(FastPathCollector::default());
         registry.register_collector(Box::new(fast_path.clone()));
+        let udp = Arc::new(FastPathCollector::udp());
+        registry.register_collector(Box::new(udp.clone()));
         Metrics {
             registry,
             fast_path,
+            udp,
             leases,
             dataplane,
             kernel_entries,
@@ -205,6 +240,14 @@ impl Metrics {
     /// Sets where the fast-path counters are read from (once the eBPF path is active).
     pub fn set_counter_source(&self, source: Arc<dyn CounterSource>) {
         if let Ok(mut slot) = self.fast_path.source.lock() {
+            *slot = Some(source);
+        }
+    }
+
+    /// Sets where the udp backend's forwarder counters are read from
+    /// (`flannel_udp_packets_total{reason}`, `flannel_udp_bytes_total{reason}`).
+    pub fn set_udp_counter_source(&self, source: Arc<dyn CounterSource>) {
+        if let Ok(mut slot) = self.udp.source.lock() {
             *slot = Some(source);
         }
     }
@@ -280,17 +323,27 @@ mod tests {
 
         m.set_counter_source(Arc::new(Fixed));
         let text = m.render();
-        assert!(!text.contains("flannel_flannel_"), "{text}");
         assert!(
-            text.contains(
-                "flannel_fastpath_packets_total{program=\"tc_from_bridge\",reason=\"vxlan_encap\"} 7"
-            ),
+            text.lines()
+                .any(|l| l == "flannel_fastpath_packets_total{program=\"tc_from_bridge\",reason=\"vxlan_encap\"} 7"),
             "{text}"
         );
         assert!(
-            text.contains(
-                "flannel_fastpath_bytes_total{program=\"tc_from_bridge\",reason=\"vxlan_encap\"} 700"
-            ),
+            text.lines()
+                .any(|l| l == "flannel_fastpath_bytes_total{program=\"tc_from_bridge\",reason=\"vxlan_encap\"} 700"),
+            "{text}"
+        );
+        assert!(!text.contains("flannel_udp_"), "{text}");
+        m.set_udp_counter_source(Arc::new(Fixed));
+        let text = m.render();
+        assert!(
+            text.lines()
+                .any(|l| l == "flannel_udp_packets_total{program=\"tc_from_bridge\",reason=\"vxlan_encap\"} 7"),
+            "{text}"
+        );
+        assert!(
+            text.lines()
+                .any(|l| l == "flannel_udp_bytes_total{program=\"tc_from_bridge\",reason=\"vxlan_encap\"} 700"),
             "{text}"
         );
     }

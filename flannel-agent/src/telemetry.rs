@@ -1,6 +1,9 @@
 //! Logging: `tracing` to stderr. `RUST_LOG` wins when set; otherwise upstream's `-v` level maps
 //! to a filter (0 → info, 1–3 → debug, 4+ → trace; upstream logs datapath details at V(1)/V(2),
-//! netlink operations at V(4)). aya's `log` records reach the same subscriber.
+//! netlink operations at V(4)). aya's `log` records reach the same subscriber. Colours only
+//! when stderr is a terminal: a pod log, journald or a file gets plain text.
+
+use std::io::IsTerminal as _;
 
 use tracing_subscriber::EnvFilter;
 
@@ -20,6 +23,7 @@ pub fn init(verbosity: i32) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .try_init();
 }

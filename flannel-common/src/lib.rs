@@ -14,6 +14,8 @@
 //! | [`flow`] | keys of the flow-tracking LRU maps |
 //! | [`csum`] | checksums and the VXLAN source port, as pure functions |
 //! | [`nat`] | masquerade in eBPF: NAT map layouts, configuration, states, decisions |
+//! | [`udp`] | the udp backend's configuration entry and wire format |
+//! | [`v6`] | IPv6: configuration, flow keys, map names |
 #![cfg_attr(not(test), no_std)]
 
 pub mod config;
@@ -24,3 +26,5 @@ pub mod nat;
 pub mod programs;
 pub mod route;
 pub mod stats;
+pub mod udp;
+pub mod v6;

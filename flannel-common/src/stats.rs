@@ -186,35 +186,62 @@ pub enum Reason {
     FastXdpDecapIpip = 58,
     /// `xdp_from_netdev`: VXLAN for a local pod from a known node, decapsulated before GRO.
     FastXdpDecapVxlan = 59,
+    /// `tc_from_bridge`: a pod's packet encapsulated as the udp backend does (UDP to the
+    /// peer's port, the inner packet as payload) and sent out of the external interface.
+    FastUdp = 60,
+    /// `tc_from_netdev`: a udp-backend datagram for a local pod, decapsulated and delivered to
+    /// the pod bridge.
+    FastDeliverUdp = 61,
+    /// `tc_from_netdev`: a GSO udp-backend datagram (which the TUN path's socket cannot take
+    /// whole) not deliverable to a pod, decapsulated and handed to the stack.
+    FastDecapUdp = 62,
+    /// `tc_from_netdev`: a datagram to the udp backend's port whose outer or inner headers the
+    /// fast path does not take as they are (IP options, lengths that disagree, a bad inner
+    /// header checksum, not IPv4 inside): left to the TUN path's socket.
+    PassUdpMismatch = 63,
+    /// `tc_from_bridge`: a pod's IPv6 packet to a host-gw (or DirectRouting) peer, routed by
+    /// `bpf_fib_lookup` and redirected to the external interface.
+    FastHostGw6 = 64,
+    /// `tc_from_bridge`: a pod's IPv6 packet encapsulated in VXLAN over IPv6 (as
+    /// `flannel-v6.<VNI>` sends it) and sent out of the external interface.
+    FastVxlan6 = 65,
+    /// `tc_from_netdev`: a plain (host-gw) IPv6 packet from a remote pod delivered to the pod
+    /// bridge.
+    FastDeliver6 = 66,
+    /// `tc_from_netdev`: VXLAN over IPv6 from a known node, decapsulated and its IPv6 packet
+    /// delivered to the pod bridge.
+    FastDeliverVxlan6 = 67,
+    /// An IPv6 packet with extension headers (the kernel handles them).
+    PassIpv6ExtHeader = 68,
     /// `tc_to_netdev`: a packet from the pod network to the outside, source-NATed to the node's address (also a node flow whose port collided with an earlier flow, moved to another port).
-    FastSnat = 60,
+    FastSnat = 69,
     /// `tc_from_netdev`: a reply to a masqueraded flow, translated back to the pod (or the node flow).
-    FastSnatReply = 61,
+    FastSnatReply = 70,
     /// An ICMP error about a masqueraded flow, translated together with the header it quotes (`tc_to_netdev`: from a pod; `tc_from_netdev`: for a pod).
-    FastSnatIcmpError = 62,
+    FastSnatIcmpError = 71,
     /// A non-first fragment of a masqueraded flow, its address translated (`tc_to_netdev`: the source; `tc_from_netdev`: the destination learnt from the first fragment).
-    FastSnatFragment = 63,
+    FastSnatFragment = 72,
     /// A flow of the node itself from the masquerade address, tracked so that no pod flow takes its port; unchanged.
-    PassSnatHost = 64,
+    PassSnatHost = 73,
     /// `tc_to_netdev`: from the pod network to the outside, but kube-proxy marked it (0x4000) or the destination is in a no-masquerade prefix: unchanged, as upstream's RETURN rules decide.
-    PassSnatExcluded = 65,
+    PassSnatExcluded = 74,
     /// `tc_from_netdev`: for the masquerade address with a port (identifier) of the NAT range, or a later fragment, but no live NAT entry: handed to the stack unchanged (the node's own traffic, or a reply after the flow expired). `tc_to_netdev`, while handing masquerade back to the kernel: a pod packet of no live NAT flow, unchanged (the kernel's rules decide).
-    PassSnatNoEntry = 66,
+    PassSnatNoEntry = 75,
     /// From the pod network to the outside, or a node flow, that the NAT cannot translate (another protocol or ICMP type, an ICMP error about an unknown flow, a node reply whose port a pod flow holds): unchanged.
-    PassSnatUnhandled = 67,
+    PassSnatUnhandled = 76,
     /// `tc_to_netdev`: a new pod flow found no free port for its destination after probing: dropped, never sent with the pod's address.
-    DropSnatExhausted = 68,
+    DropSnatExhausted = 77,
     /// `tc_to_netdev`: the NAT maps refused an update (out of memory): dropped.
-    DropSnatMapError = 69,
+    DropSnatMapError = 78,
     /// A new NAT mapping was made (counted in addition to the verdict).
-    LearnSnatFlow = 70,
+    LearnSnatFlow = 79,
     /// The new mapping could not keep the flow's original port: another one was allocated (counted in addition to the verdict).
-    LearnSnatRemap = 71,
+    LearnSnatRemap = 80,
 }
 
 impl Reason {
     /// Number of reasons: the `max_entries` of the stats maps.
-    pub const COUNT: usize = 72;
+    pub const COUNT: usize = 81;
 
     /// Every reason, in index order.
     pub const ALL: [Reason; Reason::COUNT] = [
@@ -278,6 +305,15 @@ impl Reason {
         Reason::PassGso,
         Reason::FastXdpDecapIpip,
         Reason::FastXdpDecapVxlan,
+        Reason::FastUdp,
+        Reason::FastDeliverUdp,
+        Reason::FastDecapUdp,
+        Reason::PassUdpMismatch,
+        Reason::FastHostGw6,
+        Reason::FastVxlan6,
+        Reason::FastDeliver6,
+        Reason::FastDeliverVxlan6,
+        Reason::PassIpv6ExtHeader,
         Reason::FastSnat,
         Reason::FastSnatReply,
         Reason::FastSnatIcmpError,
@@ -370,6 +406,15 @@ impl Reason {
             Reason::PassGso => "pass_gso",
             Reason::FastXdpDecapIpip => "fast_xdp_decap_ipip",
             Reason::FastXdpDecapVxlan => "fast_xdp_decap_vxlan",
+            Reason::FastUdp => "fast_udp",
+            Reason::FastDeliverUdp => "fast_deliver_udp",
+            Reason::FastDecapUdp => "fast_decap_udp",
+            Reason::PassUdpMismatch => "pass_udp_mismatch",
+            Reason::FastHostGw6 => "fast_host_gw6",
+            Reason::FastVxlan6 => "fast_vxlan6",
+            Reason::FastDeliver6 => "fast_deliver6",
+            Reason::FastDeliverVxlan6 => "fast_deliver_vxlan6",
+            Reason::PassIpv6ExtHeader => "pass_ipv6_ext_header",
             Reason::FastSnat => "fast_snat",
             Reason::FastSnatReply => "fast_snat_reply",
             Reason::FastSnatIcmpError => "fast_snat_icmp_error",
@@ -421,6 +466,13 @@ impl Reason {
             | Reason::FastDeliver
             | Reason::FastXdpDecapIpip
             | Reason::FastXdpDecapVxlan
+            | Reason::FastUdp
+            | Reason::FastDeliverUdp
+            | Reason::FastDecapUdp
+            | Reason::FastHostGw6
+            | Reason::FastVxlan6
+            | Reason::FastDeliver6
+            | Reason::FastDeliverVxlan6
             | Reason::FastSnat
             | Reason::FastSnatReply
             | Reason::FastSnatIcmpError
@@ -448,6 +500,8 @@ impl Reason {
             | Reason::PassVxlanRxOff
             | Reason::PassRoutedRxOff
             | Reason::PassGso
+            | Reason::PassUdpMismatch
+            | Reason::PassIpv6ExtHeader
             | Reason::PassSnatHost
             | Reason::PassSnatExcluded
             | Reason::PassSnatNoEntry

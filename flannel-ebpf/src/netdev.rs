@@ -8,7 +8,10 @@
 //!   pod-to-pod packet is decapsulated and delivered to the bridge; anything else is left to
 //!   `flannel.<VNI>` untouched;
 //! - a plain (host-gw) packet from a remote pod to a local pod: delivered to the bridge;
+//! - a udp-backend datagram to our interface address and port: see [`crate::udp`];
 //! - and on the way it records remote pods that address a host address in the NAT guard.
+//!
+//! IPv6 frames go to [`crate::v6`] instead (the entry points choose).
 //!
 //! See [`crate::deliver`] for why delivery bypasses the stack and when it must not.
 //!
@@ -92,21 +95,10 @@ pub struct Learnt {
     pub kernel_flow: bool,
 }
 
-/// The body of `tc_from_netdev`.
-#[inline(always)]
+/// The body of `tc_from_netdev` for everything but IPv6 frames (see [`crate::v6`]); a BPF
+/// subprogram of its own (its stack does not add to the IPv6 side's).
+#[inline(never)]
 pub fn from_netdev(ctx: &TcContext) -> (Outcome, Learnt) {
-    if let Some(cfg) = maps::config()
-        && let Some(nat) = nat::ingress(ctx, cfg)
-    {
-        return (
-            Outcome {
-                action: nat.outcome.action,
-                class: nat.class,
-                verdict: nat.outcome.verdict,
-            },
-            Learnt::default(),
-        );
-    }
     let parsed = parse::parse(ctx);
     let class = match &parsed {
         Ok(p) => p.class,
@@ -165,6 +157,13 @@ pub fn from_netdev(ctx: &TcContext) -> (Outcome, Learnt) {
                     &mut learnt.nat_guard,
                     &mut learnt.kernel_flow,
                 )
+            }
+            Some(info) if crate::udp::is_for_us(&info) => {
+                let r = crate::udp::receive(ctx, cfg, &info, &mut learnt.nat_guard);
+                Verdict {
+                    action: r.action,
+                    reason: r.reason,
+                }
             }
             Some(info) => plain_in(ctx, cfg, &outer, &info, &mut learnt.nat_guard),
         }
@@ -356,28 +355,62 @@ fn vxlan_in(
     }
 }
 
-/// The body of `tc_to_netdev`; `None` for the fast path's own packets (not counted). The
-/// second value holds the events to count (a kernel flow learnt, a NAT mapping made or moved).
+/// The start of `tc_to_netdev` for everything but IPv6 frames: `false` for the fast path's
+/// own packets (their mark cleared; not counted), otherwise the headers pulled in for
+/// [`nat_egress`] and [`to_netdev`].
 #[inline(always)]
-pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, [Option<Reason>; 2])> {
+pub fn prepare_out(ctx: &TcContext) -> bool {
     // SAFETY: reading a field of the __sk_buff the kernel passed.
     if unsafe { (*ctx.skb.skb).mark } == FASTPATH_MARK {
         ctx.set_mark(0);
-        return None;
+        return false;
     }
     ctx.pull_headers(parse::PULL_LEN);
-    if let Some(cfg) = maps::config()
-        && let Some(nat) = nat::egress(ctx, cfg)
-    {
-        return Some((
-            Outcome {
-                action: nat.outcome.action,
-                class: nat.class,
-                verdict: nat.outcome.verdict,
-            },
-            nat.outcome.events,
-        ));
-    }
+    true
+}
+
+/// Masquerade ([`nat::egress`]), run after [`prepare_out`] and before [`to_netdev`] as a BPF
+/// subprogram of its own called from the program itself, so that its stack (the port
+/// allocator's keys and entries) does not add to [`to_netdev`]'s; `None` when the packet is
+/// none of the NAT's business. The second value holds the events to count (a NAT mapping
+/// made or moved).
+#[inline(never)]
+pub fn nat_egress(ctx: &TcContext) -> Option<(Outcome, [Option<Reason>; 2])> {
+    let cfg = maps::config()?;
+    let nat = nat::egress(ctx, cfg)?;
+    Some((
+        Outcome {
+            action: nat.outcome.action,
+            class: nat.class,
+            verdict: nat.outcome.verdict,
+        },
+        nat.outcome.events,
+    ))
+}
+
+/// The reverse NAT of `tc_from_netdev` ([`nat::ingress`]), run before [`from_netdev`] as a
+/// BPF subprogram of its own called from the program itself (see [`nat_egress`]); `None` when
+/// the packet is none of the NAT's business.
+#[inline(never)]
+pub fn nat_ingress(ctx: &TcContext) -> Option<(Outcome, Learnt)> {
+    let cfg = maps::config()?;
+    let nat = nat::ingress(ctx, cfg)?;
+    Some((
+        Outcome {
+            action: nat.outcome.action,
+            class: nat.class,
+            verdict: nat.outcome.verdict,
+        },
+        Learnt::default(),
+    ))
+}
+
+/// The body of `tc_to_netdev` for everything but IPv6 frames (see [`crate::v6`]) once
+/// [`prepare_out`] and [`nat_egress`] passed on the packet: IPIP for host-originated traffic,
+/// learning of the flows the kernel path carries. The second value holds the events to count
+/// (a kernel flow learnt). A BPF subprogram of its own.
+#[inline(never)]
+pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, [Option<Reason>; 2])> {
     let parsed = parse::parse(ctx);
     let class = match &parsed {
         Ok(p) => p.class,
@@ -402,7 +435,11 @@ pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, [Option<Reason>; 2])> {
         return Some((outcome(Verdict::pass(Reason::PassMalformed)), [None, None]));
     };
     let mut learnt = false;
-    let verdict = if info.src == cfg.public_ip
+    let verdict = if let Some(l) = crate::udp::learn_from_forwarder(ctx, cfg, &info) {
+        // The udp backend's forwarder: the inner packet went through the kernel.
+        learnt = l;
+        Verdict::pass(Reason::PassNoRoute)
+    } else if info.src == cfg.public_ip
         && info.proto == proto::UDP
         && u16::from_be_bytes(info.dport) == cfg.vxlan_port
     {

@@ -131,6 +131,15 @@ pub struct MockApiServer {
 impl MockApiServer {
     /// Starts the server on a free port of 127.0.0.1.
     pub async fn start() -> Result<Self> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        Self::serve(listener).await
+    }
+
+    /// Starts the server on `listener`, e.g. one bound inside a lab namespace (a socket
+    /// stays in the namespace it was created in) so that agents in other namespaces reach it.
+    pub async fn serve(listener: std::net::TcpListener) -> Result<Self> {
+        listener.set_nonblocking(true)?;
+        let listener = tokio::net::TcpListener::from_std(listener)?;
         let (events, _) = broadcast::channel(4096);
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
@@ -147,7 +156,6 @@ impl MockApiServer {
             events,
             paused: watch::channel(false).0,
         });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let app = Router::new().fallback(handle).with_state(shared.clone());
         let task = tokio::spawn(async move {
@@ -162,7 +170,7 @@ impl MockApiServer {
         })
     }
 
-    /// `http://127.0.0.1:<port>`.
+    /// `http://<address>:<port>` (127.0.0.1 unless started with [`MockApiServer::serve`]).
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }

@@ -11,12 +11,16 @@
 //! | [`status`] | kernel route/neighbour/FDB counts, `/healthz` and `/metrics` |
 //! | [`cluster`] | everything together: `flannel-lab up` |
 //! | [`bins`] | finding (or building) the workspace's binaries |
+//! | [`capture`] | packet capture on an interface of a namespace (`AF_PACKET`) |
+//! | [`wait`] | bounded polling with a message on timeout |
 
 pub mod agent;
 pub mod bins;
+pub mod capture;
 pub mod cluster;
 pub mod kv;
 pub mod lease;
 pub mod probe;
 pub mod process;
 pub mod status;
+pub mod wait;

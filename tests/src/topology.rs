@@ -146,6 +146,9 @@ pub struct TopologySpec {
     pub ipv6: bool,
     /// The `flannel` CNI plugin binary; needed by [`Topology::add_pod`].
     pub cni_plugin: Option<PathBuf>,
+    /// `ipMasq` of the CNI `bridge` delegate; `None` leaves it to the flannel plugin, which
+    /// (as upstream) masquerades in the bridge plugin unless subnet.env says the agent does.
+    pub cni_ip_masq: Option<bool>,
 }
 
 impl TopologySpec {
@@ -157,6 +160,7 @@ impl TopologySpec {
             mtu: 1500,
             ipv6: false,
             cni_plugin: None,
+            cni_ip_masq: None,
         }
     }
 
@@ -169,6 +173,12 @@ impl TopologySpec {
     /// Adds IPv6 underlay addresses.
     pub fn ipv6(mut self, on: bool) -> Self {
         self.ipv6 = on;
+        self
+    }
+
+    /// Sets `ipMasq` of the CNI `bridge` delegate (see [`TopologySpec::cni_ip_masq`]).
+    pub fn cni_ip_masq(mut self, on: bool) -> Self {
+        self.cni_ip_masq = Some(on);
         self
     }
 
@@ -395,8 +405,9 @@ impl Node {
         fs::write(self.subnet_file(), env.render()).context("writing subnet.env")
     }
 
-    /// Waits until the node's subnet.env exists and has a `FLANNEL_SUBNET`. `check` runs on
-    /// each poll and aborts the wait with its error (e.g. "the agent exited").
+    /// Waits until the node's subnet.env exists and has a `FLANNEL_SUBNET` (or, on an
+    /// IPv6-only node, a `FLANNEL_IPV6_SUBNET`). `check` runs on each poll and aborts the
+    /// wait with its error (e.g. "the agent exited").
     pub fn wait_subnet_env(
         &self,
         timeout: Duration,
@@ -406,7 +417,8 @@ impl Node {
         loop {
             // A half-written file (no atomic rename) parses as incomplete or fails: retry.
             if let Ok(Some(env)) = self.read_subnet_env()
-                && env.subnet.is_some()
+                && (env.subnet.is_some() || env.ipv6_subnet.is_some())
+                && env.mtu.is_some()
             {
                 return Ok(env);
             }
@@ -490,7 +502,7 @@ impl Pod {
         &self.ns
     }
 
-    /// The pod's IPv4 address.
+    /// The pod's IPv4 address (`0.0.0.0` for a pod of an IPv6-only network).
     pub fn ip(&self) -> Ipv4Addr {
         self.ip
     }
@@ -779,11 +791,12 @@ impl Topology {
             .cni_plugin
             .clone()
             .context("no CNI plugin configured (TopologySpec::cni_plugin)")?;
+        let cni_ip_masq = self.spec.cni_ip_masq;
         let (name, node_ns, config) = {
             let node = self.node_mut(n)?;
             node.pods_created += 1;
             let name = format!("n{n}p{}", node.pods_created);
-            let config = json!({
+            let mut config = json!({
                 "cniVersion": "1.0.0",
                 "name": CNI_NETWORK,
                 "type": "flannel",
@@ -792,6 +805,9 @@ impl Topology {
                 "delegate": {"hairpinMode": true, "isDefaultGateway": true},
                 "ipam": {"dataDir": node.ipam_data_dir()},
             });
+            if let Some(masq) = cni_ip_masq {
+                config["delegate"]["ipMasq"] = json!(masq);
+            }
             (name, node.ns.path(), config)
         };
         let pod_ns = NetNs::new(&format!("{}{name}", self.tag))?;
@@ -834,9 +850,9 @@ impl Topology {
                 pod.ip6 = Some(net.addr());
             }
         }
-        if pod.ip.is_unspecified() {
+        if pod.ip.is_unspecified() && pod.ip6.is_none() {
             bail!(
-                "CNI ADD of pod {} returned no IPv4 address: {result}",
+                "CNI ADD of pod {} returned no IP address: {result}",
                 pod.name
             );
         }

@@ -211,13 +211,13 @@ impl FastPath {
         &self.layout
     }
 
-    /// The loaded object (for the other modules of `bpf`).
-    pub(super) fn ebpf(&self) -> &Ebpf {
+    /// The loaded object, for the modules that add maps of their own (`nat`, `udp`, `v6`).
+    pub(crate) fn ebpf(&self) -> &Ebpf {
         &self.ebpf
     }
 
-    /// The loaded object, mutable (for the other modules of `bpf`).
-    pub(super) fn ebpf_mut(&mut self) -> &mut Ebpf {
+    /// Mutable access to the loaded object (see [`FastPath::ebpf`]).
+    pub(crate) fn ebpf_mut(&mut self) -> &mut Ebpf {
         &mut self.ebpf
     }
 

@@ -5,8 +5,9 @@
 //! 2. network config (etcd: retried every second), backend options, IP stack
 //! 3. external interface (kube: annotation-stored public IPs override the flags)
 //! 4. backend data (persisted VTEP MACs) → lease attributes → lease
-//! 5. devices, traffic rules, subnet.env → ready once the first reconcile on a complete lease
-//!    set succeeded
+//! 5. devices (udp: the forwarder creates `flannel0` and binds its socket first, and its
+//!    applier joins the reconciler), traffic rules, subnet.env → ready once the first
+//!    reconcile on a complete lease set succeeded
 //! 6. tasks: lease watch → reconciler; lease keeper (etcd) / NetworkUnavailable (kube);
 //!    traffic-rule resync; blackhole route; status → metrics and readiness
 //!
@@ -16,6 +17,7 @@
 mod fastpath;
 mod manager;
 mod masq;
+mod policy;
 mod rules;
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
@@ -47,6 +49,7 @@ use crate::{
         self, BR_NETFILTER_SYSCTL_DIR, IptablesVariant, SystemRunner, TrafficError, TrafficManager,
         TrafficMode,
     },
+    udp::{UdpConfig, UdpError, UdpForwarder},
     wireguard,
 };
 
@@ -78,6 +81,8 @@ pub enum DaemonError {
     Ipsec(Box<ipsec::IpsecError>),
     #[error("failed to set up masquerade/forward rules: {0}")]
     Traffic(#[from] TrafficError),
+    #[error("failed to start the udp backend: {0}")]
+    Udp(#[from] UdpError),
     #[error("Failed to write subnet file: {0}")]
     SubnetEnv(#[from] SubnetEnvError),
     #[error("health server on {addr}: {source}")]
@@ -212,9 +217,26 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         mtu,
         vtep_macs,
     );
+    let requested = match (cli.dataplane, policy::detect()) {
+        (Dataplane::Auto, Some(engine)) => {
+            info!(
+                "{engine} NetworkPolicy rules found in netfilter: keeping the kernel path, which \
+                 they filter (the eBPF fast path would bypass them); --dataplane=ebpf overrides"
+            );
+            Dataplane::Kernel
+        }
+        (Dataplane::Ebpf, Some(engine)) => {
+            warn!(
+                "{engine} NetworkPolicy rules found in netfilter: the eBPF fast path bypasses \
+                 them for pod-to-pod traffic (--dataplane=ebpf was asked for explicitly)"
+            );
+            Dataplane::Ebpf
+        }
+        (requested, _) => requested,
+    };
     let nat_sizing = crate::bpf::NatSizing::resolve(cli.ebpf_nat_max_entries);
     let mut active = fastpath::start(
-        cli.dataplane,
+        requested,
         &cli.bpf_pin_path,
         &backend,
         stack,
@@ -224,6 +246,18 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     )?;
     local.ipip_via_ebpf =
         matches!(backend, BackendOptions::Ipip(_)) && active.fast_path().is_some();
+    // udp: the forwarder creates flannel0 (it holds the TUN descriptor) before the device
+    // set-up configures it; it lives until `run` returns.
+    let udp = match &backend {
+        BackendOptions::Udp(opts) => {
+            if stack.has_v6() {
+                warn!("the udp backend carries IPv4 only: IPv6 pod traffic will not cross nodes");
+            }
+            let config = UdpConfig::for_node(&local, opts)?;
+            Some(UdpForwarder::start(&config, cancel.clone())?)
+        }
+        _ => None,
+    };
     dataplane::ensure_devices(&nl, &mut local).await?;
     let mut backend_appliers: Vec<Box<dyn dataplane::Applier>> = Vec::new();
     if let (BackendOptions::Wireguard(opts), Some(key)) = (&backend, wireguard_key) {
@@ -329,6 +363,10 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     }
     for applier in backend_appliers {
         reconciler.push_applier(applier);
+    }
+    if let Some(forwarder) = &udp {
+        reconciler.push_applier(Box::new(forwarder.applier()));
+        metrics.set_udp_counter_source(forwarder.counters());
     }
     let status = reconciler.status();
     let mut tasks: JoinSet<Result<Option<Exit>, DaemonError>> = JoinSet::new();
@@ -449,6 +487,8 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             }
         }
     }
+    // Closing the TUN descriptor removes flannel0, as upstream does on shutdown.
+    drop(udp);
     info!("Exiting cleanly...");
     match failure {
         Some(err) => Err(err),

@@ -14,6 +14,8 @@
 //!   modes (`auto`, `ipv4`, `ipv6`) both families of a peer get one key (the IPv6 data's
 //!   when present, as upstream) and one endpoint chosen by the mode ([`wireguard_endpoint`]);
 //! * ipsec (2.6, IPv4): the peer's public IP.
+//! * udp (IPv4): the peer's public IP and this node's `Port`; leases of every `BackendType`
+//!   are used, as upstream's udp backend does not filter (its own leases have none).
 //!
 //! Leases are taken in id order. A subnet that overlaps this node's subnet or one taken by an
 //! earlier lease is dropped with a [`Note::Overlap`]; a VTEP MAC already used by an earlier
@@ -42,7 +44,7 @@ use super::{
 /// Computes the desired dataplane. See the module documentation for the rules.
 pub fn desired(local: &Local, snapshot: &LeaseSnapshot, facts: &Facts) -> Desired {
     let Some(backend) = Backend::of(&local.backend) else {
-        // alloc, udp: nothing for this module to program.
+        // alloc: nothing for this module to program.
         return Desired::default();
     };
     let lease_type = local.backend.backend_type().lease_type();
@@ -56,7 +58,7 @@ pub fn desired(local: &Local, snapshot: &LeaseSnapshot, facts: &Facts) -> Desire
     let mut macs: HashMap<(IpFamily, MacAddr), (LeaseId, IpAddr)> = HashMap::new();
 
     for (id, lease) in snapshot.leases.iter() {
-        if lease.attrs.backend_type != lease_type {
+        if backend.filters_type() && lease.attrs.backend_type != lease_type {
             out.notes.push(Note::Ignored {
                 id: id.clone(),
                 reason: IgnoreReason::OtherBackend {
@@ -77,7 +79,7 @@ pub fn desired(local: &Local, snapshot: &LeaseSnapshot, facts: &Facts) -> Desire
             let Some(subnet) = lease_subnet(lease, family) else {
                 continue;
             };
-            if family == IpFamily::V6 && matches!(backend, Backend::Ipip { .. } | Backend::Ipsec) {
+            if family == IpFamily::V6 && backend.ipv4_only() {
                 continue;
             }
             let Some(public_ip) = lease_public_ip(lease, family) else {
@@ -165,6 +167,9 @@ enum Backend {
         port_v6: u16,
     },
     Ipsec,
+    Udp {
+        port: u16,
+    },
 }
 
 impl Backend {
@@ -188,8 +193,19 @@ impl Backend {
                 },
             }),
             BackendOptions::Ipsec(_) => Some(Self::Ipsec),
+            BackendOptions::Udp(o) => Some(Self::Udp { port: o.port }),
             _ => None,
         }
+    }
+
+    /// Whether leases of other backend types are ignored (all but udp, as upstream).
+    fn filters_type(self) -> bool {
+        !matches!(self, Self::Udp { .. })
+    }
+
+    /// Whether the backend carries IPv4 only.
+    fn ipv4_only(self) -> bool {
+        matches!(self, Self::Ipip { .. } | Self::Udp { .. } | Self::Ipsec)
     }
 }
 
@@ -316,6 +332,10 @@ fn reach_of(
             };
             Ok(Reach::Ipsec { public_ip: v4 })
         }
+        Backend::Udp { port } => match public_ip {
+            IpAddr::V4(public_ip) => Ok(Reach::Udp { public_ip, port }),
+            IpAddr::V6(_) => Err(NoPath::Data("udp carries IPv4 only".into())),
+        },
     }
 }
 
@@ -800,6 +820,56 @@ mod tests {
                     next_hop: Some(ip("192.168.10.254")),
                 },
             ]
+        );
+    }
+
+    #[test]
+    fn udp_takes_every_lease_over_ipv4_with_our_port() {
+        let local = local(
+            BackendOptions::Udp(crate::backend::UdpOptions { port: 9000 }),
+            IpStack::Dual,
+        );
+        let mut v6 = lease("10.244.4.0-24&fd00:244:4::-64", "", [192, 168, 10, 4]);
+        v6.attrs.public_ipv6 = Some("fd00:10::4".parse::<Ipv6Addr>().unwrap());
+        let snap = snapshot(vec![
+            // udp leases have no BackendType; upstream's udp backend filters nothing.
+            ("a", lease("10.244.2.0-24", "", [192, 168, 10, 2])),
+            ("b", lease("10.244.3.0-24", "vxlan", [192, 168, 20, 3])),
+            ("c", v6),
+        ]);
+        let d = desired(&local, &snap, &Facts::none());
+        assert_eq!(d.notes, vec![]);
+        let reaches: Vec<(IpNet, Reach)> = d.paths().map(|(_, p)| (p.subnet, p.reach)).collect();
+        assert_eq!(
+            reaches,
+            vec![
+                (
+                    net("10.244.2.0/24"),
+                    Reach::Udp {
+                        public_ip: Ipv4Addr::new(192, 168, 10, 2),
+                        port: 9000
+                    }
+                ),
+                (
+                    net("10.244.3.0/24"),
+                    Reach::Udp {
+                        public_ip: Ipv4Addr::new(192, 168, 20, 3),
+                        port: 9000
+                    }
+                ),
+                (
+                    net("10.244.4.0/24"),
+                    Reach::Udp {
+                        public_ip: Ipv4Addr::new(192, 168, 10, 4),
+                        port: 9000
+                    }
+                ),
+            ],
+            "IPv4 only, even for dual-stack leases"
+        );
+        assert_eq!(
+            d.peers[0].v4.map(|p| p.reach.to_string()),
+            Some("udp 192.168.10.2:9000".into())
         );
     }
 

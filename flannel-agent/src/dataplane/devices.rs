@@ -1,5 +1,7 @@
 //! The dataplane's devices: `flannel.<VNI>` / `flannel-v6.<VNI>` for vxlan, `flannel.ipip`
-//! for ipip, none for host-gw (which only checks that it is not behind NAT).
+//! for ipip, `flannel0` for udp (created by the forwarder, configured by
+//! [`crate::udp::ensure_tun_device`]), none for host-gw (which only checks that it is not
+//! behind NAT).
 //!
 //! [`ensure_devices`] is idempotent and cheap when nothing changed (a link lookup and an
 //! address listing per device): the daemon calls it once at start-up (errors are fatal there)
@@ -91,11 +93,14 @@ pub async fn ensure_devices(
             let device = ensure_ipip_device(nl, local, &mut report).await?;
             local.devices.ipip = Some(device);
         }
+        BackendOptions::Udp(_) => {
+            let device = crate::udp::ensure_tun_device(nl, local, &mut report).await?;
+            local.devices.tun = Some(device);
+        }
         BackendOptions::Alloc => {}
         // Their devices (flannel-wg, none for ipsec) belong to their own appliers
         // (`crate::wireguard`, `crate::ipsec`), which set them up in every sync.
         BackendOptions::Wireguard(_) | BackendOptions::Ipsec(_) => {}
-        other => return Err(DataplaneError::UnsupportedBackend(other.backend_type())),
     }
     Ok(report)
 }

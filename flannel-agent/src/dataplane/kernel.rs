@@ -8,7 +8,8 @@
 //!   `ip route replace <subnet> via <subnet addr> dev flannel.<VNI> onlink` (IPv6 on
 //!   `flannel-v6.<VNI>`);
 //! * direct (host-gw, DirectRouting): `ip route replace <subnet> via <public IP> dev <oif>`;
-//! * ipip: `ip route replace <subnet> via <public IP> dev flannel.ipip onlink`.
+//! * ipip: `ip route replace <subnet> via <public IP> dev flannel.ipip onlink`;
+//! * udp: nothing (the forwarder's table, [`crate::udp::UdpApplier`]).
 //!
 //! Every route carries protocol [`RTPROT_FLANNEL`]. What the applier owns, and therefore may
 //! delete when it is not desired:
@@ -121,6 +122,9 @@ pub fn expand(local: &Local, desired: &Desired) -> KernelObjects {
                     continue;
                 }
             },
+            // The udp forwarder's own table carries these (`crate::udp::UdpApplier`); the
+            // kernel only has `<Network> dev flannel0`, set up with the device.
+            Reach::Udp { .. } => continue,
         };
         out.routes.insert(route_key(&route), route);
     }

@@ -1,5 +1,6 @@
 //! The kernel dataplane: devices, routes, neighbours and FDB entries for the vxlan, host-gw
-//! and ipip backends, kept equal to the lease set by one level-triggered reconciler.
+//! and ipip backends (and the udp backend's `flannel0`, whose per-peer table lives in
+//! [`crate::udp`]), kept equal to the lease set by one level-triggered reconciler.
 //!
 //! One desired model, several appliers: [`desired`] is a pure function of this node
 //! ([`Local`]), the remote leases ([`LeaseSnapshot`](crate::subnet::LeaseSnapshot)) and a few
@@ -23,7 +24,7 @@
 //! | [`desired`](mod@desired) | the pure desired-state computation |
 //! | [`applier`] | the `Applier` seam, `SyncMode`, `ApplyStats`/`ApplyReport` |
 //! | [`kernel`] | the rtnetlink applier: expand, list owned state, diff, apply in batches |
-//! | [`devices`] | `flannel.<VNI>` / `flannel-v6.<VNI>` / `flannel.ipip`, host-gw NAT check |
+//! | [`devices`] | `flannel.<VNI>` / `flannel-v6.<VNI>` / `flannel.ipip` / `flannel0`, host-gw NAT check |
 //! | [`macs`] | VTEP MAC persistence in `--state-dir` |
 //! | [`reconciler`] | the reconcile loop (snapshots, link events, resync, back-off) |
 //! | [`status`] | what the reconciler reports for health and metrics |
@@ -54,7 +55,7 @@ pub use reconciler::{ReconcileOutcome, Reconciler, ReconcilerConfig};
 pub use status::DataplaneStatus;
 
 use crate::{
-    backend::{BackendType, MacAddr},
+    backend::MacAddr,
     netlink::{IpFamily, NetlinkError},
 };
 
@@ -137,9 +138,12 @@ pub enum DataplaneError {
         /// The device.
         device: String,
     },
-    /// The backend has no kernel dataplane here.
-    #[error("the {0} backend has no kernel dataplane in this implementation")]
-    UnsupportedBackend(BackendType),
+    /// The udp backend's TUN device does not exist (its forwarder creates it).
+    #[error("{device} does not exist: the udp backend's forwarder creates it (is it running?)")]
+    TunMissing {
+        /// The device.
+        device: String,
+    },
     /// A VTEP MAC state file could not be read or written.
     #[error("VTEP MAC state file {}: {source}", path.display())]
     StateFile {
@@ -173,7 +177,7 @@ impl DataplaneError {
             Self::NoVtepMac { .. } => "no_vtep_mac",
             Self::ExternalInterfaceGone { .. } => "external_interface_gone",
             Self::DeviceUnstable { .. } => "device_unstable",
-            Self::UnsupportedBackend(_) => "unsupported_backend",
+            Self::TunMissing { .. } => "tun_missing",
             Self::StateFile { .. } | Self::StateFileContent { .. } => "state_file",
         };
         format!("device:{class}")

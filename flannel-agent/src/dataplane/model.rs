@@ -133,7 +133,7 @@ impl VtepMacs {
 /// A device the dataplane created or adopted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceInfo {
-    /// Name (`flannel.1`, `flannel-v6.1`, `flannel.ipip`).
+    /// Name (`flannel.1`, `flannel-v6.1`, `flannel.ipip`, `flannel0`).
     pub name: String,
     /// Interface index now.
     pub index: u32,
@@ -150,6 +150,8 @@ pub struct Devices {
     pub vxlan_v6: Option<DeviceInfo>,
     /// `flannel.ipip`.
     pub ipip: Option<DeviceInfo>,
+    /// `flannel0`, the udp backend's TUN device.
+    pub tun: Option<DeviceInfo>,
 }
 
 impl Devices {
@@ -163,7 +165,7 @@ impl Devices {
 
     /// All devices.
     pub fn all(&self) -> impl Iterator<Item = &DeviceInfo> {
-        [&self.vxlan_v4, &self.vxlan_v6, &self.ipip]
+        [&self.vxlan_v4, &self.vxlan_v6, &self.ipip, &self.tun]
             .into_iter()
             .flatten()
     }
@@ -225,6 +227,14 @@ pub enum Reach {
         /// The peer's public IP (outer destination, IKE peer).
         public_ip: Ipv4Addr,
     },
+    /// The udp backend (IPv4 only): the inner packet as the payload of a UDP datagram to the
+    /// peer's public IP and `port` (this node's configured `Port`, as upstream).
+    Udp {
+        /// The peer's public IP (outer destination).
+        public_ip: Ipv4Addr,
+        /// The UDP destination port.
+        port: u16,
+    },
 }
 
 impl Reach {
@@ -233,7 +243,9 @@ impl Reach {
         match self {
             Self::Direct { gateway, .. } => *gateway,
             Self::Vxlan { public_ip, .. } => *public_ip,
-            Self::Ipip { public_ip, .. } | Self::Ipsec { public_ip } => IpAddr::V4(*public_ip),
+            Self::Ipip { public_ip, .. }
+            | Self::Ipsec { public_ip }
+            | Self::Udp { public_ip, .. } => IpAddr::V4(*public_ip),
             Self::Wireguard { endpoint, .. } => endpoint.ip(),
         }
     }
@@ -254,6 +266,7 @@ impl fmt::Display for Reach {
                 endpoint,
             } => write!(f, "wireguard {endpoint} key {public_key}"),
             Self::Ipsec { public_ip } => write!(f, "ipsec {public_ip}"),
+            Self::Udp { public_ip, port } => write!(f, "udp {public_ip}:{port}"),
         }
     }
 }

@@ -50,7 +50,17 @@ pub enum NeighbourState {
 }
 
 impl NeighbourState {
+    /// `NUD_PERMANENT`.
+    const NUD_PERMANENT: u16 = 0x80;
+
+    /// Decodes `ndm_state`. Any value with `NUD_PERMANENT` set is [`Self::Permanent`], as
+    /// iproute2 reads it: `bridge fdb add ... permanent` stores `NUD_PERMANENT | NUD_NOARP`
+    /// (0xc0), and such an entry (left by upstream flanneld or an operator) is as static as
+    /// one the agent wrote.
     fn from_u16(v: u16) -> Self {
+        if v & Self::NUD_PERMANENT != 0 {
+            return Self::Permanent;
+        }
         match v {
             0x01 => Self::Incomplete,
             0x02 => Self::Reachable,
@@ -460,6 +470,11 @@ mod tests {
     fn states_decode() {
         assert_eq!(NeighbourState::from_u16(0x80), NeighbourState::Permanent);
         assert_eq!(NeighbourState::from_u16(0x02), NeighbourState::Reachable);
-        assert_eq!(NeighbourState::from_u16(0x82), NeighbourState::Other(0x82));
+        // NUD_PERMANENT wins over other bits, as in iproute2: `bridge fdb add ... permanent`
+        // stores NUD_PERMANENT | NUD_NOARP.
+        assert_eq!(NeighbourState::from_u16(0xc0), NeighbourState::Permanent);
+        assert_eq!(NeighbourState::from_u16(0x82), NeighbourState::Permanent);
+        assert_eq!(NeighbourState::from_u16(0x40), NeighbourState::Noarp);
+        assert_eq!(NeighbourState::from_u16(0x42), NeighbourState::Other(0x42));
     }
 }

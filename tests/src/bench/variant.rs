@@ -10,7 +10,10 @@
 //! | `ref-hostgw` | pod → cni0 → node1 → static route via node2 → cni0 → pod (by hand) |
 //! | `ref-vxlan` | the same through hand-made `flannel.1` VXLAN devices with static FDB/neighbour/routes |
 //! | `agent-host-gw`, `agent-vxlan` | pods on two nodes of a cluster run by flannel-agent, kernel dataplane |
+//! | `agent-udp` | the same with the udp backend's TUN path (`flannel0`, user-space forwarder) |
+//! | `agent-host-gw-bare`, `agent-vxlan-bare` | the same without netfilter rules (`--iptables-forward-rules=false`, CNI `ipMasq: false`): only what the agent programs, comparable with `ref-*` |
 //! | `agent-ebpf-host-gw`, `agent-ebpf-vxlan` | the same with `--dataplane=ebpf` |
+//! | `agent-ebpf-udp` | the udp backend with `--dataplane=ebpf`: encapsulation in TC, `flannel0` for the rest |
 
 use std::{net::IpAddr, path::PathBuf};
 
@@ -245,39 +248,82 @@ pub fn all() -> Vec<Variant> {
             setup: Box::new(|t, _| ref_setup(t, true)),
         },
     ];
-    for (name, description, backend, dataplane) in [
+    for (name, description, backend, dataplane, bare) in [
         (
             "agent-host-gw",
             "pod to pod across nodes, flannel-agent host-gw, kernel dataplane",
             "host-gw",
             Dataplane::Kernel,
+            false,
         ),
         (
             "agent-vxlan",
             "pod to pod across nodes, flannel-agent vxlan, kernel dataplane",
             "vxlan",
             Dataplane::Kernel,
+            false,
+        ),
+        (
+            "agent-host-gw-bare",
+            "agent-host-gw without netfilter rules (no forward rules, CNI ipMasq off): the routes alone",
+            "host-gw",
+            Dataplane::Kernel,
+            true,
+        ),
+        (
+            "agent-vxlan-bare",
+            "agent-vxlan without netfilter rules (no forward rules, CNI ipMasq off): the VXLAN path alone",
+            "vxlan",
+            Dataplane::Kernel,
+            true,
+        ),
+        (
+            "agent-udp",
+            "pod to pod across nodes, flannel-agent udp (flannel0 TUN + user-space forwarder)",
+            "udp",
+            Dataplane::Kernel,
+            false,
         ),
         (
             "agent-ebpf-host-gw",
             "pod to pod across nodes, flannel-agent host-gw, eBPF dataplane",
             "host-gw",
             Dataplane::Ebpf,
+            false,
         ),
         (
             "agent-ebpf-vxlan",
             "pod to pod across nodes, flannel-agent vxlan, eBPF dataplane",
             "vxlan",
             Dataplane::Ebpf,
+            false,
+        ),
+        (
+            "agent-ebpf-udp",
+            "pod to pod across nodes, flannel-agent udp, eBPF dataplane (UDP encapsulation in TC)",
+            "udp",
+            Dataplane::Ebpf,
+            false,
+        ),
+        (
+            "agent-ebpf-ipip",
+            "pod to pod across nodes, flannel-agent ipip, eBPF dataplane (IPIP encapsulation in TC; this kernel has no ipip module)",
+            "ipip",
+            Dataplane::Ebpf,
+            false,
         ),
     ] {
+        let mut topology = two_nodes.clone();
+        if bare {
+            topology = topology.cni_ip_masq(false);
+        }
         out.push(Variant {
             name,
             description,
-            topology: two_nodes.clone(),
+            topology,
             needs_cni: true,
             needs_agent: true,
-            setup: Box::new(move |t, ctx| agent_setup(t, ctx, backend, dataplane)),
+            setup: Box::new(move |t, ctx| agent_setup(t, ctx, backend, dataplane, bare)),
         });
     }
     out
@@ -415,18 +461,25 @@ pub fn link_mac(ns: &NetNs, link: &str) -> Result<String> {
         .with_context(|| format!("{link} has no address: {out}"))
 }
 
-/// A two-node cluster run by the agent with one CNI pod per node.
+/// A two-node cluster run by the agent with one CNI pod per node; `bare`: without the
+/// agent's forward rules (the topology's CNI delegate is set not to masquerade).
 fn agent_setup(
     t: Topology,
     ctx: &SetupCtx,
     backend: &str,
     dataplane: Dataplane,
+    bare: bool,
 ) -> Result<Testbed> {
     let agent = ctx.agent.clone().context("no flannel-agent")?;
     let mut spec = ClusterSpec::new(t.spec().clone(), backend, agent);
     spec.dataplane = dataplane;
     spec.pods_per_node = 1;
-    let cluster = Cluster::start(t, spec, &|msg| eprintln!("  {msg}"), &|| false)?;
+    if bare {
+        spec.agent_args = vec!["--iptables-forward-rules=false".to_owned()];
+    }
+    let mut cluster = Cluster::start(t, spec, &|msg| eprintln!("  {msg}"), &|| false)?;
+    // Measure a converged cluster: both agents have programmed the complete lease set.
+    cluster.wait_ready(std::time::Duration::from_secs(60))?;
     let client = cluster.topology().pods_on(1)[0].name().to_owned();
     let server = cluster.topology().pods_on(2)[0];
     let (server, ip) = (server.name().to_owned(), IpAddr::V4(server.ip()));

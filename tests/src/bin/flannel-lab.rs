@@ -1,7 +1,9 @@
 //! `flannel-lab`: simulated flannel clusters in network namespaces, and benchmarks.
 //!
 //! * `up`: etcd + N nodes + one agent per node + pods through CNI; prints the leases and a
-//!   pod-to-pod matrix, then a live status until Ctrl-C, then removes everything.
+//!   pod-to-pod matrix, then a live status until Ctrl-C, then removes everything. With
+//!   `--once` it prints one status block instead and exits, non-zero unless every pod pair
+//!   connected (the CI smoke test of `cargo xtask run`).
 //! * `host -- <flags>`: runs one agent on the real host with the given flags (exec).
 //! * `bench dataplane` / `bench control` / `bench masq`: see `flannel_tests::bench`.
 //! * `crr`: the connection-rate tool of `bench masq`, by hand (server or client).
@@ -133,6 +135,10 @@ struct UpArgs {
     /// Seconds between status refreshes.
     #[arg(long, default_value_t = 3)]
     interval: u64,
+    /// Print the leases, the pod-to-pod matrix and one status block, then remove
+    /// everything and exit (non-zero unless every pair connected): a smoke test of `up`.
+    #[arg(long)]
+    once: bool,
     /// Extra flags for every agent (after `--`).
     #[arg(last = true)]
     agent_args: Vec<String>,
@@ -225,6 +231,12 @@ struct ControlArgs {
     /// Seconds the agent may take per lease count.
     #[arg(long, default_value_t = 300)]
     timeout: u64,
+    /// Comma-separated dataplanes to measure each lease count on (`kernel`, `ebpf`).
+    #[arg(long, value_delimiter = ',', default_value = "kernel,ebpf")]
+    dataplane: Vec<Dataplane>,
+    /// Lease events (an add and a delete each) timed once the agent has converged.
+    #[arg(long, default_value_t = 20)]
+    events: usize,
     /// Output directory (default: target/bench of this workspace).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -327,7 +339,10 @@ fn up(args: UpArgs) -> Result<()> {
     if args.direct_routing {
         spec.backend_options = serde_json::json!({"DirectRouting": true});
     }
+    let ready_timeout = spec.subnet_env_timeout;
     let mut cluster = Cluster::up(spec, &progress, &stopped)?;
+    cluster.wait_ready(ready_timeout)?;
+    progress("every agent reports /readyz 200");
     println!("\n{}", cluster.leases_text()?);
     let matrix = cluster.matrix(Duration::from_secs(2))?;
     println!("pod-to-pod connectivity (TCP):\n{matrix}\n");
@@ -335,6 +350,19 @@ fn up(args: UpArgs) -> Result<()> {
         if let Some(Some(Err(reason))) = matrix.cells.get(i).and_then(|r| r.get(j)) {
             println!("  {} -> {}: {reason}", matrix.labels[i], matrix.labels[j]);
         }
+    }
+    if args.once {
+        println!("{}", cluster.status_text());
+        eprintln!("==> removing the cluster");
+        drop(cluster);
+        if !matrix.all_ok() {
+            bail!(
+                "{} of {} pod pairs could not connect",
+                matrix.failures(),
+                matrix.pairs()
+            );
+        }
+        return Ok(());
     }
     eprintln!(
         "==> up; status every {} s, Ctrl-C to remove everything",
@@ -501,6 +529,8 @@ fn bench_control(args: ControlArgs) -> Result<()> {
         nodes: args.nodes,
         agent,
         timeout: Duration::from_secs(args.timeout),
+        dataplanes: args.dataplane,
+        events: args.events,
     };
     let results = control::run(&opts, &progress, &stopped)?;
     print!(

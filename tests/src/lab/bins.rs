@@ -8,6 +8,7 @@
 use std::{
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    sync::OnceLock,
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -92,6 +93,31 @@ pub fn cargo_build(package: &str, bin: &str, env_override: &str) -> Result<PathB
         }
     }
     bail!("cargo reported no executable for {bin}")
+}
+
+/// [`cargo_build`] once per process: concurrent tests share one build and one answer.
+fn built_once(
+    cell: &'static OnceLock<Result<PathBuf, String>>,
+    package: &str,
+    bin: &str,
+    env_override: &str,
+) -> Result<PathBuf> {
+    cell.get_or_init(|| cargo_build(package, bin, env_override).map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(|e| anyhow::anyhow!("building {bin}: {e}"))
+}
+
+/// `flannel-agent` for tests, built once per process (`FLANNEL_AGENT_BIN` overrides).
+pub fn test_agent() -> Result<PathBuf> {
+    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    built_once(&BIN, "flannel-agent", AGENT, "FLANNEL_AGENT_BIN")
+}
+
+/// The CNI plugin `flannel` for tests, built once per process (`FLANNEL_CNI_BIN`
+/// overrides).
+pub fn test_cni_plugin() -> Result<PathBuf> {
+    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    built_once(&BIN, "flannel-cni", CNI_PLUGIN, "FLANNEL_CNI_BIN")
 }
 
 /// Resolves a binary for the lab: the explicit path if given, else the one next to the running

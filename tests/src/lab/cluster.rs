@@ -8,8 +8,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Result, bail};
-use ipnet::Ipv4Net;
+use anyhow::{Context as _, Result, bail};
+use ipnet::{Ipv4Net, Ipv6Net};
 use serde_json::Value;
 
 use super::{
@@ -31,6 +31,12 @@ pub struct ClusterSpec {
     pub topology: TopologySpec,
     /// `Network` of the config.
     pub network: Ipv4Net,
+    /// `IPv6Network` of the config; `Some` also sets `EnableIPv6` (dual stack, or IPv6 only
+    /// with [`enable_ipv4`](Self::enable_ipv4) false). Needs an IPv6 underlay
+    /// ([`TopologySpec::ipv6`](crate::topology::TopologySpec::ipv6)).
+    pub ipv6_network: Option<Ipv6Net>,
+    /// `EnableIPv4` (default true; `false` writes `"EnableIPv4": false` and no `Network`).
+    pub enable_ipv4: bool,
     /// `Backend.Type`: vxlan, host-gw, ipip, wireguard, udp.
     pub backend: String,
     /// Further `Backend` options (a JSON object), e.g. `{"DirectRouting": true}`.
@@ -57,6 +63,8 @@ impl ClusterSpec {
         ClusterSpec {
             topology,
             network: Ipv4Net::new(std::net::Ipv4Addr::new(10, 244, 0, 0), 16).unwrap_or_default(),
+            ipv6_network: None,
+            enable_ipv4: true,
             backend: backend.to_owned(),
             backend_options: Value::Object(Default::default()),
             agent: agent.into(),
@@ -69,9 +77,20 @@ impl ClusterSpec {
         }
     }
 
-    /// The JSON stored at `<prefix>/config`.
+    /// The JSON stored at `<prefix>/config` (or written to `net-conf.json` in kube mode).
     pub fn netconf(&self) -> Value {
-        lease::netconf(self.network, &self.backend, self.backend_options.clone())
+        let mut conf = lease::netconf(self.network, &self.backend, self.backend_options.clone());
+        if let Some(obj) = conf.as_object_mut() {
+            if !self.enable_ipv4 {
+                obj.remove("Network");
+                obj.insert("EnableIPv4".into(), Value::Bool(false));
+            }
+            if let Some(v6) = self.ipv6_network {
+                obj.insert("EnableIPv6".into(), Value::Bool(true));
+                obj.insert("IPv6Network".into(), Value::String(v6.to_string()));
+            }
+        }
+        conf
     }
 }
 
@@ -185,6 +204,34 @@ impl Cluster {
         Ok(cluster)
     }
 
+    /// Waits until every agent answers `/readyz` with 200 (its first reconcile against the
+    /// complete lease set succeeded), failing early if one exits.
+    pub fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        for (i, agent) in self.agents.iter_mut().enumerate() {
+            let node = &self.topology.nodes()[i];
+            let Some(port) = agent.healthz_port() else {
+                continue;
+            };
+            loop {
+                agent.check_running()?;
+                if matches!(status::http_status(node.ns(), port, "/readyz"), Ok(200)) {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    bail!(
+                        "{} is not ready after {timeout:?}; last lines of {}:\n{}",
+                        node.name(),
+                        agent.log_path().display(),
+                        agent.log_tail(30)
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Ok(())
+    }
+
     /// The agent flags shared by all nodes.
     pub fn agent_spec(&self) -> AgentSpec {
         let mut spec = AgentSpec::new(&self.spec.agent, self.etcd.endpoint());
@@ -210,6 +257,23 @@ impl Cluster {
         &self.etcd
     }
 
+    /// etcd, mutable (stop and resume it: see [`Cluster::stop_etcd`]).
+    pub fn etcd_mut(&mut self) -> &mut Etcd {
+        &mut self.etcd
+    }
+
+    /// Kills etcd (SIGKILL: to the agents it looks like a crash or a network outage).
+    pub fn stop_etcd(&mut self) {
+        self.etcd.stop();
+    }
+
+    /// Starts etcd again on the same address and data (inside the hub, where it listens)
+    /// and waits until it is healthy.
+    pub fn resume_etcd(&mut self) -> Result<()> {
+        let etcd = &mut self.etcd;
+        self.topology.hub().enter(move || etcd.resume())?
+    }
+
     /// etcd access from the hub.
     pub fn kv(&self) -> &Kv {
         &self.kv
@@ -233,6 +297,45 @@ impl Cluster {
     /// subnet.env of each node as read at start-up, in node order.
     pub fn subnet_envs(&self) -> &[SubnetEnv] {
         &self.subnet_envs
+    }
+
+    /// Node `n`'s (1-based) pod subnet, from its subnet.env read at start-up.
+    pub fn subnet_of(&self, n: usize) -> Option<Ipv4Net> {
+        self.subnet_envs.get(n.checked_sub(1)?)?.lease()
+    }
+
+    /// The etcd key of node `n`'s lease.
+    pub fn lease_key(&self, n: usize) -> Option<String> {
+        Some(format!(
+            "{}/subnets/{}",
+            self.spec.etcd_prefix,
+            lease::subnet_key(self.subnet_of(n)?)
+        ))
+    }
+
+    /// The cluster entries in node `n`'s kernel (its own subnet left out).
+    pub fn kernel_state(&self, n: usize) -> Result<status::KernelState> {
+        let node = self
+            .topology
+            .nodes()
+            .get(n.wrapping_sub(1))
+            .with_context(|| format!("no node {n}"))?;
+        status::kernel_state(node.ns(), self.spec.network, self.subnet_of(n))
+    }
+
+    /// Value of metric `name` on node `n`'s agent (`None` if it does not export it).
+    pub fn metric(&self, n: usize, name: &str) -> Result<Option<f64>> {
+        let node = self
+            .topology
+            .nodes()
+            .get(n.wrapping_sub(1))
+            .with_context(|| format!("no node {n}"))?;
+        let port = self
+            .agents
+            .get(n - 1)
+            .and_then(Agent::healthz_port)
+            .context("the agent has no health port")?;
+        status::metric(node.ns(), port, name)
     }
 
     /// The leases in etcd.

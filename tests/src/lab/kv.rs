@@ -133,6 +133,62 @@ impl Kv {
         })
     }
 
+    /// Deletes one key; returns whether it existed.
+    pub fn delete(&self, key: &str) -> Result<bool> {
+        let key = key.to_owned();
+        self.with_client(|mut c| async move {
+            let resp = c
+                .delete(key.as_str(), None)
+                .await
+                .with_context(|| format!("delete {key}"))?;
+            Ok(resp.deleted() > 0)
+        })
+    }
+
+    /// Puts one key attached to a new etcd lease of `ttl_secs`; returns the lease id.
+    pub fn put_with_ttl(&self, key: &str, value: &str, ttl_secs: i64) -> Result<i64> {
+        let (key, value) = (key.to_owned(), value.to_owned());
+        self.with_client(|mut c| async move {
+            let lease = c
+                .lease_grant(ttl_secs, None)
+                .await
+                .context("lease grant")?
+                .id();
+            c.put(
+                key.as_str(),
+                value,
+                Some(PutOptions::new().with_lease(lease)),
+            )
+            .await
+            .with_context(|| format!("put {key}"))?;
+            Ok(lease)
+        })
+    }
+
+    /// The etcd lease `key` is attached to and its remaining TTL in seconds: `None` if the
+    /// key does not exist, `Some((0, -1))` for a key without a lease.
+    pub fn lease_of(&self, key: &str) -> Result<Option<(i64, i64)>> {
+        let key = key.to_owned();
+        self.with_client(|mut c| async move {
+            let resp = c
+                .get(key.as_str(), None)
+                .await
+                .with_context(|| format!("get {key}"))?;
+            let Some(kv) = resp.kvs().first() else {
+                return Ok(None);
+            };
+            let id = kv.lease();
+            if id == 0 {
+                return Ok(Some((0, -1)));
+            }
+            let ttl = c
+                .lease_time_to_live(id, None)
+                .await
+                .with_context(|| format!("time-to-live of lease {id:x}"))?;
+            Ok(Some((id, ttl.ttl())))
+        })
+    }
+
     /// Number of keys under `prefix`.
     pub fn count_prefix(&self, prefix: &str) -> Result<i64> {
         let prefix = prefix.to_owned();

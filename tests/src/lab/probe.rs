@@ -1,11 +1,13 @@
 //! Reachability checks without `ping` (not installed here): a TCP echo [`Responder`] bound in
-//! one namespace and [`tcp_probe`] connecting from another, plus the pod-to-pod
-//! [`Matrix`].
+//! one namespace and [`tcp_probe`] connecting from another, the pod-to-pod [`Matrix`], a
+//! checksummed bulk [`transfer`], the source address a server sees ([`source_seen`]), and a
+//! continuous UDP request stream ([`UdpStream`] against a [`UdpEcho`]) that counts every
+//! lost request.
 
 use std::{
     fmt,
     io::{Read as _, Write as _},
-    net::{IpAddr, SocketAddr, TcpListener, TcpStream},
+    net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     os::fd::AsRawFd as _,
     sync::{
         Arc,
@@ -239,4 +241,374 @@ pub fn matrix(pods: &[&Pod], timeout: Duration) -> Result<Matrix> {
             .collect(),
         cells,
     })
+}
+
+/// What [`transfer`] measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Transfer {
+    /// Bytes the receiver counted (equal to the bytes sent on success).
+    pub bytes: u64,
+    /// Time from connect to the receiver's verdict.
+    pub elapsed: Duration,
+}
+
+impl Transfer {
+    /// Throughput in Mbit/s.
+    pub fn mbit_per_s(&self) -> f64 {
+        self.bytes as f64 * 8.0 / 1e6 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+/// FNV-1a over a byte stream, continued across calls.
+fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
+    for b in bytes {
+        hash ^= u64::from(*b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// The `i`-th byte of the transfer pattern (not periodic in any small power of two, so a
+/// lost or repeated segment changes the checksum).
+fn pattern_byte(i: u64) -> u8 {
+    (i.wrapping_mul(2_654_435_761) >> 13) as u8 ^ (i % 251) as u8
+}
+
+/// Sends `bytes` bytes of a fixed pattern over one TCP connection from `from` to a receiver
+/// bound on `ip` in `to`, which counts and checksums what arrives and answers with both once
+/// the sender has shut its side down. Fails unless count and checksum match exactly (so
+/// truncation, corruption and a stall beyond `timeout` all fail).
+pub fn transfer(
+    from: &NetNs,
+    to: &NetNs,
+    ip: IpAddr,
+    bytes: u64,
+    timeout: Duration,
+) -> Result<Transfer> {
+    let listener = to
+        .enter(move || TcpListener::bind(SocketAddr::new(ip, 0)))?
+        .with_context(|| format!("bind {ip}:0 in {}", to.name()))?;
+    let target = listener.local_addr()?;
+    let receiver = thread::spawn(move || -> Result<()> {
+        listener.set_nonblocking(true)?;
+        let deadline = Instant::now() + timeout;
+        let (mut conn, _) = loop {
+            match listener.accept() {
+                Ok(c) => break c,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        bail!("no connection within {timeout:?}");
+                    }
+                    thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        conn.set_nonblocking(false)?;
+        conn.set_read_timeout(Some(timeout))?;
+        let mut buf = vec![0u8; 64 * 1024];
+        let (mut count, mut hash) = (0u64, FNV_OFFSET);
+        loop {
+            let n = conn.read(&mut buf).context("receiving")?;
+            if n == 0 {
+                break;
+            }
+            hash = fnv1a(hash, &buf[..n]);
+            count += n as u64;
+        }
+        let mut verdict = [0u8; 16];
+        verdict[..8].copy_from_slice(&count.to_be_bytes());
+        verdict[8..].copy_from_slice(&hash.to_be_bytes());
+        conn.write_all(&verdict).context("answering")?;
+        Ok(())
+    });
+    let sent = from.enter(move || -> Result<Transfer> {
+        let start = Instant::now();
+        let mut stream = TcpStream::connect_timeout(&target, timeout)
+            .with_context(|| format!("connect {target}"))?;
+        stream.set_write_timeout(Some(timeout))?;
+        stream.set_read_timeout(Some(timeout))?;
+        let mut chunk = vec![0u8; 64 * 1024];
+        let (mut offset, mut hash) = (0u64, FNV_OFFSET);
+        while offset < bytes {
+            let n = (bytes - offset).min(chunk.len() as u64) as usize;
+            for (k, b) in chunk[..n].iter_mut().enumerate() {
+                *b = pattern_byte(offset + k as u64);
+            }
+            stream
+                .write_all(&chunk[..n])
+                .with_context(|| format!("sending at byte {offset} of {bytes} to {target}"))?;
+            hash = fnv1a(hash, &chunk[..n]);
+            offset += n as u64;
+        }
+        stream.shutdown(std::net::Shutdown::Write)?;
+        let mut verdict = [0u8; 16];
+        stream
+            .read_exact(&mut verdict)
+            .with_context(|| format!("verdict from {target}"))?;
+        let elapsed = start.elapsed();
+        let mut count = [0u8; 8];
+        count.copy_from_slice(&verdict[..8]);
+        let mut got_hash = [0u8; 8];
+        got_hash.copy_from_slice(&verdict[8..]);
+        let (count, got_hash) = (u64::from_be_bytes(count), u64::from_be_bytes(got_hash));
+        if count != bytes || got_hash != hash {
+            bail!(
+                "{target} received {count} bytes with checksum {got_hash:016x}; \
+                 sent {bytes} with {hash:016x}"
+            );
+        }
+        Ok(Transfer {
+            bytes: count,
+            elapsed,
+        })
+    });
+    let received = receiver
+        .join()
+        .map_err(|_| anyhow::anyhow!("receiver thread panicked"))?;
+    let sent = sent??;
+    received.context("receiver")?;
+    Ok(sent)
+}
+
+/// Accepts one TCP connection on `ip` in `to` from a client in `from` and returns the source
+/// address the server saw (to tell masqueraded from pod-sourced traffic).
+pub fn source_seen(from: &NetNs, to: &NetNs, ip: IpAddr, timeout: Duration) -> Result<IpAddr> {
+    let listener = to
+        .enter(move || TcpListener::bind(SocketAddr::new(ip, 0)))?
+        .with_context(|| format!("bind {ip}:0 in {}", to.name()))?;
+    let target = listener.local_addr()?;
+    let server = thread::spawn(move || -> Result<SocketAddr> {
+        listener.set_nonblocking(true)?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            match listener.accept() {
+                Ok((mut conn, peer)) => {
+                    let _ = conn.set_nonblocking(false);
+                    let _ = conn.write_all(peer.ip().to_string().as_bytes());
+                    return Ok(peer);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        bail!("no connection within {timeout:?}");
+                    }
+                    thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    });
+    let client = from.enter(move || -> Result<String> {
+        let mut stream = TcpStream::connect_timeout(&target, timeout)
+            .with_context(|| format!("connect {target}"))?;
+        stream.set_read_timeout(Some(timeout))?;
+        let mut text = String::new();
+        stream.read_to_string(&mut text)?;
+        Ok(text)
+    });
+    let peer = server
+        .join()
+        .map_err(|_| anyhow::anyhow!("server thread panicked"))?;
+    let told = client??;
+    let peer = peer?;
+    if told != peer.ip().to_string() {
+        bail!("the server saw {peer} but the client read {told:?}");
+    }
+    Ok(peer.ip())
+}
+
+/// A UDP echo server on a thread in some namespace; stops when dropped.
+#[derive(Debug)]
+pub struct UdpEcho {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl UdpEcho {
+    /// Binds `ip:port` (0 = any) in `ns` and echoes every datagram to its sender.
+    pub fn start(ns: &NetNs, ip: IpAddr, port: u16) -> Result<UdpEcho> {
+        let socket = ns
+            .enter(move || UdpSocket::bind(SocketAddr::new(ip, port)))?
+            .with_context(|| format!("bind udp {ip}:{port} in {}", ns.name()))?;
+        socket.set_read_timeout(Some(Duration::from_millis(50)))?;
+        let addr = socket.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = thread::spawn(move || {
+            let mut buf = [0u8; 1500];
+            while !flag.load(Ordering::Relaxed) {
+                if let Ok((n, peer)) = socket.recv_from(&mut buf) {
+                    let _ = socket.send_to(&buf[..n], peer);
+                }
+            }
+        });
+        Ok(UdpEcho {
+            addr,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Where it listens.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for UdpEcho {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Counts of a [`UdpStream`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StreamStats {
+    /// Requests sent.
+    pub sent: u64,
+    /// Requests answered (within the reply timeout).
+    pub answered: u64,
+    /// Sequence numbers that got no answer, in order (at most the first 100).
+    pub lost: Vec<u64>,
+    /// Lost requests in total.
+    pub lost_count: u64,
+    /// Longest run of consecutive lost requests.
+    pub longest_outage: u64,
+    /// Slowest answer.
+    pub max_rtt: Duration,
+}
+
+/// A continuous request/response stream: one numbered UDP request every `interval` from a
+/// namespace to a [`UdpEcho`], each answered or counted lost after a reply timeout. Runs on
+/// a thread until [`UdpStream::finish`].
+#[derive(Debug)]
+pub struct UdpStream {
+    stop: Arc<AtomicBool>,
+    thread: Option<thread::JoinHandle<Result<StreamStats>>>,
+}
+
+impl UdpStream {
+    /// Starts sending from `from` to `target`.
+    pub fn start(from: &NetNs, target: SocketAddr, interval: Duration) -> Result<UdpStream> {
+        let bind = match target {
+            SocketAddr::V4(_) => SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 0),
+            SocketAddr::V6(_) => SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), 0),
+        };
+        let socket = from
+            .enter(move || UdpSocket::bind(bind))?
+            .with_context(|| format!("bind udp in {}", from.name()))?;
+        socket.connect(target)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = thread::spawn(move || run_stream(&socket, interval, &flag));
+        Ok(UdpStream {
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops sending, waits for the last answers and returns the counts.
+    pub fn finish(mut self) -> Result<StreamStats> {
+        self.stop.store(true, Ordering::Relaxed);
+        match self.thread.take() {
+            Some(t) => t
+                .join()
+                .map_err(|_| anyhow::anyhow!("stream thread panicked"))?,
+            None => bail!("stream already finished"),
+        }
+    }
+}
+
+impl Drop for UdpStream {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// How long a request may wait for its answer before it counts as lost.
+const UDP_REPLY_TIMEOUT: Duration = Duration::from_secs(1);
+
+fn run_stream(socket: &UdpSocket, interval: Duration, stop: &AtomicBool) -> Result<StreamStats> {
+    use std::collections::BTreeMap;
+    let mut stats = StreamStats::default();
+    let mut pending: BTreeMap<u64, Instant> = BTreeMap::new();
+    let mut answered: std::collections::BTreeSet<u64> = Default::default();
+    let mut next_send = Instant::now();
+    let mut seq = 0u64;
+    let mut buf = [0u8; 64];
+    let mut stop_at: Option<Instant> = None;
+    loop {
+        let now = Instant::now();
+        if stop_at.is_none() && stop.load(Ordering::Relaxed) {
+            stop_at = Some(now + UDP_REPLY_TIMEOUT);
+        }
+        if let Some(at) = stop_at
+            && (now >= at || pending.is_empty())
+        {
+            break;
+        }
+        if stop_at.is_none() && now >= next_send {
+            let mut msg = [0u8; 16];
+            msg[..8].copy_from_slice(&seq.to_be_bytes());
+            msg[8..].copy_from_slice(b"flannel!");
+            // A send error (no route for a moment) is a lost request, not a failure.
+            let _ = socket.send(&msg);
+            pending.insert(seq, now);
+            stats.sent += 1;
+            seq += 1;
+            next_send += interval;
+            if next_send < now {
+                next_send = now + interval;
+            }
+        }
+        let wait = next_send
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
+        socket.set_read_timeout(Some(wait))?;
+        if let Ok(n) = socket.recv(&mut buf)
+            && n >= 8
+        {
+            let mut s = [0u8; 8];
+            s.copy_from_slice(&buf[..8]);
+            let s = u64::from_be_bytes(s);
+            if let Some(sent_at) = pending.remove(&s) {
+                stats.max_rtt = stats.max_rtt.max(sent_at.elapsed());
+                answered.insert(s);
+            }
+        }
+        // Requests older than the reply timeout are lost.
+        let now = Instant::now();
+        let expired: Vec<u64> = pending
+            .iter()
+            .filter(|(_, at)| now.duration_since(**at) > UDP_REPLY_TIMEOUT)
+            .map(|(s, _)| *s)
+            .collect();
+        for s in expired {
+            pending.remove(&s);
+        }
+    }
+    stats.answered = answered.len() as u64;
+    let mut run = 0u64;
+    for s in 0..seq {
+        if answered.contains(&s) {
+            run = 0;
+        } else {
+            stats.lost_count += 1;
+            if stats.lost.len() < 100 {
+                stats.lost.push(s);
+            }
+            run += 1;
+            stats.longest_outage = stats.longest_outage.max(run);
+        }
+    }
+    Ok(stats)
 }

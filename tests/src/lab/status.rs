@@ -83,6 +83,164 @@ pub fn kernel_counts(ns: &NetNs, network: Ipv4Net, local: Option<Ipv4Net>) -> Re
     Ok(counts)
 }
 
+/// The cluster entries of one node's kernel in detail, each as a normalised line, sorted:
+/// for comparing before/after (restart, stale state) and asserting exact routes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KernelState {
+    /// IPv4 routes into the cluster network (all types, except the node's own subnet):
+    /// `<dst> [type <t>] [via <gw>] [dev <dev>] proto <p>[ onlink]`.
+    pub routes: Vec<String>,
+    /// Permanent IPv4 neighbours in the cluster network: `<ip> lladdr <mac> dev <dev>`.
+    pub neighbours: Vec<String>,
+    /// FDB entries with a remote destination: `<mac> dev <dev> dst <ip>`.
+    pub fdb: Vec<String>,
+}
+
+impl KernelState {
+    /// Entries that appear more than once in a list (the kernel refuses exact duplicates of
+    /// routes and neighbours, but FDB entries can be appended).
+    pub fn duplicates(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for list in [&self.routes, &self.neighbours, &self.fdb] {
+            for pair in list.windows(2) {
+                if pair[0] == pair[1] {
+                    out.push(pair[0].clone());
+                }
+            }
+        }
+        out
+    }
+
+    /// The route line for `dst` (e.g. `10.244.3.0/24`), if there is one.
+    pub fn route_to(&self, dst: &str) -> Option<&str> {
+        self.routes
+            .iter()
+            .find(|r| r.split_whitespace().next() == Some(dst))
+            .map(String::as_str)
+    }
+
+    /// Whether any entry (route, neighbour, FDB) mentions `needle` as a whole word.
+    pub fn mentions(&self, needle: &str) -> bool {
+        self.routes
+            .iter()
+            .chain(&self.neighbours)
+            .chain(&self.fdb)
+            .any(|line| line.split_whitespace().any(|w| w == needle))
+    }
+}
+
+impl std::fmt::Display for KernelState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (what, list) in [
+            ("route", &self.routes),
+            ("neigh", &self.neighbours),
+            ("fdb", &self.fdb),
+        ] {
+            for line in list {
+                writeln!(f, "  {what} {line}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn text_field(v: &Value, key: &str) -> Option<String> {
+    match &v[key] {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// Reads [`KernelState`] of `ns` for the cluster `network`, leaving out `local`.
+pub fn kernel_state(ns: &NetNs, network: Ipv4Net, local: Option<Ipv4Net>) -> Result<KernelState> {
+    let mut state = KernelState::default();
+    let routes: Value = serde_json::from_str(&ns.run(&["ip", "-j", "-4", "route", "show"])?)
+        .context("ip -j route output")?;
+    for route in routes.as_array().into_iter().flatten() {
+        let Some(dst) = route["dst"].as_str().and_then(parse_dst) else {
+            continue;
+        };
+        if !network.contains(&dst) || Some(dst) == local {
+            continue;
+        }
+        let mut line = dst.to_string();
+        if let Some(t) = text_field(route, "type") {
+            line += &format!(" type {t}");
+        }
+        if let Some(gw) = text_field(route, "gateway") {
+            line += &format!(" via {gw}");
+        }
+        if let Some(dev) = text_field(route, "dev") {
+            line += &format!(" dev {dev}");
+        }
+        line += &format!(
+            " proto {}",
+            text_field(route, "protocol").unwrap_or_else(|| "boot".to_owned())
+        );
+        if route["flags"]
+            .as_array()
+            .is_some_and(|f| f.iter().any(|x| x == "onlink"))
+        {
+            line += " onlink";
+        }
+        state.routes.push(line);
+    }
+    let neigh: Value =
+        serde_json::from_str(&ns.run(&["ip", "-j", "-4", "neigh", "show", "nud", "permanent"])?)
+            .context("ip -j neigh output")?;
+    for n in neigh.as_array().into_iter().flatten() {
+        let Some(dst) = n["dst"].as_str().and_then(|d| d.parse::<Ipv4Addr>().ok()) else {
+            continue;
+        };
+        if !network.contains(&dst) {
+            continue;
+        }
+        state.neighbours.push(format!(
+            "{dst} lladdr {} dev {}",
+            text_field(n, "lladdr").unwrap_or_default(),
+            text_field(n, "dev").unwrap_or_default()
+        ));
+    }
+    let fdb: Value = serde_json::from_str(&ns.run(&["bridge", "-j", "fdb", "show"])?)
+        .context("bridge -j fdb output")?;
+    for e in fdb.as_array().into_iter().flatten() {
+        let Some(dst) = text_field(e, "dst") else {
+            continue;
+        };
+        state.fdb.push(format!(
+            "{} dev {} dst {dst}",
+            text_field(e, "mac").unwrap_or_default(),
+            text_field(e, "ifname").unwrap_or_default()
+        ));
+    }
+    state.routes.sort();
+    state.neighbours.sort();
+    state.fdb.sort();
+    Ok(state)
+}
+
+/// The value of the first sample of metric `name` (exact name, any labels) on the agent's
+/// `/metrics` at `127.0.0.1:port` in `ns`.
+pub fn metric(ns: &NetNs, port: u16, name: &str) -> Result<Option<f64>> {
+    let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
+    let (code, body) = http_get(ns, addr, "/metrics")?;
+    if code != 200 {
+        bail!("/metrics answered {code}");
+    }
+    Ok(parse_metrics(&body)
+        .into_iter()
+        .find(|s| s.name == name)
+        .map(|s| s.value))
+}
+
+/// The HTTP status of `path` (`/healthz`, `/readyz`) on the agent at `127.0.0.1:port` in
+/// `ns`.
+pub fn http_status(ns: &NetNs, port: u16, path: &str) -> Result<u16> {
+    let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
+    Ok(http_get(ns, addr, path)?.0)
+}
+
 /// A plain HTTP/1.0 GET from inside `ns`; returns (status code, body).
 pub fn http_get(ns: &NetNs, addr: SocketAddr, path: &str) -> Result<(u16, String)> {
     let request = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n");

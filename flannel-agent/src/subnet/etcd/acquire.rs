@@ -1,15 +1,22 @@
 //! `AcquireLease`: list, plan ([`crate::alloc::plan`]), write with a compare-and-swap, and on
 //! a lost race list again.
+//!
+//! The compare-and-swap only guards the exact key, and a dual-stack key names both subnets:
+//! two nodes joining at the same moment can pick different IPv4 but the same IPv6 subnet
+//! (upstream has this race). So after creating a key the registry is read once more, and a
+//! node whose new subnet overlaps a lease created before it (lower create revision) deletes
+//! its key and chooses again.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
 use futures::future::BoxFuture;
 
 use super::registry::Listed;
 use super::{EtcdError, EtcdSubnetManager};
 use crate::alloc::{self, Choice, Plan, PreviousSubnets};
+use crate::ip;
 use crate::lease::{Lease, LeaseAttrs, SubnetKey};
 
 /// A test hook run with the full key just before the write transaction of each attempt
@@ -21,8 +28,18 @@ enum Attempt {
     Won {
         key: SubnetKey,
         expiration: Option<SystemTime>,
+        /// A new key was created (not an existing lease rewritten).
+        created: bool,
+        /// The etcd lease the key is attached to.
+        etcd_lease: Option<i64>,
     },
     Lost,
+}
+
+/// Whether two subnet keys overlap in either family.
+pub(crate) fn keys_overlap(a: &SubnetKey, b: &SubnetKey) -> bool {
+    ip::overlaps(a.ipv4, b.ipv4)
+        || matches!((a.ipv6, b.ipv6), (Some(x), Some(y)) if ip::overlaps(x, y))
 }
 
 impl EtcdSubnetManager {
@@ -67,7 +84,15 @@ impl EtcdSubnetManager {
                 &mut rand::rng(),
             )?;
             match self.write(&plan, &listed, &value, attrs).await? {
-                Attempt::Won { key, expiration } => {
+                Attempt::Won {
+                    key,
+                    expiration,
+                    created,
+                    etcd_lease,
+                } => {
+                    if created && self.yield_to_earlier_overlap(&key, etcd_lease).await? {
+                        continue;
+                    }
                     return Ok(Lease::new(key, attrs.clone(), expiration));
                 }
                 Attempt::Lost => tracing::info!(
@@ -179,6 +204,77 @@ impl EtcdSubnetManager {
         Ok(Attempt::Won {
             key: sk,
             expiration,
+            created: !matches!(plan.choice, Choice::Reuse(_)),
+            etcd_lease: granted.map(|(id, _)| id),
         })
+    }
+
+    /// After creating the key of `sk`: if another lease overlapping it (in either family) was
+    /// created before it, deletes our key (unless it changed meanwhile), revokes its etcd
+    /// lease and returns `true` so that the caller chooses again. Ties in creation order
+    /// cannot happen (one revision per transaction).
+    async fn yield_to_earlier_overlap(
+        &self,
+        sk: &SubnetKey,
+        etcd_lease: Option<i64>,
+    ) -> Result<bool, EtcdError> {
+        let ours = self.keys.lease(sk);
+        let prefix = self.keys.subnets.as_str();
+        let mut kv = self.kv();
+        let resp = self
+            .request(
+                "get",
+                prefix,
+                kv.get(prefix, Some(GetOptions::new().with_prefix())),
+            )
+            .await?;
+        let Some(mine) = resp.kvs().iter().find(|e| e.key() == ours.as_bytes()) else {
+            // Deleted already (by hand, or expired): the keeper reports it as revoked.
+            return Ok(false);
+        };
+        let earlier = resp.kvs().iter().find(|e| {
+            e.key() != ours.as_bytes()
+                && e.create_revision() < mine.create_revision()
+                && std::str::from_utf8(e.key())
+                    .ok()
+                    .and_then(SubnetKey::parse)
+                    .is_some_and(|other| keys_overlap(sk, &other))
+        });
+        let Some(earlier) = earlier else {
+            return Ok(false);
+        };
+        tracing::warn!(
+            "subnet {sk} overlaps {}, created a moment earlier by another node; choosing again",
+            String::from_utf8_lossy(earlier.key())
+        );
+        let when = [Compare::mod_revision(
+            ours.as_str(),
+            CompareOp::Equal,
+            mine.mod_revision(),
+        )];
+        let then = [TxnOp::delete(ours.as_str(), None)];
+        self.request("txn", &ours, kv.txn(Txn::new().when(when).and_then(then)))
+            .await?;
+        if let Some(id) = etcd_lease {
+            self.revoke_quietly(id).await;
+        }
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests fail loudly by design
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlap_in_either_family() {
+        let k = |s: &str| SubnetKey::parse(s).unwrap();
+        let a = k("10.244.1.0-24&fd00:244:0:48::-64");
+        assert!(keys_overlap(&a, &k("10.244.2.0-24&fd00:244:0:48::-64")));
+        assert!(keys_overlap(&a, &k("10.244.1.0-24&fd00:244:0:49::-64")));
+        assert!(keys_overlap(&a, &k("10.244.0.0-16")));
+        assert!(!keys_overlap(&a, &k("10.244.2.0-24&fd00:244:0:49::-64")));
+        assert!(!keys_overlap(&a, &k("10.244.2.0-24")));
     }
 }

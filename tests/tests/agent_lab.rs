@@ -1,0 +1,106 @@
+//! `cargo xtask run` is `flannel-lab up` with the README's defaults; `--once` makes it a smoke
+//! test: bring the cluster up, print the leases, the pod-to-pod matrix and one status block,
+//! remove everything and exit non-zero unless every pod pair connected.
+//!
+//! Run: `cargo test -p flannel-tests --test agent_lab` (as root; skipped otherwise).
+
+use std::{
+    io::Read as _,
+    process::{Command, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use flannel_tests::{lab::bins, netns, require_root};
+
+/// Runs `flannel-lab up --once` with the default cluster (3 nodes, vxlan, L2, 2 pods each).
+#[test]
+fn lab_up_once_reaches_every_pod() {
+    require_root!();
+    let agent = bins::test_agent().unwrap_or_else(|e| panic!("{e:#}"));
+    let cni = bins::test_cni_plugin().unwrap_or_else(|e| panic!("{e:#}"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_flannel-lab"))
+        .arg("up")
+        .arg("--once")
+        .arg("--agent")
+        .arg(&agent)
+        .arg("--cni")
+        .arg(&cni)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting flannel-lab");
+    let pid = child.id();
+    // Drain both pipes on threads so the child never blocks on a full pipe.
+    let mut out_pipe = child.stdout.take().expect("stdout");
+    let mut err_pipe = child.stderr.take().expect("stderr");
+    let out = thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out_pipe.read_to_string(&mut s);
+        s
+    });
+    let err = thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err_pipe.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break Some(status);
+        }
+        if Instant::now() >= deadline {
+            // SIGINT first: flannel-lab removes its cluster on it.
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(pid as i32, libc::SIGINT) };
+            thread::sleep(Duration::from_secs(10));
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        thread::sleep(Duration::from_millis(200));
+    };
+    let (stdout, stderr) = (
+        out.join().unwrap_or_default(),
+        err.join().unwrap_or_default(),
+    );
+    eprintln!("--- flannel-lab stdout:\n{stdout}\n--- stderr:\n{stderr}");
+    let status = status.expect("flannel-lab up --once did not finish within 240 s");
+    assert!(status.success(), "flannel-lab up --once: {status}");
+    assert!(
+        stdout.contains("leases in etcd (3 under /coreos.com/network/subnets/)"),
+        "no lease table"
+    );
+    assert!(
+        stdout.contains("30 of 30 pairs reachable"),
+        "matrix not all OK"
+    );
+    assert!(!stdout.contains("FAIL"), "a pair failed");
+    assert_eq!(
+        stdout.matches("/healthz ok, /readyz ok").count(),
+        3,
+        "not every agent healthy and ready"
+    );
+    // Everything it built is gone: no namespace with its run prefix.
+    let prefix = format!("fl{}x", base36(pid));
+    let left: Vec<String> = netns::list()
+        .into_iter()
+        .filter(|n| n.starts_with(&prefix))
+        .collect();
+    assert!(left.is_empty(), "namespaces left behind: {left:?}");
+}
+
+fn base36(mut n: u32) -> String {
+    const DIGITS: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+    let mut out = Vec::new();
+    loop {
+        out.push(DIGITS[(n % 36) as usize]);
+        n /= 36;
+        if n == 0 {
+            break;
+        }
+    }
+    out.reverse();
+    String::from_utf8(out).unwrap_or_default()
+}
