@@ -590,8 +590,10 @@ mod tests {
         assert_eq!(Reason::TcpBadOffset.index(), 22);
         assert_eq!(Reason::FastHostGw.index(), 23);
         assert_eq!(Reason::FastXdpDecapVxlan.index(), 59);
-        assert_eq!(Reason::FastSnat.index(), 60);
-        assert_eq!(Reason::LearnSnatRemap.index(), 71);
+        assert_eq!(Reason::FastUdp.index(), 60);
+        assert_eq!(Reason::PassIpv6ExtHeader.index(), 68);
+        assert_eq!(Reason::FastSnat.index(), 69);
+        assert_eq!(Reason::LearnSnatRemap.index(), 80);
     }
 
     #[test]
