@@ -13,6 +13,8 @@
 //! | [`config`] | the local node's configuration ([`config::Config`]) |
 //! | [`flow`] | keys of the flow-tracking LRU maps |
 //! | [`csum`] | checksums and the VXLAN source port, as pure functions |
+//! | [`udp`] | the udp backend's configuration entry and wire format |
+//! | [`v6`] | IPv6: configuration, flow keys, map names |
 #![cfg_attr(not(test), no_std)]
 
 pub mod config;
@@ -22,3 +24,5 @@ pub mod maps;
 pub mod programs;
 pub mod route;
 pub mod stats;
+pub mod udp;
+pub mod v6;

@@ -24,6 +24,10 @@ pub enum RouteKind {
     Vxlan = 2,
     /// IPv4-in-IPv4 (protocol 4), built in the program.
     Ipip = 3,
+    /// The udp backend's encapsulation (the inner IPv4 packet as the payload of a UDP
+    /// datagram, no header of its own), built in the program exactly as the TUN path sends it;
+    /// see [`crate::udp`].
+    Udp = 4,
 }
 
 impl RouteKind {
@@ -33,6 +37,7 @@ impl RouteKind {
             1 => Some(RouteKind::HostGw),
             2 => Some(RouteKind::Vxlan),
             3 => Some(RouteKind::Ipip),
+            4 => Some(RouteKind::Udp),
             _ => None,
         }
     }
@@ -43,6 +48,7 @@ impl RouteKind {
             RouteKind::HostGw => "host-gw",
             RouteKind::Vxlan => "vxlan",
             RouteKind::Ipip => "ipip",
+            RouteKind::Udp => "udp",
         }
     }
 }
@@ -122,11 +128,17 @@ mod tests {
 
     #[test]
     fn kinds_round_trip() {
-        for kind in [RouteKind::HostGw, RouteKind::Vxlan, RouteKind::Ipip] {
+        for kind in [
+            RouteKind::HostGw,
+            RouteKind::Vxlan,
+            RouteKind::Ipip,
+            RouteKind::Udp,
+        ] {
             assert_eq!(RouteKind::from_u32(kind as u32), Some(kind));
         }
         assert_eq!(RouteKind::from_u32(0), None);
-        assert_eq!(RouteKind::from_u32(4), None);
+        assert_eq!(RouteKind::from_u32(5), None);
+        assert_eq!(RouteKind::Udp.name(), "udp");
         assert_eq!(RouteKind::Vxlan.name(), "vxlan");
     }
 }

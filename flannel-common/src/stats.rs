@@ -186,11 +186,38 @@ pub enum Reason {
     FastXdpDecapIpip = 58,
     /// `xdp_from_netdev`: VXLAN for a local pod from a known node, decapsulated before GRO.
     FastXdpDecapVxlan = 59,
+    /// `tc_from_bridge`: a pod's packet encapsulated as the udp backend does (UDP to the
+    /// peer's port, the inner packet as payload) and sent out of the external interface.
+    FastUdp = 60,
+    /// `tc_from_netdev`: a udp-backend datagram for a local pod, decapsulated and delivered to
+    /// the pod bridge.
+    FastDeliverUdp = 61,
+    /// `tc_from_netdev`: a GSO udp-backend datagram (which the TUN path's socket cannot take
+    /// whole) not deliverable to a pod, decapsulated and handed to the stack.
+    FastDecapUdp = 62,
+    /// `tc_from_netdev`: a datagram to the udp backend's port whose outer or inner headers the
+    /// fast path does not take as they are (IP options, lengths that disagree, a bad inner
+    /// header checksum, not IPv4 inside): left to the TUN path's socket.
+    PassUdpMismatch = 63,
+    /// `tc_from_bridge`: a pod's IPv6 packet to a host-gw (or DirectRouting) peer, routed by
+    /// `bpf_fib_lookup` and redirected to the external interface.
+    FastHostGw6 = 64,
+    /// `tc_from_bridge`: a pod's IPv6 packet encapsulated in VXLAN over IPv6 (as
+    /// `flannel-v6.<VNI>` sends it) and sent out of the external interface.
+    FastVxlan6 = 65,
+    /// `tc_from_netdev`: a plain (host-gw) IPv6 packet from a remote pod delivered to the pod
+    /// bridge.
+    FastDeliver6 = 66,
+    /// `tc_from_netdev`: VXLAN over IPv6 from a known node, decapsulated and its IPv6 packet
+    /// delivered to the pod bridge.
+    FastDeliverVxlan6 = 67,
+    /// An IPv6 packet with extension headers (the kernel handles them).
+    PassIpv6ExtHeader = 68,
 }
 
 impl Reason {
     /// Number of reasons: the `max_entries` of the stats maps.
-    pub const COUNT: usize = 60;
+    pub const COUNT: usize = 69;
 
     /// Every reason, in index order.
     pub const ALL: [Reason; Reason::COUNT] = [
@@ -254,6 +281,15 @@ impl Reason {
         Reason::PassGso,
         Reason::FastXdpDecapIpip,
         Reason::FastXdpDecapVxlan,
+        Reason::FastUdp,
+        Reason::FastDeliverUdp,
+        Reason::FastDecapUdp,
+        Reason::PassUdpMismatch,
+        Reason::FastHostGw6,
+        Reason::FastVxlan6,
+        Reason::FastDeliver6,
+        Reason::FastDeliverVxlan6,
+        Reason::PassIpv6ExtHeader,
     ];
 
     /// The map index of this reason.
@@ -334,6 +370,15 @@ impl Reason {
             Reason::PassGso => "pass_gso",
             Reason::FastXdpDecapIpip => "fast_xdp_decap_ipip",
             Reason::FastXdpDecapVxlan => "fast_xdp_decap_vxlan",
+            Reason::FastUdp => "fast_udp",
+            Reason::FastDeliverUdp => "fast_deliver_udp",
+            Reason::FastDecapUdp => "fast_decap_udp",
+            Reason::PassUdpMismatch => "pass_udp_mismatch",
+            Reason::FastHostGw6 => "fast_host_gw6",
+            Reason::FastVxlan6 => "fast_vxlan6",
+            Reason::FastDeliver6 => "fast_deliver6",
+            Reason::FastDeliverVxlan6 => "fast_deliver_vxlan6",
+            Reason::PassIpv6ExtHeader => "pass_ipv6_ext_header",
         }
     }
 
@@ -372,7 +417,14 @@ impl Reason {
             | Reason::FastDeliverVxlan
             | Reason::FastDeliver
             | Reason::FastXdpDecapIpip
-            | Reason::FastXdpDecapVxlan => ReasonKind::Fast,
+            | Reason::FastXdpDecapVxlan
+            | Reason::FastUdp
+            | Reason::FastDeliverUdp
+            | Reason::FastDecapUdp
+            | Reason::FastHostGw6
+            | Reason::FastVxlan6
+            | Reason::FastDeliver6
+            | Reason::FastDeliverVxlan6 => ReasonKind::Fast,
             Reason::PassNotConfigured
             | Reason::PassNotIpv4
             | Reason::PassMalformed
@@ -395,7 +447,9 @@ impl Reason {
             | Reason::PassVxlanMismatch
             | Reason::PassVxlanRxOff
             | Reason::PassRoutedRxOff
-            | Reason::PassGso => ReasonKind::Pass,
+            | Reason::PassGso
+            | Reason::PassUdpMismatch
+            | Reason::PassIpv6ExtHeader => ReasonKind::Pass,
             Reason::DropRewriteFailed | Reason::DropTooBig => ReasonKind::Drop,
             Reason::LearnNatGuard | Reason::LearnKernelFlow => ReasonKind::Event,
         }

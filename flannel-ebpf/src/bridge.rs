@@ -8,9 +8,11 @@
 //! to the entry's kind (see [`crate::decide::from_bridge`] for every condition):
 //! - host-gw: `bpf_fib_lookup` (the kernel route `<subnet> via <peer>`), TTL decremented,
 //!   `bpf_redirect` with the neighbour's MACs or `bpf_redirect_neigh`;
-//! - VXLAN / IPIP: encapsulated ([`crate::encap`]) and redirected to the external interface.
+//! - VXLAN / IPIP: encapsulated ([`crate::encap`]) and redirected to the external interface;
+//! - udp: encapsulated as the udp backend's TUN path would ([`crate::udp`]) and redirected.
 //!
-//! Everything else is handed to the kernel path unchanged (`TC_ACT_OK`), counted with a reason.
+//! IPv6 frames are handled by [`crate::v6`]. Everything else is handed to the kernel path
+//! unchanged (`TC_ACT_OK`), counted with a reason.
 
 use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
 use flannel_common::{config::FASTPATH_MARK, stats::Reason};
@@ -21,6 +23,7 @@ use crate::{
     fib::{self, Fib},
     ipv4, maps,
     parse::{self, Packet},
+    udp,
 };
 
 /// What one run did: the TC action, the packet's class and the verdict to count.
@@ -44,8 +47,9 @@ impl Outcome {
     }
 }
 
-/// The body of `tc_from_bridge`.
-#[inline(always)]
+/// The body of `tc_from_bridge` for everything but IPv6 frames (see [`crate::v6`]). A BPF
+/// subprogram of its own, so that its stack does not add to the IPv6 side's.
+#[inline(never)]
 pub fn run(ctx: &TcContext) -> Outcome {
     let parsed = parse::parse(ctx);
     let class = match &parsed {
@@ -78,6 +82,9 @@ pub fn run(ctx: &TcContext) -> Outcome {
         BridgeAction::Ipip(peer) => encap::ipip(ctx, cfg, &peer, &info, true)
             .and_then(|route| send(ctx, route))
             .map(|action| (action, Reason::FastIpip)),
+        BridgeAction::Udp(peer) => udp::encap(ctx, cfg, &peer, &info)
+            .and_then(|route| send(ctx, route))
+            .map(|action| (action, Reason::FastUdp)),
     };
     match sent {
         Ok((action, verdict)) => Outcome {

@@ -23,6 +23,8 @@ pub enum BridgeAction {
     Vxlan(RemoteEntry),
     /// Encapsulate it in IPIP for this peer.
     Ipip(RemoteEntry),
+    /// Encapsulate it as the udp backend does, for this peer.
+    Udp(RemoteEntry),
 }
 
 /// The NAT-guard key for a packet *to* a remote endpoint (its destination side).
@@ -112,6 +114,12 @@ pub fn from_bridge(
         Some(RouteKind::HostGw) => BridgeAction::HostGw,
         Some(RouteKind::Vxlan) => BridgeAction::Vxlan(entry),
         Some(RouteKind::Ipip) => BridgeAction::Ipip(entry),
+        // The TUN path takes two hops off the TTL; a packet that would expire on the way
+        // goes there, so that the kernel answers it as it would without the fast path.
+        Some(RouteKind::Udp) if info.ttl <= flannel_common::udp::UDP_TTL_DECREMENT => {
+            BridgeAction::Pass(Reason::PassTtlExceeded)
+        }
+        Some(RouteKind::Udp) => BridgeAction::Udp(entry),
         None => BridgeAction::Pass(Reason::PassBadRoute),
     }
 }
@@ -220,6 +228,7 @@ mod tests {
                 BridgeAction::Vxlan(entry(RouteKind::Vxlan)),
             ),
             (RouteKind::Ipip, BridgeAction::Ipip(entry(RouteKind::Ipip))),
+            (RouteKind::Udp, BridgeAction::Udp(entry(RouteKind::Udp))),
         ] {
             let got = from_bridge(
                 &cfg(),
@@ -277,6 +286,26 @@ mod tests {
             pass(icmp_error, false),
             BridgeAction::Pass(Reason::PassIcmpNotEcho)
         );
+    }
+
+    #[test]
+    fn udp_needs_a_ttl_that_survives_both_hops() {
+        let route = |_| Some(entry(RouteKind::Udp));
+        for (ttl, want) in [
+            (1, BridgeAction::Pass(Reason::PassTtlExceeded)),
+            (2, BridgeAction::Pass(Reason::PassTtlExceeded)),
+            (3, BridgeAction::Udp(entry(RouteKind::Udp))),
+        ] {
+            let info = Ipv4Info {
+                ttl,
+                ..tcp(POD, REMOTE)
+            };
+            assert_eq!(
+                from_bridge(&cfg(), &info, route, |_| false, |_| false),
+                want,
+                "ttl {ttl}"
+            );
+        }
     }
 
     #[test]

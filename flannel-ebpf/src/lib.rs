@@ -14,6 +14,8 @@
 //! | [`maps`] | every map of the object |
 //! | [`stats`] | counting packets per [`flannel_common::stats::Reason`] |
 //! | [`bench`] | measurement only: the collect_md alternative (`tc_bench_vxmd`) |
+//! | [`udp`] | the udp backend's encapsulation, receive and its map |
+//! | [`v6`] | IPv6: host-gw and VXLAN over IPv6, receive, flow tables and maps |
 //!
 //! On the bpf target this is `no_std`; on the host it compiles with std so that clippy and the
 //! unit tests (`cargo test -p flannel-ebpf --lib`) cover the pure logic.
@@ -30,4 +32,6 @@ pub mod maps;
 pub mod netdev;
 pub mod parse;
 pub mod stats;
+pub mod udp;
+pub mod v6;
 pub mod xdp;

@@ -10,6 +10,9 @@
 //! | `tc_classify`, `xdp_classify` | anywhere: classification counters only |
 //! | `tc_bench_vxmd` | measurement only (never attached by the agent): collect_md transmit |
 //!
+//! IPv6 frames go to `flannel_ebpf::v6` (its own subprograms), everything else to the IPv4
+//! bodies.
+//!
 //! Built for bpfel-unknown-none by aya-build; on the host it compiles too (empty `main`) so that
 //! `cargo clippy --workspace --all-targets` covers it.
 #![cfg_attr(target_arch = "bpf", no_std)]
@@ -29,7 +32,7 @@ use flannel_ebpf::{
     },
     netdev,
     parse::{self, PULL_LEN, PacketCtx as _},
-    stats, xdp,
+    stats, v6, xdp,
 };
 
 /// TC classifier for any device and direction: parses the packet, counts it under its class
@@ -55,7 +58,11 @@ pub fn xdp_classify(ctx: XdpContext) -> u32 {
 pub fn tc_from_bridge(ctx: TcContext) -> i32 {
     ctx.pull_headers(PULL_LEN);
     let bytes = ctx.packet_len() as u64;
-    let out = bridge::run(&ctx);
+    let out = if v6::is_ipv6(&ctx) {
+        v6::from_bridge(&ctx)
+    } else {
+        bridge::run(&ctx)
+    };
     stats::count_run(
         &FLANNEL_CNT_FBR,
         out.class,
@@ -71,7 +78,11 @@ pub fn tc_from_bridge(ctx: TcContext) -> i32 {
 pub fn tc_from_netdev(ctx: TcContext) -> i32 {
     ctx.pull_headers(PULL_LEN);
     let bytes = ctx.packet_len() as u64;
-    let (out, learnt) = netdev::from_netdev(&ctx);
+    let (out, learnt) = if v6::is_ipv6(&ctx) {
+        v6::from_netdev(&ctx)
+    } else {
+        netdev::from_netdev(&ctx)
+    };
     let events = [
         learnt.nat_guard.then_some(Reason::LearnNatGuard),
         learnt.kernel_flow.then_some(Reason::LearnKernelFlow),
@@ -84,7 +95,12 @@ pub fn tc_from_netdev(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_to_netdev(ctx: TcContext) -> i32 {
     let bytes = ctx.packet_len() as u64;
-    match netdev::to_netdev(&ctx) {
+    let run = if v6::is_ipv6(&ctx) {
+        v6::to_netdev(&ctx)
+    } else {
+        netdev::to_netdev(&ctx)
+    };
+    match run {
         Some((out, learnt)) => {
             let event = learnt.then_some(Reason::LearnKernelFlow);
             stats::count_run(

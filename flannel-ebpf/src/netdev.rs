@@ -8,7 +8,10 @@
 //!   pod-to-pod packet is decapsulated and delivered to the bridge; anything else is left to
 //!   `flannel.<VNI>` untouched;
 //! - a plain (host-gw) packet from a remote pod to a local pod: delivered to the bridge;
+//! - a udp-backend datagram to our interface address and port: see [`crate::udp`];
 //! - and on the way it records remote pods that address a host address in the NAT guard.
+//!
+//! IPv6 frames go to [`crate::v6`] instead (the entry points choose).
 //!
 //! See [`crate::deliver`] for why delivery bypasses the stack and when it must not.
 //!
@@ -88,8 +91,9 @@ pub struct Learnt {
     pub kernel_flow: bool,
 }
 
-/// The body of `tc_from_netdev`.
-#[inline(always)]
+/// The body of `tc_from_netdev` for everything but IPv6 frames (see [`crate::v6`]); a BPF
+/// subprogram of its own (its stack does not add to the IPv6 side's).
+#[inline(never)]
 pub fn from_netdev(ctx: &TcContext) -> (Outcome, Learnt) {
     let parsed = parse::parse(ctx);
     let class = match &parsed {
@@ -149,6 +153,13 @@ pub fn from_netdev(ctx: &TcContext) -> (Outcome, Learnt) {
                     &mut learnt.nat_guard,
                     &mut learnt.kernel_flow,
                 )
+            }
+            Some(info) if crate::udp::is_for_us(&info) => {
+                let r = crate::udp::receive(ctx, cfg, &info, &mut learnt.nat_guard);
+                Verdict {
+                    action: r.action,
+                    reason: r.reason,
+                }
             }
             Some(info) => plain_in(ctx, cfg, &outer, &info, &mut learnt.nat_guard),
         }
@@ -340,9 +351,10 @@ fn vxlan_in(
     }
 }
 
-/// The body of `tc_to_netdev`; `None` for the fast path's own packets (not counted). The
-/// second value says whether a kernel flow was learnt.
-#[inline(always)]
+/// The body of `tc_to_netdev` for everything but IPv6 frames (see [`crate::v6`]); `None` for
+/// the fast path's own packets (not counted). The second value says whether a kernel flow was
+/// learnt. A BPF subprogram of its own.
+#[inline(never)]
 pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, bool)> {
     // SAFETY: reading a field of the __sk_buff the kernel passed.
     if unsafe { (*ctx.skb.skb).mark } == FASTPATH_MARK {
@@ -371,7 +383,11 @@ pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, bool)> {
         return Some((outcome(Verdict::pass(Reason::PassMalformed)), false));
     };
     let mut learnt = false;
-    let verdict = if info.src == cfg.public_ip
+    let verdict = if let Some(l) = crate::udp::learn_from_forwarder(ctx, cfg, &info) {
+        // The udp backend's forwarder: the inner packet went through the kernel.
+        learnt = l;
+        Verdict::pass(Reason::PassNoRoute)
+    } else if info.src == cfg.public_ip
         && info.proto == proto::UDP
         && u16::from_be_bytes(info.dport) == cfg.vxlan_port
     {

@@ -221,6 +221,12 @@ pub fn parse_ipv4_at<C: PacketCtx>(ctx: &C, l3: usize) -> Result<Packet, Reason>
     parse_ipv4(ctx, l3)
 }
 
+/// Parses an IPv6 packet whose header starts at `l3` (the inner packet of a tunnel).
+#[inline(always)]
+pub fn parse_ipv6_at<C: PacketCtx>(ctx: &C, l3: usize) -> Result<Packet, Reason> {
+    parse_ipv6(ctx, l3)
+}
+
 #[inline(always)]
 fn parse_ipv4<C: PacketCtx>(ctx: &C, l3: usize) -> Result<Packet, Reason> {
     let hdr: Ipv4Hdr = read(ctx, l3).ok_or(Reason::Ipv4Truncated)?;

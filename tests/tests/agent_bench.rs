@@ -13,7 +13,7 @@ use flannel_tests::{
         dataplane,
         variant::{self, SetupCtx, Testbed},
     },
-    lab::bins,
+    lab::{agent::Dataplane, bins},
     require_root,
 };
 
@@ -111,24 +111,45 @@ fn control_bench_converges_and_counts() {
         nodes: vec![300],
         agent: Some(bins::test_agent().unwrap_or_else(|e| panic!("{e:#}"))),
         timeout: Duration::from_secs(60),
+        dataplanes: vec![Dataplane::Kernel, Dataplane::Ebpf],
+        events: 3,
     };
     let results =
         control::run(&opts, &|m| eprintln!("{m}"), &|| false).unwrap_or_else(|e| panic!("{e:#}"));
-    let r = &results[0];
     eprintln!(
         "{}",
         control::markdown(&results, &flannel_tests::bench::report::Machine::current())
     );
-    assert_eq!(r.error, None);
-    assert_eq!(r.keys_in_etcd, 300);
-    assert_eq!((r.routes, r.neighbours, r.fdb), (300, 300, 300));
-    assert!(r.converge_seconds.is_some() && r.lease_seconds <= r.converge_seconds);
-    assert!(r.peak_rss_kib.is_some_and(|k| k > 0));
-    // Every entry written once: 300 routes, neighbours and FDB entries.
-    assert_eq!(r.kernel_writes, 900, "{r:?}");
-    assert!(r.writing_reconciles >= 1, "{r:?}");
-    assert!(
-        r.reconciles.is_some_and(|n| n >= r.writing_reconciles),
-        "{r:?}"
-    );
+    assert_eq!(results.len(), 2);
+    for r in &results {
+        assert_eq!(r.error, None);
+        assert_eq!(r.keys_in_etcd, 300);
+        assert_eq!((r.routes, r.neighbours, r.fdb), (300, 300, 300));
+        assert!(r.converge_seconds.is_some() && r.lease_seconds <= r.converge_seconds);
+        assert!(r.peak_rss_kib.is_some_and(|k| k > 0));
+        assert!(r.writing_reconciles >= 1, "{r:?}");
+        assert!(
+            r.reconciles.is_some_and(|n| n >= r.writing_reconciles),
+            "{r:?}"
+        );
+        // Every lease event was seen arriving and leaving.
+        assert_eq!(r.event_add_ms.map(|l| l.n), Some(3), "{r:?}");
+        assert_eq!(r.event_delete_ms.map(|l| l.n), Some(3), "{r:?}");
+        let appliers: Vec<&str> = r.applier_seconds.iter().map(|(n, _)| n.as_str()).collect();
+        match r.dataplane.as_str() {
+            "kernel" => {
+                // Every entry written once: 300 routes, neighbours and FDB entries.
+                assert_eq!(r.kernel_writes, 900, "{r:?}");
+                assert_eq!(r.map_seconds, None);
+                assert_eq!(appliers, ["kernel"]);
+            }
+            "ebpf" => {
+                // The kernel's 900 plus 300 route-map and 300 node-map entries.
+                assert_eq!(r.kernel_writes, 1500, "{r:?}");
+                assert!(r.map_seconds.is_some(), "{r:?}");
+                assert!(appliers.contains(&"ebpf") && appliers.contains(&"kernel"), "{r:?}");
+            }
+            other => panic!("dataplane {other}"),
+        }
+    }
 }

@@ -495,7 +495,7 @@ struct Capture {
 impl Capture {
     fn start(ns: &NetNs, dev: &str, filter: &str, path: &Path) -> Result<Capture> {
         let mut cmd = ns.command("tcpdump");
-        cmd.args(["-i", dev, "-U", "-s", "0", "-n", "-w"])
+        cmd.args(["-i", dev, "--immediate-mode", "-U", "-s", "0", "-n", "-w"])
             .arg(path)
             .args(filter.split_whitespace())
             .stdout(Stdio::null())

@@ -83,7 +83,7 @@ fn udp_counter(ns: &NetNs, reason: &str) -> Result<f64> {
     let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), DEFAULT_HEALTHZ_PORT);
     let (code, body) = status::http_get(ns, addr, "/metrics")?;
     ensure!(code == 200, "/metrics answered {code}");
-    let labels = format!("{{reason=\"{reason}\"}}");
+    let labels = format!("{{program=\"udp-forwarder\",reason=\"{reason}\"}}");
     Ok(status::parse_metrics(&body)
         .into_iter()
         .find(|s| s.name == "flannel_udp_packets_total" && s.labels == labels)

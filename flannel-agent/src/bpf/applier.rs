@@ -12,9 +12,9 @@ use std::{
 };
 
 use futures::future::BoxFuture;
-use ipnet::{IpNet, Ipv4Net};
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
-use super::{FastPath, Remote, Via};
+use super::{FastPath, Remote, Remote6, Via};
 use crate::{
     backend::BackendOptions,
     dataplane::{Applier, ApplyError, ApplyReport, ApplyStats, Desired, Local, Reach, SyncMode},
@@ -66,6 +66,58 @@ pub fn remotes(
             Reach::Ipip { public_ip, .. } => Remote {
                 public_ip,
                 via: Via::Ipip,
+            },
+            // The port is this node's own (`UdpLocal`), as upstream sends to every peer.
+            Reach::Udp { public_ip, .. } => Remote {
+                public_ip,
+                via: Via::Udp,
+            },
+            _ => continue,
+        };
+        out.insert(subnet, remote);
+    }
+    out
+}
+
+/// The IPv6 route-map entries for `desired`: host-gw and DirectRouting peers through the
+/// kernel FIB, vxlan peers (their v6 VtepMAC and public IPv6) when the VXLAN fast path is
+/// enabled (`vxlan_vni`).
+pub fn remotes6(
+    local: &Local,
+    desired: &Desired,
+    vxlan_vni: Option<u32>,
+) -> BTreeMap<Ipv6Net, Remote6> {
+    let host_gw = matches!(local.backend, BackendOptions::HostGw);
+    let mut out = BTreeMap::new();
+    for (_, path) in desired.paths() {
+        let IpNet::V6(subnet) = path.subnet else {
+            continue;
+        };
+        let remote = match path.reach {
+            Reach::Direct {
+                gateway: IpAddr::V6(gateway),
+                ..
+            } => Remote6 {
+                public_ip: gateway,
+                via: if host_gw {
+                    Via::HostGw
+                } else {
+                    Via::DirectRouting
+                },
+            },
+            Reach::Vxlan {
+                vtep_mac,
+                public_ip: IpAddr::V6(public_ip),
+                ..
+            } => match vxlan_vni {
+                Some(vni) => Remote6 {
+                    public_ip,
+                    via: Via::Vxlan {
+                        vtep_mac: vtep_mac.octets(),
+                        vni,
+                    },
+                },
+                None => continue,
             },
             _ => continue,
         };
@@ -119,18 +171,7 @@ impl BpfApplier {
             }
         }
         match fp.sync(&want) {
-            Ok(s) => {
-                report.stats = ApplyStats {
-                    added: s.added as u64,
-                    replaced: s.updated as u64,
-                    deleted: s.removed as u64,
-                    unchanged: s.unchanged as u64,
-                    errors: 0,
-                    ops: (s.added + s.updated + s.removed + s.nodes_written + s.nodes_removed)
-                        as u64,
-                    skipped: 0,
-                };
-            }
+            Ok(s) => add_stats(&mut report.stats, &s),
             Err(err) => {
                 report.errors.push(ApplyError {
                     kind: "bpf:sync".into(),
@@ -139,8 +180,45 @@ impl BpfApplier {
                 report.stats.errors += 1;
             }
         }
+        let mut want6 = remotes6(local, desired, self.vxlan_vni);
+        if mode == SyncMode::AddOnly {
+            match fp.remotes6() {
+                Ok(current) => {
+                    for (subnet, remote) in current {
+                        want6.entry(subnet).or_insert(remote);
+                    }
+                }
+                Err(err) => {
+                    report.errors.push(ApplyError {
+                        kind: "bpf:read".into(),
+                        message: format!("reading the IPv6 route map: {err}"),
+                    });
+                    report.stats.errors += 1;
+                    return report;
+                }
+            }
+        }
+        match fp.sync6(&want6) {
+            Ok(s) => add_stats(&mut report.stats, &s),
+            Err(err) => {
+                report.errors.push(ApplyError {
+                    kind: "bpf:sync".into(),
+                    message: format!("syncing the fast-path IPv6 maps: {err}"),
+                });
+                report.stats.errors += 1;
+            }
+        }
         report
     }
+}
+
+/// Adds one map family's sync counts to the applier's statistics.
+fn add_stats(stats: &mut ApplyStats, s: &super::SyncStats) {
+    stats.added += s.added as u64;
+    stats.replaced += s.updated as u64;
+    stats.deleted += s.removed as u64;
+    stats.unchanged += s.unchanged as u64;
+    stats.ops += (s.added + s.updated + s.removed + s.nodes_written + s.nodes_removed) as u64;
 }
 
 impl Applier for BpfApplier {

@@ -160,6 +160,16 @@ impl FastPath {
         &self.layout
     }
 
+    /// The loaded object, for the modules that add maps of their own (`udp`, `v6`).
+    pub(crate) fn ebpf(&self) -> &Ebpf {
+        &self.ebpf
+    }
+
+    /// Mutable access to the loaded object (see [`FastPath::ebpf`]).
+    pub(crate) fn ebpf_mut(&mut self) -> &mut Ebpf {
+        &mut self.ebpf
+    }
+
     /// Writes the local configuration (validated first). Until it is written, the programs
     /// hand every packet to the kernel.
     pub fn set_config(&mut self, config: &LocalConfig) -> Result<(), BpfError> {

@@ -38,6 +38,9 @@
 //!   route by `bpf_fib_lookup`); `net.ipv4.ip_forward = 1`.
 //! - vxlan peers: upstream's `flannel.<VNI>` setup (it receives what kernel-path peers send and
 //!   carries host traffic); the entries carry the peer's VtepMAC.
+//! - udp peers: the TUN path as it is (`flannel0`, `<Network> dev flannel0`, the forwarder
+//!   bound to `IfaceAddr:Port`); the programs need [`FastPath::set_udp`] with the same address
+//!   and port.
 //! - ipip peers (no kernel IPIP device is needed): `<subnet> via <next hop towards the peer's
 //!   public IP> dev <ext> onlink mtu <ext MTU - 20>`, so that host-originated packets leave
 //!   through the external interface, where `tc_to_netdev` encapsulates them; the pod MTU is
@@ -53,6 +56,8 @@
 //! | [`probe`] | kernel feature probes |
 //! | [`counters`] | [`Counters`] |
 //! | [`error`] | [`BpfError`] |
+//! | [`udp`] | [`UdpLocal`]: the udp backend's encapsulation on the fast path |
+//! | [`v6`] | [`LocalConfig6`], [`Remote6`]: IPv6 on the fast path |
 
 pub mod applier;
 pub mod config;
@@ -62,6 +67,8 @@ pub mod fastpath;
 pub mod pins;
 pub mod probe;
 pub mod remote;
+pub mod udp;
+pub mod v6;
 
 use std::{fmt, path::Path, str::FromStr};
 
@@ -72,6 +79,8 @@ pub use error::BpfError;
 pub use fastpath::{Attached, FastPath, Hook, NetdevAttach};
 pub use pins::PinLayout;
 pub use remote::{Remote, SyncStats, Via};
+pub use udp::UdpLocal;
+pub use v6::{LocalConfig6, Remote6};
 
 /// `--dataplane`: which data path forwards pod traffic.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

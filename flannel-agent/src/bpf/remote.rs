@@ -34,6 +34,10 @@ pub enum Via {
     /// peer's public IP> dev <ext> onlink` (with `mtu <ext MTU - 20>`), so that
     /// host-originated packets reach `tc_to_netdev`, which encapsulates them.
     Ipip,
+    /// The udp backend: the inner packet as the payload of a UDP datagram to the peer's public
+    /// IP and the port of [`super::UdpLocal`], exactly as the TUN path (`flannel0` and the
+    /// forwarder) sends it. The TUN path stays in place for everything the programs pass.
+    Udp,
 }
 
 /// One remote subnet's way: the peer's public IP and how to reach it.
@@ -65,6 +69,7 @@ impl Remote {
                 entry.vtep_mac = vtep_mac;
             }
             Via::Ipip => entry.kind = RouteKind::Ipip as u32,
+            Via::Udp => entry.kind = RouteKind::Udp as u32,
         }
         Ok(entry)
     }
@@ -79,6 +84,7 @@ impl Remote {
                 vni: entry.vni,
             },
             RouteKind::Ipip => Via::Ipip,
+            RouteKind::Udp => Via::Udp,
         };
         Some(Remote {
             public_ip: Ipv4Addr::from(entry.public_ip),
@@ -91,7 +97,8 @@ impl Remote {
         match self.via {
             Via::Vxlan { .. } => NODE_F_VXLAN,
             Via::Ipip => NODE_F_IPIP,
-            Via::HostGw | Via::DirectRouting => 0,
+            // The TUN path accepts datagrams from any source (NAT), and so does the receive.
+            Via::HostGw | Via::DirectRouting | Via::Udp => 0,
         }
     }
 }
@@ -205,6 +212,7 @@ mod tests {
             Via::HostGw,
             Via::DirectRouting,
             Via::Ipip,
+            Via::Udp,
             Via::Vxlan {
                 vtep_mac: [2, 3, 4, 5, 6, 7],
                 vni: 0xabcdef,

@@ -13,7 +13,10 @@ use tracing::{info, warn};
 use super::DaemonError;
 use crate::{
     backend::BackendOptions,
-    bpf::{self, DataplaneMode, LocalConfig, SharedFastPath, Startup, VxlanLocal},
+    bpf::{
+        self, DataplaneMode, LocalConfig, LocalConfig6, SharedFastPath, Startup, UdpLocal,
+        VxlanLocal,
+    },
     cli::Dataplane,
     dataplane::Local,
     ip::IpStack,
@@ -46,14 +49,16 @@ impl ActivePath {
 
 /// Why the fast path cannot serve this configuration, if it cannot.
 fn unsupported(backend: &BackendOptions, stack: IpStack) -> Option<String> {
-    if !stack.has_v4() {
-        return Some("the fast path carries IPv4; this cluster is IPv6-only".into());
-    }
     match backend {
         BackendOptions::Vxlan(o) if o.gbp => {
             Some("VXLAN Group Based Policy (GBP) is not supported by the fast path".into())
         }
-        BackendOptions::Vxlan(_) | BackendOptions::HostGw | BackendOptions::Ipip(_) => None,
+        BackendOptions::Vxlan(_) | BackendOptions::HostGw => None,
+        BackendOptions::Ipip(_) | BackendOptions::Udp(_) if !stack.has_v4() => Some(format!(
+            "the {} backend carries IPv4 only; this cluster is IPv6-only",
+            backend.backend_type()
+        )),
+        BackendOptions::Ipip(_) | BackendOptions::Udp(_) => None,
         other => Some(format!(
             "the {} backend has no eBPF fast path",
             other.backend_type()
@@ -109,33 +114,101 @@ pub fn vxlan_vni(backend: &BackendOptions) -> Option<u32> {
     }
 }
 
-/// Writes this node's configuration into the fast path and attaches it to the external
-/// interface (TC ingress and egress; XDP stays off: it measured slower on veth).
+/// Writes this node's configuration into the fast path (IPv4 and IPv6 sides, each when that
+/// family is enabled and leased) and attaches it to the external interface (TC ingress and
+/// egress; XDP stays off: it measured slower on veth).
 pub fn configure(fast_path: &SharedFastPath, local: &Local) -> Result<(), DaemonError> {
     let fail =
         |what: &str, err: bpf::BpfError| DaemonError::FastPathUnavailable(format!("{what}: {err}"));
-    let (Some(public_ip), Some(subnet), Some(network)) =
-        (local.ext.ext_addr, local.lease.subnet, local.network)
-    else {
-        return Err(DaemonError::FastPathUnavailable(
-            "no IPv4 public address, lease or network".into(),
-        ));
+    let (config, config6) = local_configs(local)?;
+    let udp = match &local.backend {
+        BackendOptions::Udp(o) => {
+            let iface_addr = local.ext.iface_addr.ok_or_else(|| {
+                DaemonError::FastPathUnavailable(
+                    "the udp backend needs an IPv4 interface address".into(),
+                )
+            })?;
+            Some(UdpLocal {
+                iface_addr,
+                port: o.port,
+            })
+        }
+        _ => None,
     };
-    let mut config = LocalConfig::new(public_ip, local.ext.index, subnet, network);
-    if let (BackendOptions::Vxlan(o), Some(mac)) = (&local.backend, local.vtep_macs.v4) {
-        config.vxlan = Some(VxlanLocal {
-            vni: o.vni,
-            port: o.effective_port(),
-            vtep_mac: mac.octets(),
-        });
-    }
     let mut fp = fast_path
         .lock()
         .map_err(|_| DaemonError::FastPathUnavailable("fast-path handle poisoned".into()))?;
-    fp.set_config(&config).map_err(|e| fail("configuring", e))?;
+    match &config {
+        Some(config) => fp.set_config(config).map_err(|e| fail("configuring", e))?,
+        // IPv6-only: the IPv4 side stays disabled (an all-zero entry).
+        None => fp
+            .disable_ipv4()
+            .map_err(|e| fail("disabling the IPv4 side", e))?,
+    }
+    fp.set_config6(config6.as_ref())
+        .map_err(|e| fail("configuring IPv6", e))?;
+    fp.set_udp(udp.as_ref())
+        .map_err(|e| fail("configuring the udp encapsulation", e))?;
     fp.attach_netdev(local.ext.index, false)
         .map_err(|e| fail("attaching to the external interface", e))?;
     Ok(())
+}
+
+/// The IPv4 and IPv6 configurations for `local`: each family's when it is enabled (IPv4
+/// needs a public IPv4, a lease and `Network`; IPv6 a public IPv6, an IPv6 lease and
+/// `IPv6Network`). At least one is required.
+fn local_configs(
+    local: &Local,
+) -> Result<(Option<LocalConfig>, Option<LocalConfig6>), DaemonError> {
+    let vxlan = |mac: Option<crate::backend::MacAddr>| match (&local.backend, mac) {
+        (BackendOptions::Vxlan(o), Some(mac)) => Some(VxlanLocal {
+            vni: o.vni,
+            port: o.effective_port(),
+            vtep_mac: mac.octets(),
+        }),
+        _ => None,
+    };
+    let v4 = match (
+        local.ext.ext_addr,
+        local.lease.subnet,
+        local.network,
+        local.stack.has_v4(),
+    ) {
+        (Some(public_ip), Some(subnet), Some(network), true) => {
+            let mut config = LocalConfig::new(public_ip, local.ext.index, subnet, network);
+            config.vxlan = vxlan(local.vtep_macs.v4);
+            Some(config)
+        }
+        (_, _, _, true) => {
+            return Err(DaemonError::FastPathUnavailable(
+                "no IPv4 public address, lease or network".into(),
+            ));
+        }
+        _ => None,
+    };
+    let v6 = match (
+        local.ext.ext_v6_addr,
+        local.lease.ipv6_subnet,
+        local.network_v6,
+        local.stack.has_v6(),
+    ) {
+        (Some(public_ip), Some(subnet), Some(network), true) => {
+            let mut config = LocalConfig6::new(public_ip, local.ext.index, subnet, network);
+            config.vxlan = vxlan(local.vtep_macs.v6);
+            if let Some(hop_limit) = bpf::v6::kernel_hop_limit(Some(&local.ext.name)) {
+                config.hop_limit = hop_limit;
+            }
+            Some(config)
+        }
+        (_, _, _, true) if !local.stack.has_v4() => {
+            return Err(DaemonError::FastPathUnavailable(
+                "no IPv6 public address, lease or network".into(),
+            ));
+        }
+        // Dual stack without a usable IPv6 side: IPv6 stays on the kernel path.
+        _ => None,
+    };
+    Ok((v4, v6))
 }
 
 /// Attaches the pod-side program to `bridge` now if it exists and again every time it is
@@ -181,5 +254,38 @@ pub async fn attach_bridge(
             Some(_) => {}
             None => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{IpipOptions, UdpOptions, VxlanOptions};
+
+    #[test]
+    fn every_backend_with_a_fast_path_and_both_families() {
+        let vxlan = BackendOptions::Vxlan(VxlanOptions::default());
+        for stack in [IpStack::V4, IpStack::Dual, IpStack::V6] {
+            assert_eq!(unsupported(&vxlan, stack), None, "vxlan {stack:?}");
+            assert_eq!(
+                unsupported(&BackendOptions::HostGw, stack),
+                None,
+                "host-gw {stack:?}"
+            );
+        }
+        for backend in [
+            BackendOptions::Udp(UdpOptions::default()),
+            BackendOptions::Ipip(IpipOptions::default()),
+        ] {
+            assert_eq!(unsupported(&backend, IpStack::V4), None);
+            assert_eq!(unsupported(&backend, IpStack::Dual), None);
+            let why = unsupported(&backend, IpStack::V6).expect("IPv4-only backend");
+            assert!(why.contains("IPv4 only"), "{why}");
+        }
+        let gbp = BackendOptions::Vxlan(VxlanOptions {
+            gbp: true,
+            ..VxlanOptions::default()
+        });
+        assert!(unsupported(&gbp, IpStack::V4).is_some());
     }
 }

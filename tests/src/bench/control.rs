@@ -1,12 +1,19 @@
 //! `flannel-lab bench control`: how long one node's agent takes to program N remote leases
-//! into its kernel, and how much memory it needs for that.
+//! into its kernel (and, with `--dataplane ebpf`, into the fast path's maps), how much memory
+//! it needs for that, and how long one lease event then takes to reach the dataplane.
 //!
 //! For each N: a fresh one-node topology with etcd in its hub, the config
 //! (`10.0.0.0/8`, `/24` subnets, vxlan), N fake remote leases in upstream's JSON (written in
 //! 128-operation transactions, all on one 24 h etcd lease), then the agent is started and the
 //! node's kernel is polled until it holds N routes, N neighbours and N FDB entries. At that
 //! point the agent's peak RSS (`VmHWM`) is read, its `/metrics` (reconcile runs) scraped and
-//! its log's `dataplane reconciled` lines summed (kernel writes, time spent applying).
+//! its log's `dataplane reconciled` lines summed (kernel writes, time spent applying, per
+//! applier). On the eBPF path the pinned route map is polled too, until it holds N entries.
+//!
+//! Lease events: after convergence, `--events` times a new lease is put into etcd and the
+//! time until its subnet is in the route map (eBPF) or the kernel's routing table (kernel
+//! path) is measured, then the lease is deleted and the time until it is gone is measured;
+//! the map is read with one lookup syscall per poll, the routing table with `ip route show`.
 
 use std::{
     fmt::Write as _,
@@ -16,14 +23,17 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
+use aya::maps::{Map, MapData, lpm_trie::Key, lpm_trie::LpmTrie};
+use flannel_common::{maps as map_names, route::RemoteEntry};
 use ipnet::Ipv4Net;
+use std::net::Ipv4Addr;
 use serde::Serialize;
 use serde_json::json;
 
 use super::report::{Machine, utc_now};
 use crate::{
     lab::{
-        agent::{Agent, AgentSpec},
+        agent::{Agent, AgentSpec, Dataplane},
         kv::Kv,
         lease,
         status::{self, KernelCounts},
@@ -40,6 +50,10 @@ pub struct ControlOptions {
     pub agent: Option<PathBuf>,
     /// How long the agent may take per N.
     pub timeout: Duration,
+    /// The dataplanes to measure, each N once per dataplane.
+    pub dataplanes: Vec<Dataplane>,
+    /// Lease events (one add and one delete each) timed after convergence.
+    pub events: usize,
 }
 
 /// The result for one N.
@@ -47,6 +61,8 @@ pub struct ControlOptions {
 pub struct ControlResult {
     /// Number of fake remote leases.
     pub leases: usize,
+    /// `--dataplane` of the agent (`kernel` or `ebpf`).
+    pub dataplane: String,
     /// Seconds to write them to etcd.
     pub write_seconds: f64,
     /// Keys found under `<prefix>/subnets/` afterwards.
@@ -64,6 +80,15 @@ pub struct ControlResult {
     pub kernel_writes: u64,
     /// Time those reconciles took, summed (listing, diffing and applying), seconds.
     pub reconcile_seconds: f64,
+    /// Seconds from agent start until the fast path's route map held all N (eBPF only).
+    pub map_seconds: Option<f64>,
+    /// Time each applier spent in the reconciles that wrote something, summed, seconds
+    /// (`kernel`, `ebpf`, ...; from the log's `appliers=` field).
+    pub applier_seconds: Vec<(String, f64)>,
+    /// Lease added in etcd → in the route map (eBPF) or routing table (kernel), ms.
+    pub event_add_ms: Option<Latency>,
+    /// Lease deleted in etcd → gone from the route map or routing table, ms.
+    pub event_delete_ms: Option<Latency>,
     /// Agent's `VmHWM` at that point, KiB.
     pub peak_rss_kib: Option<u64>,
     /// Routes in the kernel at the end.
@@ -74,6 +99,43 @@ pub struct ControlResult {
     pub fdb: usize,
     /// Why the agent part failed, if it did.
     pub error: Option<String>,
+}
+
+/// Median, 95th percentile and maximum of a set of latencies, ms.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Latency {
+    /// Samples.
+    pub n: usize,
+    /// Median.
+    pub p50: f64,
+    /// 95th percentile (nearest rank).
+    pub p95: f64,
+    /// Largest.
+    pub max: f64,
+}
+
+impl Latency {
+    /// `None` for no samples.
+    pub fn of(samples: &[f64]) -> Option<Latency> {
+        let mut v: Vec<f64> = samples.iter().copied().filter(|x| x.is_finite()).collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        let rank = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+        Some(Latency {
+            n: v.len(),
+            p50: rank(0.5),
+            p95: rank(0.95),
+            max: v[v.len() - 1],
+        })
+    }
+}
+
+impl std::fmt::Display for Latency {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:.1} / {:.1} / {:.1}", self.p50, self.p95, self.max)
+    }
 }
 
 /// The config the control benchmark stores.
@@ -89,12 +151,17 @@ pub fn run(
 ) -> Result<Vec<ControlResult>> {
     let network: Ipv4Net = "10.0.0.0/8".parse().context("network")?;
     let mut results = Vec::new();
-    for &n in &opts.nodes {
+    let runs: Vec<(usize, Dataplane)> = opts
+        .nodes
+        .iter()
+        .flat_map(|&n| opts.dataplanes.iter().map(move |&d| (n, d)))
+        .collect();
+    for (n, dataplane) in runs {
         if cancelled() {
             bail!("cancelled");
         }
         log(&format!(
-            "{n} leases: building a one-node topology with etcd"
+            "{n} leases, {dataplane}: building a one-node topology with etcd"
         ));
         let topo = Topology::new(TopologySpec::new(1, Underlay::L2))?;
         let etcd = topo.start_etcd()?;
@@ -111,6 +178,7 @@ pub fn run(
         ));
         let mut result = ControlResult {
             leases: n,
+            dataplane: dataplane.to_string(),
             write_seconds,
             keys_in_etcd,
             lease_seconds: None,
@@ -119,6 +187,10 @@ pub fn run(
             writing_reconciles: 0,
             kernel_writes: 0,
             reconcile_seconds: 0.0,
+            map_seconds: None,
+            applier_seconds: Vec::new(),
+            event_add_ms: None,
+            event_delete_ms: None,
             peak_rss_kib: None,
             routes: 0,
             neighbours: 0,
@@ -126,26 +198,40 @@ pub fn run(
             error: None,
         };
         if let Some(agent) = &opts.agent {
-            let spec = AgentSpec::new(agent, etcd.endpoint());
-            match converge(
-                &topo,
-                &spec,
+            let mut spec = AgentSpec::new(agent, etcd.endpoint());
+            spec.dataplane = Some(dataplane);
+            let run = Run {
+                topo: &topo,
+                kv: &kv,
+                spec: &spec,
                 network,
                 n,
-                opts.timeout,
+                events: opts.events,
+                timeout: opts.timeout,
                 cancelled,
-                &mut result,
-            ) {
+            };
+            match run.converge(&mut result) {
                 Ok(()) => log(&format!(
-                    "{n} leases: subnet.env after {:.2} s, kernel complete after {:.2} s, \
-                     agent peak RSS {} KiB, {} kernel writes in {} writing reconcile(s) \
-                     taking {:.2} s",
+                    "{n} leases, {dataplane}: subnet.env after {:.2} s, kernel complete after \
+                     {:.2} s, map complete after {}, agent peak RSS {} KiB, {} writes in {} \
+                     writing reconcile(s) taking {:.2} s ({}), lease event add {} / delete {} \
+                     ms (p50 / p95 / max)",
                     result.lease_seconds.unwrap_or(f64::NAN),
                     result.converge_seconds.unwrap_or(f64::NAN),
+                    result
+                        .map_seconds
+                        .map_or_else(|| "-".to_owned(), |s| format!("{s:.2} s")),
                     result.peak_rss_kib.unwrap_or(0),
                     result.kernel_writes,
                     result.writing_reconciles,
-                    result.reconcile_seconds
+                    result.reconcile_seconds,
+                    applier_text(&result.applier_seconds),
+                    result
+                        .event_add_ms
+                        .map_or_else(|| "-".to_owned(), |l| l.to_string()),
+                    result
+                        .event_delete_ms
+                        .map_or_else(|| "-".to_owned(), |l| l.to_string()),
                 )),
                 Err(e) => {
                     log(&format!("{n} leases: agent part failed: {e:#}"));
@@ -158,68 +244,249 @@ pub fn run(
     Ok(results)
 }
 
-/// Starts the agent and polls the kernel until it holds `n` routes, neighbours and FDB
-/// entries.
-fn converge(
-    topo: &Topology,
-    spec: &AgentSpec,
+/// One N on one dataplane: the topology, its etcd and the agent to start.
+struct Run<'a> {
+    topo: &'a Topology,
+    kv: &'a Kv,
+    spec: &'a AgentSpec,
     network: Ipv4Net,
     n: usize,
+    events: usize,
     timeout: Duration,
-    cancelled: &dyn Fn() -> bool,
-    result: &mut ControlResult,
-) -> Result<()> {
-    let node = topo.node(1);
-    let start = Instant::now();
-    let mut agent = Agent::start(node, spec)?;
-    let deadline = start + timeout;
-    let mut last = KernelCounts::default();
-    loop {
-        if cancelled() {
-            bail!("cancelled");
-        }
-        agent.check_running()?;
-        let env = node.read_subnet_env().ok().flatten();
-        if result.lease_seconds.is_none() && env.as_ref().is_some_and(|e| e.subnet.is_some()) {
-            result.lease_seconds = Some(start.elapsed().as_secs_f64());
-        }
-        let local = env.and_then(|e| e.lease());
-        last = status::kernel_counts(node.ns(), network, local).unwrap_or(last);
-        (result.routes, result.neighbours, result.fdb) = (last.routes, last.neighbours, last.fdb);
-        if status::require_counts(&last, n, n, n).is_ok() {
-            result.converge_seconds = Some(start.elapsed().as_secs_f64());
-            result.peak_rss_kib = agent.peak_rss_kib();
-            if let Some(port) = agent.healthz_port() {
-                result.reconciles = status::metric(node.ns(), port, "flannel_reconcile_runs_total")
-                    .ok()
-                    .flatten()
-                    .map(|v| v as u64);
+    cancelled: &'a dyn Fn() -> bool,
+}
+
+impl Run<'_> {
+    fn ebpf(&self) -> bool {
+        self.spec.dataplane == Some(Dataplane::Ebpf)
+    }
+
+    /// Starts the agent and polls the kernel (and on the eBPF path the route map) until it
+    /// holds `n` routes, neighbours and FDB entries (map entries), then times lease events.
+    fn converge(&self, result: &mut ControlResult) -> Result<()> {
+        let node = self.topo.node(1);
+        let start = Instant::now();
+        let mut agent = Agent::start(node, self.spec)?;
+        let deadline = start + self.timeout;
+        let mut last = KernelCounts::default();
+        let mut map: Option<RouteMap> = None;
+        let n = self.n;
+        loop {
+            if (self.cancelled)() {
+                bail!("cancelled");
             }
-            let text = std::fs::read_to_string(agent.log_path()).unwrap_or_default();
-            let applied = applied_reconciles(&text);
-            result.writing_reconciles = applied.len() as u64;
-            result.kernel_writes = applied.iter().map(|a| a.ops).sum();
-            result.reconcile_seconds = applied.iter().map(|a| a.seconds).sum();
-            let _ = agent.stop(Duration::from_secs(10));
-            return Ok(());
+            agent.check_running()?;
+            let env = node.read_subnet_env().ok().flatten();
+            if result.lease_seconds.is_none() && env.as_ref().is_some_and(|e| e.subnet.is_some())
+            {
+                result.lease_seconds = Some(start.elapsed().as_secs_f64());
+            }
+            if self.ebpf() && result.map_seconds.is_none() {
+                if map.is_none() {
+                    map = RouteMap::open(node.bpf_pin_path()).ok();
+                }
+                if let Some(m) = &map
+                    && m.len().is_ok_and(|len| len >= n)
+                {
+                    result.map_seconds = Some(start.elapsed().as_secs_f64());
+                }
+            }
+            let local = env.and_then(|e| e.lease());
+            last = status::kernel_counts(node.ns(), self.network, local).unwrap_or(last);
+            (result.routes, result.neighbours, result.fdb) =
+                (last.routes, last.neighbours, last.fdb);
+            let map_done = !self.ebpf() || result.map_seconds.is_some();
+            if map_done && status::require_counts(&last, n, n, n).is_ok() {
+                result.converge_seconds = Some(start.elapsed().as_secs_f64());
+                result.peak_rss_kib = agent.peak_rss_kib();
+                if let Some(port) = agent.healthz_port() {
+                    result.reconciles =
+                        status::metric(node.ns(), port, "flannel_reconcile_runs_total")
+                            .ok()
+                            .flatten()
+                            .map(|v| v as u64);
+                }
+                let text = std::fs::read_to_string(agent.log_path()).unwrap_or_default();
+                let applied = applied_reconciles(&text);
+                result.writing_reconciles = applied.len() as u64;
+                result.kernel_writes = applied.iter().map(|a| a.ops).sum();
+                result.reconcile_seconds = applied.iter().map(|a| a.seconds).sum();
+                result.applier_seconds = sum_appliers(&applied);
+                let events = self.lease_events(map.as_ref(), &agent);
+                let _ = agent.stop(Duration::from_secs(10));
+                let (add, delete) = events?;
+                result.event_add_ms = Latency::of(&add);
+                result.event_delete_ms = Latency::of(&delete);
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                result.peak_rss_kib = agent.peak_rss_kib();
+                if !map_done {
+                    bail!(
+                        "the route map did not hold {n} entries after {:?}; agent log:\n{}",
+                        self.timeout,
+                        agent.log_tail(20)
+                    );
+                }
+                status::require_counts(&last, n, n, n).with_context(|| {
+                    format!(
+                        "after {:?}; agent log:\n{}",
+                        self.timeout,
+                        agent.log_tail(20)
+                    )
+                })?;
+            }
+            thread::sleep(Duration::from_millis(50));
         }
-        if Instant::now() >= deadline {
-            result.peak_rss_kib = agent.peak_rss_kib();
-            status::require_counts(&last, n, n, n).with_context(|| {
-                format!("after {timeout:?}; agent log:\n{}", agent.log_tail(20))
-            })?;
+    }
+
+    /// Puts [`Run::events`] new leases one at a time and deletes each again, timing how long
+    /// each change takes to reach the route map (eBPF) or the routing table (kernel path).
+    fn lease_events(
+        &self,
+        map: Option<&RouteMap>,
+        agent: &Agent,
+    ) -> Result<(Vec<f64>, Vec<f64>)> {
+        let (mut add, mut delete) = (Vec::new(), Vec::new());
+        for i in 0..self.events {
+            if (self.cancelled)() {
+                bail!("cancelled");
+            }
+            let (key, value, subnet) = event_lease(i)?;
+            let t0 = Instant::now();
+            self.kv.put(&key, &value)?;
+            add.push(self.wait_for(map, subnet, true, t0, agent)?);
+            let t0 = Instant::now();
+            self.kv.delete(&key)?;
+            delete.push(self.wait_for(map, subnet, false, t0, agent)?);
         }
-        thread::sleep(Duration::from_millis(50));
+        Ok((add, delete))
+    }
+
+    /// Polls until `subnet` is (or is no longer) programmed; ms since `t0`.
+    fn wait_for(
+        &self,
+        map: Option<&RouteMap>,
+        subnet: Ipv4Net,
+        present: bool,
+        t0: Instant,
+        agent: &Agent,
+    ) -> Result<f64> {
+        let ns = self.topo.node(1).ns();
+        let limit = Duration::from_secs(10);
+        loop {
+            let now = match map {
+                Some(m) => m.contains(subnet)?,
+                None => {
+                    let out = ns
+                        .command("ip")
+                        .args(["-4", "route", "show", "exact", &subnet.to_string()])
+                        .output()
+                        .context("ip route show")?;
+                    !out.stdout.is_empty()
+                }
+            };
+            if now == present {
+                return Ok(t0.elapsed().as_secs_f64() * 1e3);
+            }
+            if t0.elapsed() > limit {
+                bail!(
+                    "lease event for {subnet} ({}) not applied within {limit:?}; agent log:\n{}",
+                    if present { "added" } else { "deleted" },
+                    agent.log_tail(10)
+                );
+            }
+            thread::sleep(Duration::from_micros(500));
+        }
     }
 }
 
+/// The `i`-th event lease: a subnet under `10.250.0.0/16` (the fake leases stop far below),
+/// upstream's vxlan lease JSON.
+fn event_lease(i: usize) -> Result<(String, String, Ipv4Net)> {
+    let i = u8::try_from(i).context("at most 256 lease events")?;
+    let subnet = Ipv4Net::new(Ipv4Addr::new(10, 250, i, 0), 24)?;
+    let value = json!({
+        "PublicIP": Ipv4Addr::new(100, 127, 0, i).to_string(),
+        "PublicIPv6": null,
+        "BackendType": "vxlan",
+        "BackendData": { "VNI": 1, "VtepMAC": format!("0e:ff:00:00:00:{i:02x}") },
+    });
+    Ok((
+        format!("{}/subnets/{}", lease::DEFAULT_PREFIX, lease::subnet_key(subnet)),
+        value.to_string(),
+        subnet,
+    ))
+}
+
+/// The fast path's pinned IPv4 route map, opened once and polled by lookups.
+struct RouteMap(LpmTrie<MapData, [u8; 4], RemoteEntry>);
+
+impl RouteMap {
+    fn open(pin_path: &Path) -> Result<RouteMap> {
+        let path = pin_path
+            .join(map_names::PIN_LAYOUT_VERSION)
+            .join(map_names::ROUTES4);
+        let data = MapData::from_pin(&path).with_context(|| format!("{}", path.display()))?;
+        let trie = LpmTrie::try_from(Map::from_map_data(data)?).context("route map")?;
+        Ok(RouteMap(trie))
+    }
+
+    fn len(&self) -> Result<usize> {
+        let mut n = 0;
+        for key in self.0.keys() {
+            key.context("reading the route map")?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Whether exactly `subnet` has an entry (one lookup syscall).
+    fn contains(&self, subnet: Ipv4Net) -> Result<bool> {
+        let key = Key::new(u32::from(subnet.prefix_len()), subnet.network().octets());
+        match self.0.get(&key, 0) {
+            Ok(_) => Ok(true),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(false),
+            Err(e) => Err(e).context("route map lookup"),
+        }
+    }
+}
+
+/// Per-applier times summed over `applied`, in first-seen order.
+fn sum_appliers(applied: &[Applied]) -> Vec<(String, f64)> {
+    let mut out: Vec<(String, f64)> = Vec::new();
+    for a in applied {
+        for (name, seconds) in &a.appliers {
+            match out.iter_mut().find(|(n, _)| n == name) {
+                Some((_, total)) => *total += seconds,
+                None => out.push((name.clone(), *seconds)),
+            }
+        }
+    }
+    out
+}
+
+/// `kernel 0.81 s, ebpf 0.02 s`.
+fn applier_text(appliers: &[(String, f64)]) -> String {
+    if appliers.is_empty() {
+        return "-".to_owned();
+    }
+    appliers
+        .iter()
+        .map(|(name, s)| format!("{name} {s:.3} s"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// One `dataplane reconciled` line of the agent's log.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Applied {
     /// `ops N`: write operations issued.
     pub ops: u64,
     /// `duration=...`, seconds.
     pub seconds: f64,
+    /// `appliers=kernel:1.2s,ebpf:20ms`: each applier's time, seconds.
+    pub appliers: Vec<(String, f64)>,
 }
 
 /// The reconciles that wrote something, from the agent's log (plain text, tracing's
@@ -236,6 +503,18 @@ pub fn applied_reconciles(log: &str) -> Vec<Applied> {
                 .split_whitespace()
                 .find_map(|w| parse_duration(w.strip_prefix("duration=")?))
                 .unwrap_or(0.0),
+            appliers: l
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("appliers="))
+                .map(|list| {
+                    list.split(',')
+                        .filter_map(|item| {
+                            let (name, took) = item.split_once(':')?;
+                            Some((name.to_owned(), parse_duration(took)?))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
         })
         .collect()
 }
@@ -259,23 +538,26 @@ fn parse_duration(text: &str) -> Option<f64> {
 pub fn markdown(results: &[ControlResult], machine: &Machine) -> String {
     let mut out = format!(
         "# flannel-lab bench control\n\n- machine: {} ({} cores), kernel {}\n- date: {}\n\n\
-         Times from agent start. Kernel writes: netlink requests of the reconciles that \
-         changed something (from the agent's log); reconciles: `flannel_reconcile_runs_total`.\n\n\
-         | leases | etcd write (s) | keys | subnet.env (s) | kernel complete (s) | agent peak RSS (MiB) | routes | neigh | fdb | kernel writes | reconciles (writing) | reconcile time (s) | error |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+         Times from agent start. Writes: kernel netlink requests and map updates of the \
+         reconciles that changed something, with each applier's share (from the agent's log); \
+         reconciles: `flannel_reconcile_runs_total`. Lease events: etcd put/delete of one lease \
+         until the route map (eBPF) or routing table (kernel) reflects it, ms p50 / p95 / max.\n\n\
+         | leases | dataplane | etcd write (s) | subnet.env (s) | kernel complete (s) | map complete (s) | agent peak RSS (MiB) | routes | neigh | fdb | writes | reconciles (writing) | reconcile time | event add (ms) | event delete (ms) | error |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         machine.cpu_model, machine.cores, machine.kernel, machine.date
     );
+    let secs = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |s| format!("{s:.2}"));
+    let lat = |v: Option<Latency>| v.map_or_else(|| "-".to_owned(), |l| l.to_string());
     for r in results {
         let _ = writeln!(
             out,
-            "| {} | {:.2} | {} | {} | {} | {} | {} | {} | {} | {} | {} ({}) | {:.2} | {} |",
+            "| {} | {} | {:.2} | {} | {} | {} | {} | {} | {} | {} | {} | {} ({}) | {:.2} s ({}) | {} | {} | {} |",
             r.leases,
+            r.dataplane,
             r.write_seconds,
-            r.keys_in_etcd,
-            r.lease_seconds
-                .map_or_else(|| "-".to_owned(), |s| format!("{s:.2}")),
-            r.converge_seconds
-                .map_or_else(|| "-".to_owned(), |s| format!("{s:.2}")),
+            secs(r.lease_seconds),
+            secs(r.converge_seconds),
+            secs(r.map_seconds),
             r.peak_rss_kib
                 .map_or_else(|| "-".to_owned(), |k| format!("{:.1}", k as f64 / 1024.0)),
             r.routes,
@@ -286,6 +568,9 @@ pub fn markdown(results: &[ControlResult], machine: &Machine) -> String {
                 .map_or_else(|| "-".to_owned(), |n| n.to_string()),
             r.writing_reconciles,
             r.reconcile_seconds,
+            applier_text(&r.applier_seconds),
+            lat(r.event_add_ms),
+            lat(r.event_delete_ms),
             r.error
                 .as_deref()
                 .map(|e| e.lines().next().unwrap_or_default().replace('|', "/"))
@@ -321,24 +606,47 @@ mod tests {
                    duration=5.982918ms stats=added 3, replaced 0, deleted 3, unchanged 0, errors 0, ops 6, skipped 0\n\
                    2026-11-29T12:22:00.1Z  INFO flannel is ready\n\
                    2026-11-29T12:22:01.1Z  INFO dataplane reconciled generation=2 peers=5000 \
-                   duration=1.25s stats=added 15000, replaced 0, deleted 0, unchanged 3, errors 0, ops 15000, skipped 0\n";
+                   duration=1.25s appliers=kernel:1.2s,ebpf:41.5ms stats=added 15000, replaced 0, deleted 0, unchanged 3, errors 0, ops 15000, skipped 0\n";
         let applied = applied_reconciles(log);
         assert_eq!(
             applied,
             vec![
                 Applied {
                     ops: 6,
-                    seconds: 0.005982918
+                    seconds: 0.005982918,
+                    appliers: vec![],
                 },
                 Applied {
                     ops: 15000,
-                    seconds: 1.25
+                    seconds: 1.25,
+                    appliers: vec![("kernel".to_owned(), 1.2), ("ebpf".to_owned(), 0.0415)],
                 }
             ]
         );
+        let summed = sum_appliers(&applied);
+        assert_eq!(summed.len(), 2);
+        assert_eq!(applier_text(&summed), "kernel 1.200 s, ebpf 0.042 s");
         assert_eq!(parse_duration("800µs"), Some(800.0 * 1e-6));
         assert_eq!(parse_duration("7ns"), Some(7.0 * 1e-9));
         assert_eq!(parse_duration("ms"), None);
         assert_eq!(parse_duration("3h"), None);
+    }
+
+    #[test]
+    fn latency_percentiles_use_the_nearest_rank() {
+        let l = Latency::of(&[5.0, 1.0, 3.0, 2.0, 4.0, f64::NAN]).expect("samples");
+        assert_eq!((l.n, l.p50, l.p95, l.max), (5, 3.0, 5.0, 5.0));
+        assert_eq!(Latency::of(&[]), None);
+        assert_eq!(Latency::of(&[7.0]).map(|l| l.p95), Some(7.0));
+    }
+
+    #[test]
+    fn event_leases_are_upstream_json_outside_the_fake_range() {
+        let (key, value, subnet) = event_lease(3).expect("lease");
+        assert_eq!(key, "/coreos.com/network/subnets/10.250.3.0-24");
+        assert_eq!(subnet.to_string(), "10.250.3.0/24");
+        let v: serde_json::Value = serde_json::from_str(&value).expect("json");
+        assert_eq!(v["BackendData"]["VtepMAC"], "0e:ff:00:00:00:03");
+        assert!(event_lease(256).is_err());
     }
 }

@@ -13,6 +13,7 @@
 //! | `agent-udp` | the same with the udp backend's TUN path (`flannel0`, user-space forwarder) |
 //! | `agent-host-gw-bare`, `agent-vxlan-bare` | the same without netfilter rules (`--iptables-forward-rules=false`, CNI `ipMasq: false`): only what the agent programs, comparable with `ref-*` |
 //! | `agent-ebpf-host-gw`, `agent-ebpf-vxlan` | the same with `--dataplane=ebpf` |
+//! | `agent-ebpf-udp` | the udp backend with `--dataplane=ebpf`: encapsulation in TC, `flannel0` for the rest |
 
 use std::{net::IpAddr, path::PathBuf};
 
@@ -294,6 +295,20 @@ pub fn all() -> Vec<Variant> {
             "agent-ebpf-vxlan",
             "pod to pod across nodes, flannel-agent vxlan, eBPF dataplane",
             "vxlan",
+            Dataplane::Ebpf,
+            false,
+        ),
+        (
+            "agent-ebpf-udp",
+            "pod to pod across nodes, flannel-agent udp, eBPF dataplane (UDP encapsulation in TC)",
+            "udp",
+            Dataplane::Ebpf,
+            false,
+        ),
+        (
+            "agent-ebpf-ipip",
+            "pod to pod across nodes, flannel-agent ipip, eBPF dataplane (IPIP encapsulation in TC; this kernel has no ipip module)",
+            "ipip",
             Dataplane::Ebpf,
             false,
         ),

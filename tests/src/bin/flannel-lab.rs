@@ -176,6 +176,12 @@ struct ControlArgs {
     /// Seconds the agent may take per lease count.
     #[arg(long, default_value_t = 300)]
     timeout: u64,
+    /// Comma-separated dataplanes to measure each lease count on (`kernel`, `ebpf`).
+    #[arg(long, value_delimiter = ',', default_value = "kernel,ebpf")]
+    dataplane: Vec<Dataplane>,
+    /// Lease events (an add and a delete each) timed once the agent has converged.
+    #[arg(long, default_value_t = 20)]
+    events: usize,
     /// Output directory (default: target/bench of this workspace).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -400,6 +406,8 @@ fn bench_control(args: ControlArgs) -> Result<()> {
         nodes: args.nodes,
         agent,
         timeout: Duration::from_secs(args.timeout),
+        dataplanes: args.dataplane,
+        events: args.events,
     };
     let results = control::run(&opts, &progress, &stopped)?;
     print!(

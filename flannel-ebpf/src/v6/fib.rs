@@ -1,0 +1,147 @@
+//! `bpf_fib_lookup` for IPv6 (family `AF_INET6`) and the redirects that follow, the twins of
+//! [`crate::fib`]. Forwarding must be enabled (`net.ipv6.conf.all.forwarding=1`, which a
+//! node with IPv6 pods has anyway) or the lookup fails with `FWD_DISABLED` and the packet is
+//! passed.
+
+use core::mem::{size_of, zeroed};
+
+use aya_ebpf::{
+    bindings::{
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_OUTPUT,
+        bpf_fib_lookup as FibParams, bpf_redir_neigh,
+    },
+    helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    programs::TcContext,
+};
+
+use super::info::Ipv6Info;
+use crate::parse::ptr_at_mut;
+
+/// `AF_INET6`.
+const AF_INET6: u8 = 10;
+
+/// The outcome of an IPv6 FIB lookup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fib6 {
+    /// Route and neighbour known.
+    Resolved {
+        /// Output interface.
+        ifindex: u32,
+        /// Source MAC.
+        smac: [u8; 6],
+        /// Destination MAC.
+        dmac: [u8; 6],
+    },
+    /// Route known, neighbour not resolved: the kernel resolves `nexthop` on `ifindex`.
+    NoNeigh {
+        /// Output interface.
+        ifindex: u32,
+        /// Next hop, as the lookup returned it (network order in memory).
+        nexthop: [u32; 4],
+    },
+    /// No usable route (or too big, or forwarding disabled).
+    Failed,
+}
+
+/// The address as the `[u32; 4]` the lookup structure holds (network order in memory).
+#[inline(always)]
+fn words(addr: &[u8; 16]) -> [u32; 4] {
+    [
+        u32::from_ne_bytes([addr[0], addr[1], addr[2], addr[3]]),
+        u32::from_ne_bytes([addr[4], addr[5], addr[6], addr[7]]),
+        u32::from_ne_bytes([addr[8], addr[9], addr[10], addr[11]]),
+        u32::from_ne_bytes([addr[12], addr[13], addr[14], addr[15]]),
+    ]
+}
+
+/// Looks up the route for `info`'s destination as if the packet arrived on `ifindex`.
+/// `tot_len` (the whole IPv6 packet) is checked against the output MTU; 0 leaves the check
+/// to the kernel (GSO packets). A BPF subprogram of its own (the lookup structure stays off
+/// the callers' frames).
+#[inline(never)]
+pub fn lookup(ctx: &TcContext, ifindex: u32, info: &Ipv6Info, tot_len: u16) -> Fib6 {
+    // SAFETY: bpf_fib_lookup is a plain C struct; all-zero is a valid starting point.
+    let mut params: FibParams = unsafe { zeroed() };
+    params.family = AF_INET6;
+    params.l4_protocol = info.next_hdr;
+    params.sport = u16::from_ne_bytes(info.sport);
+    params.dport = u16::from_ne_bytes(info.dport);
+    params.__bindgen_anon_1.tot_len = tot_len;
+    params.ifindex = ifindex;
+    params.__bindgen_anon_2.flowinfo = (u32::from(info.tclass) << 20).to_be();
+    params.__bindgen_anon_3.ipv6_src = words(&info.src);
+    params.__bindgen_anon_4.ipv6_dst = words(&info.dst);
+    run(ctx, &mut params, 0)
+}
+
+/// Looks up the route of an outer (tunnel) packet from `src` to `dst` leaving through `oif`.
+#[inline(never)]
+pub fn lookup_output(ctx: &TcContext, oif: u32, src: &[u8; 16], dst: &[u8; 16]) -> Fib6 {
+    // SAFETY: as in `lookup`.
+    let mut params: FibParams = unsafe { zeroed() };
+    params.family = AF_INET6;
+    params.ifindex = oif;
+    params.__bindgen_anon_3.ipv6_src = words(src);
+    params.__bindgen_anon_4.ipv6_dst = words(dst);
+    run(ctx, &mut params, BPF_FIB_LOOKUP_OUTPUT)
+}
+
+#[inline(always)]
+fn run(ctx: &TcContext, params: &mut FibParams, flags: u32) -> Fib6 {
+    // SAFETY: the helper reads and writes `params` (of the size given) only.
+    let rc = unsafe {
+        bpf_fib_lookup(
+            ctx.skb.skb.cast(),
+            params,
+            size_of::<FibParams>() as i32,
+            flags,
+        )
+    };
+    if rc == BPF_FIB_LKUP_RET_SUCCESS as i64 {
+        Fib6::Resolved {
+            ifindex: params.ifindex,
+            smac: params.smac,
+            dmac: params.dmac,
+        }
+    } else if rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
+        Fib6::NoNeigh {
+            ifindex: params.ifindex,
+            // SAFETY: for IPv6 lookups the kernel leaves the next hop in the IPv6 member.
+            nexthop: unsafe { params.__bindgen_anon_4.ipv6_dst },
+        }
+    } else {
+        Fib6::Failed
+    }
+}
+
+/// Sends the packet the way `fib` says (see [`crate::fib::redirect`]).
+#[inline(always)]
+pub fn redirect(ctx: &TcContext, fib: Fib6) -> Option<i32> {
+    match fib {
+        Fib6::Resolved {
+            ifindex,
+            smac,
+            dmac,
+        } => {
+            let eth = ptr_at_mut::<TcContext, [u8; 12]>(ctx, 0)?;
+            let mut macs = [0u8; 12];
+            macs[..6].copy_from_slice(&dmac);
+            macs[6..].copy_from_slice(&smac);
+            // SAFETY: ptr_at_mut checked the 12 bytes lie within the packet.
+            unsafe { eth.write_unaligned(macs) };
+            // SAFETY: plain helper call.
+            Some(unsafe { bpf_redirect(ifindex, 0) } as i32)
+        }
+        Fib6::NoNeigh { ifindex, nexthop } => {
+            // SAFETY: bpf_redir_neigh is a plain C struct.
+            let mut nh: bpf_redir_neigh = unsafe { zeroed() };
+            nh.nh_family = u32::from(AF_INET6);
+            nh.__bindgen_anon_1.ipv6_nh = nexthop;
+            // SAFETY: the helper reads `nh` of the size given.
+            Some(unsafe {
+                bpf_redirect_neigh(ifindex, &mut nh, size_of::<bpf_redir_neigh>() as i32, 0)
+            } as i32)
+        }
+        Fib6::Failed => None,
+    }
+}

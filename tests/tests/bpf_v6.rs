@@ -1,0 +1,837 @@
+//! IPv6 on the fast path, program by program with `BPF_PROG_TEST_RUN`: host-gw routing by the
+//! IPv6 FIB with the hop limit decremented, VXLAN over IPv6 built byte for byte as
+//! `flannel-v6.<VNI>` sends it (the UDP checksum, computed by the program from the headers
+//! alone, equal to the packet builder's full computation and checked by the packet verifier),
+//! decapsulation and delivery, what is left to the kernel, the IPv6 flow tables, and IPv6-only
+//! and dual-stack configurations.
+//!
+//! The node namespace: `ext0` (192.168.77.1/24, fd00:77::1/64) with permanent neighbours for
+//! some peers, `br0` (10.244.1.1/24, fd00:10:244:1::1/64) with a pod port, host-gw routes for
+//! both families, forwarding on.
+//!
+//! Needs root; skips otherwise, and when the agent was built without the eBPF object.
+
+use std::{
+    collections::BTreeMap,
+    net::{Ipv4Addr, Ipv6Addr},
+    path::PathBuf,
+};
+
+use aya::{TestRun as _, TestRunOptions};
+use flannel_agent::bpf::{
+    FastPath, Hook, LocalConfig, LocalConfig6, ReasonCounters, Remote, Remote6, Via, VxlanLocal,
+};
+use flannel_common::{config::FASTPATH_MARK, stats::Reason};
+use flannel_tests::{
+    netns::NetNs,
+    packet::{self, Ethernet, Icmp, Ipv4, Ipv6, Ipv6Ext, ParsedL3, Tcp, Transport, Udp, hexdump},
+};
+use ipnet::{Ipv4Net, Ipv6Net};
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_REDIRECT: u32 = 7;
+
+type Mac = [u8; 6];
+const EXT_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x01];
+const BR_MAC: Mac = [0x02, 0xbb, 0, 0, 0, 0x01];
+const POD_MAC: Mac = [0x02, 0xaa, 0, 0, 0, 0x05];
+const PEER2_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x02];
+const PEER3_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x03];
+const LOCAL_VTEP6: Mac = [0x0e, 0x06, 0, 0, 0, 0x01];
+const VTEP3: Mac = [0x0e, 0x06, 0, 0, 0, 0x03];
+const VTEP6: Mac = [0x0e, 0x06, 0, 0, 0, 0x06];
+
+fn v6(s: &str) -> Ipv6Addr {
+    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
+fn net6(s: &str) -> Ipv6Net {
+    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
+fn net4(s: &str) -> Ipv4Net {
+    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
+fn pub1() -> Ipv6Addr {
+    v6("fd00:77::1")
+}
+fn pod() -> Ipv6Addr {
+    v6("fd00:10:244:1::5")
+}
+/// Remote pods: host-gw (via fd00:77::2, neighbour known), host-gw without neighbour (via ::4),
+/// VXLAN at ::3 (neighbour known), VXLAN at ::6 (no neighbour).
+fn hostgw_pod() -> Ipv6Addr {
+    v6("fd00:10:244:2::7")
+}
+fn hostgw_no_neigh_pod() -> Ipv6Addr {
+    v6("fd00:10:244:4::7")
+}
+fn vxlan_pod() -> Ipv6Addr {
+    v6("fd00:10:244:3::7")
+}
+fn vxlan_no_neigh_pod() -> Ipv6Addr {
+    v6("fd00:10:244:6::7")
+}
+
+fn mac_str(mac: &Mac) -> String {
+    flannel_agent::netlink::format_mac(mac)
+}
+
+struct Rig {
+    ns: NetNs,
+    pin: PathBuf,
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        let _ = flannel_agent::bpf::cleanup(&self.pin);
+    }
+}
+
+impl Rig {
+    fn new(name: &str) -> Option<Rig> {
+        if !flannel_tests::is_root() {
+            eprintln!("skipped: needs root (BPF_PROG_TEST_RUN, namespaces)");
+            return None;
+        }
+        if flannel_agent::EBPF_OBJECT.is_empty() {
+            eprintln!("skipped: flannel-agent was built with AYA_BUILD_SKIP=1");
+            return None;
+        }
+        let ns = NetNs::new(name).expect("namespace");
+        let sh = |cmd: &str| {
+            let argv: Vec<&str> = cmd.split_whitespace().collect();
+            ns.run(&argv).unwrap_or_else(|e| panic!("{cmd}: {e:#}"));
+        };
+        sh("ip link add ext0 type veth peer name ext0p");
+        sh(&format!("ip link set ext0 address {}", mac_str(&EXT_MAC)));
+        sh("ip addr add 192.168.77.1/24 dev ext0");
+        sh("ip addr add fd00:77::1/64 dev ext0 nodad");
+        sh("ip link set ext0 up");
+        sh("ip link set ext0p up");
+        sh("ip link add br0 type bridge");
+        sh(&format!("ip link set br0 address {}", mac_str(&BR_MAC)));
+        sh("ip addr add 10.244.1.1/24 dev br0");
+        sh("ip addr add fd00:10:244:1::1/64 dev br0 nodad");
+        sh("ip link add pod0 type veth peer name pod0p");
+        sh("ip link set pod0 master br0");
+        sh("ip link set pod0 up");
+        sh("ip link set pod0p up");
+        sh("ip link set br0 up");
+        sh("sysctl -qw net.ipv4.ip_forward=1");
+        sh("sysctl -qw net.ipv6.conf.all.forwarding=1");
+        for (ip, mac) in [("fd00:77::2", PEER2_MAC), ("fd00:77::3", PEER3_MAC)] {
+            sh(&format!(
+                "ip -6 neigh replace {ip} lladdr {} dev ext0 nud permanent",
+                mac_str(&mac)
+            ));
+        }
+        sh("ip neigh replace 192.168.77.2 lladdr 02:ee:00:00:00:02 dev ext0 nud permanent");
+        sh(&format!(
+            "ip -6 neigh replace {} lladdr {} dev br0 nud permanent",
+            pod(),
+            mac_str(&POD_MAC)
+        ));
+        sh("ip -6 route add fd00:10:244:2::/64 via fd00:77::2 dev ext0");
+        sh("ip -6 route add fd00:10:244:4::/64 via fd00:77::4 dev ext0");
+        sh("ip route add 10.244.2.0/24 via 192.168.77.2 dev ext0");
+        let pin = PathBuf::from(format!(
+            "/sys/fs/bpf/{}{name}",
+            flannel_tests::netns::run_prefix()
+        ));
+        Some(Rig { ns, pin })
+    }
+
+    /// Runs `f` in the namespace with a fast path loaded and configured for IPv6 (and IPv4
+    /// when `dual`), its IPv6 routes synced.
+    fn with_fast_path<R: Send>(
+        &self,
+        dual: bool,
+        f: impl FnOnce(&mut FastPath, &Ifaces) -> R + Send,
+    ) -> R {
+        let pin = self.pin.clone();
+        self.ns
+            .enter(move || {
+                let ifaces = Ifaces::current();
+                let mut fp = FastPath::load(&pin).expect("loading the fast path");
+                if dual {
+                    let v4 = LocalConfig {
+                        source_ports: (32768, 60999),
+                        outer_ttl: 64,
+                        ..LocalConfig::new(
+                            Ipv4Addr::new(192, 168, 77, 1),
+                            ifaces.ext,
+                            net4("10.244.1.0/24"),
+                            net4("10.244.0.0/16"),
+                        )
+                    };
+                    fp.set_config(&v4).expect("IPv4 config");
+                    let routes: BTreeMap<Ipv4Net, Remote> = [(
+                        net4("10.244.2.0/24"),
+                        Remote {
+                            public_ip: Ipv4Addr::new(192, 168, 77, 2),
+                            via: Via::HostGw,
+                        },
+                    )]
+                    .into();
+                    fp.sync(&routes).expect("IPv4 sync");
+                } else {
+                    fp.disable_ipv4().expect("IPv6 only");
+                }
+                fp.set_config6(Some(&config6(ifaces.ext))).expect("config6");
+                let stats = fp.sync6(&remotes6()).expect("sync6");
+                assert_eq!(stats.added, 4);
+                assert_eq!(stats.nodes_written, 2, "the two VXLAN peers");
+                assert_eq!(fp.remotes6().expect("read back"), remotes6());
+                let again = fp.sync6(&remotes6()).expect("sync6 again");
+                assert!(!again.changed(), "{again:?}");
+                f(&mut fp, &ifaces)
+            })
+            .expect("entering the namespace")
+    }
+}
+
+struct Ifaces {
+    ext: u32,
+    br: u32,
+}
+
+impl Ifaces {
+    fn current() -> Ifaces {
+        let index = |name: &str| {
+            nix::net::if_::if_nametoindex(name).unwrap_or_else(|e| panic!("{name}: {e}"))
+        };
+        Ifaces {
+            ext: index("ext0"),
+            br: index("br0"),
+        }
+    }
+}
+
+fn config6(ext: u32) -> LocalConfig6 {
+    LocalConfig6 {
+        vxlan: Some(VxlanLocal {
+            vni: 1,
+            port: 8472,
+            vtep_mac: LOCAL_VTEP6,
+        }),
+        source_ports: (32768, 60999),
+        hop_limit: 64,
+        ..LocalConfig6::new(
+            pub1(),
+            ext,
+            net6("fd00:10:244:1::/64"),
+            net6("fd00:10:244::/48"),
+        )
+    }
+}
+
+fn remotes6() -> BTreeMap<Ipv6Net, Remote6> {
+    let vxlan = |ip: &str, vtep_mac| Remote6 {
+        public_ip: v6(ip),
+        via: Via::Vxlan { vtep_mac, vni: 1 },
+    };
+    [
+        (
+            net6("fd00:10:244:2::/64"),
+            Remote6 {
+                public_ip: v6("fd00:77::2"),
+                via: Via::HostGw,
+            },
+        ),
+        (
+            net6("fd00:10:244:4::/64"),
+            Remote6 {
+                public_ip: v6("fd00:77::4"),
+                via: Via::HostGw,
+            },
+        ),
+        (net6("fd00:10:244:3::/64"), vxlan("fd00:77::3", VTEP3)),
+        (net6("fd00:10:244:6::/64"), vxlan("fd00:77::6", VTEP6)),
+    ]
+    .into()
+}
+
+#[derive(Clone, Copy, Default)]
+struct Skb {
+    ingress_ifindex: u32,
+    ifindex: u32,
+    mark: u32,
+    gso_segs: u32,
+    gso_size: u32,
+}
+
+impl Skb {
+    fn on(ifindex: u32) -> Skb {
+        Skb {
+            ingress_ifindex: ifindex,
+            ifindex,
+            ..Skb::default()
+        }
+    }
+
+    fn bytes(&self) -> [u8; 192] {
+        let mut b = [0u8; 192];
+        b[8..12].copy_from_slice(&self.mark.to_ne_bytes());
+        b[36..40].copy_from_slice(&self.ingress_ifindex.to_ne_bytes());
+        b[40..44].copy_from_slice(&self.ifindex.to_ne_bytes());
+        b[164..168].copy_from_slice(&self.gso_segs.to_ne_bytes());
+        b[176..180].copy_from_slice(&self.gso_size.to_ne_bytes());
+        b
+    }
+}
+
+struct Run {
+    verdict: u32,
+    out: Vec<u8>,
+    mark_after: u32,
+    counted: Vec<(Reason, u64)>,
+}
+
+fn counters_of(fp: &FastPath, hook: Hook) -> ReasonCounters {
+    let all = fp.counters().expect("counters");
+    match hook {
+        Hook::FromBridge => all.from_bridge,
+        Hook::FromNetdev => all.from_netdev,
+        Hook::ToNetdev => all.to_netdev,
+    }
+}
+
+fn run(fp: &mut FastPath, hook: Hook, frame: &[u8], skb: Skb) -> Run {
+    let before = counters_of(fp, hook);
+    let ctx_in = skb.bytes();
+    let mut ctx_out = [0u8; 192];
+    let mut out = vec![0u8; frame.len() + 256];
+    let result = fp
+        .program_mut(hook)
+        .expect("program")
+        .test_run(TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ctx_in: Some(&ctx_in),
+            ctx_out: Some(&mut ctx_out),
+            ..TestRunOptions::default()
+        })
+        .unwrap_or_else(|e| panic!("test_run of {hook:?}: {e:?}\n{}", hexdump(frame)));
+    out.truncate(result.data_size_out as usize);
+    let after = counters_of(fp, hook);
+    let counted = Reason::ALL
+        .iter()
+        .filter_map(|r| {
+            let (a, b) = (after.get(*r), before.get(*r));
+            (a.packets != b.packets).then(|| (*r, a.packets - b.packets))
+        })
+        .collect();
+    Run {
+        verdict: result.return_value,
+        out,
+        mark_after: u32::from_ne_bytes([ctx_out[8], ctx_out[9], ctx_out[10], ctx_out[11]]),
+        counted,
+    }
+}
+
+fn assert_counted(run: &Run, reasons: &[Reason], what: &str) {
+    let mut want: Vec<(Reason, u64)> = reasons.iter().map(|r| (*r, 1)).collect();
+    want.sort_by_key(|(r, _)| r.index());
+    assert_eq!(run.counted, want, "{what}: counters");
+}
+
+fn assert_bytes(got: &[u8], want: &[u8], what: &str) {
+    assert!(
+        got == want,
+        "{what}: output differs\n got:\n{}want:\n{}",
+        hexdump(got),
+        hexdump(want)
+    );
+}
+
+fn pod_frame(ip: &Ipv6) -> Vec<u8> {
+    Ethernet::new(POD_MAC, BR_MAC, ip.clone()).encode()
+}
+
+fn hop(ip: &Ipv6) -> Ipv6 {
+    Ipv6 {
+        hop_limit: ip.hop_limit - 1,
+        ..ip.clone()
+    }
+}
+
+fn class_of(l4: &Transport) -> Reason {
+    match l4 {
+        Transport::Tcp(_) => Reason::Ipv6Tcp,
+        Transport::Udp(_) => Reason::Ipv6Udp,
+        _ => Reason::Ipv6Icmp,
+    }
+}
+
+fn l4s() -> Vec<Transport> {
+    vec![
+        Tcp::new(40000, 80).payload(b"ipv6 fast path").into(),
+        Udp::new(1234, 5678).payload(&[9; 101]).into(),
+        Transport::Icmpv6(Icmp::echo6_request(3, 9)),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn host_gw_routes_ipv6_by_the_fib() {
+    let Some(rig) = Rig::new("f6hgw") else { return };
+    rig.with_fast_path(false, |fp, ifs| {
+        for l4 in l4s() {
+            let class = class_of(&l4);
+            let ip = Ipv6::new(pod(), hostgw_pod(), l4);
+            let frame = pod_frame(&ip);
+            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+            assert_eq!(r.verdict, TC_ACT_REDIRECT, "{}", hexdump(&r.out));
+            assert_eq!(r.mark_after, FASTPATH_MARK);
+            let want = Ethernet::new(EXT_MAC, PEER2_MAC, hop(&ip)).encode();
+            assert_bytes(&r.out, &want, "host-gw v6");
+            packet::verify(&r.out).expect("checksums");
+            assert_counted(&r, &[class, Reason::FastHostGw6], "host-gw v6");
+        }
+        // Next hop without a neighbour: bpf_redirect_neigh, MACs left as they were.
+        let ip = Ipv6::new(pod(), hostgw_no_neigh_pod(), Tcp::new(1, 2));
+        let r = run(fp, Hook::FromBridge, &pod_frame(&ip), Skb::on(ifs.br));
+        assert_eq!(r.verdict, TC_ACT_REDIRECT);
+        assert_bytes(&r.out, &pod_frame(&hop(&ip)), "no neighbour");
+        assert_counted(&r, &[Reason::Ipv6Tcp, Reason::FastHostGw6], "no neighbour");
+    });
+}
+
+#[test]
+fn vxlan_over_ipv6_is_built_like_flannel_v6() {
+    let Some(rig) = Rig::new("f6vx") else { return };
+    rig.with_fast_path(false, |fp, ifs| {
+        for l4 in l4s() {
+            let class = class_of(&l4);
+            let ip = Ipv6 {
+                traffic_class: 0xb3, // DSCP 44, ECN CE: the outer gets ECT(0)
+                flow_label: 0x12345,
+                ..Ipv6::new(pod(), vxlan_pod(), l4)
+            };
+            let frame = pod_frame(&ip);
+            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+            assert_eq!(r.verdict, TC_ACT_REDIRECT, "{}", hexdump(&r.out));
+            assert_eq!(r.out.len(), frame.len() + 70);
+            let sport = u16::from_be_bytes([r.out[14 + 40], r.out[14 + 41]]);
+            assert!((32768..60999).contains(&sport), "source port {sport}");
+            let inner = Ethernet::new(LOCAL_VTEP6, VTEP3, hop(&ip)).encode();
+            // The packet builder sums every byte for the UDP checksum; the program summed the
+            // headers only. Equal bytes mean equal checksums.
+            let want = Ethernet::new(
+                EXT_MAC,
+                PEER3_MAC,
+                Ipv6 {
+                    traffic_class: 0x02,
+                    ..Ipv6::new(pub1(), v6("fd00:77::3"), Udp::vxlan(sport, 1, &inner))
+                },
+            )
+            .encode();
+            assert_bytes(&r.out, &want, "VXLAN over IPv6");
+            let parsed = packet::verify(&r.out).expect("outer UDP checksum valid");
+            let udp = parsed.l4().and_then(|l4| l4.udp_payload()).expect("UDP");
+            let (vni, inner_frame) = packet::parse_vxlan(udp).expect("VXLAN");
+            assert_eq!(vni, 1);
+            let inner = packet::verify(inner_frame).expect("inner checksums");
+            let ParsedL3::Ipv6(inner_ip) = inner.l3 else {
+                panic!("inner not IPv6")
+            };
+            assert_eq!(inner_ip.hop_limit, 63);
+            assert_counted(&r, &[class, Reason::FastVxlan6], "vxlan6");
+        }
+        // The source port follows the flow.
+        let port_of = |fp: &mut FastPath, sport: u16| {
+            let frame = pod_frame(&Ipv6::new(pod(), vxlan_pod(), Tcp::new(sport, 80)));
+            let out = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br)).out;
+            u16::from_be_bytes([out[54], out[55]])
+        };
+        assert_eq!(port_of(fp, 41000), port_of(fp, 41000));
+        let ports: std::collections::BTreeSet<u16> =
+            (0..8).map(|i| port_of(fp, 42000 + i)).collect();
+        assert!(ports.len() > 1, "8 flows all hashed to {ports:?}");
+        // Underlay neighbour unknown: bpf_redirect_neigh.
+        let r = run(
+            fp,
+            Hook::FromBridge,
+            &pod_frame(&Ipv6::new(pod(), vxlan_no_neigh_pod(), Tcp::new(1, 2))),
+            Skb::on(ifs.br),
+        );
+        assert_eq!(r.verdict, TC_ACT_REDIRECT);
+        let parsed = packet::verify(&r.out).expect("outer headers");
+        let ParsedL3::Ipv6(outer) = &parsed.l3 else {
+            panic!("not IPv6")
+        };
+        assert_eq!((outer.src, outer.dst), (pub1(), v6("fd00:77::6")));
+    });
+}
+
+#[test]
+fn ipv6_the_fast_path_does_not_take_goes_to_the_kernel() {
+    let Some(rig) = Rig::new("f6pass") else {
+        return;
+    };
+    rig.with_fast_path(false, |fp, ifs| {
+        let neighbour_solicitation = Transport::Icmpv6(Icmp {
+            ty: 135,
+            code: 0,
+            rest: [0; 4],
+            checksum: packet::Checksum::Correct,
+            payload: vxlan_pod().octets().to_vec(),
+        });
+        let cases: Vec<(&str, Ipv6, Reason, Reason)> = vec![
+            (
+                "neighbour solicitation",
+                Ipv6::new(pod(), vxlan_pod(), neighbour_solicitation),
+                Reason::Ipv6Icmp,
+                Reason::PassIcmpNotEcho,
+            ),
+            (
+                "hop limit 1",
+                Ipv6 {
+                    hop_limit: 1,
+                    ..Ipv6::new(pod(), vxlan_pod(), Tcp::new(1, 2))
+                },
+                Reason::Ipv6Tcp,
+                Reason::PassTtlExceeded,
+            ),
+            (
+                "extension header",
+                Ipv6 {
+                    extensions: vec![Ipv6Ext::hop_by_hop_padding()],
+                    ..Ipv6::new(pod(), vxlan_pod(), Tcp::new(1, 2))
+                },
+                Reason::Ipv6ExtHeader,
+                Reason::PassIpv6ExtHeader,
+            ),
+            (
+                "link-local source",
+                Ipv6::new(v6("fe80::5"), vxlan_pod(), Tcp::new(1, 2)),
+                Reason::Ipv6Tcp,
+                Reason::PassForeignSource,
+            ),
+            (
+                "to a local pod",
+                Ipv6::new(pod(), v6("fd00:10:244:1::9"), Tcp::new(1, 2)),
+                Reason::Ipv6Tcp,
+                Reason::PassNoRoute,
+            ),
+            (
+                "outside the cluster",
+                Ipv6::new(pod(), v6("2001:db8::1"), Tcp::new(1, 2)),
+                Reason::Ipv6Tcp,
+                Reason::PassNoRoute,
+            ),
+            (
+                "too big after 70 bytes of VXLAN",
+                Ipv6::new(
+                    pod(),
+                    vxlan_pod(),
+                    Udp::new(1, 2).payload(&[0; 1500 - 40 - 8 - 69]),
+                ),
+                Reason::Ipv6Udp,
+                Reason::PassTooBig,
+            ),
+        ];
+        for (name, ip, class, verdict) in cases {
+            let frame = pod_frame(&ip);
+            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+            assert_eq!(r.verdict, TC_ACT_OK, "{name}");
+            assert_bytes(&r.out, &frame, name);
+            assert_counted(&r, &[class, verdict], name);
+        }
+        // The largest packet that fits VXLAN: 1430 bytes.
+        let ip = Ipv6::new(pod(), vxlan_pod(), Udp::new(1, 2).payload(&[0; 1430 - 48]));
+        let r = run(fp, Hook::FromBridge, &pod_frame(&ip), Skb::on(ifs.br));
+        assert_eq!(r.verdict, TC_ACT_REDIRECT);
+        assert_eq!(r.out.len(), 14 + 1500);
+        packet::verify(&r.out).expect("checksum of a full-size packet");
+        // GSO packets cannot get per-segment outer checksums: flannel-v6 sends them.
+        let big = pod_frame(&Ipv6::new(
+            pod(),
+            vxlan_pod(),
+            Tcp::new(1, 2).payload(&[1; 3000]),
+        ));
+        let gso = Skb {
+            gso_size: 1000,
+            gso_segs: 3,
+            ..Skb::on(ifs.br)
+        };
+        let r = run(fp, Hook::FromBridge, &big, gso);
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_bytes(&r.out, &big, "GSO");
+        assert_counted(&r, &[Reason::Ipv6Tcp, Reason::PassGso], "GSO");
+        // Host-gw takes GSO packets (no encapsulation).
+        let big = pod_frame(&Ipv6::new(
+            pod(),
+            hostgw_pod(),
+            Tcp::new(1, 2).payload(&[1; 3000]),
+        ));
+        let r = run(fp, Hook::FromBridge, &big, gso);
+        assert_eq!(r.verdict, TC_ACT_REDIRECT);
+    });
+}
+
+/// A frame from the underlay to us.
+fn underlay(src_mac: Mac, ip: Ipv6) -> Vec<u8> {
+    Ethernet::new(src_mac, EXT_MAC, ip).encode()
+}
+
+fn vxlan6_frame(from: &str, vni: u32, inner_dst: Mac, inner: &Ipv6) -> Vec<u8> {
+    let inner = Ethernet::new(VTEP3, inner_dst, inner.clone()).encode();
+    underlay(
+        PEER3_MAC,
+        Ipv6::new(v6(from), pub1(), Udp::vxlan(45678, vni, &inner)),
+    )
+}
+
+#[test]
+fn remote_ipv6_pods_are_delivered_to_the_bridge() {
+    let Some(rig) = Rig::new("f6rx") else { return };
+    rig.with_fast_path(false, |fp, ifs| {
+        let skb = Skb::on(ifs.ext);
+        for l4 in l4s() {
+            let class = class_of(&l4);
+            // Plain (host-gw).
+            let ip = Ipv6 {
+                hop_limit: 63,
+                ..Ipv6::new(hostgw_pod(), pod(), l4.clone())
+            };
+            let frame = underlay(PEER2_MAC, ip.clone());
+            let r = run(fp, Hook::FromNetdev, &frame, skb);
+            assert_eq!(r.verdict, TC_ACT_REDIRECT, "{}", hexdump(&r.out));
+            assert_bytes(
+                &r.out,
+                &Ethernet::new(BR_MAC, POD_MAC, hop(&ip)).encode(),
+                "plain delivery",
+            );
+            assert_counted(&r, &[class, Reason::FastDeliver6], "plain");
+            // VXLAN over IPv6 from a known peer.
+            let inner = Ipv6::new(vxlan_pod(), pod(), l4);
+            let frame = vxlan6_frame("fd00:77::3", 1, LOCAL_VTEP6, &inner);
+            let r = run(fp, Hook::FromNetdev, &frame, skb);
+            assert_eq!(r.verdict, TC_ACT_REDIRECT, "{}", hexdump(&r.out));
+            assert_bytes(
+                &r.out,
+                &Ethernet::new(BR_MAC, POD_MAC, hop(&inner)).encode(),
+                "VXLAN delivery",
+            );
+            assert_counted(&r, &[Reason::Ipv6Udp, Reason::FastDeliverVxlan6], "vxlan");
+        }
+        // What is left to flannel-v6 and the stack, unchanged.
+        let inner = Ipv6::new(vxlan_pod(), pod(), Tcp::new(80, 1));
+        for (name, frame, verdict) in [
+            (
+                "from a node that is no VXLAN peer",
+                vxlan6_frame("fd00:77::9", 1, LOCAL_VTEP6, &inner),
+                Reason::PassUnknownPeer,
+            ),
+            (
+                "another VNI",
+                vxlan6_frame("fd00:77::3", 2, LOCAL_VTEP6, &inner),
+                Reason::PassVxlanMismatch,
+            ),
+            (
+                "another inner MAC",
+                vxlan6_frame("fd00:77::3", 1, VTEP6, &inner),
+                Reason::PassVxlanMismatch,
+            ),
+            (
+                "to the gateway",
+                vxlan6_frame(
+                    "fd00:77::3",
+                    1,
+                    LOCAL_VTEP6,
+                    &Ipv6::new(
+                        vxlan_pod(),
+                        v6("fd00:10:244:1::1"),
+                        Transport::Icmpv6(Icmp::echo6_request(1, 1)),
+                    ),
+                ),
+                Reason::PassNotForPod,
+            ),
+        ] {
+            let r = run(fp, Hook::FromNetdev, &frame, skb);
+            assert_eq!(r.verdict, TC_ACT_OK, "{name}");
+            assert_bytes(&r.out, &frame, name);
+            assert_counted(&r, &[Reason::Ipv6Udp, verdict], name);
+        }
+        // A GSO VXLAN packet: left to flannel-v6, its flow handed to the kernel both ways.
+        let gso_inner = Ipv6::new(vxlan_pod(), pod(), Tcp::new(80, 43000).payload(&[3; 1200]));
+        let frame = vxlan6_frame("fd00:77::3", 1, LOCAL_VTEP6, &gso_inner);
+        let r = run(
+            fp,
+            Hook::FromNetdev,
+            &frame,
+            Skb {
+                gso_size: 600,
+                gso_segs: 2,
+                ..skb
+            },
+        );
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_counted(
+            &r,
+            &[Reason::Ipv6Udp, Reason::PassGso, Reason::LearnKernelFlow],
+            "GSO",
+        );
+        let reply = pod_frame(&Ipv6::new(pod(), vxlan_pod(), Tcp::new(43000, 80)));
+        let r = run(fp, Hook::FromBridge, &reply, Skb::on(ifs.br));
+        assert_counted(&r, &[Reason::Ipv6Tcp, Reason::PassKernelFlow], "its reply");
+    });
+}
+
+#[test]
+fn ipv6_flow_tables_keep_conntrack_consistent() {
+    let Some(rig) = Rig::new("f6kf") else { return };
+    rig.with_fast_path(false, |fp, ifs| {
+        let egress = Skb {
+            ifindex: ifs.ext,
+            ..Skb::default()
+        };
+        // A pod's packet the kernel sent (DNATed from a ClusterIP, say), plain ...
+        let out = Ethernet::new(
+            EXT_MAC,
+            PEER2_MAC,
+            Ipv6::new(pod(), hostgw_pod(), Tcp::new(40000, 80)),
+        )
+        .encode();
+        let r = run(fp, Hook::ToNetdev, &out, egress);
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_counted(
+            &r,
+            &[
+                Reason::Ipv6Tcp,
+                Reason::PassNoRoute,
+                Reason::LearnKernelFlow,
+            ],
+            "kernel packet",
+        );
+        // ... and inside flannel-v6's VXLAN.
+        let inner = Ethernet::new(
+            LOCAL_VTEP6,
+            VTEP3,
+            Ipv6::new(pod(), vxlan_pod(), Tcp::new(41000, 80)),
+        )
+        .encode();
+        let vx = Ethernet::new(
+            EXT_MAC,
+            PEER3_MAC,
+            Ipv6::new(pub1(), v6("fd00:77::3"), Udp::vxlan(50000, 1, &inner)),
+        )
+        .encode();
+        let r = run(fp, Hook::ToNetdev, &vx, egress);
+        assert_counted(
+            &r,
+            &[
+                Reason::Ipv6Udp,
+                Reason::PassNoRoute,
+                Reason::LearnKernelFlow,
+            ],
+            "flannel-v6 VXLAN",
+        );
+        // Their replies go to the stack; another flow is delivered.
+        let ingress = Skb::on(ifs.ext);
+        let reply = underlay(
+            PEER2_MAC,
+            Ipv6::new(hostgw_pod(), pod(), Tcp::new(80, 40000)),
+        );
+        let r = run(fp, Hook::FromNetdev, &reply, ingress);
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_counted(&r, &[Reason::Ipv6Tcp, Reason::PassKernelFlow], "reply");
+        let vreply = vxlan6_frame(
+            "fd00:77::3",
+            1,
+            LOCAL_VTEP6,
+            &Ipv6::new(vxlan_pod(), pod(), Tcp::new(80, 41000)),
+        );
+        let r = run(fp, Hook::FromNetdev, &vreply, ingress);
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_counted(
+            &r,
+            &[Reason::Ipv6Udp, Reason::PassKernelFlow],
+            "VXLAN reply",
+        );
+        let other = underlay(
+            PEER2_MAC,
+            Ipv6::new(hostgw_pod(), pod(), Tcp::new(80, 40001)),
+        );
+        assert_eq!(
+            run(fp, Hook::FromNetdev, &other, ingress).verdict,
+            TC_ACT_REDIRECT
+        );
+        // NAT guard: a remote pod talked to the gateway; the pod's answers take the kernel.
+        let to_gw = underlay(
+            PEER2_MAC,
+            Ipv6::new(hostgw_pod(), v6("fd00:10:244:1::1"), Udp::new(5000, 53)),
+        );
+        let r = run(fp, Hook::FromNetdev, &to_gw, ingress);
+        assert_counted(
+            &r,
+            &[
+                Reason::Ipv6Udp,
+                Reason::PassNotForPod,
+                Reason::LearnNatGuard,
+            ],
+            "to the gateway",
+        );
+        let answer = pod_frame(&Ipv6::new(pod(), hostgw_pod(), Udp::new(53, 5000)));
+        let r = run(fp, Hook::FromBridge, &answer, Skb::on(ifs.br));
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_counted(&r, &[Reason::Ipv6Udp, Reason::PassNatReply], "NAT reply");
+    });
+}
+
+#[test]
+fn ipv6_only_and_dual_stack_configurations() {
+    let Some(rig) = Rig::new("f6fam") else { return };
+    let v4_frame = Ethernet::new(
+        POD_MAC,
+        BR_MAC,
+        Ipv4::new(
+            Ipv4Addr::new(10, 244, 1, 5),
+            Ipv4Addr::new(10, 244, 2, 7),
+            Tcp::new(1, 2),
+        ),
+    )
+    .encode();
+    let v6_frame = pod_frame(&Ipv6::new(pod(), hostgw_pod(), Tcp::new(1, 2)));
+    // IPv6 only: IPv6 forwarded, IPv4 passed as unconfigured.
+    rig.with_fast_path(false, |fp, ifs| {
+        let r = run(fp, Hook::FromBridge, &v6_frame, Skb::on(ifs.br));
+        assert_counted(
+            &r,
+            &[Reason::Ipv6Tcp, Reason::FastHostGw6],
+            "v6 on a v6-only node",
+        );
+        let r = run(fp, Hook::FromBridge, &v4_frame, Skb::on(ifs.br));
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Tcp, Reason::PassNotConfigured],
+            "v4 on a v6-only node",
+        );
+        assert_eq!(fp.config_entry().expect("v4 entry").flags, 0);
+        // IPv6 disabled again: IPv6 frames are passed as before IPv6 support.
+        fp.set_config6(None).expect("disable v6");
+        let r = run(fp, Hook::FromBridge, &v6_frame, Skb::on(ifs.br));
+        assert_counted(&r, &[Reason::Ipv6Tcp, Reason::PassNotIpv4], "v6 disabled");
+    });
+    // Dual stack: both families forwarded side by side.
+    rig.with_fast_path(true, |fp, ifs| {
+        let r = run(fp, Hook::FromBridge, &v6_frame, Skb::on(ifs.br));
+        assert_counted(
+            &r,
+            &[Reason::Ipv6Tcp, Reason::FastHostGw6],
+            "v6 on a dual node",
+        );
+        let r = run(fp, Hook::FromBridge, &v4_frame, Skb::on(ifs.br));
+        assert_eq!(r.verdict, TC_ACT_REDIRECT);
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Tcp, Reason::FastHostGw],
+            "v4 on a dual node",
+        );
+    });
+}
