@@ -147,7 +147,10 @@ fn control_bench_converges_and_counts() {
                 // The kernel's 900 plus 300 route-map and 300 node-map entries.
                 assert_eq!(r.kernel_writes, 1500, "{r:?}");
                 assert!(r.map_seconds.is_some(), "{r:?}");
-                assert!(appliers.contains(&"ebpf") && appliers.contains(&"kernel"), "{r:?}");
+                assert!(
+                    appliers.contains(&"ebpf") && appliers.contains(&"kernel"),
+                    "{r:?}"
+                );
             }
             other => panic!("dataplane {other}"),
         }

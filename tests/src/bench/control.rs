@@ -26,9 +26,9 @@ use anyhow::{Context as _, Result, bail};
 use aya::maps::{Map, MapData, lpm_trie::Key, lpm_trie::LpmTrie};
 use flannel_common::{maps as map_names, route::RemoteEntry};
 use ipnet::Ipv4Net;
-use std::net::Ipv4Addr;
 use serde::Serialize;
 use serde_json::json;
+use std::net::Ipv4Addr;
 
 use super::report::{Machine, utc_now};
 use crate::{
@@ -277,8 +277,7 @@ impl Run<'_> {
             }
             agent.check_running()?;
             let env = node.read_subnet_env().ok().flatten();
-            if result.lease_seconds.is_none() && env.as_ref().is_some_and(|e| e.subnet.is_some())
-            {
+            if result.lease_seconds.is_none() && env.as_ref().is_some_and(|e| e.subnet.is_some()) {
                 result.lease_seconds = Some(start.elapsed().as_secs_f64());
             }
             if self.ebpf() && result.map_seconds.is_none() {
@@ -342,11 +341,7 @@ impl Run<'_> {
 
     /// Puts [`Run::events`] new leases one at a time and deletes each again, timing how long
     /// each change takes to reach the route map (eBPF) or the routing table (kernel path).
-    fn lease_events(
-        &self,
-        map: Option<&RouteMap>,
-        agent: &Agent,
-    ) -> Result<(Vec<f64>, Vec<f64>)> {
+    fn lease_events(&self, map: Option<&RouteMap>, agent: &Agent) -> Result<(Vec<f64>, Vec<f64>)> {
         let (mut add, mut delete) = (Vec::new(), Vec::new());
         for i in 0..self.events {
             if (self.cancelled)() {
@@ -413,7 +408,11 @@ fn event_lease(i: usize) -> Result<(String, String, Ipv4Net)> {
         "BackendData": { "VNI": 1, "VtepMAC": format!("0e:ff:00:00:00:{i:02x}") },
     });
     Ok((
-        format!("{}/subnets/{}", lease::DEFAULT_PREFIX, lease::subnet_key(subnet)),
+        format!(
+            "{}/subnets/{}",
+            lease::DEFAULT_PREFIX,
+            lease::subnet_key(subnet)
+        ),
         value.to_string(),
         subnet,
     ))
