@@ -632,7 +632,8 @@ pub struct FlowStats {
     pub spurious: u64,
     /// The sender namespace's non-zero retransmission counters (`TcpExt` of
     /// `/proc/net/netstat`: `TCPLossProbes`, `TCPFastRetrans`, `TCPTimeouts`, ...), which
-    /// say why segments were sent again. The namespace must hold only this connection.
+    /// say why segments were sent again: their growth from the start of the flow to its end,
+    /// so nothing else may send TCP from that namespace meanwhile.
     pub sender_netstat: BTreeMap<String, u64>,
 }
 
@@ -693,6 +694,8 @@ fn retrans_counters(ns_path: &std::path::Path) -> Result<BTreeMap<String, u64>> 
 pub struct TcpFlow {
     stop: Arc<AtomicBool>,
     sender_ns: std::path::PathBuf,
+    /// The sender namespace's [`RETRANS_COUNTERS`] when the flow started.
+    netstat_before: BTreeMap<String, u64>,
     sender: Option<thread::JoinHandle<Result<(u64, u64, u32)>>>,
     receiver: Option<thread::JoinHandle<Result<(u64, u64, Duration)>>>,
     started: Instant,
@@ -709,6 +712,7 @@ impl TcpFlow {
             .enter(move || TcpListener::bind(SocketAddr::new(ip, 0)))?
             .with_context(|| format!("bind {ip}:0 in {}", to.name()))?;
         let target = listener.local_addr()?;
+        let netstat_before = retrans_counters(&from.path())?;
         let stream = from
             .enter(move || TcpStream::connect_timeout(&target, Duration::from_secs(5)))?
             .with_context(|| format!("connect {target} from {}", from.name()))?;
@@ -720,6 +724,7 @@ impl TcpFlow {
         Ok(TcpFlow {
             stop,
             sender_ns: from.path(),
+            netstat_before,
             sender: Some(sender),
             receiver: Some(receiver),
             started: Instant::now(),
@@ -750,7 +755,14 @@ impl TcpFlow {
                  with {sent_hash:016x}"
             );
         }
-        let sender_netstat = retrans_counters(&self.sender_ns)?;
+        let sender_netstat: BTreeMap<String, u64> = retrans_counters(&self.sender_ns)?
+            .into_iter()
+            .map(|(k, v)| {
+                let base = self.netstat_before.get(&k).copied().unwrap_or(0);
+                (k, v.saturating_sub(base))
+            })
+            .filter(|&(_, v)| v > 0)
+            .collect();
         Ok(FlowStats {
             bytes: got_bytes,
             elapsed: self.started.elapsed(),
