@@ -1,4 +1,4 @@
-//! Builds the eBPF object (`flannel-ebpf`) with aya-build and leaves it in `OUT_DIR/flannel`,
+//! Builds the eBPF object (`flannel-ebpf`) with aya-build and leaves it in `OUT_DIR/flannel-ebpf`,
 //! where `bpf::OBJECT` embeds it.
 //!
 //! `AYA_BUILD_SKIP=1` skips the eBPF build (no nightly or bpf-linker needed) and writes an empty
@@ -18,7 +18,7 @@ fn skip_requested() -> bool {
 fn main() -> anyhow::Result<()> {
     println!("cargo:rerun-if-env-changed=AYA_BUILD_SKIP");
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").context("OUT_DIR is not set")?);
-    let object = out_dir.join("flannel");
+    let object = out_dir.join("flannel-ebpf");
 
     if skip_requested() {
         fs::write(&object, b"").with_context(|| format!("writing stub {}", object.display()))?;

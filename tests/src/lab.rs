@@ -12,12 +12,14 @@
 //! | [`cluster`] | everything together: `flannel-lab up` |
 //! | [`bins`] | finding (or building) the workspace's binaries |
 //! | [`capture`] | packet capture on an interface of a namespace (`AF_PACKET`) |
+//! | [`fastpath`] | a node's eBPF fast path: pinned route map, pin ids, packet counters |
 //! | [`wait`] | bounded polling with a message on timeout |
 
 pub mod agent;
 pub mod bins;
 pub mod capture;
 pub mod cluster;
+pub mod fastpath;
 pub mod kv;
 pub mod lease;
 pub mod probe;

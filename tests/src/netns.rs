@@ -38,18 +38,20 @@ pub fn run_prefix() -> &'static str {
     PREFIX.get_or_init(|| format!("fl{}x", base36(std::process::id())))
 }
 
-fn parse_prefix_pid(name: &str) -> Option<u32> {
-    let rest = name.strip_prefix("fl")?;
-    let end = rest.find('x')?;
-    let digits = &rest[..end];
-    if digits.is_empty()
-        || !digits
-            .bytes()
-            .all(|b| b.is_ascii_digit() || b.is_ascii_lowercase())
-    {
-        return None;
-    }
-    u32::from_str_radix(digits, 36).ok()
+/// The process ids a `fl<pid base36>x…` name may encode. Base-36 digits include `x`
+/// itself, so `flhlxxt1n1` is `hlx` (the real pid) or `hl`: every `x` is a candidate end.
+fn prefix_pids(name: &str) -> Vec<u32> {
+    let Some(rest) = name.strip_prefix("fl") else {
+        return Vec::new();
+    };
+    let digits_end = rest
+        .bytes()
+        .position(|b| !(b.is_ascii_digit() || b.is_ascii_lowercase()))
+        .unwrap_or(rest.len());
+    rest.char_indices()
+        .filter(|&(i, c)| c == 'x' && i > 0 && i <= digits_end)
+        .filter_map(|(i, _)| u32::from_str_radix(&rest[..i], 36).ok())
+        .collect()
 }
 
 /// Names of all network namespaces in /run/netns.
@@ -63,12 +65,15 @@ pub fn list() -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Deletes namespaces left behind by runs of this kit whose process is gone.
+/// Deletes namespaces left behind by runs of this kit whose process is gone: only when no
+/// pid the name may encode ([`prefix_pids`]) is this process or a live one.
 pub fn sweep_stale() {
     for name in list() {
-        if let Some(pid) = parse_prefix_pid(&name)
-            && pid != std::process::id()
-            && !PathBuf::from(format!("/proc/{pid}")).exists()
+        let pids = prefix_pids(&name);
+        if !pids.is_empty()
+            && pids.iter().all(|&pid| {
+                pid != std::process::id() && !PathBuf::from(format!("/proc/{pid}")).exists()
+            })
         {
             kill_pids_in(&name);
             let _ = Command::new("ip").args(["netns", "del", &name]).status();
@@ -222,13 +227,20 @@ mod tests {
     #[test]
     fn prefix_round_trips_the_pid() {
         let p = run_prefix();
+        assert!(prefix_pids(&format!("{p}node1")).contains(&std::process::id()));
+        assert!(prefix_pids("cni-1234").is_empty());
+        assert!(prefix_pids("flx").is_empty());
+        assert!(prefix_pids("fl_Ax").is_empty());
+        // A pid whose base-36 digits contain `x`: both readings, the real one included.
+        let hlx = u32::from_str_radix("hlx", 36).expect("base 36");
         assert_eq!(
-            parse_prefix_pid(&format!("{p}node1")),
-            Some(std::process::id())
+            prefix_pids("flhlxxt1n1"),
+            vec![u32::from_str_radix("hl", 36).expect("base 36"), hlx]
         );
-        assert_eq!(parse_prefix_pid("cni-1234"), None);
-        assert_eq!(parse_prefix_pid("flx"), None);
-        assert_eq!(parse_prefix_pid("fl_Ax"), None);
+        assert_eq!(
+            prefix_pids(&format!("fl{}xt1hub", base36(hlx))),
+            vec![u32::from_str_radix("hl", 36).expect("base 36"), hlx]
+        );
     }
 
     #[test]

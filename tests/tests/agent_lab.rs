@@ -13,7 +13,8 @@ use std::{
 
 use flannel_tests::{lab::bins, netns, require_root};
 
-/// Runs `flannel-lab up --once` with the default cluster (3 nodes, vxlan, L2, 2 pods each).
+/// Runs `flannel-lab up --once` with the default cluster (3 nodes, vxlan, L2, 2 pods each,
+/// `--dataplane auto`, which here means the eBPF fast path on every node).
 #[test]
 fn lab_up_once_reaches_every_pod() {
     require_root!();
@@ -81,6 +82,13 @@ fn lab_up_once_reaches_every_pod() {
         stdout.matches("/healthz ok, /readyz ok").count(),
         3,
         "not every agent healthy and ready"
+    );
+    assert_eq!(
+        stdout
+            .matches("flannel_dataplane_info{path=\"ebpf\",backend=\"vxlan\"}=1")
+            .count(),
+        3,
+        "not every agent runs the eBPF fast path"
     );
     // Everything it built is gone: no namespace with its run prefix.
     let prefix = format!("fl{}x", base36(pid));

@@ -140,6 +140,11 @@ pub const REQUIREMENTS: &[Requirement] = &[
         "protobuf-compiler",
         "protoc, for etcd-client's build script",
     ),
+    deb(
+        "libprotobuf-dev",
+        "google/protobuf/*.proto, imported by etcd-client's protos (only recommended by \
+         protobuf-compiler, so --no-install-recommends leaves it out)",
+    ),
     deb("etcd-server", "the etcd the tests and the lab run"),
     deb("iproute2", "ip: namespaces, links, routes"),
     deb("iptables", "masquerade rules (iptables backend)"),
@@ -813,7 +818,7 @@ mod tests {
                 assert_eq!(r.install, Install::Apt(p), "{}", r.name);
             }
         }
-        // The brief's package list, exactly.
-        assert_eq!(all_debs().len(), 15);
+        // The brief's package list, exactly, plus libprotobuf-dev (protoc's includes).
+        assert_eq!(all_debs().len(), 16);
     }
 }

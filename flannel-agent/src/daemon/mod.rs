@@ -353,14 +353,24 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
 
     // 6. Long-running tasks.
     let (publisher, snapshots) = lease_channel();
-    let mut reconciler = Reconciler::new(nl.clone(), local, ReconcilerConfig::from_cli(&cli));
+    // The eBPF applier goes first: a lease event reaches the maps (a few map writes) before
+    // the kernel applier lists and diffs the kernel's tables; the kernel path carries the
+    // peer's traffic until the map entry exists, so the order is safe either way.
+    let mut appliers: Vec<Box<dyn dataplane::Applier>> = Vec::new();
     if let Some(fp) = active.fast_path() {
-        reconciler.push_applier(Box::new(crate::bpf::BpfApplier::new(
+        appliers.push(Box::new(crate::bpf::BpfApplier::new(
             fp.clone(),
             fastpath::vxlan_vni(&backend),
         )));
         metrics.set_counter_source(Arc::new(crate::bpf::FastPathCounters(fp.clone())));
     }
+    appliers.push(Box::new(dataplane::kernel::KernelApplier::new(nl.clone())));
+    let mut reconciler = Reconciler::with_appliers(
+        nl.clone(),
+        local,
+        ReconcilerConfig::from_cli(&cli),
+        appliers,
+    );
     for applier in backend_appliers {
         reconciler.push_applier(applier);
     }

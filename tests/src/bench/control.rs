@@ -23,8 +23,6 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use aya::maps::{Map, MapData, lpm_trie::Key, lpm_trie::LpmTrie};
-use flannel_common::{maps as map_names, route::RemoteEntry};
 use ipnet::Ipv4Net;
 use serde::Serialize;
 use serde_json::json;
@@ -34,6 +32,7 @@ use super::report::{Machine, utc_now};
 use crate::{
     lab::{
         agent::{Agent, AgentSpec, Dataplane},
+        fastpath::RouteMap,
         kv::Kv,
         lease,
         status::{self, KernelCounts},
@@ -371,7 +370,7 @@ impl Run<'_> {
         let limit = Duration::from_secs(10);
         loop {
             let now = match map {
-                Some(m) => m.contains(subnet)?,
+                Some(m) => m.get(subnet)?.is_some(),
                 None => {
                     let out = ns
                         .command("ip")
@@ -416,39 +415,6 @@ fn event_lease(i: usize) -> Result<(String, String, Ipv4Net)> {
         value.to_string(),
         subnet,
     ))
-}
-
-/// The fast path's pinned IPv4 route map, opened once and polled by lookups.
-struct RouteMap(LpmTrie<MapData, [u8; 4], RemoteEntry>);
-
-impl RouteMap {
-    fn open(pin_path: &Path) -> Result<RouteMap> {
-        let path = pin_path
-            .join(map_names::PIN_LAYOUT_VERSION)
-            .join(map_names::ROUTES4);
-        let data = MapData::from_pin(&path).with_context(|| format!("{}", path.display()))?;
-        let trie = LpmTrie::try_from(Map::from_map_data(data)?).context("route map")?;
-        Ok(RouteMap(trie))
-    }
-
-    fn len(&self) -> Result<usize> {
-        let mut n = 0;
-        for key in self.0.keys() {
-            key.context("reading the route map")?;
-            n += 1;
-        }
-        Ok(n)
-    }
-
-    /// Whether exactly `subnet` has an entry (one lookup syscall).
-    fn contains(&self, subnet: Ipv4Net) -> Result<bool> {
-        let key = Key::new(u32::from(subnet.prefix_len()), subnet.network().octets());
-        match self.0.get(&key, 0) {
-            Ok(_) => Ok(true),
-            Err(aya::maps::MapError::KeyNotFound) => Ok(false),
-            Err(e) => Err(e).context("route map lookup"),
-        }
-    }
 }
 
 /// Per-applier times summed over `applied`, in first-seen order.

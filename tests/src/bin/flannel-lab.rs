@@ -105,8 +105,9 @@ struct UpArgs {
     /// Underlay: l2 (one segment), l3 (routed, one /24 per node) or mixed.
     #[arg(long, default_value = "l2")]
     underlay: Underlay,
-    /// Dataplane of the agents: kernel, ebpf or auto.
-    #[arg(long, default_value = "kernel")]
+    /// Dataplane of the agents: auto (the eBPF fast path where the kernel supports it, as the
+    /// agent's own default), ebpf or kernel.
+    #[arg(long, default_value = "auto")]
     dataplane: Dataplane,
     /// Pods created through CNI on every node.
     #[arg(long, default_value_t = 2)]

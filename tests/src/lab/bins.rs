@@ -64,7 +64,16 @@ pub fn cargo_build(package: &str, bin: &str, env_override: &str) -> Result<PathB
         .or_else(|| option_env!("CARGO").map(PathBuf::from))
         .unwrap_or_else(|| PathBuf::from("cargo"));
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
-    let out = Command::new(&cargo)
+    let mut cmd = Command::new(&cargo);
+    // Not the variables cargo set for this test binary: build scripts such as ring's track
+    // some of them (`rerun-if-env-changed=CARGO_PKG_NAME`), so passing them on would rebuild
+    // ring, rustls, kube and the agent here and again in the next plain `cargo test`.
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(is_package_var) {
+            cmd.env_remove(name);
+        }
+    }
+    let out = cmd
         .args(["build", "--quiet", "--message-format=json", "-p", package])
         .args(["--bin", bin, "--profile", &profile])
         .arg("--manifest-path")
@@ -93,6 +102,24 @@ pub fn cargo_build(package: &str, bin: &str, env_override: &str) -> Result<PathB
         }
     }
     bail!("cargo reported no executable for {bin}")
+}
+
+/// Whether `name` is one of the variables cargo sets for the crate it builds or runs.
+fn is_package_var(name: &str) -> bool {
+    name.starts_with("CARGO_PKG_")
+        || name.starts_with("CARGO_BIN_EXE_")
+        || matches!(
+            name,
+            "CARGO_MANIFEST_DIR"
+                | "CARGO_MANIFEST_PATH"
+                | "CARGO_MANIFEST_LINKS"
+                | "CARGO_CRATE_NAME"
+                | "CARGO_BIN_NAME"
+                | "CARGO_PRIMARY_PACKAGE"
+                | "CARGO_TARGET_TMPDIR"
+                | "CARGO_RUSTC_CURRENT_DIR"
+                | "OUT_DIR"
+        )
 }
 
 /// [`cargo_build`] once per process: concurrent tests share one build and one answer.

@@ -45,6 +45,9 @@ pub struct ClusterSpec {
     pub agent: PathBuf,
     /// `--dataplane`
     pub dataplane: Dataplane,
+    /// Per-node `--dataplane` overriding [`dataplane`](Self::dataplane): node *i* uses entry
+    /// *i*-1 when there is one (a mixed cluster of kernel-path and fast-path nodes).
+    pub node_dataplanes: Vec<Dataplane>,
     /// `--ip-masq`
     pub ip_masq: bool,
     /// Extra agent flags.
@@ -69,6 +72,7 @@ impl ClusterSpec {
             backend_options: Value::Object(Default::default()),
             agent: agent.into(),
             dataplane: Dataplane::Kernel,
+            node_dataplanes: Vec::new(),
             ip_masq: false,
             agent_args: Vec::new(),
             pods_per_node: 2,
@@ -158,8 +162,8 @@ impl Cluster {
             spec,
             subnet_envs: Vec::new(),
         };
-        let agent_spec = cluster.agent_spec();
         for node in cluster.topology.nodes() {
+            let agent_spec = cluster.agent_spec_for(node.index());
             let agent = Agent::start(node, &agent_spec)?;
             progress(&format!(
                 "{}: flannel-agent pid {} {}",
@@ -240,6 +244,22 @@ impl Cluster {
         spec.ip_masq = self.spec.ip_masq;
         spec.extra_args = self.spec.agent_args.clone();
         spec
+    }
+
+    /// The agent flags of node `n` (1-based): [`Cluster::agent_spec`] with the node's own
+    /// dataplane from [`ClusterSpec::node_dataplanes`].
+    pub fn agent_spec_for(&self, n: usize) -> AgentSpec {
+        let mut spec = self.agent_spec();
+        spec.dataplane = Some(self.dataplane_of(n));
+        spec
+    }
+
+    /// The `--dataplane` node `n` (1-based) runs with.
+    pub fn dataplane_of(&self, n: usize) -> Dataplane {
+        n.checked_sub(1)
+            .and_then(|i| self.spec.node_dataplanes.get(i))
+            .copied()
+            .unwrap_or(self.spec.dataplane)
     }
 
     /// The topology.

@@ -1,10 +1,12 @@
 //! Reachability checks without `ping` (not installed here): a TCP echo [`Responder`] bound in
 //! one namespace and [`tcp_probe`] connecting from another, the pod-to-pod [`Matrix`], a
-//! checksummed bulk [`transfer`], the source address a server sees ([`source_seen`]), and a
+//! checksummed bulk [`transfer`], the source address a server sees ([`source_seen`]), a
 //! continuous UDP request stream ([`UdpStream`] against a [`UdpEcho`]) that counts every
-//! lost request.
+//! lost request, and a long paced TCP transfer ([`TcpFlow`]) that reports retransmissions
+//! and its longest stall.
 
 use std::{
+    collections::BTreeMap,
     fmt,
     io::{Read as _, Write as _},
     net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
@@ -538,7 +540,6 @@ impl Drop for UdpStream {
 const UDP_REPLY_TIMEOUT: Duration = Duration::from_secs(1);
 
 fn run_stream(socket: &UdpSocket, interval: Duration, stop: &AtomicBool) -> Result<StreamStats> {
-    use std::collections::BTreeMap;
     let mut stats = StreamStats::default();
     let mut pending: BTreeMap<u64, Instant> = BTreeMap::new();
     let mut answered: std::collections::BTreeSet<u64> = Default::default();
@@ -611,4 +612,256 @@ fn run_stream(socket: &UdpSocket, interval: Duration, stop: &AtomicBool) -> Resu
         }
     }
     Ok(stats)
+}
+
+/// What a [`TcpFlow`] saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlowStats {
+    /// Bytes the receiver counted and checksummed (equal to the bytes sent).
+    pub bytes: u64,
+    /// From connect to the receiver's verdict.
+    pub elapsed: Duration,
+    /// The longest time the receiver waited for the next data, after the first byte.
+    pub longest_stall: Duration,
+    /// Segments the sender retransmitted (`tcpi_total_retrans`): 0 means no segment was lost
+    /// (or delayed past the retransmission timeout) on the way.
+    pub retransmits: u32,
+    /// Retransmissions the receiver reported as needless (D-SACKs the sender received,
+    /// `TcpExtTCPDSACKRecv` of the sender's namespace): a tail loss probe or a retransmission
+    /// after reordering that duplicated a segment that had arrived.
+    pub spurious: u64,
+    /// The sender namespace's non-zero retransmission counters (`TcpExt` of
+    /// `/proc/net/netstat`: `TCPLossProbes`, `TCPFastRetrans`, `TCPTimeouts`, ...), which
+    /// say why segments were sent again: their growth from the start of the flow to its end,
+    /// so nothing else may send TCP from that namespace meanwhile.
+    pub sender_netstat: BTreeMap<String, u64>,
+}
+
+impl FlowStats {
+    /// Retransmissions not shown needless by a D-SACK: segments that were really lost (or
+    /// so late that the receiver never saw them twice).
+    pub fn lost(&self) -> u64 {
+        u64::from(self.retransmits).saturating_sub(self.spurious)
+    }
+}
+
+/// `TcpExt` counters about retransmissions, as named in `/proc/net/netstat`.
+const RETRANS_COUNTERS: &[&str] = &[
+    "TCPLossProbes",
+    "TCPLossProbeRecovery",
+    "TCPFastRetrans",
+    "TCPSlowStartRetrans",
+    "TCPTimeouts",
+    "TCPLostRetransmit",
+    "TCPSpuriousRTOs",
+    "TCPSpuriousRtxHostQueues",
+    "TCPDSACKRecv",
+    "TCPDSACKOfoRecv",
+    "TCPSACKReorder",
+    "TCPTSReorder",
+    "TCPRenoReorder",
+    "TCPRetransFail",
+];
+
+/// The non-zero [`RETRANS_COUNTERS`] of the namespace at `ns_path`.
+fn retrans_counters(ns_path: &std::path::Path) -> Result<BTreeMap<String, u64>> {
+    let text = crate::lab::kv::in_netns(ns_path, || {
+        std::fs::read_to_string("/proc/thread-self/net/netstat").context("netstat")
+    })?;
+    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("TcpExt:")).collect();
+    let mut out = BTreeMap::new();
+    if let [names, values] = lines.as_slice() {
+        for (name, value) in names
+            .split_whitespace()
+            .zip(values.split_whitespace())
+            .skip(1)
+        {
+            if RETRANS_COUNTERS.contains(&name)
+                && let Ok(v) = value.parse::<u64>()
+                && v > 0
+            {
+                out.insert(name.to_owned(), v);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A long TCP transfer at a fixed pace from one namespace to a receiver in another, running
+/// on two threads until [`TcpFlow::finish`]: every byte is checksummed, the receiver records
+/// its longest wait for data, the sender reads its retransmission count at the end.
+#[derive(Debug)]
+pub struct TcpFlow {
+    stop: Arc<AtomicBool>,
+    sender_ns: std::path::PathBuf,
+    /// The sender namespace's [`RETRANS_COUNTERS`] when the flow started.
+    netstat_before: BTreeMap<String, u64>,
+    sender: Option<thread::JoinHandle<Result<(u64, u64, u32)>>>,
+    receiver: Option<thread::JoinHandle<Result<(u64, u64, Duration)>>>,
+    started: Instant,
+}
+
+/// Size of one write of a [`TcpFlow`].
+const FLOW_CHUNK: usize = 16 * 1024;
+
+impl TcpFlow {
+    /// Connects from `from` to a receiver bound on `ip` in `to` and starts sending
+    /// `bytes_per_sec` (in [`FLOW_CHUNK`] writes).
+    pub fn start(from: &NetNs, to: &NetNs, ip: IpAddr, bytes_per_sec: u64) -> Result<TcpFlow> {
+        let listener = to
+            .enter(move || TcpListener::bind(SocketAddr::new(ip, 0)))?
+            .with_context(|| format!("bind {ip}:0 in {}", to.name()))?;
+        let target = listener.local_addr()?;
+        let netstat_before = retrans_counters(&from.path())?;
+        let stream = from
+            .enter(move || TcpStream::connect_timeout(&target, Duration::from_secs(5)))?
+            .with_context(|| format!("connect {target} from {}", from.name()))?;
+        let (conn, _) = listener.accept().context("accept")?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let receiver = thread::spawn(move || flow_receive(conn));
+        let flag = stop.clone();
+        let sender = thread::spawn(move || flow_send(stream, bytes_per_sec.max(1), &flag));
+        Ok(TcpFlow {
+            stop,
+            sender_ns: from.path(),
+            netstat_before,
+            sender: Some(sender),
+            receiver: Some(receiver),
+            started: Instant::now(),
+        })
+    }
+
+    /// Stops sending, waits for the receiver's verdict and fails unless every byte arrived
+    /// intact.
+    pub fn finish(mut self) -> Result<FlowStats> {
+        self.stop.store(true, Ordering::Relaxed);
+        let sent = self
+            .sender
+            .take()
+            .context("flow already finished")?
+            .join()
+            .map_err(|_| anyhow::anyhow!("sender thread panicked"))?;
+        let received = self
+            .receiver
+            .take()
+            .context("flow already finished")?
+            .join()
+            .map_err(|_| anyhow::anyhow!("receiver thread panicked"))?;
+        let (sent_bytes, sent_hash, retransmits) = sent.context("sender")?;
+        let (got_bytes, got_hash, longest_stall) = received.context("receiver")?;
+        if (sent_bytes, sent_hash) != (got_bytes, got_hash) {
+            bail!(
+                "received {got_bytes} bytes with checksum {got_hash:016x}; sent {sent_bytes} \
+                 with {sent_hash:016x}"
+            );
+        }
+        let sender_netstat: BTreeMap<String, u64> = retrans_counters(&self.sender_ns)?
+            .into_iter()
+            .map(|(k, v)| {
+                let base = self.netstat_before.get(&k).copied().unwrap_or(0);
+                (k, v.saturating_sub(base))
+            })
+            .filter(|&(_, v)| v > 0)
+            .collect();
+        Ok(FlowStats {
+            bytes: got_bytes,
+            elapsed: self.started.elapsed(),
+            longest_stall,
+            retransmits,
+            spurious: sender_netstat.get("TCPDSACKRecv").copied().unwrap_or(0),
+            sender_netstat,
+        })
+    }
+}
+
+impl Drop for TcpFlow {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.sender.take() {
+            let _ = t.join();
+        }
+        if let Some(t) = self.receiver.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Sends the pattern until `stop`, paced to `rate` bytes per second; returns (bytes, checksum,
+/// total retransmissions) once the receiver has read everything.
+fn flow_send(mut stream: TcpStream, rate: u64, stop: &AtomicBool) -> Result<(u64, u64, u32)> {
+    stream.set_write_timeout(Some(Duration::from_secs(30)))?;
+    let mut chunk = vec![0u8; FLOW_CHUNK];
+    let (mut offset, mut hash) = (0u64, FNV_OFFSET);
+    let start = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        for (k, b) in chunk.iter_mut().enumerate() {
+            *b = pattern_byte(offset + k as u64);
+        }
+        stream
+            .write_all(&chunk)
+            .with_context(|| format!("sending at byte {offset}"))?;
+        hash = fnv1a(hash, &chunk);
+        offset += chunk.len() as u64;
+        // Pace: byte `offset` is due at offset / rate seconds after the start.
+        let due = Duration::from_secs_f64(offset as f64 / rate as f64);
+        if let Some(wait) = due.checked_sub(start.elapsed()) {
+            thread::sleep(wait);
+        }
+    }
+    // Wait until everything sent is acknowledged, so the retransmission count is final.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let retransmits = loop {
+        let info = tcp_info(&stream)?;
+        if info.tcpi_unacked == 0 || Instant::now() >= deadline {
+            break info.tcpi_total_retrans;
+        }
+        thread::sleep(Duration::from_millis(10));
+    };
+    stream.shutdown(std::net::Shutdown::Write)?;
+    Ok((offset, hash, retransmits))
+}
+
+/// Reads until EOF; returns (bytes, checksum, longest wait between reads after the first).
+fn flow_receive(mut conn: TcpStream) -> Result<(u64, u64, Duration)> {
+    conn.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let mut buf = vec![0u8; 64 * 1024];
+    let (mut count, mut hash) = (0u64, FNV_OFFSET);
+    let mut last: Option<Instant> = None;
+    let mut longest = Duration::ZERO;
+    loop {
+        let n = conn.read(&mut buf).context("receiving")?;
+        if n == 0 {
+            break;
+        }
+        let now = Instant::now();
+        if let Some(prev) = last {
+            longest = longest.max(now - prev);
+        }
+        last = Some(now);
+        hash = fnv1a(hash, &buf[..n]);
+        count += n as u64;
+    }
+    Ok((count, hash, longest))
+}
+
+/// `TCP_INFO` of a connected socket.
+fn tcp_info(stream: &TcpStream) -> Result<libc::tcp_info> {
+    // SAFETY: tcp_info is plain old data; all-zero is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: the fd is a live TCP socket; `info` and `len` describe a writable buffer of
+    // `len` bytes.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&raw mut info).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error()).context("getsockopt TCP_INFO");
+    }
+    Ok(info)
 }

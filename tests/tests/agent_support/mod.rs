@@ -5,22 +5,35 @@
 //! Every test body runs through [`with_cluster`] (or [`report`]), which prints the cluster
 //! status and each agent's log tail when the body fails, then panics with the whole error
 //! chain; the cluster (agents, etcd, pods, namespaces) is removed by its guards in any case.
+//!
+//! [`scenarios`] holds the checks the kernel-path tests and the eBPF fast-path tests share,
+//! each taking the dataplane from the cluster (per node, so mixed clusters work too).
 
 #![allow(dead_code)] // each test file uses a different part
 
-use std::{collections::BTreeMap, net::Ipv4Addr, time::Duration};
+pub mod scenarios;
+
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr},
+    time::Duration,
+};
 
 use anyhow::{Context as _, Result};
+use flannel_common::route::ROUTE_F_DIRECT;
 use flannel_tests::{
     lab::{
+        agent::{DEFAULT_HEALTHZ_PORT, Dataplane},
         bins,
         cluster::{Cluster, ClusterSpec},
+        fastpath::{self, Route},
         lease::LeaseRecord,
         status::KernelState,
         wait,
     },
     topology::{TopologySpec, Underlay},
 };
+use ipnet::Ipv4Net;
 
 /// How long the agents get to converge after a change (they react within a second; the
 /// rest is slack for a loaded CI machine).
@@ -42,6 +55,24 @@ pub fn spec(nodes: usize, underlay: Underlay, backend: &str, pods_per_node: usiz
     spec
 }
 
+/// [`spec`] with every agent on `dataplane`.
+pub fn spec_on(
+    dataplane: Dataplane,
+    nodes: usize,
+    underlay: Underlay,
+    backend: &str,
+    pods_per_node: usize,
+) -> ClusterSpec {
+    let mut s = spec(nodes, underlay, backend, pods_per_node);
+    s.dataplane = dataplane;
+    s
+}
+
+/// A test name with the dataplane in it (`vxlan/l2` → `ebpf vxlan/l2`).
+pub fn named(dataplane: Dataplane, name: &str) -> String {
+    format!("{dataplane} {name}")
+}
+
 /// Brings the cluster up and waits until every agent is ready, then runs `body`. On failure
 /// prints the cluster's status and the agents' logs before panicking with the error chain.
 pub fn with_cluster(name: &str, spec: ClusterSpec, body: impl FnOnce(&mut Cluster) -> Result<()>) {
@@ -59,9 +90,17 @@ pub fn with_cluster(name: &str, spec: ClusterSpec, body: impl FnOnce(&mut Cluste
     }
 }
 
-/// Status block plus every agent's last log lines.
+/// Status block, the route maps of fast-path nodes, plus every agent's last log lines.
 pub fn dump(cluster: &mut Cluster) -> String {
     let mut out = cluster.status_text();
+    for n in 1..=cluster.topology().nodes().len() {
+        if on_fast_path(cluster, n) {
+            out += &match fastpath::routes(cluster.topology().node(n).bpf_pin_path()) {
+                Ok(routes) => format!("node{n} route map:\n{}", routes_text(&routes)),
+                Err(e) => format!("node{n} route map: {e:#}\n"),
+            };
+        }
+    }
     for agent in cluster.agents_mut() {
         out += &format!(
             "--- {} ({}):\n{}\n",
@@ -87,8 +126,32 @@ pub enum Path {
     Direct,
     /// Through `flannel.1`: route onlink via the peer's VTEP address, neighbour, FDB.
     Vxlan,
+    /// IPIP encapsulated by the eBPF fast path: a route onlink via the next hop towards the
+    /// peer's public IP out of `eth0` (the peer itself on our segment, else our gateway).
+    Ipip,
     /// Nothing at all (host-gw peer that is not on our segment).
     None,
+}
+
+impl Path {
+    /// The default path of `backend` (`host-gw`: direct, `vxlan`, `ipip`).
+    pub fn of_backend(backend: &str) -> Path {
+        match backend {
+            "host-gw" => Path::Direct,
+            "ipip" => Path::Ipip,
+            _ => Path::Vxlan,
+        }
+    }
+
+    /// The fast path's route kind for this path (`None`: not in the route map).
+    pub fn kind(self) -> Option<&'static str> {
+        match self {
+            Path::Direct => Some("host-gw"),
+            Path::Vxlan => Some("vxlan"),
+            Path::Ipip => Some("ipip"),
+            Path::None => None,
+        }
+    }
 }
 
 /// The exact kernel state node `n` should hold when it reaches every other lease in
@@ -122,6 +185,18 @@ pub fn expected_state(
                     .push(format!("{vtep} lladdr {mac} dev flannel.1"));
                 state.fdb.push(format!("{mac} dev flannel.1 dst {public}"));
             }
+            Path::Ipip => {
+                let node = cluster.topology().node(n);
+                let next_hop = if node.addr_net().contains(&public) {
+                    public
+                } else {
+                    node.gateway()
+                };
+                state.routes.push(format!(
+                    "{} via {next_hop} dev eth0 proto 165 onlink",
+                    lease.subnet
+                ));
+            }
             Path::None => {}
         }
     }
@@ -129,6 +204,100 @@ pub fn expected_state(
     state.neighbours.sort();
     state.fdb.sort();
     state
+}
+
+/// The exact route map of node `n`'s fast path for `leases` reached the way `path_to` says
+/// (`direct_flags`: the flags of a [`Path::Direct`] entry, `ROUTE_F_DIRECT` unless the
+/// backend is host-gw).
+pub fn expected_routes(
+    cluster: &Cluster,
+    n: usize,
+    leases: &[LeaseRecord],
+    path_to: impl Fn(&LeaseRecord) -> Path,
+) -> BTreeMap<Ipv4Net, Route> {
+    let own = cluster.subnet_of(n);
+    let direct_flags = if cluster.spec().backend == "host-gw" {
+        0
+    } else {
+        ROUTE_F_DIRECT
+    };
+    let mut out = BTreeMap::new();
+    for lease in leases {
+        if Some(lease.subnet) == own {
+            continue;
+        }
+        let public = lease.public_ip.unwrap_or(Ipv4Addr::UNSPECIFIED);
+        let route = match path_to(lease) {
+            Path::Direct => Route::host_gw(public, direct_flags),
+            Path::Vxlan => Route::vxlan(public, 1, lease.vtep_mac().unwrap_or_default()),
+            Path::Ipip => Route::ipip(public),
+            Path::None => continue,
+        };
+        out.insert(lease.subnet, route);
+    }
+    out
+}
+
+/// Shows a route map one entry per line.
+pub fn routes_text(routes: &BTreeMap<Ipv4Net, Route>) -> String {
+    routes
+        .iter()
+        .map(|(net, r)| format!("  {net} {r}\n"))
+        .collect()
+}
+
+/// Waits until node `n`'s fast-path route map holds exactly `want`.
+pub fn wait_for_routes(
+    cluster: &Cluster,
+    n: usize,
+    want: &BTreeMap<Ipv4Net, Route>,
+) -> Result<BTreeMap<Ipv4Net, Route>> {
+    let pins = cluster.topology().node(n).bpf_pin_path().to_path_buf();
+    wait::until(CONVERGE, &format!("node{n}'s route map"), || {
+        let got = fastpath::routes(&pins)?;
+        if &got == want {
+            Ok(Some(got))
+        } else {
+            anyhow::bail!(
+                "node{n}'s route map holds\n{}but should hold\n{}",
+                routes_text(&got),
+                routes_text(want)
+            )
+        }
+    })
+}
+
+/// Whether node `n` is expected to forward through the eBPF fast path.
+pub fn on_fast_path(cluster: &Cluster, n: usize) -> bool {
+    cluster.dataplane_of(n) != Dataplane::Kernel
+}
+
+/// The fast-path counters of node `n`'s agent.
+pub fn counters(cluster: &Cluster, n: usize) -> Result<fastpath::Counters> {
+    fastpath::counters(cluster.topology().node(n).ns(), DEFAULT_HEALTHZ_PORT)
+        .with_context(|| format!("node{n}'s fast-path counters"))
+}
+
+/// Node `n`'s agent reports the path its `--dataplane` asks for (`ebpf` for ebpf and auto,
+/// `kernel` for kernel) in `flannel_dataplane_info`.
+pub fn check_active_path(cluster: &Cluster, n: usize) -> Result<()> {
+    let want = if on_fast_path(cluster, n) {
+        "ebpf"
+    } else {
+        "kernel"
+    };
+    let got = fastpath::active_path(cluster.topology().node(n).ns(), DEFAULT_HEALTHZ_PORT)?;
+    anyhow::ensure!(
+        got.as_deref() == Some(want),
+        "node{n} ({}) reports dataplane path {got:?}, want {want}",
+        cluster.dataplane_of(n)
+    );
+    Ok(())
+}
+
+/// The IP of node `n`'s first pod.
+pub fn first_pod_ip(cluster: &Cluster, n: usize) -> IpAddr {
+    IpAddr::V4(cluster.topology().pods_on(n)[0].ip())
 }
 
 /// Waits until node `n`'s kernel holds exactly `want`; the error shows both sides.

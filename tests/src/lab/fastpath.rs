@@ -1,0 +1,408 @@
+//! A node's eBPF fast path seen from outside its agent: the pinned route map (what the agent
+//! programmed), the ids of the pinned maps and TCX links (to prove a restarted agent adopted
+//! them instead of creating new ones), and the per-reason packet counters and the active path
+//! the agent reports on `/metrics`.
+//!
+//! The pins live on the host's bpffs (`--bpf-pin-path`, one directory per lab node), which the
+//! test process sees directly: no namespace has to be entered to read them.
+
+use std::{
+    collections::BTreeMap,
+    fmt,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    path::Path,
+};
+
+use anyhow::{Context as _, Result, bail};
+use aya::{
+    maps::{Map, MapData, MapInfo, lpm_trie::Key, lpm_trie::LpmTrie},
+    programs::links::{FdLink, PinnedLink},
+};
+use flannel_common::{
+    maps as names, programs,
+    route::{NodeEntry, RemoteEntry, RouteKind},
+    stats::Reason,
+};
+use ipnet::Ipv4Net;
+
+use super::status::{self, Sample};
+use crate::netns::NetNs;
+
+/// One entry of the route map (`FLANNEL_ROUTES4`), decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// `host-gw`, `vxlan`, `ipip` ([`RouteKind::name`]), or `kind <n>` for an unknown kind.
+    pub kind: String,
+    /// The peer's public IP.
+    pub public_ip: Ipv4Addr,
+    /// The VNI (vxlan only; 0 otherwise).
+    pub vni: u32,
+    /// The peer's VTEP MAC, `aa:bb:..` (vxlan only; all zero otherwise).
+    pub vtep_mac: String,
+    /// `ROUTE_F_*` bits.
+    pub flags: u32,
+}
+
+impl Route {
+    /// What a host-gw (or DirectRouting, with `flags` = `ROUTE_F_DIRECT`) peer looks like.
+    pub fn host_gw(public_ip: Ipv4Addr, flags: u32) -> Route {
+        Route {
+            kind: RouteKind::HostGw.name().to_owned(),
+            public_ip,
+            vni: 0,
+            vtep_mac: "00:00:00:00:00:00".to_owned(),
+            flags,
+        }
+    }
+
+    /// What a vxlan peer looks like.
+    pub fn vxlan(public_ip: Ipv4Addr, vni: u32, vtep_mac: &str) -> Route {
+        Route {
+            kind: RouteKind::Vxlan.name().to_owned(),
+            public_ip,
+            vni,
+            vtep_mac: vtep_mac.to_ascii_lowercase(),
+            flags: 0,
+        }
+    }
+
+    /// What an ipip peer looks like.
+    pub fn ipip(public_ip: Ipv4Addr) -> Route {
+        Route {
+            kind: RouteKind::Ipip.name().to_owned(),
+            public_ip,
+            vni: 0,
+            vtep_mac: "00:00:00:00:00:00".to_owned(),
+            flags: 0,
+        }
+    }
+
+    fn from_entry(e: &RemoteEntry) -> Route {
+        let kind = match RouteKind::from_u32(e.kind) {
+            Some(k) => k.name().to_owned(),
+            None => format!("kind {}", e.kind),
+        };
+        let m = e.vtep_mac;
+        Route {
+            kind,
+            public_ip: Ipv4Addr::from(e.public_ip),
+            vni: e.vni,
+            vtep_mac: format!(
+                "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+                m[0], m[1], m[2], m[3], m[4], m[5]
+            ),
+            flags: e.flags,
+        }
+    }
+}
+
+impl fmt::Display for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} via {}", self.kind, self.public_ip)?;
+        if self.vni != 0 || self.vtep_mac != "00:00:00:00:00:00" {
+            write!(f, " vni {} mac {}", self.vni, self.vtep_mac)?;
+        }
+        if self.flags != 0 {
+            write!(f, " flags {:#x}", self.flags)?;
+        }
+        Ok(())
+    }
+}
+
+/// The route map of the fast path pinned under `pin_path`, opened once for repeated reads.
+#[derive(Debug)]
+pub struct RouteMap {
+    trie: LpmTrie<MapData, [u8; 4], RemoteEntry>,
+}
+
+impl RouteMap {
+    /// Opens `<pin_path>/<layout version>/FLANNEL_ROUTES4`.
+    pub fn open(pin_path: &Path) -> Result<RouteMap> {
+        let path = pin_path
+            .join(names::PIN_LAYOUT_VERSION)
+            .join(names::ROUTES4);
+        let data =
+            MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
+        let map = Map::from_map_data(data).context("route map")?;
+        if !matches!(map, Map::LpmTrie(_)) {
+            bail!("{} is not an LPM trie", path.display());
+        }
+        let trie = LpmTrie::try_from(map).context("route map key/value sizes")?;
+        Ok(RouteMap { trie })
+    }
+
+    /// Every entry.
+    pub fn entries(&self) -> Result<BTreeMap<Ipv4Net, Route>> {
+        let mut out = BTreeMap::new();
+        for item in self.trie.iter() {
+            let (key, value) = item.context("reading the route map")?;
+            let net = Ipv4Net::new(Ipv4Addr::from(key.data()), key.prefix_len() as u8)
+                .context("route map key")?;
+            out.insert(net, Route::from_entry(&value));
+        }
+        Ok(out)
+    }
+
+    /// The number of entries.
+    pub fn len(&self) -> Result<usize> {
+        let mut n = 0;
+        for key in self.trie.keys() {
+            key.context("reading the route map")?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Whether the map is empty.
+    pub fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+
+    /// The entry stored for exactly `subnet` (longest-prefix match, then checked to be that
+    /// prefix), `None` if there is none. One syscall: cheap enough to poll.
+    pub fn get(&self, subnet: Ipv4Net) -> Result<Option<Route>> {
+        let key = Key::new(u32::from(subnet.prefix_len()), subnet.network().octets());
+        match self.trie.get(&key, 0) {
+            Ok(entry) => Ok(Some(Route::from_entry(&entry))),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(e).context("route map lookup"),
+        }
+    }
+}
+
+/// Every entry of the route map pinned under `pin_path`.
+pub fn routes(pin_path: &Path) -> Result<BTreeMap<Ipv4Net, Route>> {
+    RouteMap::open(pin_path)?.entries()
+}
+
+/// Kernel object ids of everything pinned under a pin path: equal ids before and after an
+/// agent restart mean the new agent adopted the pins.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PinIds {
+    /// Map name → map id, for the maps of this layout version.
+    pub maps: BTreeMap<String, u32>,
+    /// Link pin name (`<program>-<ifindex>`) → link id.
+    pub links: BTreeMap<String, u32>,
+    /// Link pin name → id of the program currently behind the link (changes when a new agent
+    /// swaps its program in).
+    pub programs: BTreeMap<String, u32>,
+}
+
+/// Reads the ids of the maps and links pinned under `pin_path`.
+pub fn pin_ids(pin_path: &Path) -> Result<PinIds> {
+    let mut ids = PinIds::default();
+    let maps_dir = pin_path.join(names::PIN_LAYOUT_VERSION);
+    for entry in
+        std::fs::read_dir(&maps_dir).with_context(|| format!("reading {}", maps_dir.display()))?
+    {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let info = MapInfo::from_pin(entry.path())
+            .with_context(|| format!("map pin {}", entry.path().display()))?;
+        ids.maps.insert(name, info.id());
+    }
+    let links_dir = pin_path.join(names::PIN_LINKS_DIR);
+    for entry in
+        std::fs::read_dir(&links_dir).with_context(|| format!("reading {}", links_dir.display()))?
+    {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let link: FdLink = PinnedLink::from_pin(entry.path())
+            .with_context(|| format!("link pin {}", entry.path().display()))?
+            .into();
+        let info = link.info().context("link info")?;
+        ids.links.insert(name.clone(), info.id());
+        ids.programs.insert(name, info.program_id());
+    }
+    Ok(ids)
+}
+
+/// A fast-path counter family by `(program, reason)`.
+pub type Counts = BTreeMap<(String, String), u64>;
+
+/// The fast-path counters of one scrape.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// `flannel_fastpath_packets_total`
+    pub packets: Counts,
+    /// `flannel_fastpath_bytes_total`
+    pub bytes: Counts,
+}
+
+impl Counters {
+    /// Both families from the samples of one scrape.
+    pub fn from_samples(samples: &[Sample]) -> Counters {
+        Counters {
+            packets: family(samples, "flannel_fastpath_packets_total"),
+            bytes: family(samples, "flannel_fastpath_bytes_total"),
+        }
+    }
+}
+
+/// The samples of one counter family by `(program, reason)`.
+pub fn family(samples: &[Sample], name: &str) -> Counts {
+    samples
+        .iter()
+        .filter(|s| s.name == name)
+        .filter_map(|s| {
+            Some((
+                (label(&s.labels, "program")?, label(&s.labels, "reason")?),
+                s.value as u64,
+            ))
+        })
+        .collect()
+}
+
+/// The value of label `name` in a `{a="x",b="y"}` label set.
+pub fn label(labels: &str, name: &str) -> Option<String> {
+    let inner = labels.strip_prefix('{')?.strip_suffix('}')?;
+    inner.split(',').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k.trim() == name).then(|| v.trim().trim_matches('"').to_owned())
+    })
+}
+
+/// Every sample of the agent's `/metrics` at `127.0.0.1:port` in `ns`.
+pub fn scrape(ns: &NetNs, port: u16) -> Result<Vec<Sample>> {
+    let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
+    let (code, body) = status::http_get(ns, addr, "/metrics")?;
+    if code != 200 {
+        bail!("/metrics answered {code}");
+    }
+    Ok(status::parse_metrics(&body))
+}
+
+/// The agent's fast-path counters.
+pub fn counters(ns: &NetNs, port: u16) -> Result<Counters> {
+    Ok(Counters::from_samples(&scrape(ns, port)?))
+}
+
+/// The `path` label of `flannel_dataplane_info` (`ebpf` or `kernel`), `None` if not exported.
+pub fn active_path(ns: &NetNs, port: u16) -> Result<Option<String>> {
+    Ok(scrape(ns, port)?
+        .iter()
+        .find(|s| s.name == "flannel_dataplane_info" && s.value == 1.0)
+        .and_then(|s| label(&s.labels, "path")))
+}
+
+/// How much counter `(program, reason)` grew from `before` to `after`.
+pub fn grown(before: &Counts, after: &Counts, program: &str, reason: &str) -> u64 {
+    let key = (program.to_owned(), reason.to_owned());
+    after
+        .get(&key)
+        .copied()
+        .unwrap_or(0)
+        .saturating_sub(before.get(&key).copied().unwrap_or(0))
+}
+
+/// The counters that grew from `before` to `after`, as `program/reason +n` (for messages).
+pub fn growth_text(before: &Counts, after: &Counts) -> String {
+    let parts: Vec<String> = after
+        .iter()
+        .filter_map(|((p, r), v)| {
+            let d = v.saturating_sub(before.get(&(p.clone(), r.clone())).copied().unwrap_or(0));
+            (d > 0).then(|| format!("{p}/{r} +{d}"))
+        })
+        .collect();
+    if parts.is_empty() {
+        "no counter moved".to_owned()
+    } else {
+        parts.join(", ")
+    }
+}
+
+/// The program that handles a pod's packet to a remote pod on the sending node, and the
+/// reason it counts a fast-pathed packet under, for a route of `kind` (`host-gw`, `vxlan`,
+/// `ipip`).
+pub fn egress_reason(kind: &str) -> Option<(&'static str, &'static str)> {
+    let reason = match kind {
+        "host-gw" => Reason::FastHostGw,
+        "vxlan" => Reason::FastVxlan,
+        "ipip" => Reason::FastIpip,
+        _ => return None,
+    };
+    Some((programs::TC_FROM_BRIDGE, reason.name()))
+}
+
+/// The program and reason a fast path counts a packet from a remote pod under when it
+/// delivers it to a local pod, for a peer reached by `kind`.
+pub fn ingress_reason(kind: &str) -> Option<(&'static str, &'static str)> {
+    let reason = match kind {
+        "host-gw" => Reason::FastDeliver,
+        "vxlan" => Reason::FastDeliverVxlan,
+        "ipip" => Reason::FastDeliverIpip,
+        _ => return None,
+    };
+    Some((programs::TC_FROM_NETDEV, reason.name()))
+}
+
+/// The tunnel peers map (`FLANNEL_NODES4`) pinned under `pin_path`: public IP → `NODE_F_*`
+/// flags.
+pub fn tunnel_peers(pin_path: &Path) -> Result<BTreeMap<Ipv4Addr, u32>> {
+    let path = pin_path.join(names::PIN_LAYOUT_VERSION).join(names::NODES4);
+    let data = MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
+    let map = Map::from_map_data(data).context("nodes map")?;
+    let hash: aya::maps::HashMap<MapData, [u8; 4], NodeEntry> =
+        aya::maps::HashMap::try_from(map).context("nodes map key/value sizes")?;
+    let mut out = BTreeMap::new();
+    for item in hash.iter() {
+        let (ip, entry) = item.context("reading the nodes map")?;
+        out.insert(Ipv4Addr::from(ip), entry.flags);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_and_counts() {
+        let samples = status::parse_metrics(
+            "flannel_fastpath_packets_total{program=\"tc_from_bridge\",reason=\"fast_vxlan\"} 7\n\
+             flannel_fastpath_bytes_total{program=\"tc_from_bridge\",reason=\"fast_vxlan\"} 700\n\
+             flannel_dataplane_info{path=\"ebpf\",backend=\"vxlan\"} 1\n",
+        );
+        let both = Counters::from_samples(&samples);
+        assert_eq!(
+            both.bytes
+                .get(&("tc_from_bridge".to_owned(), "fast_vxlan".to_owned())),
+            Some(&700)
+        );
+        let counts = both.packets;
+        assert_eq!(
+            counts.get(&("tc_from_bridge".to_owned(), "fast_vxlan".to_owned())),
+            Some(&7)
+        );
+        assert_eq!(counts.len(), 1);
+        assert_eq!(
+            label("{path=\"ebpf\",backend=\"vxlan\"}", "backend").as_deref(),
+            Some("vxlan")
+        );
+        assert_eq!(label("", "path"), None);
+        let mut after = counts.clone();
+        *after
+            .entry(("tc_from_bridge".to_owned(), "fast_vxlan".to_owned()))
+            .or_default() += 5;
+        assert_eq!(grown(&counts, &after, "tc_from_bridge", "fast_vxlan"), 5);
+        assert_eq!(growth_text(&counts, &after), "tc_from_bridge/fast_vxlan +5");
+        assert_eq!(egress_reason("ipip"), Some(("tc_from_bridge", "fast_ipip")));
+        assert_eq!(
+            ingress_reason("vxlan"),
+            Some(("tc_from_netdev", "fast_deliver_vxlan"))
+        );
+    }
+
+    #[test]
+    fn route_display() {
+        let r = Route::vxlan(Ipv4Addr::new(192, 168, 1, 12), 1, "0E:00:00:00:00:01");
+        assert_eq!(
+            r.to_string(),
+            "vxlan via 192.168.1.12 vni 1 mac 0e:00:00:00:00:01"
+        );
+        assert_eq!(
+            Route::host_gw(Ipv4Addr::new(192, 168, 1, 12), 0).to_string(),
+            "host-gw via 192.168.1.12"
+        );
+    }
+}

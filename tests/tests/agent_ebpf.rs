@@ -1,0 +1,341 @@
+//! The kernel-path test matrix of `agent_connectivity.rs` and `agent_lifecycle.rs` on the
+//! eBPF fast path (`--dataplane ebpf`), plus ipip, which only exists here through the fast
+//! path (this kernel has no ipip module), and mixed clusters of kernel-path and fast-path
+//! nodes.
+//!
+//! Besides everything the kernel-path tests check (exact routes, neighbours and FDB entries,
+//! the pod matrix, intact transfers), every fast-path node must report
+//! `flannel_dataplane_info{path="ebpf"}`, hold exactly the expected route map, and count the
+//! test's traffic in its programs' counters (bytes of the bulk transfers included), so an
+//! agent that silently falls back to the kernel path fails.
+//!
+//! * connectivity: host-gw, vxlan, ipip over an L2 and a routed (L3) underlay; vxlan with
+//!   DirectRouting over a mixed underlay;
+//! * lifecycle (one cluster per backend, checks in order): connectivity, an agent restart
+//!   under a UDP request stream and a long TCP transfer (pins adopted, programs swapped,
+//!   nothing lost), a 30 s etcd outage (traffic keeps flowing through the programs), a node
+//!   leaving (its route map, tunnel peer and kernel entries gone);
+//! * mixed: four nodes alternating `--dataplane kernel` and `--dataplane ebpf`, vxlan and
+//!   host-gw, pod matrix and transfers in both directions between the two kinds;
+//! * kube mode: two nodes taking their leases from a fake Kubernetes API server, vxlan on
+//!   the fast path.
+//!
+//! Run: `cargo test -p flannel-tests --test agent_ebpf` (as root; skipped otherwise).
+
+mod agent_support;
+
+use std::{collections::BTreeMap, net::IpAddr, time::Duration};
+
+use agent_support::{
+    CONVERGE, PROBE, Path, named, routes_text,
+    scenarios::{self, connectivity, reachable_everywhere},
+    spec_on, with_cluster,
+};
+use anyhow::{Context as _, Result, ensure};
+use flannel_tests::{
+    bench::variant::link_mac,
+    kube_mock::{self, MockApiServer},
+    lab::{
+        agent::{Agent, AgentSpec, DEFAULT_HEALTHZ_PORT, Dataplane},
+        bins,
+        fastpath::{self, Route},
+        probe, wait,
+    },
+    require_root,
+    topology::{SubnetEnv, Topology, TopologySpec, Underlay},
+};
+use ipnet::Ipv4Net;
+use serde_json::json;
+
+const EBPF: Dataplane = Dataplane::Ebpf;
+
+#[test]
+fn ebpf_host_gw_over_l2() {
+    require_root!();
+    connectivity(EBPF, "host-gw", Underlay::L2);
+}
+
+/// Nothing is programmed for peers on other segments (no kernel route, no map entry).
+#[test]
+fn ebpf_host_gw_over_l3_reports_unreachable_peers() {
+    require_root!();
+    connectivity(EBPF, "host-gw", Underlay::L3);
+}
+
+#[test]
+fn ebpf_vxlan_over_l3() {
+    require_root!();
+    connectivity(EBPF, "vxlan", Underlay::L3);
+}
+
+/// The routed underlay: IPIP routes go onlink via the node's gateway.
+#[test]
+fn ebpf_ipip_over_l3() {
+    require_root!();
+    connectivity(EBPF, "ipip", Underlay::L3);
+}
+
+#[test]
+fn ebpf_direct_routing_over_mixed_underlay() {
+    require_root!();
+    connectivity(EBPF, "vxlan", Underlay::Mixed);
+}
+
+/// Connectivity over L2, then restart, etcd outage and a node leaving on the same cluster.
+fn lifecycle(backend: &str) {
+    let path = Path::of_backend(backend);
+    let p = move |_: usize, _: usize| path;
+    with_cluster(
+        &named(EBPF, &format!("{backend}/l2 lifecycle")),
+        spec_on(EBPF, 3, Underlay::L2, backend, 2),
+        |c| {
+            eprintln!("--- connectivity");
+            reachable_everywhere(c, &p, &[(1, 3), (3, 2)])?;
+            eprintln!("--- restart of node1's agent");
+            scenarios::restart_is_hitless(c, &p, 1, 2)?;
+            eprintln!("--- etcd outage");
+            scenarios::etcd_outage_is_ridden_out(c, &p, 2, 1)?;
+            eprintln!("--- node3 leaves");
+            scenarios::node_leaves(c, &p, 3)
+        },
+    );
+}
+
+#[test]
+fn ebpf_host_gw_lifecycle() {
+    require_root!();
+    lifecycle("host-gw");
+}
+
+#[test]
+fn ebpf_vxlan_lifecycle() {
+    require_root!();
+    lifecycle("vxlan");
+}
+
+#[test]
+fn ebpf_ipip_lifecycle() {
+    require_root!();
+    lifecycle("ipip");
+}
+
+/// Four nodes, kernel path on 1 and 3, fast path on 2 and 4: every pod reaches every pod,
+/// and bulk transfers cross between the two kinds in both directions (and between two of
+/// each kind). ipip is left out: it has no kernel path here.
+fn mixed(backend: &str) {
+    let mut spec = spec_on(Dataplane::Kernel, 4, Underlay::L2, backend, 2);
+    spec.node_dataplanes = vec![
+        Dataplane::Kernel,
+        Dataplane::Ebpf,
+        Dataplane::Kernel,
+        Dataplane::Ebpf,
+    ];
+    let path = Path::of_backend(backend);
+    with_cluster(&format!("mixed kernel/ebpf {backend}"), spec, |c| {
+        reachable_everywhere(
+            c,
+            &|_, _| path,
+            &[(1, 2), (2, 1), (3, 4), (4, 3), (2, 4), (1, 3)],
+        )
+    });
+}
+
+#[test]
+fn mixed_dataplanes_vxlan() {
+    require_root!();
+    mixed("vxlan");
+}
+
+#[test]
+fn mixed_dataplanes_host_gw() {
+    require_root!();
+    mixed("host-gw");
+}
+
+/// The agents take their leases from a (fake) Kubernetes API server instead of etcd
+/// (`--kube-subnet-mgr`): two nodes with pod CIDRs 10.244.1.0/24 and 10.244.2.0/24 in their
+/// Node objects, vxlan, `--dataplane ebpf`. Each agent writes its pod CIDR to subnet.env,
+/// publishes its public IP and VTEP MAC in its Node's annotations, programs exactly the
+/// other node in its route map from those annotations, and the pods on the two nodes reach
+/// each other through the programs (a bulk transfer each way, counted by both ends).
+#[test]
+fn ebpf_kube_mode_vxlan() {
+    require_root!();
+    if let Err(e) = kube_mode() {
+        panic!("[ebpf kube mode] {e:#}");
+    }
+}
+
+fn kube_mode() -> Result<()> {
+    let (agent_bin, cni) = (bins::test_agent()?, bins::test_cni_plugin()?);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let mut topology = Topology::new(TopologySpec::new(2, Underlay::L2).cni_plugin(cni))?;
+    // In the hub, so that every node reaches it.
+    let hub = topology.hub_addr();
+    let listener = topology
+        .hub()
+        .enter(move || std::net::TcpListener::bind((hub, 0)))??;
+    let api = rt.block_on(MockApiServer::serve(listener))?;
+    let cidr = |n: usize| -> Ipv4Net { format!("10.244.{n}.0/24").parse().expect("CIDR") };
+    for node in topology.nodes() {
+        let c = cidr(node.index()).to_string();
+        api.apply_node(kube_mock::node(&node.name(), &[c.as_str()], &[]));
+    }
+    let network: Ipv4Net = "10.244.0.0/16".parse()?;
+    let netconf = json!({"Network": network.to_string(), "Backend": {"Type": "vxlan"}});
+    let mut agents = Vec::new();
+    for node in topology.nodes() {
+        let conf = node.dir().join("net-conf.json");
+        std::fs::write(&conf, netconf.to_string())?;
+        // No etcd in kube mode: an endpoint nothing listens on.
+        let mut spec = AgentSpec::new(&agent_bin, "http://127.0.0.1:1");
+        spec.dataplane = Some(EBPF);
+        spec.extra_args = vec![
+            "--kube-subnet-mgr".into(),
+            format!("--kube-api-url={}", api.url()),
+            format!("--net-config-path={}", conf.display()),
+        ];
+        spec.env = vec![("NODE_NAME".into(), node.name())];
+        agents.push(Agent::start(node, &spec)?);
+    }
+    let result = kube_mode_checks(&mut topology, &api, &mut agents, network, &cidr);
+    if result.is_err() {
+        for a in &agents {
+            eprintln!(
+                "--- {} ({}):\n{}",
+                a.node(),
+                a.log_path().display(),
+                a.log_tail(40)
+            );
+        }
+    }
+    drop(agents);
+    result
+}
+
+fn kube_mode_checks(
+    topology: &mut Topology,
+    api: &MockApiServer,
+    agents: &mut [Agent],
+    network: Ipv4Net,
+    cidr: &dyn Fn(usize) -> Ipv4Net,
+) -> Result<()> {
+    let start = std::time::Instant::now();
+    let progress = |what: &str| eprintln!("[ebpf kube mode] {what} after {:?}", start.elapsed());
+    for (node, agent) in topology.nodes().iter().zip(agents.iter_mut()) {
+        let env = agent.wait_subnet_env(node, Duration::from_secs(60))?;
+        let want = SubnetEnv::v4(network, cidr(node.index()), 1450, false);
+        ensure!(
+            env == want,
+            "{}: subnet.env {env:?}, want {want:?}",
+            node.name()
+        );
+    }
+    progress("subnet.env written");
+    // What each node published: its public IP and its VTEP MAC.
+    let prefix = "flannel.alpha.coreos.com";
+    let mut published = Vec::new();
+    for node in topology.nodes() {
+        let mac = wait::until(CONVERGE, &format!("{}'s annotations", node.name()), || {
+            let obj = api.node(&node.name()).context("node gone")?;
+            let ann = &obj["metadata"]["annotations"];
+            ensure!(
+                ann[format!("{prefix}/public-ip")] == node.addr().to_string().as_str()
+                    && ann[format!("{prefix}/backend-type")] == "vxlan",
+                "annotations {ann}"
+            );
+            let data: serde_json::Value = serde_json::from_str(
+                ann[format!("{prefix}/backend-data")]
+                    .as_str()
+                    .context("no backend-data")?,
+            )?;
+            ensure!(data["VNI"] == 1, "backend-data {data}");
+            let mac = data["VtepMAC"].as_str().context("no VtepMAC")?.to_owned();
+            ensure!(
+                mac.eq_ignore_ascii_case(&link_mac(node.ns(), "flannel.1")?),
+                "VtepMAC {mac} is not flannel.1's"
+            );
+            Ok(Some(mac))
+        })?;
+        published.push((node.index(), node.addr(), mac));
+    }
+    progress("annotations published");
+    // Each node's route map holds exactly the other node, and it runs the eBPF path.
+    for node in topology.nodes() {
+        let want: BTreeMap<Ipv4Net, Route> = published
+            .iter()
+            .filter(|(m, ..)| *m != node.index())
+            .map(|(m, ip, mac)| (cidr(*m), Route::vxlan(*ip, 1, mac)))
+            .collect();
+        wait::until(CONVERGE, &format!("{}'s route map", node.name()), || {
+            let got = fastpath::routes(node.bpf_pin_path())?;
+            ensure!(
+                got == want,
+                "holds\n{}want\n{}",
+                routes_text(&got),
+                routes_text(&want)
+            );
+            Ok(Some(()))
+        })?;
+        let path = fastpath::active_path(node.ns(), DEFAULT_HEALTHZ_PORT)?;
+        ensure!(
+            path.as_deref() == Some("ebpf"),
+            "{} reports dataplane path {path:?}",
+            node.name()
+        );
+    }
+    progress("route maps programmed");
+    // One pod per node through CNI; they talk, through the programs.
+    for n in 1..=2 {
+        let pod = topology.add_pod(n)?;
+        ensure!(
+            cidr(n).contains(&pod.ip()),
+            "pod {} got {} outside {}",
+            pod.name(),
+            pod.ip(),
+            cidr(n)
+        );
+    }
+    let scrape = |n: usize| fastpath::counters(topology.node(n).ns(), DEFAULT_HEALTHZ_PORT);
+    let before = [scrape(1)?, scrape(2)?];
+    let pods = topology.pods();
+    for (a, b) in [(0, 1), (1, 0)] {
+        let (from, to) = (&pods[a], &pods[b]);
+        probe::tcp_reaches(from.ns(), to.ns(), IpAddr::V4(to.ip()), PROBE)
+            .with_context(|| format!("{} -> {}", from.name(), to.name()))?;
+        let t = probe::transfer(
+            from.ns(),
+            to.ns(),
+            IpAddr::V4(to.ip()),
+            scenarios::TRANSFER_BYTES,
+            Duration::from_secs(30),
+        )
+        .with_context(|| format!("transfer {} -> {}", from.name(), to.name()))?;
+        eprintln!(
+            "{} -> {}: {} bytes intact in {:?}",
+            from.name(),
+            to.name(),
+            t.bytes,
+            t.elapsed
+        );
+    }
+    progress("pods talked");
+    let after = [scrape(1)?, scrape(2)?];
+    let (eg_prog, eg_reason) = fastpath::egress_reason("vxlan").context("egress reason")?;
+    let (in_prog, in_reason) = fastpath::ingress_reason("vxlan").context("ingress reason")?;
+    for i in 0..2 {
+        let sent = fastpath::grown(&before[i].bytes, &after[i].bytes, eg_prog, eg_reason);
+        let got = fastpath::grown(&before[i].packets, &after[i].packets, in_prog, in_reason);
+        ensure!(
+            sent >= scenarios::TRANSFER_BYTES && got > 0,
+            "node{}'s fast path counted {sent} bytes under {eg_prog}/{eg_reason} and {got} \
+             packets under {in_prog}/{in_reason}; what moved: {}",
+            i + 1,
+            fastpath::growth_text(&before[i].packets, &after[i].packets)
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,785 @@
+//! The checks the kernel-path tests and the eBPF fast-path tests share. Each takes the
+//! dataplane of every node from the cluster (`Cluster::dataplane_of`), so the same scenario
+//! runs on a kernel-path cluster, a fast-path cluster and a mixed one, and takes how node
+//! *a* reaches node *b* as a [`PathFn`].
+//!
+//! On fast-path nodes every scenario also checks what only the fast path has: the exact
+//! route map, `flannel_dataplane_info{path="ebpf"}`, and that the packet counters of the
+//! programs grew by the traffic the scenario sent (bytes of bulk transfers included), so an
+//! agent that silently fell back to the kernel path, or a program that hands everything to
+//! the kernel, fails.
+
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use flannel_tests::{
+    bench::variant::link_mac,
+    lab::{
+        agent::{DEFAULT_HEALTHZ_PORT, Dataplane},
+        cluster::Cluster,
+        fastpath::{self, Counters, PinIds},
+        lease::LeaseRecord,
+        probe::{self, FlowStats, StreamStats, TcpFlow, UdpEcho, UdpStream},
+        status, wait,
+    },
+    topology::Underlay,
+};
+use serde_json::json;
+
+use super::{
+    CONVERGE, PROBE, Path, check_active_path, count_lines, counters, expected_routes,
+    expected_state, leases_by_node, named, node_of, on_fast_path, routes_text, spec_on,
+    wait_for_routes, wait_for_state, with_cluster,
+};
+
+/// How node `a` reaches node `b` (1-based node numbers).
+pub type PathFn<'a> = &'a dyn Fn(usize, usize) -> Path;
+
+/// Bytes sent across nodes by each checksummed transfer.
+pub const TRANSFER_BYTES: u64 = 8 * 1024 * 1024;
+/// Interval of the request streams that must lose nothing.
+pub const STREAM_INTERVAL: Duration = Duration::from_millis(10);
+/// Pace of the long TCP transfers across restarts and outages, bytes per second.
+pub const FLOW_RATE: u64 = 2 * 1024 * 1024;
+/// The longest a long TCP transfer may wait for data: a single lost segment costs at least
+/// the 200 ms minimum retransmission timeout and shows as a retransmission anyway; this
+/// bounds scheduling hiccups of a loaded machine.
+pub const MAX_STALL: Duration = Duration::from_secs(1);
+
+/// The nodes of the cluster, 1-based.
+pub fn all_nodes(cluster: &Cluster) -> Vec<usize> {
+    (1..=cluster.topology().nodes().len()).collect()
+}
+
+/// How node `n` reaches `lease`: through `path` for a lease of a lab node, the backend's
+/// default path for a lease of no lab node (a fake one).
+fn path_to_lease(cluster: &Cluster, path: PathFn<'_>, n: usize, lease: &LeaseRecord) -> Path {
+    match node_of(cluster, lease) {
+        Some(m) => path(n, m),
+        None => Path::of_backend(&cluster.spec().backend),
+    }
+}
+
+/// Every node in `nodes` holds exactly the kernel entries for `leases` that `path` asks for;
+/// fast-path nodes also hold exactly the route map entries and report the eBPF path,
+/// kernel-path nodes report the kernel path.
+pub fn converged_on(
+    cluster: &Cluster,
+    nodes: &[usize],
+    leases: &[LeaseRecord],
+    path: PathFn<'_>,
+) -> Result<()> {
+    for &n in nodes {
+        let path_to = |l: &LeaseRecord| path_to_lease(cluster, path, n, l);
+        let want = expected_state(cluster, n, leases, path_to);
+        wait_for_state(cluster, n, &want)?;
+        check_active_path(cluster, n)?;
+        if on_fast_path(cluster, n) {
+            let routes = expected_routes(cluster, n, leases, path_to);
+            wait_for_routes(cluster, n, &routes)?;
+        }
+    }
+    Ok(())
+}
+
+/// [`converged_on`] for every node and the leases of every node.
+pub fn converged(cluster: &Cluster, path: PathFn<'_>) -> Result<()> {
+    let by_node = leases_by_node(cluster)?;
+    let subnets: std::collections::BTreeSet<_> = by_node.values().map(|l| l.subnet).collect();
+    ensure!(
+        subnets.len() == by_node.len(),
+        "leases overlap: {by_node:?}"
+    );
+    let leases: Vec<_> = by_node.into_values().collect();
+    converged_on(cluster, &all_nodes(cluster), &leases, path)
+}
+
+/// The counters of every fast-path node.
+pub fn fast_counters(cluster: &Cluster) -> Result<BTreeMap<usize, Counters>> {
+    all_nodes(cluster)
+        .into_iter()
+        .filter(|&n| on_fast_path(cluster, n))
+        .map(|n| Ok((n, counters(cluster, n)?)))
+        .collect()
+}
+
+/// What a fast path must have counted between two scrapes.
+#[derive(Debug, Default)]
+pub struct Expect {
+    /// (node, program, reason) → at least this many packets.
+    packets: BTreeMap<(usize, &'static str, &'static str), u64>,
+    /// (node, program, reason) → at least this many bytes.
+    bytes: BTreeMap<(usize, &'static str, &'static str), u64>,
+}
+
+impl Expect {
+    /// Node `a` sent at least `packets` packets and `bytes` bytes to node `b` (reached by
+    /// `path`): `a`'s egress program must have counted both, `b`'s ingress program the
+    /// packets (for those of the two on the fast path).
+    ///
+    /// Only the packets on ingress: bulk VXLAN arrives aggregated by GRO, and the fast path
+    /// hands such packets to the kernel's `flannel.1` (`pass_gso`), then the rest of that
+    /// flow (`pass_kernel_flow`), so its bytes are not the fast path's there.
+    pub fn sent(
+        &mut self,
+        cluster: &Cluster,
+        path: PathFn<'_>,
+        (a, b): (usize, usize),
+        packets: u64,
+        bytes: u64,
+    ) {
+        let Some(kind) = path(a, b).kind() else {
+            return;
+        };
+        let ends = [
+            (a, fastpath::egress_reason(kind), bytes),
+            (b, fastpath::ingress_reason(kind), 0),
+        ];
+        for (n, reason, bytes) in ends {
+            if let (true, Some((program, reason))) = (on_fast_path(cluster, n), reason) {
+                *self.packets.entry((n, program, reason)).or_default() += packets;
+                *self.bytes.entry((n, program, reason)).or_default() += bytes;
+            }
+        }
+    }
+
+    /// Fails unless every expected counter grew by at least its amount.
+    pub fn check(
+        &self,
+        before: &BTreeMap<usize, Counters>,
+        after: &BTreeMap<usize, Counters>,
+    ) -> Result<()> {
+        let empty = Counters::default();
+        let pick = |m: &BTreeMap<usize, Counters>, n: usize| m.get(&n).unwrap_or(&empty).clone();
+        for (family, want) in [("packets", &self.packets), ("bytes", &self.bytes)] {
+            for (&(n, program, reason), &min) in want {
+                let (b, a) = (pick(before, n), pick(after, n));
+                let (b, a) = if family == "packets" {
+                    (b.packets, a.packets)
+                } else {
+                    (b.bytes, a.bytes)
+                };
+                let grew = fastpath::grown(&b, &a, program, reason);
+                ensure!(
+                    grew >= min,
+                    "node{n}'s fast path counted {grew} {family} under {program}/{reason}, \
+                     expected at least {min}; what moved: {}",
+                    fastpath::growth_text(&b, &a)
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Every node holds exactly the entries `path` asks for, every pod reaches every other pod,
+/// and [`TRANSFER_BYTES`] cross each pair in `transfers` (first pod to first pod) intact. On
+/// fast-path nodes the programs counted it: matrix packets towards every peer with a path,
+/// and at least the transferred bytes on both ends of every transfer.
+pub fn reachable_everywhere(
+    cluster: &Cluster,
+    path: PathFn<'_>,
+    transfers: &[(usize, usize)],
+) -> Result<()> {
+    converged(cluster, path)?;
+    let before = fast_counters(cluster)?;
+    let matrix = cluster.matrix(PROBE)?;
+    eprintln!("{matrix}");
+    if !matrix.all_ok() {
+        bail!("pods cannot reach each other:\n{matrix}");
+    }
+    let mut expect = Expect::default();
+    let nodes = all_nodes(cluster);
+    for &a in &nodes {
+        for &b in &nodes {
+            if a != b && !cluster.topology().pods_on(a).is_empty() {
+                // Each probe is at least SYN, data and FIN from a's pods towards b's.
+                expect.sent(cluster, path, (a, b), 3, 0);
+            }
+        }
+    }
+    for &(a, b) in transfers {
+        transfer_between(cluster, a, b)?;
+        expect.sent(cluster, path, (a, b), 1, TRANSFER_BYTES);
+    }
+    let after = fast_counters(cluster)?;
+    expect.check(&before, &after)
+}
+
+/// Sends [`TRANSFER_BYTES`] from the first pod of node `a` to the first pod of node `b`.
+pub fn transfer_between(cluster: &Cluster, a: usize, b: usize) -> Result<()> {
+    let topo = cluster.topology();
+    let (from, to) = (topo.pods_on(a)[0], topo.pods_on(b)[0]);
+    let t = probe::transfer(
+        from.ns(),
+        to.ns(),
+        IpAddr::V4(to.ip()),
+        TRANSFER_BYTES,
+        Duration::from_secs(30),
+    )
+    .with_context(|| format!("transfer {} -> {}", from.name(), to.name()))?;
+    eprintln!(
+        "{} -> {}: {} bytes intact in {:?} ({:.0} Mbit/s)",
+        from.name(),
+        to.name(),
+        t.bytes,
+        t.elapsed,
+        t.mbit_per_s()
+    );
+    Ok(())
+}
+
+/// The interface index of `dev` on node `n`.
+pub fn ifindex(cluster: &Cluster, n: usize, dev: &str) -> Result<u64> {
+    let out = cluster
+        .topology()
+        .node(n)
+        .run(&["ip", "-j", "link", "show", dev])?;
+    let v: serde_json::Value = serde_json::from_str(&out)?;
+    v[0]["ifindex"]
+        .as_u64()
+        .with_context(|| format!("no ifindex for {dev}: {out}"))
+}
+
+/// Traffic that must not notice what happens meanwhile: a UDP request every
+/// [`STREAM_INTERVAL`] from node `client`'s first pod to an echo in node `server`'s first pod
+/// (answers leave `server` through its dataplane), and a paced TCP transfer from `server`'s
+/// pod to `client`'s.
+pub struct Undisturbed {
+    // The stream and flow end before the echo they talk to.
+    stream: UdpStream,
+    flow: TcpFlow,
+    _echo: UdpEcho,
+    /// (client, server)
+    pub nodes: (usize, usize),
+}
+
+impl Undisturbed {
+    /// Starts both.
+    pub fn start(cluster: &Cluster, client: usize, server: usize) -> Result<Undisturbed> {
+        let topo = cluster.topology();
+        let (c, s) = (topo.pods_on(client)[0], topo.pods_on(server)[0]);
+        let echo = UdpEcho::start(s.ns(), IpAddr::V4(s.ip()), 0)?;
+        let stream = UdpStream::start(c.ns(), echo.addr(), STREAM_INTERVAL)?;
+        let flow = TcpFlow::start(s.ns(), c.ns(), IpAddr::V4(c.ip()), FLOW_RATE)?;
+        Ok(Undisturbed {
+            stream,
+            flow,
+            _echo: echo,
+            nodes: (client, server),
+        })
+    }
+
+    /// Stops both and fails unless nothing was lost: every request answered, every byte
+    /// delivered intact without a stall beyond [`MAX_STALL`], and no retransmission except
+    /// needless ones (a tail loss probe or a reaction to reordering, which the receiver
+    /// reports as a duplicate); at least `min_requests` requests were sent.
+    pub fn finish(self, what: &str, min_requests: u64) -> Result<(StreamStats, FlowStats)> {
+        let stats = self.stream.finish()?;
+        let flow = self.flow.finish().with_context(|| format!("TCP {what}"))?;
+        eprintln!("UDP stream {what}: {stats:?}\nTCP transfer {what}: {flow:?}");
+        ensure!(
+            stats.sent >= min_requests,
+            "only {} requests sent {what}",
+            stats.sent
+        );
+        ensure!(
+            stats.lost_count == 0,
+            "{} of {} requests lost {what} (first: {:?})",
+            stats.lost_count,
+            stats.sent,
+            stats.lost
+        );
+        ensure!(
+            flow.lost() == 0,
+            "the TCP transfer {what} lost {} segments: {} retransmitted, {} of them shown \
+             needless by D-SACKs; sender's counters {:?}",
+            flow.lost(),
+            flow.retransmits,
+            flow.spurious,
+            flow.sender_netstat
+        );
+        ensure!(
+            flow.longest_stall < MAX_STALL,
+            "the TCP transfer {what} stalled for {:?}",
+            flow.longest_stall
+        );
+        Ok((stats, flow))
+    }
+}
+
+/// What the fast path of node `n` adds to the expectations of [`Undisturbed`] traffic:
+/// `server`'s pod sent the transfer and the answers to `client`'s.
+fn expect_undisturbed(
+    cluster: &Cluster,
+    path: PathFn<'_>,
+    (client, server): (usize, usize),
+    stream: &StreamStats,
+    flow: &FlowStats,
+) -> Expect {
+    let mut expect = Expect::default();
+    expect.sent(cluster, path, (client, server), stream.answered, 0);
+    expect.sent(cluster, path, (server, client), stream.answered, flow.bytes);
+    expect
+}
+
+/// The fast-path pins of node `n` and its route map.
+fn fast_path_state(
+    cluster: &Cluster,
+    n: usize,
+) -> Result<(PinIds, BTreeMap<ipnet::Ipv4Net, fastpath::Route>)> {
+    let pins = cluster.topology().node(n).bpf_pin_path();
+    Ok((fastpath::pin_ids(pins)?, fastpath::routes(pins)?))
+}
+
+/// Node `n`'s agent is stopped (SIGTERM) and started again while [`Undisturbed`] traffic
+/// runs between its pod and node `peer`'s: the agent exits 0; nothing is lost; the
+/// restarted agent adopts the dataplane without a single write (same `flannel.1`, identical
+/// kernel entries, no duplicates; "dataplane reconciled" never logged). On the fast path the
+/// programs and maps stay attached while the agent is down (same map and link ids, same
+/// route map), the new agent swaps its programs in behind the pinned links, and the counters
+/// show every byte of the transfer went through the programs.
+pub fn restart_is_hitless(
+    cluster: &mut Cluster,
+    path: PathFn<'_>,
+    n: usize,
+    peer: usize,
+) -> Result<()> {
+    converged(cluster, path)?;
+    let fast = on_fast_path(cluster, n);
+    let before = cluster.kernel_state(n)?;
+    let vxlan = cluster.spec().backend == "vxlan";
+    let device = if vxlan {
+        Some((
+            ifindex(cluster, n, "flannel.1")?,
+            link_mac(cluster.topology().node(n).ns(), "flannel.1")?,
+        ))
+    } else {
+        None
+    };
+    let pins_before = if fast {
+        Some(fast_path_state(cluster, n)?)
+    } else {
+        None
+    };
+    let lease_before = cluster.lease_key(n);
+    let counters_before = fast_counters(cluster)?;
+    let traffic = Undisturbed::start(cluster, peer, n)?;
+    thread::sleep(Duration::from_secs(1));
+
+    let log_path = cluster.topology().node(n).agent_log();
+    let status = cluster
+        .agent_mut(n)
+        .context("agent")?
+        .stop(Duration::from_secs(10))?;
+    ensure!(
+        status.success(),
+        "node{n}'s agent exited with {status} on SIGTERM"
+    );
+    let first_run_len = std::fs::read_to_string(&log_path)?.len();
+    // Down for 2 s: 200 requests and 4 MiB cross the node meanwhile.
+    let down = Instant::now();
+    if let Some((ids, routes)) = &pins_before {
+        let (ids_now, routes_now) =
+            fast_path_state(cluster, n).context("the fast path's pins while the agent is down")?;
+        ensure!(
+            &ids_now == ids && &routes_now == routes,
+            "the pins changed while the agent was down: {ids:?} -> {ids_now:?}"
+        );
+    }
+    thread::sleep(Duration::from_secs(2).saturating_sub(down.elapsed()));
+    cluster.agent_mut(n).context("agent")?.restart()?;
+    wait::until_ok(
+        Duration::from_secs(30),
+        "the restarted agent's /readyz",
+        || {
+            cluster.agent_mut(n).context("agent")?.check_running()?;
+            match status::http_status(
+                cluster.topology().node(n).ns(),
+                DEFAULT_HEALTHZ_PORT,
+                "/readyz",
+            )? {
+                200 => Ok(()),
+                code => bail!("/readyz {code}"),
+            }
+        },
+    )?;
+    // A few resyncs of the second run must not change anything either.
+    thread::sleep(Duration::from_secs(2));
+    let (stream, flow) = traffic.finish("across the restart", 400)?;
+
+    let after = cluster.kernel_state(n)?;
+    ensure!(
+        after == before,
+        "kernel state changed:\nbefore\n{before}after\n{after}"
+    );
+    ensure!(
+        after.duplicates().is_empty(),
+        "duplicates: {:?}",
+        after.duplicates()
+    );
+    if let Some((index, mac)) = &device {
+        ensure!(
+            ifindex(cluster, n, "flannel.1")? == *index
+                && link_mac(cluster.topology().node(n).ns(), "flannel.1")? == *mac,
+            "flannel.1 was recreated or its MAC changed"
+        );
+    }
+    ensure!(cluster.lease_key(n) == lease_before, "the lease changed");
+    let log = std::fs::read_to_string(&log_path)?;
+    let second = &log[first_run_len.min(log.len())..];
+    ensure!(
+        second.contains("lease acquired") && second.contains("flannel is ready"),
+        "the second run's log is incomplete:\n{second}"
+    );
+    let writes = count_lines(second, "dataplane reconciled");
+    ensure!(
+        writes == 0,
+        "the restarted agent wrote to the dataplane {writes} times:\n{second}"
+    );
+    check_active_path(cluster, n)?;
+    if let Some((ids, routes)) = &pins_before {
+        let (ids_after, routes_after) = fast_path_state(cluster, n)?;
+        ensure!(
+            ids_after.maps == ids.maps,
+            "maps were not adopted: {:?} -> {:?}",
+            ids.maps,
+            ids_after.maps
+        );
+        ensure!(
+            ids_after.links == ids.links,
+            "links were not adopted: {:?} -> {:?}",
+            ids.links,
+            ids_after.links
+        );
+        for (link, prog) in &ids.programs {
+            ensure!(
+                ids_after.programs.get(link).is_some_and(|p| p != prog),
+                "the restarted agent did not swap its program in behind {link}: {:?} -> {:?}",
+                ids.programs,
+                ids_after.programs
+            );
+        }
+        ensure!(
+            &routes_after == routes,
+            "route map changed:\n{}->\n{}",
+            routes_text(routes),
+            routes_text(&routes_after)
+        );
+        eprintln!(
+            "node{n} adopted maps {:?} and links {:?}; programs {:?} -> {:?}",
+            ids.maps, ids.links, ids.programs, ids_after.programs
+        );
+    }
+    let counters_after = fast_counters(cluster)?;
+    expect_undisturbed(cluster, path, (peer, n), &stream, &flow)
+        .check(&counters_before, &counters_after)?;
+    let leases = cluster.leases()?;
+    let want_peer = expected_state(cluster, peer, &leases, |l| {
+        path_to_lease(cluster, path, peer, l)
+    });
+    ensure!(
+        cluster.kernel_state(peer)? == want_peer,
+        "node{peer} lost entries"
+    );
+    Ok(())
+}
+
+/// A lease of a node that does not exist, in upstream's JSON for `backend`.
+pub fn fake_lease(backend: &str, public_ip: Ipv4Addr, mac: &str) -> String {
+    let data = match backend {
+        "vxlan" => json!({"VNI": 1, "VtepMAC": mac}),
+        _ => serde_json::Value::Null,
+    };
+    json!({
+        "PublicIP": public_ip.to_string(),
+        "PublicIPv6": null,
+        "BackendType": backend,
+        "BackendData": data,
+    })
+    .to_string()
+}
+
+/// etcd is killed for 30 s while [`Undisturbed`] traffic runs from node `a`'s pod to node
+/// `b`'s: the agents stay up and healthy, nothing changes in the dataplane (kernel entries,
+/// route maps), nothing is lost; on fast-path nodes the programs carried it all. After etcd is
+/// back the agents see a new lease (the lease watch reconnected) and node `a` renews its own
+/// (the keeper's watch reconnected: a short TTL put on the key is renewed to the full 24 h).
+pub fn etcd_outage_is_ridden_out(
+    cluster: &mut Cluster,
+    path: PathFn<'_>,
+    a: usize,
+    b: usize,
+) -> Result<()> {
+    converged(cluster, path)?;
+    let nodes = all_nodes(cluster);
+    let before: Vec<_> = nodes
+        .iter()
+        .map(|&n| cluster.kernel_state(n))
+        .collect::<Result<_>>()?;
+    let maps_before: BTreeMap<usize, _> = nodes
+        .iter()
+        .filter(|&&n| on_fast_path(cluster, n))
+        .map(|&n| {
+            Ok((
+                n,
+                fastpath::routes(cluster.topology().node(n).bpf_pin_path())?,
+            ))
+        })
+        .collect::<Result<_>>()?;
+    let counters_before = fast_counters(cluster)?;
+    let traffic = Undisturbed::start(cluster, a, b)?;
+
+    cluster.stop_etcd();
+    let outage = Instant::now();
+    while outage.elapsed() < Duration::from_secs(30) {
+        for &n in &nodes {
+            cluster.agent_mut(n).context("agent")?.check_running()?;
+            let ns = cluster.topology().node(n).ns();
+            let code = status::http_status(ns, DEFAULT_HEALTHZ_PORT, "/healthz")?;
+            ensure!(code == 200, "node{n} /healthz {code} during the outage");
+        }
+        thread::sleep(Duration::from_secs(1));
+    }
+    for (&n, state) in nodes.iter().zip(&before) {
+        ensure!(
+            &cluster.kernel_state(n)? == state,
+            "node{n} changed its kernel entries during the outage"
+        );
+    }
+    for (n, routes) in &maps_before {
+        let now = fastpath::routes(cluster.topology().node(*n).bpf_pin_path())?;
+        ensure!(
+            &now == routes,
+            "node{n} changed its route map during the outage"
+        );
+    }
+    cluster.resume_etcd()?;
+    eprintln!("etcd back after {:?}", outage.elapsed());
+
+    // The lease watch reconnected: a lease added now is programmed everywhere.
+    let backend = cluster.spec().backend.clone();
+    let prefix = cluster.spec().etcd_prefix.clone();
+    let fake_key = format!("{prefix}/subnets/10.244.250.0-24");
+    let fake = fake_lease(
+        &backend,
+        Ipv4Addr::new(192, 168, 1, 250),
+        "0e:00:00:00:fa:01",
+    );
+    cluster.kv().put_with_ttl(&fake_key, &fake, 600)?;
+    let leases = cluster.leases()?;
+    ensure!(leases.len() == nodes.len() + 1, "{leases:?}");
+    converged_on(cluster, &nodes, &leases, path).context("after etcd came back")?;
+
+    // The keeper's watch reconnected: it sees its key attached to a 70 s lease and renews it
+    // (renew margin 1 min) with the full TTL.
+    let key = cluster.lease_key(a).context("lease key")?;
+    let value = cluster.kv().get(&key)?.context("the lease is gone")?;
+    let short = cluster.kv().put_with_ttl(&key, &value, 70)?;
+    let (id, ttl) = wait::until(
+        Duration::from_secs(40),
+        &format!("node{a} to renew its lease"),
+        || match cluster.kv().lease_of(&key)? {
+            Some((id, ttl)) if id != short && ttl > 3600 => Ok(Some((id, ttl))),
+            other => bail!("lease of {key}: {other:?}"),
+        },
+    )?;
+    eprintln!("node{a} renewed {key}: etcd lease {id:x}, TTL {ttl} s");
+    let log = std::fs::read_to_string(cluster.topology().node(a).agent_log())?;
+    ensure!(log.contains("renewed lease"), "no renewal in node{a}'s log");
+    for &n in &nodes {
+        let key = cluster.lease_key(n).context("lease key")?;
+        ensure!(cluster.kv().get(&key)?.is_some(), "node{n}'s lease is gone");
+        cluster.agent_mut(n).context("agent")?.check_running()?;
+        let code = status::http_status(
+            cluster.topology().node(n).ns(),
+            DEFAULT_HEALTHZ_PORT,
+            "/readyz",
+        )?;
+        ensure!(code == 200, "node{n} /readyz {code} after the outage");
+    }
+    let (stream, flow) = traffic.finish("across the outage", 3000)?;
+    let counters_after = fast_counters(cluster)?;
+    expect_undisturbed(cluster, path, (a, b), &stream, &flow)
+        .check(&counters_before, &counters_after)?;
+    // Leave the cluster as it was.
+    cluster.kv().delete(&fake_key)?;
+    let leases: Vec<_> = leases_by_node(cluster)?.into_values().collect();
+    converged_on(cluster, &nodes, &leases, path)
+}
+
+/// Node `gone`'s lease is deleted: its agent exits 0 saying why, and every other node drops
+/// everything it held for it (kernel entries; on the fast path its route map entry and its
+/// tunnel peer entry).
+pub fn node_leaves(cluster: &mut Cluster, path: PathFn<'_>, gone: usize) -> Result<()> {
+    converged(cluster, path)?;
+    let lease = leases_by_node(cluster)?
+        .remove(&gone)
+        .with_context(|| format!("node{gone} has a lease"))?;
+    let public = lease.public_ip.context("public IP")?;
+    let others: Vec<usize> = all_nodes(cluster)
+        .into_iter()
+        .filter(|&n| n != gone)
+        .collect();
+    let tunnel = matches!(path(others[0], gone), Path::Vxlan | Path::Ipip);
+    for &n in &others {
+        if on_fast_path(cluster, n) && tunnel {
+            let peers = fastpath::tunnel_peers(cluster.topology().node(n).bpf_pin_path())?;
+            ensure!(
+                peers.contains_key(&public),
+                "node{n}'s tunnel peers lack node{gone} ({public}) before it leaves: {peers:?}"
+            );
+        }
+    }
+    let key = cluster.lease_key(gone).context("lease key")?;
+    ensure!(key == lease.key, "{key} vs {}", lease.key);
+    ensure!(cluster.kv().delete(&key)?, "{key} existed");
+    let agent = cluster.agent_mut(gone).context("agent")?;
+    let status = wait::until(
+        Duration::from_secs(20),
+        &format!("node{gone}'s agent to exit"),
+        || Ok(agent.exit_status()),
+    )?;
+    ensure!(status.success(), "node{gone}'s agent exited with {status}");
+    let log = std::fs::read_to_string(agent.log_path())?;
+    ensure!(
+        log.contains("Lease has been revoked"),
+        "node{gone}'s log does not say why it stopped"
+    );
+    let remaining = cluster.leases()?;
+    ensure!(
+        remaining.len() == others.len(),
+        "leases left: {remaining:?}"
+    );
+    converged_on(cluster, &others, &remaining, path)?;
+    for &n in &others {
+        let got = cluster.kernel_state(n)?;
+        ensure!(
+            !got.mentions(&lease.subnet.to_string())
+                && !got.mentions(&lease.subnet.network().to_string())
+                && !got.mentions(lease.vtep_mac().unwrap_or("-")),
+            "node{n} still holds entries of node{gone}:\n{got}"
+        );
+        if on_fast_path(cluster, n) {
+            let pins = cluster.topology().node(n).bpf_pin_path();
+            let routes = fastpath::routes(pins)?;
+            ensure!(
+                !routes.contains_key(&lease.subnet),
+                "node{n}'s route map still holds {}",
+                lease.subnet
+            );
+            let peers = fastpath::tunnel_peers(pins)?;
+            ensure!(
+                !peers.contains_key(&public),
+                "node{n}'s tunnel peers still hold node{gone} ({public}): {peers:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The connectivity test of `backend` over `underlay` on `dataplane`, three nodes with two
+/// CNI pods each:
+///
+/// * host-gw over a routed (L3) underlay: [`host_gw_reports_unreachable_peers`];
+/// * vxlan over the mixed underlay: with DirectRouting, [`direct_routing_on_mixed_underlay`];
+/// * anything else: [`reachable_everywhere`] with the backend's path between all nodes and
+///   transfers node1 → node3 and node3 → node2.
+pub fn connectivity(dataplane: Dataplane, backend: &str, underlay: Underlay) {
+    let mut spec = spec_on(dataplane, 3, underlay, backend, 2);
+    let name = named(dataplane, &format!("{backend}/{underlay}"));
+    match (backend, underlay) {
+        ("host-gw", Underlay::L3) => {
+            with_cluster(&name, spec, host_gw_reports_unreachable_peers);
+        }
+        ("vxlan", Underlay::Mixed) => {
+            spec.backend_options = json!({"DirectRouting": true});
+            with_cluster(&name, spec, direct_routing_on_mixed_underlay);
+        }
+        _ => {
+            let path = Path::of_backend(backend);
+            with_cluster(&name, spec, |c| {
+                if underlay == Underlay::L3 {
+                    ensure!(
+                        !c.topology().l2_adjacent(1, 2)?,
+                        "the L3 underlay is routed"
+                    );
+                }
+                reachable_everywhere(c, &|_, _| path, &[(1, 3), (3, 2)])
+            });
+        }
+    }
+}
+
+/// host-gw needs one L2 segment: over a routed underlay every peer is reported (metric and
+/// one log line per peer) and nothing is programmed for it (no kernel route, no route map
+/// entry), no black-hole either, so the node's default route still applies and pods on one
+/// node still talk.
+pub fn host_gw_reports_unreachable_peers(c: &mut Cluster) -> Result<()> {
+    let by_node = leases_by_node(c)?;
+    converged(c, &|_, _| Path::None)?;
+    for n in all_nodes(c) {
+        wait::until_ok(
+            CONVERGE,
+            &format!("node{n} to report 2 unreachable peers"),
+            || match c.metric(n, "flannel_peers_unreachable")? {
+                Some(2.0) => Ok(()),
+                other => bail!("flannel_peers_unreachable = {other:?}"),
+            },
+        )?;
+        let node = c.topology().node(n);
+        for (m, lease) in &by_node {
+            if *m == n {
+                continue;
+            }
+            // No route of any type: the peer's pods go the default way (to the hub).
+            let peer_pod = Ipv4Addr::from(u32::from(lease.subnet.network()) + 2);
+            let route = node.route_get(IpAddr::V4(peer_pod))?;
+            ensure!(
+                route.gateway == Some(IpAddr::V4(node.gateway()))
+                    && route.dev.as_deref() == Some("eth0"),
+                "node{n} routes {peer_pod} {route:?}, not via its default gateway"
+            );
+            let log = std::fs::read_to_string(node.agent_log())?;
+            let needle = format!("no route to {} of lease", lease.subnet);
+            let times = count_lines(&log, &needle);
+            ensure!(
+                times == 1,
+                "node{n} logged {needle:?} {times} times (want once)"
+            );
+        }
+    }
+    for n in all_nodes(c) {
+        let pods = c.topology().pods_on(n);
+        probe::tcp_reaches(pods[0].ns(), pods[1].ns(), IpAddr::V4(pods[1].ip()), PROBE)
+            .with_context(|| format!("pods on node{n}"))?;
+    }
+    Ok(())
+}
+
+/// DirectRouting on a mixed underlay: nodes 1 and 2 share a segment and route to each
+/// other directly; node 3 is behind the hub and reached through VXLAN (and reaches both
+/// through VXLAN).
+pub fn direct_routing_on_mixed_underlay(c: &mut Cluster) -> Result<()> {
+    ensure!(
+        c.topology().l2_adjacent(1, 2)?,
+        "nodes 1 and 2 share a segment"
+    );
+    ensure!(!c.topology().l2_adjacent(1, 3)?, "node 3 is routed");
+    reachable_everywhere(
+        c,
+        &|from, to| {
+            if from <= 2 && to <= 2 {
+                Path::Direct
+            } else {
+                Path::Vxlan
+            }
+        },
+        &[(1, 3), (3, 2), (1, 2), (2, 1)],
+    )
+}
