@@ -168,6 +168,10 @@ pub const REQUIREMENTS: &[Requirement] = &[
     deb("wireguard-tools", "wg: WireGuard keys and peers"),
     deb("strongswan-charon", "IKE daemon for the ipsec backend"),
     deb("strongswan-swanctl", "swanctl: configures charon"),
+    deb(
+        "libstrongswan-standard-plugins",
+        "charon's openssl and gcm plugins: upstream's default ESP proposal is AES-GCM",
+    ),
     req(
         "bpf-linker 0.13.0",
         "links the eBPF object (aya-build); built against the nightly's libLLVM",
