@@ -14,32 +14,27 @@
 use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, Ipv6Addr},
-    path::PathBuf,
     time::Instant,
 };
 
 use aya::{TestRun as _, TestRunOptions};
 use flannel_agent::bpf::{
-    Attached, FastPath, Hook, LocalConfig, NetdevAttach, ReasonCounters, Remote, Via, VxlanLocal,
+    Attached, FastPath, Hook, LocalConfig, NetdevAttach, Remote, Via, VxlanLocal,
 };
 use flannel_common::{config::FASTPATH_MARK, stats::Reason};
-use flannel_tests::{
-    netns::NetNs,
-    packet::{
-        self, Arp, Checksum, Ethernet, IPPROTO_GRE, IPPROTO_IPIP, Icmp, Ipv4, Ipv6, MAC_BROADCAST,
-        ParsedL3, ParsedL4, Tcp, Transport, Udp, hexdump,
-    },
+use flannel_tests::packet::{
+    self, Arp, Checksum, Ethernet, IPPROTO_GRE, IPPROTO_IPIP, Icmp, Ipv4, Ipv6, MAC_BROADCAST,
+    ParsedL3, ParsedL4, Tcp, Transport, Udp, hexdump,
 };
 use ipnet::Ipv4Net;
 
-const TC_ACT_OK: u32 = 0;
-const TC_ACT_SHOT: u32 = 2;
-const TC_ACT_REDIRECT: u32 = 7;
+mod bpf_support;
 
-type Mac = [u8; 6];
-const EXT_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x01];
-const BR_MAC: Mac = [0x02, 0xbb, 0, 0, 0, 0x01];
-const POD_MAC: Mac = [0x02, 0xaa, 0, 0, 0, 0x05];
+use bpf_support::{
+    BR_MAC, EXT_MAC, Ifaces, Mac, POD_MAC, Rig, Run, Skb, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT,
+    assert_bytes, counted_between, mac_str, net, run,
+};
+
 const PEER2_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x02];
 const PEER3_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x03];
 const PEER5_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x05];
@@ -68,74 +63,26 @@ const IPIP_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 5, 7);
 const VXLAN_NO_NEIGH_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 6, 7);
 const DIRECT_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 7, 7);
 
-fn net(s: &str) -> Ipv4Net {
-    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
-}
-
-fn mac_str(mac: &Mac) -> String {
-    flannel_agent::netlink::format_mac(mac)
-}
-
-/// A node namespace with a loaded, configured and synced fast path, and its pin directory.
-struct Rig {
-    ns: NetNs,
-    pin: PathBuf,
-}
-
-impl Drop for Rig {
-    fn drop(&mut self) {
-        let _ = flannel_agent::bpf::cleanup(&self.pin);
-    }
-}
-
 impl Rig {
-    /// `None` (test skipped) when not root or without the eBPF object.
+    /// The node namespace with permanent neighbours for the peers at .2, .3, .5 and the local
+    /// pod, and the host-gw routes. `None` (test skipped) when not root or without the eBPF
+    /// object.
     fn new(name: &str) -> Option<Rig> {
-        if !flannel_tests::is_root() {
-            eprintln!("skipped: needs root (BPF_PROG_TEST_RUN, namespaces)");
-            return None;
-        }
-        if flannel_agent::EBPF_OBJECT.is_empty() {
-            eprintln!("skipped: flannel-agent was built with AYA_BUILD_SKIP=1");
-            return None;
-        }
-        let ns = NetNs::new(name).expect("namespace");
-        let sh = |cmd: &str| {
-            let argv: Vec<&str> = cmd.split_whitespace().collect();
-            ns.run(&argv).unwrap_or_else(|e| panic!("{cmd}: {e:#}"));
-        };
-        sh("ip link add ext0 type veth peer name ext0p");
-        sh(&format!("ip link set ext0 address {}", mac_str(&EXT_MAC)));
-        sh("ip addr add 192.168.77.1/24 dev ext0");
-        sh("ip link set ext0 up");
-        sh("ip link set ext0p up");
-        sh("ip link add br0 type bridge");
-        sh(&format!("ip link set br0 address {}", mac_str(&BR_MAC)));
-        sh("ip addr add 10.244.1.1/24 dev br0");
-        sh("ip link add pod0 type veth peer name pod0p");
-        sh("ip link set pod0 master br0");
-        sh("ip link set pod0 up");
-        sh("ip link set pod0p up");
-        sh("ip link set br0 up");
-        sh("sysctl -qw net.ipv4.ip_forward=1");
+        let rig = Rig::node(name)?;
         for (ip, mac) in [(PUB2, PEER2_MAC), (PUB3, PEER3_MAC), (PUB5, PEER5_MAC)] {
-            sh(&format!(
+            rig.sh(&format!(
                 "ip neigh replace {ip} lladdr {} dev ext0 nud permanent",
                 mac_str(&mac)
             ));
         }
-        sh(&format!(
+        rig.sh(&format!(
             "ip neigh replace {POD} lladdr {} dev br0 nud permanent",
             mac_str(&POD_MAC)
         ));
-        sh("ip route add 10.244.2.0/24 via 192.168.77.2 dev ext0");
-        sh("ip route add 10.244.7.0/24 via 192.168.77.2 dev ext0");
-        sh("ip route add 10.244.4.0/24 via 192.168.77.4 dev ext0");
-        let pin = PathBuf::from(format!(
-            "/sys/fs/bpf/{}{name}",
-            flannel_tests::netns::run_prefix()
-        ));
-        Some(Rig { ns, pin })
+        rig.sh("ip route add 10.244.2.0/24 via 192.168.77.2 dev ext0");
+        rig.sh("ip route add 10.244.7.0/24 via 192.168.77.2 dev ext0");
+        rig.sh("ip route add 10.244.4.0/24 via 192.168.77.4 dev ext0");
+        Some(rig)
     }
 
     /// Runs `f` inside the namespace with a fast path that is loaded, configured and synced.
@@ -151,24 +98,6 @@ impl Rig {
                 f(&mut fp, &ifaces)
             })
             .expect("entering the namespace")
-    }
-}
-
-/// The interfaces of the rig, resolved inside the namespace.
-struct Ifaces {
-    ext: u32,
-    br: u32,
-}
-
-impl Ifaces {
-    fn current() -> Ifaces {
-        let index = |name: &str| {
-            nix::net::if_::if_nametoindex(name).unwrap_or_else(|e| panic!("{name}: {e}"))
-        };
-        Ifaces {
-            ext: index("ext0"),
-            br: index("br0"),
-        }
     }
 }
 
@@ -225,86 +154,6 @@ fn remotes() -> BTreeMap<Ipv4Net, Remote> {
     .into()
 }
 
-/// The `__sk_buff` test_run takes as context: the interfaces, the mark and GSO fields.
-#[derive(Clone, Copy, Default)]
-struct Skb {
-    ingress_ifindex: u32,
-    ifindex: u32,
-    mark: u32,
-    gso_segs: u32,
-    gso_size: u32,
-}
-
-impl Skb {
-    fn on(ifindex: u32) -> Skb {
-        Skb {
-            ingress_ifindex: ifindex,
-            ifindex,
-            ..Skb::default()
-        }
-    }
-
-    fn bytes(&self) -> [u8; 192] {
-        let mut b = [0u8; 192];
-        b[8..12].copy_from_slice(&self.mark.to_ne_bytes());
-        b[36..40].copy_from_slice(&self.ingress_ifindex.to_ne_bytes());
-        b[40..44].copy_from_slice(&self.ifindex.to_ne_bytes());
-        b[164..168].copy_from_slice(&self.gso_segs.to_ne_bytes());
-        b[176..180].copy_from_slice(&self.gso_size.to_ne_bytes());
-        b
-    }
-}
-
-/// The result of one run.
-struct Run {
-    verdict: u32,
-    out: Vec<u8>,
-    mark_after: u32,
-    counted: Vec<(Reason, u64, u64)>,
-}
-
-fn counters_of(fp: &FastPath, hook: Hook) -> ReasonCounters {
-    let all = fp.counters().expect("counters");
-    match hook {
-        Hook::FromBridge => all.from_bridge,
-        Hook::FromNetdev => all.from_netdev,
-        Hook::ToNetdev => all.to_netdev,
-    }
-}
-
-fn run(fp: &mut FastPath, hook: Hook, frame: &[u8], skb: Skb) -> Run {
-    let before = counters_of(fp, hook);
-    let ctx_in = skb.bytes();
-    let mut ctx_out = [0u8; 192];
-    let mut out = vec![0u8; frame.len() + 256];
-    let result = fp
-        .program_mut(hook)
-        .expect("program")
-        .test_run(TestRunOptions {
-            data_in: Some(frame),
-            data_out: Some(&mut out),
-            ctx_in: Some(&ctx_in),
-            ctx_out: Some(&mut ctx_out),
-            ..TestRunOptions::default()
-        })
-        .unwrap_or_else(|e| panic!("test_run of {hook:?}: {e:?}\n{}", hexdump(frame)));
-    out.truncate(result.data_size_out as usize);
-    let after = counters_of(fp, hook);
-    let counted = Reason::ALL
-        .iter()
-        .filter_map(|r| {
-            let (a, b) = (after.get(*r), before.get(*r));
-            (a.packets != b.packets).then(|| (*r, a.packets - b.packets, a.bytes - b.bytes))
-        })
-        .collect();
-    Run {
-        verdict: result.return_value,
-        out,
-        mark_after: u32::from_ne_bytes([ctx_out[8], ctx_out[9], ctx_out[10], ctx_out[11]]),
-        counted,
-    }
-}
-
 /// Asserts the run counted exactly `reasons` once each, with the input frame's length.
 fn assert_counted(run: &Run, frame: &[u8], reasons: &[Reason], what: &str) {
     let want: Vec<(Reason, u64, u64)> = {
@@ -339,15 +188,6 @@ fn forwarded(ip: &Ipv4) -> Ipv4 {
         ttl: ip.ttl - 1,
         ..ip.clone()
     }
-}
-
-fn assert_bytes(got: &[u8], want: &[u8], what: &str) {
-    assert!(
-        got == want,
-        "{what}: output differs\n got:\n{}want:\n{}",
-        hexdump(got),
-        hexdump(want)
-    );
 }
 
 /// The outer IPv4 header and UDP source port of a VXLAN frame.
@@ -1088,13 +928,7 @@ fn run_xdp(fp: &mut FastPath, frame: &[u8]) -> Run {
         .unwrap_or_else(|e| panic!("XDP test_run: {e:?}\n{}", hexdump(frame)));
     out.truncate(result.data_size_out as usize);
     let after = fp.counters().expect("counters").xdp_from_netdev;
-    let counted = Reason::ALL
-        .iter()
-        .filter_map(|r| {
-            let (a, b) = (after.get(*r), before.get(*r));
-            (a.packets != b.packets).then(|| (*r, a.packets - b.packets, a.bytes - b.bytes))
-        })
-        .collect();
+    let counted = counted_between(&before, &after);
     Run {
         verdict: result.return_value,
         out,

@@ -14,33 +14,24 @@
 //! Needs root; skips otherwise, and when the agent was built without the eBPF object.
 
 use std::{
-    collections::BTreeMap,
-    net::Ipv4Addr,
-    path::{Path, PathBuf},
-    process::Command,
-    thread,
-    time::Duration,
+    collections::BTreeMap, net::Ipv4Addr, path::Path, process::Command, thread, time::Duration,
 };
 
-use aya::{TestRun as _, TestRunOptions};
 use flannel_agent::bpf::{
-    FastPath, Hook, LoadOptions, LocalConfig, NatSettings, ReasonCounters, Remote, Via, VxlanLocal,
+    FastPath, Hook, LoadOptions, LocalConfig, NatSettings, Remote, Via, VxlanLocal,
 };
 use flannel_common::{maps as names, stats::Reason};
-use flannel_tests::{
-    netns::NetNs,
-    packet::{
-        self, Checksum, Ethernet, Icmp, Ipv4, ParsedL3, ParsedL4, Tcp, Transport, Udp, hexdump,
-        tcp_flags,
-    },
+use flannel_tests::packet::{
+    self, Checksum, Ethernet, Icmp, Ipv4, ParsedL3, ParsedL4, Tcp, Transport, Udp, tcp_flags,
 };
 use ipnet::Ipv4Net;
 
-const TC_ACT_OK: u32 = 0;
-const TC_ACT_SHOT: u32 = 2;
+mod bpf_support;
 
-type Mac = [u8; 6];
-const EXT_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x01];
+use bpf_support::{
+    EXT_MAC, Mac, Rig, Skb, TC_ACT_OK, TC_ACT_SHOT, assert_bytes, assert_counted, net, run,
+};
+
 const GW_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0xfe];
 
 /// The node: public and masquerade address.
@@ -57,51 +48,13 @@ const EXCLUDED: Ipv4Addr = Ipv4Addr::new(100, 64, 3, 3);
 /// A router on the path that reports errors.
 const ROUTER: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
 
-fn net(s: &str) -> Ipv4Net {
-    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
-}
-
-/// A node namespace (ext0 192.168.77.1/24, a host-gw route to 10.244.2.0/24) and a pin
-/// directory.
-struct Rig {
-    ns: NetNs,
-    pin: PathBuf,
-}
-
-impl Drop for Rig {
-    fn drop(&mut self) {
-        let _ = flannel_agent::bpf::cleanup(&self.pin);
-    }
-}
-
 impl Rig {
+    /// A node namespace (ext0 192.168.77.1/24, a host-gw route to 10.244.2.0/24) and a pin
+    /// directory. `None` (test skipped) when not root or without the eBPF object.
     fn new(name: &str) -> Option<Rig> {
-        if !flannel_tests::is_root() {
-            eprintln!("skipped: needs root (BPF_PROG_TEST_RUN, namespaces)");
-            return None;
-        }
-        if flannel_agent::EBPF_OBJECT.is_empty() {
-            eprintln!("skipped: flannel-agent was built with AYA_BUILD_SKIP=1");
-            return None;
-        }
-        let ns = NetNs::new(name).expect("namespace");
-        for cmd in [
-            "ip link add ext0 type veth peer name ext0p",
-            "ip link set ext0 address 02:ee:00:00:00:01",
-            "ip addr add 192.168.77.1/24 dev ext0",
-            "ip link set ext0 up",
-            "ip link set ext0p up",
-            "ip route add 10.244.2.0/24 via 192.168.77.2 dev ext0",
-            "sysctl -qw net.ipv4.ip_forward=1",
-        ] {
-            let argv: Vec<&str> = cmd.split_whitespace().collect();
-            ns.run(&argv).unwrap_or_else(|e| panic!("{cmd}: {e:#}"));
-        }
-        let pin = PathBuf::from(format!(
-            "/sys/fs/bpf/{}{name}",
-            flannel_tests::netns::run_prefix()
-        ));
-        Some(Rig { ns, pin })
+        let rig = Rig::ext_only(name)?;
+        rig.sh("ip route add 10.244.2.0/24 via 192.168.77.2 dev ext0");
+        Some(rig)
     }
 
     /// Runs `f` in the namespace with a fast path loaded (NAT maps of `nat_entries` flows),
@@ -168,89 +121,6 @@ fn settings() -> NatSettings {
         no_masq: vec![net("100.64.0.0/10")],
         ..NatSettings::new(NODE)
     }
-}
-
-/// The `__sk_buff` test_run takes as context.
-#[derive(Clone, Copy, Default)]
-struct Skb {
-    ifindex: u32,
-    mark: u32,
-}
-
-impl Skb {
-    fn on(ifindex: u32) -> Skb {
-        Skb { ifindex, mark: 0 }
-    }
-
-    fn bytes(&self) -> [u8; 192] {
-        let mut b = [0u8; 192];
-        b[8..12].copy_from_slice(&self.mark.to_ne_bytes());
-        b[36..40].copy_from_slice(&self.ifindex.to_ne_bytes());
-        b[40..44].copy_from_slice(&self.ifindex.to_ne_bytes());
-        b
-    }
-}
-
-struct Run {
-    verdict: u32,
-    out: Vec<u8>,
-    counted: Vec<(Reason, u64)>,
-}
-
-fn counters_of(fp: &FastPath, hook: Hook) -> ReasonCounters {
-    let all = fp.counters().expect("counters");
-    match hook {
-        Hook::FromBridge => all.from_bridge,
-        Hook::FromNetdev => all.from_netdev,
-        Hook::ToNetdev => all.to_netdev,
-    }
-}
-
-fn run(fp: &mut FastPath, hook: Hook, frame: &[u8], skb: Skb) -> Run {
-    let before = counters_of(fp, hook);
-    let ctx_in = skb.bytes();
-    let mut ctx_out = [0u8; 192];
-    let mut out = vec![0u8; frame.len() + 256];
-    let result = fp
-        .program_mut(hook)
-        .expect("program")
-        .test_run(TestRunOptions {
-            data_in: Some(frame),
-            data_out: Some(&mut out),
-            ctx_in: Some(&ctx_in),
-            ctx_out: Some(&mut ctx_out),
-            ..TestRunOptions::default()
-        })
-        .unwrap_or_else(|e| panic!("test_run of {hook:?}: {e:?}\n{}", hexdump(frame)));
-    out.truncate(result.data_size_out as usize);
-    let after = counters_of(fp, hook);
-    let counted = Reason::ALL
-        .iter()
-        .filter_map(|r| {
-            let (a, b) = (after.get(*r), before.get(*r));
-            (a.packets != b.packets).then(|| (*r, a.packets - b.packets))
-        })
-        .collect();
-    Run {
-        verdict: result.return_value,
-        out,
-        counted,
-    }
-}
-
-fn assert_counted(run: &Run, reasons: &[Reason], what: &str) {
-    let mut want: Vec<(Reason, u64)> = reasons.iter().map(|r| (*r, 1)).collect();
-    want.sort_by_key(|(r, _)| r.index());
-    assert_eq!(run.counted, want, "{what}: counters");
-}
-
-fn assert_bytes(got: &[u8], want: &[u8], what: &str) {
-    assert!(
-        got == want,
-        "{what}: output differs\n got:\n{}want:\n{}",
-        hexdump(got),
-        hexdump(want)
-    );
 }
 
 /// A frame leaving through ext0 (the node's MAC to the gateway's).
@@ -850,7 +720,15 @@ fn what_is_not_masqueraded_is_left_untouched() {
         ];
         for (what, ip, mark, verdict) in cases {
             let frame = egress_frame(&ip);
-            let r = run(fp, Hook::ToNetdev, &frame, Skb { ifindex: ext, mark });
+            let r = run(
+                fp,
+                Hook::ToNetdev,
+                &frame,
+                Skb {
+                    mark,
+                    ..Skb::on(ext)
+                },
+            );
             assert_eq!(r.verdict, TC_ACT_OK, "{what}");
             assert_bytes(&r.out, &frame, what);
             let class = match ip.payload {

@@ -15,12 +15,10 @@
 use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, SocketAddrV4},
-    path::PathBuf,
 };
 
-use aya::{TestRun as _, TestRunOptions};
 use flannel_agent::{
-    bpf::{FastPath, Hook, LocalConfig, ReasonCounters, Remote, UdpLocal, Via},
+    bpf::{FastPath, Hook, LocalConfig, Remote, UdpLocal, Via},
     udp::{
         UdpRoute, UdpRoutes,
         forwarder::{EgressVerdict, egress_verdict, ingress_verdict},
@@ -28,20 +26,20 @@ use flannel_agent::{
     },
 };
 use flannel_common::{config::FASTPATH_MARK, stats::Reason};
-use flannel_tests::{
-    netns::NetNs,
-    packet::{self, Checksum, Ethernet, Icmp, Ipv4, ParsedL3, Tcp, Transport, Udp, hexdump},
+use flannel_tests::packet::{
+    self, Checksum, Ethernet, Icmp, Ipv4, ParsedL3, Tcp, Transport, Udp, hexdump,
 };
 use ipnet::Ipv4Net;
 
-const TC_ACT_OK: u32 = 0;
-const TC_ACT_REDIRECT: u32 = 7;
+mod bpf_support;
+
+use bpf_support::{
+    BR_MAC, EXT_MAC, Ifaces, Mac, POD_MAC, Rig, Skb, TC_ACT_OK, TC_ACT_REDIRECT, assert_bytes,
+    assert_counted, mac_str, net, run,
+};
+
 const PORT: u16 = 8285;
 
-type Mac = [u8; 6];
-const EXT_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x01];
-const BR_MAC: Mac = [0x02, 0xbb, 0, 0, 0, 0x01];
-const POD_MAC: Mac = [0x02, 0xaa, 0, 0, 0, 0x05];
 const PEER2_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x02];
 
 /// The interface address (where the forwarder's socket is bound).
@@ -57,68 +55,20 @@ const GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 1);
 const REMOTE2: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 7);
 const REMOTE3: Ipv4Addr = Ipv4Addr::new(10, 244, 3, 7);
 
-fn net(s: &str) -> Ipv4Net {
-    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
-}
-
-fn mac_str(mac: &Mac) -> String {
-    flannel_agent::netlink::format_mac(mac)
-}
-
-/// A node namespace and its pin directory.
-struct Rig {
-    ns: NetNs,
-    pin: PathBuf,
-}
-
-impl Drop for Rig {
-    fn drop(&mut self) {
-        let _ = flannel_agent::bpf::cleanup(&self.pin);
-    }
-}
-
 impl Rig {
+    /// The node namespace with permanent neighbours for the peer at .2 (none for .3) and the
+    /// local pod. `None` (test skipped) when not root or without the eBPF object.
     fn new(name: &str) -> Option<Rig> {
-        if !flannel_tests::is_root() {
-            eprintln!("skipped: needs root (BPF_PROG_TEST_RUN, namespaces)");
-            return None;
-        }
-        if flannel_agent::EBPF_OBJECT.is_empty() {
-            eprintln!("skipped: flannel-agent was built with AYA_BUILD_SKIP=1");
-            return None;
-        }
-        let ns = NetNs::new(name).expect("namespace");
-        let sh = |cmd: &str| {
-            let argv: Vec<&str> = cmd.split_whitespace().collect();
-            ns.run(&argv).unwrap_or_else(|e| panic!("{cmd}: {e:#}"));
-        };
-        sh("ip link add ext0 type veth peer name ext0p");
-        sh(&format!("ip link set ext0 address {}", mac_str(&EXT_MAC)));
-        sh("ip addr add 192.168.77.1/24 dev ext0");
-        sh("ip link set ext0 up");
-        sh("ip link set ext0p up");
-        sh("ip link add br0 type bridge");
-        sh(&format!("ip link set br0 address {}", mac_str(&BR_MAC)));
-        sh("ip addr add 10.244.1.1/24 dev br0");
-        sh("ip link add pod0 type veth peer name pod0p");
-        sh("ip link set pod0 master br0");
-        sh("ip link set pod0 up");
-        sh("ip link set pod0p up");
-        sh("ip link set br0 up");
-        sh("sysctl -qw net.ipv4.ip_forward=1");
-        sh(&format!(
+        let rig = Rig::node(name)?;
+        rig.sh(&format!(
             "ip neigh replace {PEER2} lladdr {} dev ext0 nud permanent",
             mac_str(&PEER2_MAC)
         ));
-        sh(&format!(
+        rig.sh(&format!(
             "ip neigh replace {POD} lladdr {} dev br0 nud permanent",
             mac_str(&POD_MAC)
         ));
-        let pin = PathBuf::from(format!(
-            "/sys/fs/bpf/{}{name}",
-            flannel_tests::netns::run_prefix()
-        ));
-        Some(Rig { ns, pin })
+        Some(rig)
     }
 
     /// Runs `f` in the namespace with a fast path loaded, configured for udp and synced.
@@ -157,23 +107,6 @@ impl Rig {
     }
 }
 
-struct Ifaces {
-    ext: u32,
-    br: u32,
-}
-
-impl Ifaces {
-    fn current() -> Ifaces {
-        let index = |name: &str| {
-            nix::net::if_::if_nametoindex(name).unwrap_or_else(|e| panic!("{name}: {e}"))
-        };
-        Ifaces {
-            ext: index("ext0"),
-            br: index("br0"),
-        }
-    }
-}
-
 fn remotes() -> BTreeMap<Ipv4Net, Remote> {
     [
         (
@@ -200,104 +133,6 @@ fn tun_routes() -> UdpRoutes {
         subnet,
         endpoint: SocketAddrV4::new(r.public_ip, PORT),
     }))
-}
-
-/// The `__sk_buff` context of a run.
-#[derive(Clone, Copy, Default)]
-struct Skb {
-    ingress_ifindex: u32,
-    ifindex: u32,
-    mark: u32,
-}
-
-impl Skb {
-    fn on(ifindex: u32) -> Skb {
-        Skb {
-            ingress_ifindex: ifindex,
-            ifindex,
-            ..Skb::default()
-        }
-    }
-
-    fn egress(ifindex: u32) -> Skb {
-        Skb {
-            ifindex,
-            ..Skb::default()
-        }
-    }
-
-    fn bytes(&self) -> [u8; 192] {
-        let mut b = [0u8; 192];
-        b[8..12].copy_from_slice(&self.mark.to_ne_bytes());
-        b[36..40].copy_from_slice(&self.ingress_ifindex.to_ne_bytes());
-        b[40..44].copy_from_slice(&self.ifindex.to_ne_bytes());
-        b
-    }
-}
-
-struct Run {
-    verdict: u32,
-    out: Vec<u8>,
-    mark_after: u32,
-    counted: Vec<(Reason, u64)>,
-}
-
-fn counters_of(fp: &FastPath, hook: Hook) -> ReasonCounters {
-    let all = fp.counters().expect("counters");
-    match hook {
-        Hook::FromBridge => all.from_bridge,
-        Hook::FromNetdev => all.from_netdev,
-        Hook::ToNetdev => all.to_netdev,
-    }
-}
-
-fn run(fp: &mut FastPath, hook: Hook, frame: &[u8], skb: Skb) -> Run {
-    let before = counters_of(fp, hook);
-    let ctx_in = skb.bytes();
-    let mut ctx_out = [0u8; 192];
-    let mut out = vec![0u8; frame.len() + 256];
-    let result = fp
-        .program_mut(hook)
-        .expect("program")
-        .test_run(TestRunOptions {
-            data_in: Some(frame),
-            data_out: Some(&mut out),
-            ctx_in: Some(&ctx_in),
-            ctx_out: Some(&mut ctx_out),
-            ..TestRunOptions::default()
-        })
-        .unwrap_or_else(|e| panic!("test_run of {hook:?}: {e:?}\n{}", hexdump(frame)));
-    out.truncate(result.data_size_out as usize);
-    let after = counters_of(fp, hook);
-    let counted = Reason::ALL
-        .iter()
-        .filter_map(|r| {
-            let (a, b) = (after.get(*r), before.get(*r));
-            (a.packets != b.packets).then(|| (*r, a.packets - b.packets))
-        })
-        .collect();
-    Run {
-        verdict: result.return_value,
-        out,
-        mark_after: u32::from_ne_bytes([ctx_out[8], ctx_out[9], ctx_out[10], ctx_out[11]]),
-        counted,
-    }
-}
-
-/// Asserts the run counted exactly `reasons`, once each.
-fn assert_counted(run: &Run, reasons: &[Reason], what: &str) {
-    let mut want: Vec<(Reason, u64)> = reasons.iter().map(|r| (*r, 1)).collect();
-    want.sort_by_key(|(r, _)| r.index());
-    assert_eq!(run.counted, want, "{what}: counters");
-}
-
-fn assert_bytes(got: &[u8], want: &[u8], what: &str) {
-    assert!(
-        got == want,
-        "{what}: output differs\n got:\n{}want:\n{}",
-        hexdump(got),
-        hexdump(want)
-    );
 }
 
 fn pod_frame(ip: &Ipv4) -> Vec<u8> {

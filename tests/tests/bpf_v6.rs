@@ -14,27 +14,24 @@
 use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, Ipv6Addr},
-    path::PathBuf,
 };
 
-use aya::{TestRun as _, TestRunOptions};
 use flannel_agent::bpf::{
-    FastPath, Hook, LocalConfig, LocalConfig6, ReasonCounters, Remote, Remote6, Via, VxlanLocal,
+    FastPath, Hook, LocalConfig, LocalConfig6, Remote, Remote6, Via, VxlanLocal,
 };
 use flannel_common::{config::FASTPATH_MARK, stats::Reason};
-use flannel_tests::{
-    netns::NetNs,
-    packet::{self, Ethernet, Icmp, Ipv4, Ipv6, Ipv6Ext, ParsedL3, Tcp, Transport, Udp, hexdump},
+use flannel_tests::packet::{
+    self, Ethernet, Icmp, Ipv4, Ipv6, Ipv6Ext, ParsedL3, Tcp, Transport, Udp, hexdump,
 };
 use ipnet::{Ipv4Net, Ipv6Net};
 
-const TC_ACT_OK: u32 = 0;
-const TC_ACT_REDIRECT: u32 = 7;
+mod bpf_support;
 
-type Mac = [u8; 6];
-const EXT_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x01];
-const BR_MAC: Mac = [0x02, 0xbb, 0, 0, 0, 0x01];
-const POD_MAC: Mac = [0x02, 0xaa, 0, 0, 0, 0x05];
+use bpf_support::{
+    BR_MAC, EXT_MAC, Ifaces, Mac, POD_MAC, Rig, Skb, TC_ACT_OK, TC_ACT_REDIRECT, assert_bytes,
+    assert_counted, mac_str, net, run,
+};
+
 const PEER2_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x02];
 const PEER3_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x03];
 const LOCAL_VTEP6: Mac = [0x0e, 0x06, 0, 0, 0, 0x01];
@@ -46,10 +43,6 @@ fn v6(s: &str) -> Ipv6Addr {
 }
 
 fn net6(s: &str) -> Ipv6Net {
-    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
-}
-
-fn net4(s: &str) -> Ipv4Net {
     s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
 }
 
@@ -74,73 +67,31 @@ fn vxlan_no_neigh_pod() -> Ipv6Addr {
     v6("fd00:10:244:6::7")
 }
 
-fn mac_str(mac: &Mac) -> String {
-    flannel_agent::netlink::format_mac(mac)
-}
-
-struct Rig {
-    ns: NetNs,
-    pin: PathBuf,
-}
-
-impl Drop for Rig {
-    fn drop(&mut self) {
-        let _ = flannel_agent::bpf::cleanup(&self.pin);
-    }
-}
-
 impl Rig {
+    /// The node namespace with IPv6 addresses and forwarding, permanent neighbours for the
+    /// peers at ::2, ::3 (and 192.168.77.2) and the local pod, and host-gw routes for both
+    /// families. `None` (test skipped) when not root or without the eBPF object.
     fn new(name: &str) -> Option<Rig> {
-        if !flannel_tests::is_root() {
-            eprintln!("skipped: needs root (BPF_PROG_TEST_RUN, namespaces)");
-            return None;
-        }
-        if flannel_agent::EBPF_OBJECT.is_empty() {
-            eprintln!("skipped: flannel-agent was built with AYA_BUILD_SKIP=1");
-            return None;
-        }
-        let ns = NetNs::new(name).expect("namespace");
-        let sh = |cmd: &str| {
-            let argv: Vec<&str> = cmd.split_whitespace().collect();
-            ns.run(&argv).unwrap_or_else(|e| panic!("{cmd}: {e:#}"));
-        };
-        sh("ip link add ext0 type veth peer name ext0p");
-        sh(&format!("ip link set ext0 address {}", mac_str(&EXT_MAC)));
-        sh("ip addr add 192.168.77.1/24 dev ext0");
-        sh("ip addr add fd00:77::1/64 dev ext0 nodad");
-        sh("ip link set ext0 up");
-        sh("ip link set ext0p up");
-        sh("ip link add br0 type bridge");
-        sh(&format!("ip link set br0 address {}", mac_str(&BR_MAC)));
-        sh("ip addr add 10.244.1.1/24 dev br0");
-        sh("ip addr add fd00:10:244:1::1/64 dev br0 nodad");
-        sh("ip link add pod0 type veth peer name pod0p");
-        sh("ip link set pod0 master br0");
-        sh("ip link set pod0 up");
-        sh("ip link set pod0p up");
-        sh("ip link set br0 up");
-        sh("sysctl -qw net.ipv4.ip_forward=1");
-        sh("sysctl -qw net.ipv6.conf.all.forwarding=1");
+        let rig = Rig::node(name)?;
+        rig.sh("ip addr add fd00:77::1/64 dev ext0 nodad");
+        rig.sh("ip addr add fd00:10:244:1::1/64 dev br0 nodad");
+        rig.sh("sysctl -qw net.ipv6.conf.all.forwarding=1");
         for (ip, mac) in [("fd00:77::2", PEER2_MAC), ("fd00:77::3", PEER3_MAC)] {
-            sh(&format!(
+            rig.sh(&format!(
                 "ip -6 neigh replace {ip} lladdr {} dev ext0 nud permanent",
                 mac_str(&mac)
             ));
         }
-        sh("ip neigh replace 192.168.77.2 lladdr 02:ee:00:00:00:02 dev ext0 nud permanent");
-        sh(&format!(
+        rig.sh("ip neigh replace 192.168.77.2 lladdr 02:ee:00:00:00:02 dev ext0 nud permanent");
+        rig.sh(&format!(
             "ip -6 neigh replace {} lladdr {} dev br0 nud permanent",
             pod(),
             mac_str(&POD_MAC)
         ));
-        sh("ip -6 route add fd00:10:244:2::/64 via fd00:77::2 dev ext0");
-        sh("ip -6 route add fd00:10:244:4::/64 via fd00:77::4 dev ext0");
-        sh("ip route add 10.244.2.0/24 via 192.168.77.2 dev ext0");
-        let pin = PathBuf::from(format!(
-            "/sys/fs/bpf/{}{name}",
-            flannel_tests::netns::run_prefix()
-        ));
-        Some(Rig { ns, pin })
+        rig.sh("ip -6 route add fd00:10:244:2::/64 via fd00:77::2 dev ext0");
+        rig.sh("ip -6 route add fd00:10:244:4::/64 via fd00:77::4 dev ext0");
+        rig.sh("ip route add 10.244.2.0/24 via 192.168.77.2 dev ext0");
+        Some(rig)
     }
 
     /// Runs `f` in the namespace with a fast path loaded and configured for IPv6 (and IPv4
@@ -162,13 +113,13 @@ impl Rig {
                         ..LocalConfig::new(
                             Ipv4Addr::new(192, 168, 77, 1),
                             ifaces.ext,
-                            net4("10.244.1.0/24"),
-                            net4("10.244.0.0/16"),
+                            net("10.244.1.0/24"),
+                            net("10.244.0.0/16"),
                         )
                     };
                     fp.set_config(&v4).expect("IPv4 config");
                     let routes: BTreeMap<Ipv4Net, Remote> = [(
-                        net4("10.244.2.0/24"),
+                        net("10.244.2.0/24"),
                         Remote {
                             public_ip: Ipv4Addr::new(192, 168, 77, 2),
                             via: Via::HostGw,
@@ -189,23 +140,6 @@ impl Rig {
                 f(&mut fp, &ifaces)
             })
             .expect("entering the namespace")
-    }
-}
-
-struct Ifaces {
-    ext: u32,
-    br: u32,
-}
-
-impl Ifaces {
-    fn current() -> Ifaces {
-        let index = |name: &str| {
-            nix::net::if_::if_nametoindex(name).unwrap_or_else(|e| panic!("{name}: {e}"))
-        };
-        Ifaces {
-            ext: index("ext0"),
-            br: index("br0"),
-        }
     }
 }
 
@@ -251,99 +185,6 @@ fn remotes6() -> BTreeMap<Ipv6Net, Remote6> {
         (net6("fd00:10:244:6::/64"), vxlan("fd00:77::6", VTEP6)),
     ]
     .into()
-}
-
-#[derive(Clone, Copy, Default)]
-struct Skb {
-    ingress_ifindex: u32,
-    ifindex: u32,
-    mark: u32,
-    gso_segs: u32,
-    gso_size: u32,
-}
-
-impl Skb {
-    fn on(ifindex: u32) -> Skb {
-        Skb {
-            ingress_ifindex: ifindex,
-            ifindex,
-            ..Skb::default()
-        }
-    }
-
-    fn bytes(&self) -> [u8; 192] {
-        let mut b = [0u8; 192];
-        b[8..12].copy_from_slice(&self.mark.to_ne_bytes());
-        b[36..40].copy_from_slice(&self.ingress_ifindex.to_ne_bytes());
-        b[40..44].copy_from_slice(&self.ifindex.to_ne_bytes());
-        b[164..168].copy_from_slice(&self.gso_segs.to_ne_bytes());
-        b[176..180].copy_from_slice(&self.gso_size.to_ne_bytes());
-        b
-    }
-}
-
-struct Run {
-    verdict: u32,
-    out: Vec<u8>,
-    mark_after: u32,
-    counted: Vec<(Reason, u64)>,
-}
-
-fn counters_of(fp: &FastPath, hook: Hook) -> ReasonCounters {
-    let all = fp.counters().expect("counters");
-    match hook {
-        Hook::FromBridge => all.from_bridge,
-        Hook::FromNetdev => all.from_netdev,
-        Hook::ToNetdev => all.to_netdev,
-    }
-}
-
-fn run(fp: &mut FastPath, hook: Hook, frame: &[u8], skb: Skb) -> Run {
-    let before = counters_of(fp, hook);
-    let ctx_in = skb.bytes();
-    let mut ctx_out = [0u8; 192];
-    let mut out = vec![0u8; frame.len() + 256];
-    let result = fp
-        .program_mut(hook)
-        .expect("program")
-        .test_run(TestRunOptions {
-            data_in: Some(frame),
-            data_out: Some(&mut out),
-            ctx_in: Some(&ctx_in),
-            ctx_out: Some(&mut ctx_out),
-            ..TestRunOptions::default()
-        })
-        .unwrap_or_else(|e| panic!("test_run of {hook:?}: {e:?}\n{}", hexdump(frame)));
-    out.truncate(result.data_size_out as usize);
-    let after = counters_of(fp, hook);
-    let counted = Reason::ALL
-        .iter()
-        .filter_map(|r| {
-            let (a, b) = (after.get(*r), before.get(*r));
-            (a.packets != b.packets).then(|| (*r, a.packets - b.packets))
-        })
-        .collect();
-    Run {
-        verdict: result.return_value,
-        out,
-        mark_after: u32::from_ne_bytes([ctx_out[8], ctx_out[9], ctx_out[10], ctx_out[11]]),
-        counted,
-    }
-}
-
-fn assert_counted(run: &Run, reasons: &[Reason], what: &str) {
-    let mut want: Vec<(Reason, u64)> = reasons.iter().map(|r| (*r, 1)).collect();
-    want.sort_by_key(|(r, _)| r.index());
-    assert_eq!(run.counted, want, "{what}: counters");
-}
-
-fn assert_bytes(got: &[u8], want: &[u8], what: &str) {
-    assert!(
-        got == want,
-        "{what}: output differs\n got:\n{}want:\n{}",
-        hexdump(got),
-        hexdump(want)
-    );
 }
 
 fn pod_frame(ip: &Ipv6) -> Vec<u8> {

@@ -1,0 +1,240 @@
+//! Shared by the `BPF_PROG_TEST_RUN` tests (`bpf_fastpath`, `bpf_udp`, `bpf_v6`, `bpf_nat`):
+//! the node namespace the programs run in, the `__sk_buff` context of a run, and running a
+//! hook with the difference of its per-reason counters.
+//!
+//! The node: an external veth `ext0` (192.168.77.1/24, [`EXT_MAC`]) and, for the tests that
+//! need one, a pod bridge `br0` (10.244.1.1/24, [`BR_MAC`]) with one veth port `pod0`, IPv4
+//! forwarding on. Each test file adds its own neighbours, routes and addresses with
+//! [`Rig::sh`], and loads and configures the fast path itself.
+
+#![allow(dead_code)] // each test file uses a different part
+
+use std::path::PathBuf;
+
+use aya::{TestRun as _, TestRunOptions};
+use flannel_agent::bpf::{FastPath, Hook, ReasonCounters};
+use flannel_common::stats::Reason;
+use flannel_tests::{netns::NetNs, packet::hexdump};
+use ipnet::Ipv4Net;
+
+pub const TC_ACT_OK: u32 = 0;
+pub const TC_ACT_SHOT: u32 = 2;
+pub const TC_ACT_REDIRECT: u32 = 7;
+
+pub type Mac = [u8; 6];
+pub const EXT_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x01];
+pub const BR_MAC: Mac = [0x02, 0xbb, 0, 0, 0, 0x01];
+pub const POD_MAC: Mac = [0x02, 0xaa, 0, 0, 0, 0x05];
+
+pub fn net(s: &str) -> Ipv4Net {
+    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
+pub fn mac_str(mac: &Mac) -> String {
+    flannel_agent::netlink::format_mac(mac)
+}
+
+/// A node namespace and the fast path's pin directory `/sys/fs/bpf/<run prefix><name>`,
+/// removed on drop.
+pub struct Rig {
+    pub ns: NetNs,
+    pub pin: PathBuf,
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        let _ = flannel_agent::bpf::cleanup(&self.pin);
+    }
+}
+
+impl Rig {
+    /// The namespace with `ext0` only, forwarding on. `None` (test skipped) when not root or
+    /// without the eBPF object.
+    pub fn ext_only(name: &str) -> Option<Rig> {
+        let rig = Rig::empty(name)?;
+        rig.ext0();
+        rig.sh("sysctl -qw net.ipv4.ip_forward=1");
+        Some(rig)
+    }
+
+    /// The namespace with `ext0` and the pod bridge `br0` with its port `pod0`, forwarding on.
+    /// `None` (test skipped) when not root or without the eBPF object.
+    pub fn node(name: &str) -> Option<Rig> {
+        let rig = Rig::empty(name)?;
+        rig.ext0();
+        rig.sh("ip link add br0 type bridge");
+        rig.sh(&format!("ip link set br0 address {}", mac_str(&BR_MAC)));
+        rig.sh("ip addr add 10.244.1.1/24 dev br0");
+        rig.sh("ip link add pod0 type veth peer name pod0p");
+        rig.sh("ip link set pod0 master br0");
+        rig.sh("ip link set pod0 up");
+        rig.sh("ip link set pod0p up");
+        rig.sh("ip link set br0 up");
+        rig.sh("sysctl -qw net.ipv4.ip_forward=1");
+        Some(rig)
+    }
+
+    fn empty(name: &str) -> Option<Rig> {
+        if !flannel_tests::is_root() {
+            eprintln!("skipped: needs root (BPF_PROG_TEST_RUN, namespaces)");
+            return None;
+        }
+        if flannel_agent::EBPF_OBJECT.is_empty() {
+            eprintln!("skipped: flannel-agent was built with AYA_BUILD_SKIP=1");
+            return None;
+        }
+        let ns = NetNs::new(name).expect("namespace");
+        let pin = PathBuf::from(format!(
+            "/sys/fs/bpf/{}{name}",
+            flannel_tests::netns::run_prefix()
+        ));
+        Some(Rig { ns, pin })
+    }
+
+    fn ext0(&self) {
+        self.sh("ip link add ext0 type veth peer name ext0p");
+        self.sh(&format!("ip link set ext0 address {}", mac_str(&EXT_MAC)));
+        self.sh("ip addr add 192.168.77.1/24 dev ext0");
+        self.sh("ip link set ext0 up");
+        self.sh("ip link set ext0p up");
+    }
+
+    /// Runs `cmd` (split at whitespace) in the namespace; panics when it fails.
+    pub fn sh(&self, cmd: &str) {
+        let argv: Vec<&str> = cmd.split_whitespace().collect();
+        self.ns
+            .run(&argv)
+            .unwrap_or_else(|e| panic!("{cmd}: {e:#}"));
+    }
+}
+
+/// The interfaces of the rig, resolved inside the namespace.
+pub struct Ifaces {
+    pub ext: u32,
+    pub br: u32,
+}
+
+impl Ifaces {
+    pub fn current() -> Ifaces {
+        let index = |name: &str| {
+            nix::net::if_::if_nametoindex(name).unwrap_or_else(|e| panic!("{name}: {e}"))
+        };
+        Ifaces {
+            ext: index("ext0"),
+            br: index("br0"),
+        }
+    }
+}
+
+/// The `__sk_buff` test_run takes as context: the interfaces, the mark and GSO fields.
+#[derive(Clone, Copy, Default)]
+pub struct Skb {
+    pub ingress_ifindex: u32,
+    pub ifindex: u32,
+    pub mark: u32,
+    pub gso_segs: u32,
+    pub gso_size: u32,
+}
+
+impl Skb {
+    /// Received on `ifindex`.
+    pub fn on(ifindex: u32) -> Skb {
+        Skb {
+            ingress_ifindex: ifindex,
+            ifindex,
+            ..Skb::default()
+        }
+    }
+
+    /// Leaving through `ifindex`.
+    pub fn egress(ifindex: u32) -> Skb {
+        Skb {
+            ifindex,
+            ..Skb::default()
+        }
+    }
+
+    pub fn bytes(&self) -> [u8; 192] {
+        let mut b = [0u8; 192];
+        b[8..12].copy_from_slice(&self.mark.to_ne_bytes());
+        b[36..40].copy_from_slice(&self.ingress_ifindex.to_ne_bytes());
+        b[40..44].copy_from_slice(&self.ifindex.to_ne_bytes());
+        b[164..168].copy_from_slice(&self.gso_segs.to_ne_bytes());
+        b[176..180].copy_from_slice(&self.gso_size.to_ne_bytes());
+        b
+    }
+}
+
+/// The result of one run: the verdict, the output frame, the mark on the way out and the
+/// counters that moved (reason, packets, bytes).
+pub struct Run {
+    pub verdict: u32,
+    pub out: Vec<u8>,
+    pub mark_after: u32,
+    pub counted: Vec<(Reason, u64, u64)>,
+}
+
+pub fn counters_of(fp: &FastPath, hook: Hook) -> ReasonCounters {
+    let all = fp.counters().expect("counters");
+    match hook {
+        Hook::FromBridge => all.from_bridge,
+        Hook::FromNetdev => all.from_netdev,
+        Hook::ToNetdev => all.to_netdev,
+    }
+}
+
+/// The counters that moved from `before` to `after`: (reason, packets, bytes).
+pub fn counted_between(before: &ReasonCounters, after: &ReasonCounters) -> Vec<(Reason, u64, u64)> {
+    Reason::ALL
+        .iter()
+        .filter_map(|r| {
+            let (a, b) = (after.get(*r), before.get(*r));
+            (a.packets != b.packets).then(|| (*r, a.packets - b.packets, a.bytes - b.bytes))
+        })
+        .collect()
+}
+
+/// Runs `hook` on `frame` with the context `skb`.
+pub fn run(fp: &mut FastPath, hook: Hook, frame: &[u8], skb: Skb) -> Run {
+    let before = counters_of(fp, hook);
+    let ctx_in = skb.bytes();
+    let mut ctx_out = [0u8; 192];
+    let mut out = vec![0u8; frame.len() + 256];
+    let result = fp
+        .program_mut(hook)
+        .expect("program")
+        .test_run(TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ctx_in: Some(&ctx_in),
+            ctx_out: Some(&mut ctx_out),
+            ..TestRunOptions::default()
+        })
+        .unwrap_or_else(|e| panic!("test_run of {hook:?}: {e:?}\n{}", hexdump(frame)));
+    out.truncate(result.data_size_out as usize);
+    let after = counters_of(fp, hook);
+    let counted = counted_between(&before, &after);
+    Run {
+        verdict: result.return_value,
+        out,
+        mark_after: u32::from_ne_bytes([ctx_out[8], ctx_out[9], ctx_out[10], ctx_out[11]]),
+        counted,
+    }
+}
+
+/// Asserts the run counted exactly `reasons`, one packet each.
+pub fn assert_counted(run: &Run, reasons: &[Reason], what: &str) {
+    let mut want: Vec<(Reason, u64)> = reasons.iter().map(|r| (*r, 1)).collect();
+    want.sort_by_key(|(r, _)| r.index());
+    let got: Vec<(Reason, u64)> = run.counted.iter().map(|(r, p, _)| (*r, *p)).collect();
+    assert_eq!(got, want, "{what}: counters");
+}
+
+pub fn assert_bytes(got: &[u8], want: &[u8], what: &str) {
+    assert!(
+        got == want,
+        "{what}: output differs\n got:\n{}want:\n{}",
+        hexdump(got),
+        hexdump(want)
+    );
+}
