@@ -822,7 +822,8 @@ mod tests {
                 assert_eq!(r.install, Install::Apt(p), "{}", r.name);
             }
         }
-        // The brief's package list, exactly, plus libprotobuf-dev (protoc's includes).
-        assert_eq!(all_debs().len(), 16);
+        // The brief's package list, exactly, plus libprotobuf-dev (protoc's includes) and
+        // libstrongswan-standard-plugins (charon's openssl and gcm plugins).
+        assert_eq!(all_debs().len(), 17);
     }
 }

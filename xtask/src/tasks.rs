@@ -113,9 +113,10 @@ pub fn test(
         })?;
     }
     // --workspace also runs flannel-ebpf's host unit tests (the parser), which are not a
-    // default member because its binary only builds for the bpf target.
+    // default member because its binary only builds for the bpf target. --no-fail-fast: one
+    // run reports every failing test binary, not only the first.
     let test = |kind: &[&str]| {
-        let mut cmd = env.cargo(&["test", "--workspace"]);
+        let mut cmd = env.cargo(&["test", "--workspace", "--no-fail-fast"]);
         cmd.args(kind);
         if let Some(f) = filter {
             cmd.arg(f);
