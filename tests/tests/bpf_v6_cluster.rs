@@ -17,8 +17,7 @@
 
 use std::{
     collections::BTreeSet,
-    io::{Read as _, Write as _},
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
     path::PathBuf,
     thread,
@@ -148,45 +147,11 @@ fn pods_talk(pods: &[&Pod], v4: bool) -> Result<()> {
     Ok(())
 }
 
-/// Sends `size` bytes over TCP from `from` to a listener in `to`; checks they arrived intact.
+/// Sends `size` bytes over TCP from `from` to a listener in `to` (checked to arrive intact);
+/// the throughput in Mbit/s.
 fn tcp_transfer(from: &NetNs, to: &NetNs, to_ip: IpAddr, size: usize) -> Result<f64> {
-    let listener = to.enter(move || TcpListener::bind(SocketAddr::new(to_ip, 0)))??;
-    let addr = listener.local_addr()?;
-    let receiver = thread::spawn(move || -> Result<(usize, u64)> {
-        let (mut conn, _) = listener.accept()?;
-        conn.set_read_timeout(Some(Duration::from_secs(20)))?;
-        let mut buf = vec![0u8; 64 * 1024];
-        let (mut total, mut sum) = (0usize, 0u64);
-        loop {
-            let n = conn.read(&mut buf)?;
-            if n == 0 {
-                return Ok((total, sum));
-            }
-            for (i, b) in buf[..n].iter().enumerate() {
-                sum = sum.wrapping_add(u64::from(*b) * ((total + i) as u64 % 251 + 1));
-            }
-            total += n;
-        }
-    });
-    let data: Vec<u8> = (0..size).map(|i| (i * 7 % 256) as u8).collect();
-    let want: u64 = data.iter().enumerate().fold(0u64, |acc, (i, b)| {
-        acc.wrapping_add(u64::from(*b) * (i as u64 % 251 + 1))
-    });
-    let started = Instant::now();
-    from.enter(move || -> Result<()> {
-        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-        s.set_write_timeout(Some(Duration::from_secs(20)))?;
-        s.write_all(&data)?;
-        s.shutdown(std::net::Shutdown::Write)?;
-        Ok(())
-    })??;
-    let (got, sum) = receiver
-        .join()
-        .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
-    let secs = started.elapsed().as_secs_f64();
-    ensure!(got == size, "received {got} of {size} bytes");
-    ensure!(sum == want, "the bytes arrived altered");
-    Ok(size as f64 * 8.0 / secs / 1e6)
+    let t = probe::transfer(from, to, to_ip, size as u64, Duration::from_secs(30))?;
+    Ok(t.mbit_per_s())
 }
 
 /// `count` ICMPv6 echo requests from `ns` to `dst` with identifier `id` (the kernel computes
