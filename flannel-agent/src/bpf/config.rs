@@ -75,13 +75,7 @@ impl LocalConfig {
 
     /// The map entry, after checking every value fits.
     pub fn to_entry(&self) -> Result<Config, BpfError> {
-        if self.ext_ifindex == 0 {
-            return Err(BpfError::Invalid {
-                field: "ext_ifindex",
-                value: "0".into(),
-                reason: "an interface index is never 0",
-            });
-        }
+        check_interface(self.ext_ifindex)?;
         if !self.network.contains(&self.subnet) {
             return Err(BpfError::Invalid {
                 field: "subnet",
@@ -89,20 +83,7 @@ impl LocalConfig {
                 reason: "it is not inside the cluster network",
             });
         }
-        if self.source_ports.0 == 0 || self.source_ports.1 < self.source_ports.0 {
-            return Err(BpfError::Invalid {
-                field: "source_ports",
-                value: format!("{}..{}", self.source_ports.0, self.source_ports.1),
-                reason: "need 0 < min <= max",
-            });
-        }
-        if self.outer_ttl == 0 {
-            return Err(BpfError::Invalid {
-                field: "outer_ttl",
-                value: "0".into(),
-                reason: "must be at least 1",
-            });
-        }
+        check_encap_values(self.source_ports, "outer_ttl", self.outer_ttl)?;
         let mut flags = CFG_ENABLED;
         if self.vxlan_rx && self.vxlan.is_some() {
             flags |= CFG_VXLAN_RX;
@@ -141,6 +122,42 @@ impl LocalConfig {
         }
         Ok(entry)
     }
+}
+
+/// Fails for interface index 0 (no interface has it).
+pub(crate) fn check_interface(ext_ifindex: u32) -> Result<(), BpfError> {
+    if ext_ifindex == 0 {
+        return Err(BpfError::Invalid {
+            field: "ext_ifindex",
+            value: "0".into(),
+            reason: "an interface index is never 0",
+        });
+    }
+    Ok(())
+}
+
+/// Fails unless the source-port range is `0 < min <= max` and the outer TTL (hop limit,
+/// named `ttl_field`) is at least 1: the values every encapsulation of either family uses.
+pub(crate) fn check_encap_values(
+    source_ports: (u16, u16),
+    ttl_field: &'static str,
+    ttl: u8,
+) -> Result<(), BpfError> {
+    if source_ports.0 == 0 || source_ports.1 < source_ports.0 {
+        return Err(BpfError::Invalid {
+            field: "source_ports",
+            value: format!("{}..{}", source_ports.0, source_ports.1),
+            reason: "need 0 < min <= max",
+        });
+    }
+    if ttl == 0 {
+        return Err(BpfError::Invalid {
+            field: ttl_field,
+            value: "0".into(),
+            reason: "must be at least 1",
+        });
+    }
+    Ok(())
 }
 
 /// Fails unless `vni` fits VXLAN's 24 bits.

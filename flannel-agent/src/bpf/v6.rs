@@ -19,7 +19,7 @@ use ipnet::Ipv6Net;
 
 use super::{
     BpfError, FastPath, SyncStats, Via, VxlanLocal,
-    config::{check_vni, kernel_source_ports},
+    config::{check_encap_values, check_interface, check_vni, kernel_source_ports},
     remote::diff,
 };
 
@@ -65,13 +65,7 @@ impl LocalConfig6 {
 
     /// The map entry, after checking every value fits.
     pub fn to_entry(&self) -> Result<Config6, BpfError> {
-        if self.ext_ifindex == 0 {
-            return Err(BpfError::Invalid {
-                field: "ext_ifindex",
-                value: "0".into(),
-                reason: "an interface index is never 0",
-            });
-        }
+        check_interface(self.ext_ifindex)?;
         if !self.network.contains(&self.subnet) {
             return Err(BpfError::Invalid {
                 field: "ipv6 subnet",
@@ -79,20 +73,7 @@ impl LocalConfig6 {
                 reason: "it is not inside the IPv6 cluster network",
             });
         }
-        if self.source_ports.0 == 0 || self.source_ports.1 < self.source_ports.0 {
-            return Err(BpfError::Invalid {
-                field: "source_ports",
-                value: format!("{}..{}", self.source_ports.0, self.source_ports.1),
-                reason: "need 0 < min <= max",
-            });
-        }
-        if self.hop_limit == 0 {
-            return Err(BpfError::Invalid {
-                field: "hop_limit",
-                value: "0".into(),
-                reason: "must be at least 1",
-            });
-        }
+        check_encap_values(self.source_ports, "hop_limit", self.hop_limit)?;
         let mut flags = CFG6_ENABLED;
         if self.vxlan_rx && self.vxlan.is_some() {
             flags |= CFG6_VXLAN_RX;
