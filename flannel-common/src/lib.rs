@@ -15,6 +15,7 @@
 //! | [`csum`] | checksums and the VXLAN source port, as pure functions |
 //! | [`nat`] | masquerade in eBPF: NAT map layouts, configuration, states, decisions |
 //! | [`udp`] | the udp backend's configuration entry and wire format |
+//! | [`pods`] | local pods' bridge ports, for delivery into their namespace |
 //! | [`v6`] | IPv6: configuration, flow keys, map names |
 #![cfg_attr(not(test), no_std)]
 
@@ -23,6 +24,7 @@ pub mod csum;
 pub mod flow;
 pub mod maps;
 pub mod nat;
+pub mod pods;
 pub mod programs;
 pub mod route;
 pub mod stats;

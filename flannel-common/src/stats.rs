@@ -178,7 +178,8 @@ pub enum Reason {
     LearnKernelFlow = 56,
     /// `tc_from_netdev`: a GSO (GRO-aggregated) VXLAN packet. `bpf_skb_adjust_room` cannot
     /// reset the tunnel offload state the way the kernel's VXLAN receive does, so the packet
-    /// would be segmented again in software on the way to the pod; it is left to
+    /// would be segmented again in software on the way through the pod bridge; unless it can
+    /// go straight into the pod's namespace ([`Reason::DeliverPeer`]), it is left to
     /// `flannel.<VNI>` and its flow is handed to the kernel in both directions.
     PassGso = 57,
     /// `xdp_from_netdev`: IPIP for a local pod from a known node, decapsulated before GRO
@@ -237,11 +238,15 @@ pub enum Reason {
     LearnSnatFlow = 79,
     /// The new mapping could not keep the flow's original port: another one was allocated (counted in addition to the verdict).
     LearnSnatRemap = 80,
+    /// `tc_from_netdev`: a packet for a local pod went straight into the pod's network
+    /// namespace (`bpf_redirect_peer` into its veth, see [`crate::pods`]) instead of through
+    /// the pod bridge (counted in addition to the verdict).
+    DeliverPeer = 81,
 }
 
 impl Reason {
     /// Number of reasons: the `max_entries` of the stats maps.
-    pub const COUNT: usize = 81;
+    pub const COUNT: usize = 82;
 
     /// Every reason, in index order.
     pub const ALL: [Reason; Reason::COUNT] = [
@@ -326,6 +331,7 @@ impl Reason {
         Reason::DropSnatMapError,
         Reason::LearnSnatFlow,
         Reason::LearnSnatRemap,
+        Reason::DeliverPeer,
     ];
 
     /// The map index of this reason.
@@ -427,6 +433,7 @@ impl Reason {
             Reason::DropSnatMapError => "drop_snat_map_error",
             Reason::LearnSnatFlow => "learn_snat_flow",
             Reason::LearnSnatRemap => "learn_snat_remap",
+            Reason::DeliverPeer => "deliver_peer",
         }
     }
 
@@ -513,7 +520,8 @@ impl Reason {
             Reason::LearnNatGuard
             | Reason::LearnKernelFlow
             | Reason::LearnSnatFlow
-            | Reason::LearnSnatRemap => ReasonKind::Event,
+            | Reason::LearnSnatRemap
+            | Reason::DeliverPeer => ReasonKind::Event,
         }
     }
 }
@@ -571,14 +579,18 @@ mod tests {
     #[test]
     fn verdict_names_carry_their_kind() {
         for reason in Reason::ALL {
-            let prefix = match reason.kind() {
-                ReasonKind::Fast => "fast_",
-                ReasonKind::Pass => "pass_",
-                ReasonKind::Drop => "drop_",
-                ReasonKind::Event => "learn_",
+            let prefixes: &[&str] = match reason.kind() {
+                ReasonKind::Fast => &["fast_"],
+                ReasonKind::Pass => &["pass_"],
+                ReasonKind::Drop => &["drop_"],
+                // Something learnt, or how a delivery was made.
+                ReasonKind::Event => &["learn_", "deliver_"],
                 ReasonKind::Class | ReasonKind::Malformed => continue,
             };
-            assert!(reason.name().starts_with(prefix), "{reason:?}");
+            assert!(
+                prefixes.iter().any(|p| reason.name().starts_with(p)),
+                "{reason:?}"
+            );
         }
     }
 

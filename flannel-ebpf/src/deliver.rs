@@ -1,4 +1,4 @@
-//! Receive side: tunnel decapsulation, delivery of remote pods' packets to the pod bridge, and
+//! Receive side: tunnel decapsulation, delivery of remote pods' packets to local pods, and
 //! the two flow tables that keep the fast path consistent with the kernel's conntrack.
 //!
 //! # Why the receive side bypasses conntrack for pod-to-pod flows
@@ -25,31 +25,37 @@
 //!
 //! Every other flow between a local pod and a pod of a subnet in the route map is handled
 //! entirely by the programs and conntrack holds no state for it, so delivering its packets
-//! straight to the bridge is what the stack would have done (route to `cni0`, decrement TTL,
-//! resolve the pod's MAC) minus conntrack, which would only have had half a flow. The receive
-//! side therefore delivers with `bpf_fib_lookup` + `bpf_redirect` to the bridge (not
-//! `bpf_redirect_peer` into the pod: the bridge keeps its FDB/ARP semantics and no per-pod
-//! state is needed).
+//! straight to the pod is what the stack would have done (route to `cni0`, decrement TTL,
+//! resolve the pod's MAC, bridge to the pod's port) minus conntrack, which would only have had
+//! half a flow. The receive side delivers with `bpf_fib_lookup` (route and the pod's MAC from
+//! the bridge's neighbour table), then:
+//! - `bpf_redirect_peer` into the pod's namespace when the agent's mirror of the bridge's
+//!   forwarding database ([`crate::pods`]) knows the veth port behind that MAC: no bridge, no
+//!   veth transmit, no backlog queue;
+//! - `bpf_redirect` to the bridge otherwise (a pod that has not sent anything yet, a MAC the
+//!   mirror does not have yet), which keeps the bridge's FDB/ARP semantics.
 //!
 //! Flows that change path midway (the fast path attached or detached under live connections,
 //! an LRU entry evicted) are picked up by conntrack's loose TCP tracking as established flows.
 //!
-//! One more kind of flow moves to the kernel: a flow whose VXLAN packets arrive as GSO
-//! packets (GRO aggregates of a real NIC; GSO packets a peer's fast path sent over a veth).
-//! `bpf_skb_adjust_room` leaves `skb->encapsulation` and the tunnel GSO type set when it
-//! removes the headers (the kernel's VXLAN receive clears them in `iptunnel_pull_offloads`;
-//! BPF can only since `BPF_F_ADJ_ROOM_DECAP_L4_UDP`, not in 6.18), and the bridge, which has
-//! no `hw_enc_features`, then segments every such packet in software before the pod gets it:
-//! measured here, 35 000 GSO packets became 1.39 million on the pod's veth and a single TCP
-//! stream dropped from 12 to 4.6 Gbit/s. So `tc_from_netdev` leaves GSO VXLAN to
-//! `flannel.<VNI>` (GRO cells, proper offload state) and records the flow in
+//! GSO packets (GRO aggregates of a real NIC; GSO packets a peer's fast path sent over a veth)
+//! need care when they arrive in a tunnel. `bpf_skb_adjust_room` leaves `skb->encapsulation`
+//! and the tunnel GSO type set when it removes the headers (the kernel's VXLAN receive clears
+//! them in `iptunnel_pull_offloads`; BPF can only since `BPF_F_ADJ_ROOM_DECAP_L4_UDP`, not in
+//! 6.18). Sent through the bridge, which has no `hw_enc_features`, every such packet would be
+//! segmented in software before the pod gets it: measured here, 35 000 GSO packets became
+//! 1.39 million on the pod's veth and a single TCP stream dropped from 12 to 4.6 Gbit/s.
+//! `bpf_redirect_peer` has no transmit step, so nothing looks at those features: the packet
+//! reaches the pod's TCP whole, as a GRO aggregate would. So a GSO VXLAN packet for a pod whose
+//! port is known is decapsulated and delivered like any other; otherwise `tc_from_netdev`
+//! leaves it to `flannel.<VNI>` (GRO cells, proper offload state) and records the flow in
 //! [`flannel_common::maps::KERNEL_FLOWS4`]; from then on `tc_from_bridge` sends the local pod's
-//! packets of that flow through the kernel too ([`Reason::PassKernelFlow`]). Conntrack picks the
-//! flow up in the middle (an ACK-bearing segment is a valid start for loose tracking) and sees
-//! both directions, including the FIN, from then on. Bulk receivers thus run at kernel speed;
-//! everything else (bulk senders, request/response, new connections) stays on the fast path.
-//! IPIP has no kernel receive to leave GSO packets to (no `ipip` module): they are
-//! decapsulated and delivered, and pay the software segmentation.
+//! packets of that flow through the kernel too ([`Reason::PassKernelFlow`]), and conntrack
+//! picks the flow up in the middle (an ACK-bearing segment is a valid start for loose
+//! tracking). IPIP and the udp backend have no kernel receive to leave GSO packets to here (no
+//! `ipip` module; the TUN path's socket takes no GSO datagrams): they are decapsulated and
+//! delivered, into the pod when its port is known, else through the bridge at the price of the
+//! software segmentation.
 //!
 //! Netfilter rules are therefore bypassed for pod-to-pod traffic in both directions; a
 //! netfilter-based NetworkPolicy controller needs `--dataplane kernel`.
@@ -101,7 +107,7 @@ pub fn route_to_pod(ctx: &TcContext, inner: &Ipv4Info) -> Fib {
 pub fn deliver(ctx: &TcContext, inner: &Ipv4Info, route: Fib) -> Result<i32, Reason> {
     ctx.store(ETH_HDR_LEN + 8, &decremented_ttl_field(inner), 0)
         .map_err(|_| Reason::DropRewriteFailed)?;
-    fib::redirect(ctx, route).ok_or(Reason::DropRewriteFailed)
+    fib::deliver(ctx, route).ok_or(Reason::DropRewriteFailed)
 }
 
 /// Whether the kernel tracks the flow of a packet arriving for a local pod.

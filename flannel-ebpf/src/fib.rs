@@ -48,6 +48,15 @@ pub enum Fib {
     Failed,
 }
 
+impl Fib {
+    /// Whether a delivery along this route goes straight into the pod's namespace: the pod's
+    /// MAC is resolved and its bridge port known ([`crate::pods`]).
+    #[inline(always)]
+    pub fn reaches_pod_port(&self) -> bool {
+        matches!(*self, Fib::Resolved { ifindex, dmac, .. } if crate::pods::port(ifindex, dmac).is_some())
+    }
+}
+
 /// Looks up the route for `info`'s destination as if the packet arrived on `ifindex`.
 ///
 /// `tot_len` is the IP length to check against the output MTU; 0 lets the kernel check the
@@ -115,6 +124,18 @@ fn run(ctx: &TcContext, params: &mut FibParams, flags: u32) -> Fib {
 /// failed or the header is not writable.
 #[inline(always)]
 pub fn redirect(ctx: &TcContext, fib: Fib) -> Option<i32> {
+    send(ctx, fib, false)
+}
+
+/// [`redirect`] for a packet to a local pod: into the pod's namespace when `fib` resolved the
+/// pod's MAC and its bridge port is known ([`crate::pods`]).
+#[inline(always)]
+pub fn deliver(ctx: &TcContext, fib: Fib) -> Option<i32> {
+    send(ctx, fib, true)
+}
+
+#[inline(always)]
+fn send(ctx: &TcContext, fib: Fib, to_pod: bool) -> Option<i32> {
     match fib {
         Fib::Resolved {
             ifindex,
@@ -127,6 +148,13 @@ pub fn redirect(ctx: &TcContext, fib: Fib) -> Option<i32> {
             macs[6..].copy_from_slice(&smac);
             // SAFETY: ptr_at_mut checked the 12 bytes lie within the packet.
             unsafe { eth.write_unaligned(macs) };
+            if to_pod {
+                return Some(crate::pods::redirect(
+                    ifindex,
+                    dmac,
+                    ctx.packet_len() as u64,
+                ));
+            }
             // SAFETY: plain helper call.
             Some(unsafe { bpf_redirect(ifindex, 0) } as i32)
         }

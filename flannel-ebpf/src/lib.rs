@@ -11,6 +11,7 @@
 //! | [`encap`] | VXLAN and IPIP headers and encapsulation (and why not collect_md) |
 //! | [`deliver`] | decapsulation, delivery to the bridge, the conntrack-consistency flow tables |
 //! | [`fib`] | `bpf_fib_lookup` + redirect |
+//! | [`pods`] | delivery into a local pod's namespace (`bpf_redirect_peer`) |
 //! | [`nat`] | masquerade: source NAT out, reverse NAT in, port allocation, ICMP errors |
 //! | [`maps`] | every map of the object |
 //! | [`stats`] | counting packets per [`flannel_common::stats::Reason`] |
@@ -33,6 +34,7 @@ pub mod maps;
 pub mod nat;
 pub mod netdev;
 pub mod parse;
+pub mod pods;
 pub mod stats;
 pub mod udp;
 pub mod v6;

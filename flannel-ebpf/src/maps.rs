@@ -13,6 +13,7 @@ use flannel_common::{
     flow::{FlowKey, PeerKey},
     maps as names,
     nat::{FragEntry, FragKey, NatConfig, NatEntry, NatKey, NatRevEntry},
+    pods::{PORTS_MAX_ENTRIES, PodPort, PortKey},
     route::{NodeEntry, RemoteEntry},
     stats::{COUNTER_SLOTS, Counter, Reason},
 };
@@ -90,6 +91,11 @@ pub static FLANNEL_NATFRG4: LruHashMap<
 #[btf_map]
 pub static FLANNEL_NOMASQ4: LpmTrie<[u8; 4], u32, { names::NO_MASQ4_MAX_ENTRIES as usize }> =
     LpmTrie::new();
+
+/// Local pods' MACs → their bridge port (`flannel_common::pods::PORTS`).
+#[btf_map]
+pub static FLANNEL_PORTS: HashMap<PortKey, PodPort, { PORTS_MAX_ENTRIES as usize }> =
+    HashMap::new();
 
 /// Counters of `tc_from_bridge` (`flannel_common::maps::CNT_FROM_BRIDGE`).
 #[btf_map]

@@ -2,18 +2,19 @@
 //!
 //! `tc_from_netdev` (TC ingress), for packets addressed to this node or its pods:
 //! - IPIP (protocol 4) to our public IP from a node in `FLANNEL_NODES4` with `NODE_F_IPIP`:
-//!   decapsulated (no kernel IPIP device exists to do it), then delivered to the pod bridge or
+//!   decapsulated (no kernel IPIP device exists to do it), then delivered to the pod or
 //!   handed to the stack;
 //! - VXLAN to our public IP and port, with our VNI and VTEP MAC, from a VXLAN peer: a
-//!   pod-to-pod packet is decapsulated and delivered to the bridge; anything else is left to
+//!   pod-to-pod packet is decapsulated and delivered to the pod; anything else is left to
 //!   `flannel.<VNI>` untouched;
-//! - a plain (host-gw) packet from a remote pod to a local pod: delivered to the bridge;
+//! - a plain (host-gw) packet from a remote pod to a local pod: delivered to the pod;
 //! - a udp-backend datagram to our interface address and port: see [`crate::udp`];
 //! - and on the way it records remote pods that address a host address in the NAT guard.
 //!
 //! IPv6 frames go to [`crate::v6`] instead (the entry points choose).
 //!
-//! See [`crate::deliver`] for why delivery bypasses the stack and when it must not.
+//! See [`crate::deliver`] for why delivery bypasses the stack and when it must not, and
+//! [`crate::pods`] for delivery into the pod's namespace (or through the bridge).
 //!
 //! Both also run the masquerade ([`crate::nat`]) when it is on: `tc_from_netdev` translates
 //! replies for the masquerade address back (before anything else, tunnels excepted),
@@ -333,13 +334,14 @@ fn vxlan_in(
     ) {
         return Verdict::pass(reason);
     }
-    if fib::gso_size(ctx) != 0 {
-        // See `deliver`: the kernel's VXLAN receive handles GSO packets properly; the flow
-        // moves to the kernel in both directions.
+    let route = deliver::route_to_pod(ctx, &info);
+    if fib::gso_size(ctx) != 0 && !route.reaches_pod_port() {
+        // See `deliver`: unless it goes straight into the pod, a GSO packet is left to the
+        // kernel's VXLAN receive, which handles it properly; the flow moves to the kernel in
+        // both directions.
         *kernel_flow = deliver::hand_to_kernel(&info);
         return Verdict::pass(Reason::PassGso);
     }
-    let route = deliver::route_to_pod(ctx, &info);
     if route == Fib::Failed {
         return Verdict::pass(Reason::PassFibFailed);
     }

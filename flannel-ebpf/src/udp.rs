@@ -292,7 +292,7 @@ pub fn receive(ctx: &TcContext, cfg: &Config, outer: &Ipv4Info, nat_learnt: &mut
     if ctx.store(ETH_HDR_LEN + 8, &ttl_field(&info), 0).is_err() {
         return Received::failed(Reason::DropRewriteFailed);
     }
-    match fib::redirect(ctx, route) {
+    match fib::deliver(ctx, route) {
         Some(action) => Received {
             action,
             reason: Reason::FastDeliverUdp,

@@ -643,7 +643,7 @@ fn route_key(net: &Ipv4Net) -> Key<[u8; 4]> {
     Key::new(u32::from(net.prefix_len()), net.network().octets())
 }
 
-fn missing(name: &'static str) -> BpfError {
+pub(super) fn missing(name: &'static str) -> BpfError {
     BpfError::BadMap {
         name,
         reason: "not in the eBPF object".into(),

@@ -58,6 +58,7 @@
 //! | [`counters`] | [`Counters`] |
 //! | [`error`] | [`BpfError`] |
 //! | [`udp`] | [`UdpLocal`]: the udp backend's encapsulation on the fast path |
+//! | [`ports`] | local pods' bridge ports (FDB mirror) for delivery into their namespace |
 //! | [`v6`] | [`LocalConfig6`], [`Remote6`]: IPv6 on the fast path |
 
 pub mod applier;
@@ -67,6 +68,7 @@ pub mod error;
 pub mod fastpath;
 pub mod nat;
 pub mod pins;
+pub mod ports;
 pub mod probe;
 pub mod remote;
 pub mod udp;

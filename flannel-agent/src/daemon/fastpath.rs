@@ -5,10 +5,11 @@
 use std::{
     path::Path,
     sync::{Arc, Mutex},
+    time::{Duration, Instant},
 };
 
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::DaemonError;
 use crate::{
@@ -20,7 +21,7 @@ use crate::{
     cli::Dataplane,
     dataplane::Local,
     ip::IpStack,
-    netlink::{LinkEvent, Netlink},
+    netlink::{FdbEvent, FdbEvents, LinkEvent, Netlink},
 };
 
 /// The active forwarding path.
@@ -212,8 +213,15 @@ fn local_configs(
     Ok((v4, v6))
 }
 
+/// How long the port mirror waits after a bridge FDB or link change before it re-reads them,
+/// so that a burst of changes (a pod starting) is read once.
+const PORTS_SETTLE: Duration = Duration::from_millis(20);
+/// How often the port mirror re-reads everything anyway (lost notifications).
+const PORTS_RESYNC: Duration = Duration::from_secs(30);
+
 /// Attaches the pod-side program to `bridge` now if it exists and again every time it is
-/// (re)created, until `cancel`.
+/// (re)created, and keeps the fast path's pod ports ([`bpf::ports`]) equal to the bridge's
+/// forwarding database, until `cancel`.
 pub async fn attach_bridge(
     fast_path: SharedFastPath,
     nl: Netlink,
@@ -235,26 +243,115 @@ pub async fn attach_bridge(
             return;
         }
     };
+    let mut fdb_events = match nl.fdb_events() {
+        Ok(events) => Some(events),
+        Err(err) => {
+            warn!(
+                "cannot watch the pod bridge's forwarding database ({err}); pods' ports are \
+                 re-read every {}s",
+                PORTS_RESYNC.as_secs()
+            );
+            None
+        }
+    };
+    let mut bridge_index = None;
     match nl.link_by_name(&bridge).await {
-        Ok(Some(link)) => attach(link.index),
+        Ok(Some(link)) => {
+            attach(link.index);
+            bridge_index = Some(link.index);
+        }
         Ok(None) => info!(bridge = %bridge, "pod bridge not there yet; attaching when it appears"),
         Err(err) => warn!("looking up the pod bridge: {err}"),
     }
+    let mut resync = tokio::time::interval(PORTS_RESYNC);
+    // The first read happens at once (the interval's first tick).
+    let mut settle: Option<Instant> = None;
     loop {
-        let event = tokio::select! {
-            () = cancel.cancelled() => return,
-            event = events.next() => event,
+        let mark = |settle: &mut Option<Instant>| {
+            settle.get_or_insert_with(|| Instant::now() + PORTS_SETTLE);
         };
-        match event {
-            Some(LinkEvent::New { index, name }) if name == bridge => attach(index),
-            Some(LinkEvent::Overrun) => {
-                if let Ok(Some(link)) = nl.link_by_name(&bridge).await {
-                    attach(link.index);
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            event = events.next() => match event {
+                Some(LinkEvent::New { index, name }) if name == bridge => {
+                    attach(index);
+                    bridge_index = Some(index);
+                    mark(&mut settle);
+                }
+                Some(LinkEvent::Overrun) => {
+                    if let Ok(Some(link)) = nl.link_by_name(&bridge).await {
+                        attach(link.index);
+                        bridge_index = Some(link.index);
+                    }
+                    mark(&mut settle);
+                }
+                // A port added or removed (or any other link change: cheap to re-read).
+                Some(_) => mark(&mut settle),
+                None => return,
+            },
+            event = next_fdb_event(&mut fdb_events) => match event {
+                Some(FdbEvent::Changed { master, .. }) if master.is_some() && master == bridge_index => {
+                    mark(&mut settle);
+                }
+                Some(FdbEvent::Overrun) => mark(&mut settle),
+                Some(_) => {}
+                None => fdb_events = None,
+            },
+            _ = resync.tick() => mark(&mut settle),
+            () = sleep_until_some(settle) => {
+                settle = None;
+                if let Some(index) = bridge_index {
+                    sync_ports(&fast_path, &nl, index).await;
                 }
             }
-            Some(_) => {}
-            None => return,
         }
+    }
+}
+
+/// The next FDB event, or never when there is no subscription.
+async fn next_fdb_event(events: &mut Option<FdbEvents>) -> Option<FdbEvent> {
+    match events {
+        Some(events) => events.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sleeps until `deadline`, or forever when there is none.
+async fn sleep_until_some(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Re-reads the ports and FDB of bridge `bridge` and writes the difference into the fast
+/// path's pod ports.
+async fn sync_ports(fast_path: &SharedFastPath, nl: &Netlink, bridge: u32) {
+    let read = async {
+        Ok::<_, crate::netlink::NetlinkError>((
+            nl.list_links().await?,
+            nl.list_bridge_fdb(bridge).await?,
+        ))
+    };
+    let (links, fdb) = match read.await {
+        Ok(read) => read,
+        Err(err) => {
+            warn!(bridge, "reading the pod bridge's ports: {err}");
+            return;
+        }
+    };
+    let desired = bpf::ports::desired_ports(bridge, &links, &fdb);
+    let Ok(mut fp) = fast_path.lock() else { return };
+    match fp.sync_ports(&desired) {
+        Ok(sync) if sync.written + sync.removed > 0 => debug!(
+            bridge,
+            pods = sync.total,
+            written = sync.written,
+            removed = sync.removed,
+            "pod ports synced"
+        ),
+        Ok(_) => {}
+        Err(err) => warn!(bridge, "writing the pod ports map: {err}"),
     }
 }
 

@@ -1,5 +1,7 @@
 //! Link notifications (`RTNLGRP_LINK`): a [`Stream`] of [`LinkEvent`]s, so the agent notices
 //! when `flannel.1` is deleted under it and recreates it (upstream 2.1, "Runtime watcher").
+//! Bridge FDB notifications (`RTNLGRP_NEIGH`): [`FdbEvent`]s, so the fast path learns which
+//! bridge port each local pod sits behind.
 
 use std::{
     pin::Pin,
@@ -9,7 +11,11 @@ use std::{
 use futures::{Stream, StreamExt};
 use rtnetlink::{
     packet_core::{NetlinkMessage, NetlinkPayload},
-    packet_route::{AddressFamily, RouteNetlinkMessage, link::LinkMessage},
+    packet_route::{
+        AddressFamily, RouteNetlinkMessage,
+        link::LinkMessage,
+        neighbour::{NeighbourAttribute, NeighbourMessage},
+    },
     proto::sys::SocketAddr,
     sys::AsyncSocket as _,
 };
@@ -18,6 +24,29 @@ use super::{NetlinkError, Unsolicited, links::link_from_message, open_socket};
 
 /// `RTNLGRP_LINK`.
 const RTNLGRP_LINK: u32 = 1;
+/// `RTNLGRP_NEIGH`: ARP/NDP neighbours and bridge FDB entries.
+const RTNLGRP_NEIGH: u32 = 3;
+
+/// Opens a listening socket in the calling thread's network namespace joined to multicast
+/// `group`, its connection running on the current tokio runtime.
+fn join_group(
+    group: u32,
+    what: &'static str,
+) -> Result<(Unsolicited, tokio::task::JoinHandle<()>), NetlinkError> {
+    let runtime = tokio::runtime::Handle::try_current()
+        .map_err(|_| NetlinkError::socket("netlink events need a tokio runtime", None))?;
+    let mut opened = open_socket(false)?;
+    opened
+        .conn
+        .socket_mut()
+        .socket_mut()
+        .bind(&SocketAddr::new(0, 1 << (group - 1)))
+        .map_err(|e| NetlinkError::socket(what, Some(e)))?;
+    // The request handle is dropped: this socket only listens. The connection keeps running
+    // as long as the unsolicited messages' receiver is alive.
+    let task = runtime.spawn(opened.conn);
+    Ok((opened.unsolicited, task))
+}
 
 /// A change to the set of links.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,22 +91,8 @@ impl Drop for LinkEvents {
 impl LinkEvents {
     /// Subscribes to link notifications. Must run inside a tokio runtime.
     pub fn subscribe() -> Result<Self, NetlinkError> {
-        let runtime = tokio::runtime::Handle::try_current()
-            .map_err(|_| NetlinkError::socket("link events need a tokio runtime", None))?;
-        let mut opened = open_socket(false)?;
-        opened
-            .conn
-            .socket_mut()
-            .socket_mut()
-            .bind(&SocketAddr::new(0, 1 << (RTNLGRP_LINK - 1)))
-            .map_err(|e| NetlinkError::socket("join RTNLGRP_LINK", Some(e)))?;
-        // The request handle is dropped: this socket only listens. The connection keeps
-        // running as long as `messages` is alive.
-        let task = runtime.spawn(opened.conn);
-        Ok(Self {
-            messages: opened.unsolicited,
-            task,
-        })
+        let (messages, task) = join_group(RTNLGRP_LINK, "join RTNLGRP_LINK")?;
+        Ok(Self { messages, task })
     }
 
     /// The next event; `None` when the socket is gone.
@@ -124,10 +139,91 @@ impl Stream for LinkEvents {
     }
 }
 
+/// A change to a bridge's forwarding database (`RTNLGRP_NEIGH`, bridge family).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FdbEvent {
+    /// An entry was added, changed or removed on port `port` of bridge `master` (`None` for
+    /// entries of a device itself, like a vxlan device's).
+    Changed {
+        /// The port (or device) the entry points to.
+        port: u32,
+        /// The bridge holding the entry.
+        master: Option<u32>,
+    },
+    /// Notifications were lost: re-list the entries.
+    Overrun,
+}
+
+/// The stream returned by [`Netlink::fdb_events`](super::Netlink::fdb_events); like
+/// [`LinkEvents`], it owns its socket.
+pub struct FdbEvents {
+    messages: Unsolicited,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for FdbEvents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FdbEvents").finish_non_exhaustive()
+    }
+}
+
+impl Drop for FdbEvents {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl FdbEvents {
+    /// Subscribes to neighbour notifications, keeping the bridge family's. Must run inside a
+    /// tokio runtime.
+    pub fn subscribe() -> Result<Self, NetlinkError> {
+        let (messages, task) = join_group(RTNLGRP_NEIGH, "join RTNLGRP_NEIGH")?;
+        Ok(Self { messages, task })
+    }
+
+    /// The next event; `None` when the socket is gone.
+    pub async fn next(&mut self) -> Option<FdbEvent> {
+        loop {
+            let (message, _) = StreamExt::next(&mut self.messages).await?;
+            if let Some(e) = fdb_event(message) {
+                return Some(e);
+            }
+        }
+    }
+}
+
+fn fdb_event(message: NetlinkMessage<RouteNetlinkMessage>) -> Option<FdbEvent> {
+    let changed = |m: &NeighbourMessage| {
+        if m.header.family != AddressFamily::Bridge {
+            return None;
+        }
+        let master = m.attributes.iter().find_map(|a| match a {
+            NeighbourAttribute::Controller(master) => Some(*master),
+            _ => None,
+        });
+        Some(FdbEvent::Changed {
+            port: m.header.ifindex,
+            master,
+        })
+    };
+    match message.payload {
+        NetlinkPayload::InnerMessage(
+            RouteNetlinkMessage::NewNeighbour(m) | RouteNetlinkMessage::DelNeighbour(m),
+        ) => changed(&m),
+        NetlinkPayload::Overrun(_) => Some(FdbEvent::Overrun),
+        _ => None,
+    }
+}
+
 impl super::Netlink {
     /// Subscribes to link added/removed notifications (see [`LinkEvents::subscribe`]).
     pub fn link_events(&self) -> Result<LinkEvents, NetlinkError> {
         LinkEvents::subscribe()
+    }
+
+    /// Subscribes to bridge FDB notifications (see [`FdbEvents::subscribe`]).
+    pub fn fdb_events(&self) -> Result<FdbEvents, NetlinkError> {
+        FdbEvents::subscribe()
     }
 }
 
@@ -167,6 +263,30 @@ mod tests {
                 name: "flannel.1".into()
             })
         );
+    }
+
+    #[test]
+    fn bridge_fdb_changes_are_reported_with_their_bridge() {
+        let mut m = NeighbourMessage::default();
+        m.header.family = AddressFamily::Bridge;
+        m.header.ifindex = 12;
+        m.attributes.push(NeighbourAttribute::Controller(7));
+        let new = NetlinkMessage::from(RouteNetlinkMessage::NewNeighbour(m.clone()));
+        assert_eq!(
+            fdb_event(new),
+            Some(FdbEvent::Changed {
+                port: 12,
+                master: Some(7)
+            })
+        );
+        let del = NetlinkMessage::from(RouteNetlinkMessage::DelNeighbour(m.clone()));
+        assert!(matches!(
+            fdb_event(del),
+            Some(FdbEvent::Changed { port: 12, .. })
+        ));
+        m.header.family = AddressFamily::Inet;
+        let arp = NetlinkMessage::from(RouteNetlinkMessage::NewNeighbour(m));
+        assert_eq!(fdb_event(arp), None, "ARP entries are not FDB changes");
     }
 
     #[test]

@@ -319,6 +319,25 @@ impl Netlink {
             .collect())
     }
 
+    /// The FDB entries bridge `bridge` holds for its ports (`bridge fdb show br BR`): learnt,
+    /// static and local (permanent) entries, each with the port it points to in `ifindex`.
+    pub async fn list_bridge_fdb(&self, bridge: u32) -> Result<Vec<FdbEntry>, NetlinkError> {
+        let mut message = NeighbourMessage::default();
+        message.header.family = AddressFamily::Bridge;
+        let ctx = Ctx::new("list fdb", format!("of bridge index {bridge}"));
+        let answers = self
+            .dump(RouteNetlinkMessage::GetNeighbour(message), &ctx)
+            .await?;
+        Ok(answers
+            .iter()
+            .filter_map(|m| match m {
+                RouteNetlinkMessage::NewNeighbour(n) => fdb_from_message(n),
+                _ => None,
+            })
+            .filter(|e| e.master == Some(bridge) && !e.flags.contains(NeighbourFlags::SELF))
+            .collect())
+    }
+
     /// Installs `mac dst DST self permanent` on vxlan device `ifindex`, replacing the
     /// destination of an existing entry for `mac`
     /// (`bridge fdb replace MAC dev DEV self dst DST permanent`).

@@ -15,7 +15,7 @@ use aya_ebpf::{
 };
 
 use super::info::Ipv6Info;
-use crate::parse::ptr_at_mut;
+use crate::parse::{PacketCtx as _, ptr_at_mut};
 
 /// `AF_INET6`.
 const AF_INET6: u8 = 10;
@@ -52,6 +52,15 @@ fn words(addr: &[u8; 16]) -> [u32; 4] {
         u32::from_ne_bytes([addr[8], addr[9], addr[10], addr[11]]),
         u32::from_ne_bytes([addr[12], addr[13], addr[14], addr[15]]),
     ]
+}
+
+impl Fib6 {
+    /// Whether a delivery along this route goes straight into the pod's namespace: the pod's
+    /// MAC is resolved and its bridge port known ([`crate::pods`]).
+    #[inline(always)]
+    pub fn reaches_pod_port(&self) -> bool {
+        matches!(*self, Fib6::Resolved { ifindex, dmac, .. } if crate::pods::port(ifindex, dmac).is_some())
+    }
 }
 
 /// Looks up the route for `info`'s destination as if the packet arrived on `ifindex`.
@@ -117,6 +126,18 @@ fn run(ctx: &TcContext, params: &mut FibParams, flags: u32) -> Fib6 {
 /// Sends the packet the way `fib` says (see [`crate::fib::redirect`]).
 #[inline(always)]
 pub fn redirect(ctx: &TcContext, fib: Fib6) -> Option<i32> {
+    send(ctx, fib, false)
+}
+
+/// [`redirect`] for a packet to a local pod: into the pod's namespace when `fib` resolved the
+/// pod's MAC and its bridge port is known ([`crate::pods`]).
+#[inline(always)]
+pub fn deliver(ctx: &TcContext, fib: Fib6) -> Option<i32> {
+    send(ctx, fib, true)
+}
+
+#[inline(always)]
+fn send(ctx: &TcContext, fib: Fib6, to_pod: bool) -> Option<i32> {
     match fib {
         Fib6::Resolved {
             ifindex,
@@ -129,6 +150,13 @@ pub fn redirect(ctx: &TcContext, fib: Fib6) -> Option<i32> {
             macs[6..].copy_from_slice(&smac);
             // SAFETY: ptr_at_mut checked the 12 bytes lie within the packet.
             unsafe { eth.write_unaligned(macs) };
+            if to_pod {
+                return Some(crate::pods::redirect(
+                    ifindex,
+                    dmac,
+                    ctx.packet_len() as u64,
+                ));
+            }
             // SAFETY: plain helper call.
             Some(unsafe { bpf_redirect(ifindex, 0) } as i32)
         }

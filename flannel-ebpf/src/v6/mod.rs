@@ -393,7 +393,7 @@ fn deliver(ctx: &TcContext, info: &Ipv6Info, route: Fib6, fast: Reason) -> Verdi
     {
         return Verdict::failed(Reason::DropRewriteFailed);
     }
-    match fib::redirect(ctx, route) {
+    match fib::deliver(ctx, route) {
         Some(action) => Verdict {
             action,
             reason: fast,
@@ -468,12 +468,13 @@ fn vxlan_in(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6, learnt: &mut Learn
     if let Some(reason) = refused {
         return Verdict::pass(reason);
     }
-    if gso_size(ctx) != 0 {
-        // As for IPv4: the kernel's VXLAN receive handles GSO packets properly.
+    let route = route_to_pod(ctx, info);
+    if gso_size(ctx) != 0 && !route.reaches_pod_port() {
+        // As for IPv4: unless it goes straight into the pod, the kernel's VXLAN receive
+        // handles a GSO packet properly.
         learnt.kernel_flow = hand_to_kernel(info);
         return Verdict::pass(Reason::PassGso);
     }
-    let route = route_to_pod(ctx, info);
     if route == Fib6::Failed {
         return Verdict::pass(Reason::PassFibFailed);
     }

@@ -17,6 +17,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
+use flannel_common::stats::Reason;
 use flannel_tests::{
     bench::variant::link_mac,
     lab::{
@@ -119,12 +120,10 @@ pub struct Expect {
 
 impl Expect {
     /// Node `a` sent at least `packets` packets and `bytes` bytes to node `b` (reached by
-    /// `path`): `a`'s egress program must have counted both, `b`'s ingress program the
-    /// packets (for those of the two on the fast path).
-    ///
-    /// Only the packets on ingress: bulk VXLAN arrives aggregated by GRO, and the fast path
-    /// hands such packets to the kernel's `flannel.1` (`pass_gso`), then the rest of that
-    /// flow (`pass_kernel_flow`), so its bytes are not the fast path's there.
+    /// `path`): `a`'s egress program must have counted both, `b`'s ingress program too (for
+    /// those of the two on the fast path). A transfer (`bytes` > 0) must moreover have gone
+    /// straight into the pod's namespace on `b` (`deliver_peer`): by then the pods have
+    /// talked, so the bridge has learnt their MACs and the agent mirrored them.
     pub fn sent(
         &mut self,
         cluster: &Cluster,
@@ -136,9 +135,13 @@ impl Expect {
         let Some(kind) = path(a, b).kind() else {
             return;
         };
+        let peer = fastpath::ingress_reason(kind)
+            .filter(|_| bytes > 0)
+            .map(|(program, _)| (program, Reason::DeliverPeer.name()));
         let ends = [
             (a, fastpath::egress_reason(kind), bytes),
-            (b, fastpath::ingress_reason(kind), 0),
+            (b, fastpath::ingress_reason(kind), bytes),
+            (b, peer, bytes),
         ];
         for (n, reason, bytes) in ends {
             if let (true, Some((program, reason))) = (on_fast_path(cluster, n), reason) {

@@ -1,0 +1,40 @@
+//! Delivery to local pods: straight into the pod's network namespace when its bridge port is
+//! known (see [`flannel_common::pods`]), through the pod bridge otherwise.
+//!
+//! `bpf_redirect_peer` hands the packet to the ingress of the veth's other end, in the pod's
+//! namespace, within the same softirq: no bridge forwarding, no veth transmit, no trip
+//! through the backlog queue. It also keeps GSO packets whole: there is no transmit on the way
+//! in, so nothing checks the device's offload features and segments the packet in software
+//! (see [`crate::deliver`] for why that matters to decapsulated tunnel packets).
+
+use aya_ebpf::helpers::{bpf_redirect, bpf_redirect_peer};
+use flannel_common::{pods::PortKey, stats::Reason};
+
+use crate::{
+    maps::{FLANNEL_CNT_FND, FLANNEL_PORTS},
+    stats,
+};
+
+/// The host side of the veth of the pod with MAC `mac`, if that pod sits behind `bridge`.
+#[inline(always)]
+pub fn port(bridge: u32, mac: [u8; 6]) -> Option<u32> {
+    let entry = FLANNEL_PORTS.get_ptr(PortKey::new(mac))?;
+    // SAFETY: the pointer comes from a successful lookup; the entry is read once.
+    let entry = unsafe { entry.read() };
+    (entry.bridge == bridge && entry.ifindex != 0).then_some(entry.ifindex)
+}
+
+/// Sends a packet whose MACs are already rewritten to the pod with MAC `dmac` behind
+/// `bridge` (the output interface `bpf_fib_lookup` chose): into the pod's namespace when its
+/// port is known (counted as [`Reason::DeliverPeer`] of `tc_from_netdev`, `bytes` long),
+/// otherwise to the bridge. Returns the TC action.
+#[inline(always)]
+pub fn redirect(bridge: u32, dmac: [u8; 6], bytes: u64) -> i32 {
+    if let Some(port) = port(bridge, dmac) {
+        stats::count(&FLANNEL_CNT_FND, Reason::DeliverPeer, bytes);
+        // SAFETY: plain helper call.
+        return unsafe { bpf_redirect_peer(port, 0) } as i32;
+    }
+    // SAFETY: plain helper call.
+    unsafe { bpf_redirect(bridge, 0) as i32 }
+}
