@@ -1,8 +1,17 @@
-//! `tc_from_bridge` (TC ingress of the pod bridge `cni0`): pod → remote pod transmit.
+//! `tc_from_bridge`: pod → remote pod transmit, on TC ingress of the pod bridge's ports (the
+//! host side of every pod's veth; the agent attaches it as ports come and go).
 //!
-//! Pods route everything off their subnet through their gateway, the bridge's own address, so
-//! such packets are handed "up" to the bridge device and meet this hook: one attach point, no
-//! per-pod state. Pod-to-pod traffic on the same node is bridged at L2 and never gets here.
+//! Pods route everything off their subnet through their gateway, the bridge's own address.
+//! The program takes such packets at the port, before the bridge: that skips the bridging,
+//! and, above all, the bridge's netfilter hooks. With `br_netfilter` (on in every kubeadm
+//! cluster) a frame going up to the bridge device meets iptables PREROUTING first: kube-proxy
+//! DNATs a Service's ClusterIP to a backend there, and a hook on the bridge device itself would
+//! see the backend's address, fast-path the packet and bypass the conntrack confirmation, so
+//! the reply would come back un-translated (test `agent_ebpf::*_service_dnat_*`). At the port
+//! the packet still carries the ClusterIP: not a remote pod, it is passed to the kernel, and
+//! the flow is learnt as a kernel flow on its way out. The program also works on the bridge
+//! device itself where bridged traffic skips netfilter (the BPF test rigs attach it there).
+//! Pod-to-pod traffic on the same node carries a local destination and is left to the bridge.
 //!
 //! A packet whose destination lies in a remote subnet of `FLANNEL_ROUTES4` is sent according
 //! to the entry's kind (see [`crate::decide::from_bridge`] for every condition):
@@ -104,7 +113,7 @@ pub fn run(ctx: &TcContext) -> Outcome {
 /// Host-gw: route by the kernel FIB, decrement the TTL and redirect.
 #[inline(always)]
 fn host_gw(ctx: &TcContext, info: &ipv4::Ipv4Info) -> Result<(i32, Reason), Reason> {
-    let route = fib::lookup(ctx, fib::ingress_ifindex(ctx), info, 0);
+    let route = fib::lookup(ctx, crate::pods::routing_iif(ctx), info, 0);
     if route == Fib::Failed {
         return Err(Reason::PassFibFailed);
     }

@@ -7,11 +7,16 @@
 //! in, so nothing checks the device's offload features and segments the packet in software
 //! (see [`crate::deliver`] for why that matters to decapsulated tunnel packets).
 
-use aya_ebpf::helpers::{bpf_redirect, bpf_redirect_peer};
+use aya_ebpf::{
+    helpers::{bpf_redirect, bpf_redirect_peer},
+    programs::TcContext,
+};
 use flannel_common::{pods::PortKey, stats::Reason};
 
 use crate::{
+    fib,
     maps::{FLANNEL_CNT_FND, FLANNEL_PORTS},
+    parse::ptr_at,
     stats,
 };
 
@@ -37,4 +42,29 @@ pub fn redirect(bridge: u32, dmac: [u8; 6], bytes: u64) -> i32 {
     }
     // SAFETY: plain helper call.
     unsafe { bpf_redirect(bridge, 0) as i32 }
+}
+
+/// The interface a pod's packet counts as arriving on for `bpf_fib_lookup`: the bridge, as
+/// for the kernel, which routes what the bridge passes up. `tc_from_bridge` runs on the
+/// bridge's ports (the pods' veths, before the bridge and its netfilter hooks), so the bridge
+/// is the one of the port the frame's source MAC is known on; failing that (a pod the mirror
+/// does not know yet, or the program attached to the bridge itself) the ingress interface.
+#[inline(always)]
+pub fn routing_iif(ctx: &TcContext) -> u32 {
+    let here = fib::ingress_ifindex(ctx);
+    let Some(smac) = ptr_at::<TcContext, [u8; 6]>(ctx, 6) else {
+        return here;
+    };
+    // SAFETY: ptr_at checked the 6 bytes are readable.
+    let smac = unsafe { smac.read_unaligned() };
+    let Some(entry) = FLANNEL_PORTS.get_ptr(PortKey::new(smac)) else {
+        return here;
+    };
+    // SAFETY: the pointer comes from a successful lookup; the entry is read once.
+    let entry = unsafe { entry.read() };
+    if entry.ifindex == here && entry.bridge != 0 {
+        entry.bridge
+    } else {
+        here
+    }
 }

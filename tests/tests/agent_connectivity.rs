@@ -43,3 +43,10 @@ fn direct_routing_over_mixed_underlay() {
     require_root!();
     connectivity(Dataplane::Kernel, "vxlan", Underlay::Mixed);
 }
+
+/// A kube-proxy style Service DNAT (nat PREROUTING, ClusterIP → a pod on another node).
+#[test]
+fn service_dnat_to_a_remote_pod() {
+    require_root!();
+    agent_support::scenarios::service_dnat_to_a_remote_pod(Dataplane::Kernel, "vxlan");
+}

@@ -152,6 +152,18 @@ fn mixed_dataplanes_host_gw() {
     mixed("host-gw");
 }
 
+#[test]
+fn ebpf_host_gw_service_dnat_to_a_remote_pod() {
+    require_root!();
+    scenarios::service_dnat_to_a_remote_pod(EBPF, "host-gw");
+}
+
+#[test]
+fn ebpf_vxlan_service_dnat_to_a_remote_pod() {
+    require_root!();
+    scenarios::service_dnat_to_a_remote_pod(EBPF, "vxlan");
+}
+
 /// The agents take their leases from a (fake) Kubernetes API server instead of etcd
 /// (`--kube-subnet-mgr`): two nodes with pod CIDRs 10.244.1.0/24 and 10.244.2.0/24 in their
 /// Node objects, vxlan, `--dataplane ebpf`. Each agent writes its pod CIDR to subnet.env,

@@ -1,7 +1,7 @@
 //! [`FastPath`]: the loaded object, its pinned maps and its pinned TCX links.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap},
     ffi::CStr,
     fs,
     net::Ipv4Addr,
@@ -36,7 +36,7 @@ use super::{
 /// The three attach points of the fast path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Hook {
-    /// `tc_from_bridge` on TC ingress of the pod bridge.
+    /// `tc_from_bridge` on TC ingress of the pod bridge's ports (or of the bridge itself).
     FromBridge,
     /// `tc_from_netdev` on TC ingress of the external interface.
     FromNetdev,
@@ -75,6 +75,15 @@ pub struct NetdevAttach {
     /// `xdp_from_netdev` in native XDP mode; `None` when the driver has no native XDP (the TC
     /// programs then decapsulate on their own, after GRO).
     pub xdp: Option<Attached>,
+}
+
+/// What [`FastPath::attach_ports`] changed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PortAttach {
+    /// Ports that got the program (new or adopted links).
+    pub attached: usize,
+    /// Links removed (ports gone, other interfaces).
+    pub detached: usize,
 }
 
 /// What an attach call did.
@@ -422,6 +431,22 @@ impl FastPath {
         self.attach(Hook::FromBridge, ifindex)
     }
 
+    /// Attaches `tc_from_bridge` to TC ingress of exactly the interfaces in `ports` (the pod
+    /// bridge's veth ports; see `flannel_ebpf::bridge` for why there and not on the bridge):
+    /// new ports get a link (adopting a pinned one), links on other interfaces (ports that
+    /// are gone, the bridge itself) are removed. Stops at the first port that cannot be
+    /// attached, keeping what is attached.
+    pub fn attach_ports(&mut self, ports: &BTreeSet<u32>) -> Result<PortAttach, BpfError> {
+        let mut report = PortAttach::default();
+        for &port in ports {
+            if self.attach_one(Hook::FromBridge, port)? != Attached::Already {
+                report.attached += 1;
+            }
+        }
+        report.detached = self.prune(Hook::FromBridge, ports)?;
+        Ok(report)
+    }
+
     /// Detaches `tc_from_bridge` from every bridge.
     pub fn detach_bridge(&mut self) -> Result<(), BpfError> {
         self.detach(Hook::FromBridge)
@@ -471,7 +496,41 @@ impl FastPath {
         Counters::read(&self.ebpf)
     }
 
+    /// Attaches `hook`'s program to `ifindex` and removes its links on other interfaces (an
+    /// old bridge, a previous external interface).
     fn attach(&mut self, hook: Hook, ifindex: u32) -> Result<Attached, BpfError> {
+        let outcome = self.attach_one(hook, ifindex)?;
+        self.prune(hook, &BTreeSet::from([ifindex]))?;
+        Ok(outcome)
+    }
+
+    /// Removes `hook`'s links (held and pinned) on every interface not in `keep`.
+    fn prune(&mut self, hook: Hook, keep: &BTreeSet<u32>) -> Result<usize, BpfError> {
+        let stale: Vec<(Hook, u32)> = self
+            .links
+            .keys()
+            .filter(|(h, i)| *h == hook && !keep.contains(i))
+            .copied()
+            .collect();
+        let mut removed = 0;
+        for key in stale {
+            if let Some(held) = self.links.remove(&key) {
+                remove_pin(&held.path)?;
+                removed += 1;
+            }
+        }
+        for (ifindex, path) in self.layout.other_links(hook.program(), 0) {
+            if !keep.contains(&ifindex) {
+                remove_pin(&path)?;
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Attaches `hook`'s program to `ifindex` (adopting a pinned link), leaving its other
+    /// links alone.
+    fn attach_one(&mut self, hook: Hook, ifindex: u32) -> Result<Attached, BpfError> {
         if self.links.contains_key(&(hook, ifindex)) {
             return Ok(Attached::Already);
         }
@@ -529,21 +588,6 @@ impl FastPath {
                 _link: fd_link,
             },
         );
-        // The same program on another interface (an old bridge, a previous external interface).
-        let stale: Vec<(Hook, u32)> = self
-            .links
-            .keys()
-            .filter(|(h, i)| *h == hook && *i != ifindex)
-            .copied()
-            .collect();
-        for key in stale {
-            if let Some(held) = self.links.remove(&key) {
-                remove_pin(&held.path)?;
-            }
-        }
-        for (_, path) in self.layout.other_links(hook.program(), ifindex) {
-            remove_pin(&path)?;
-        }
         Ok(outcome)
     }
 

@@ -14,7 +14,7 @@
 //!     fp.set_config(&LocalConfig { .. })?;          // after the lease: public IP, subnet, VTEP
 //!     fp.sync(&desired)?;                            // reconciler: subnet -> Remote, every pass
 //!     fp.attach_netdev(ext_ifindex, false)?;         // external interface (XDP: opt-in)
-//!     fp.attach_bridge(cni0_ifindex)?;               // link watcher: when cni0 (re)appears
+//!     fp.sync_ports(&macs)?; fp.attach_ports(&veths)?; // port watcher: cni0's FDB and veth ports
 //!     fp.counters()?;                                // metrics / status
 //! }
 //! ```
@@ -80,7 +80,7 @@ pub use applier::{BpfApplier, FastPathCounters, SharedFastPath};
 pub use config::{LocalConfig, VxlanLocal};
 pub use counters::{Counters, ReasonCounters};
 pub use error::BpfError;
-pub use fastpath::{Attached, FastPath, Hook, LoadOptions, NetdevAttach};
+pub use fastpath::{Attached, FastPath, Hook, LoadOptions, NetdevAttach, PortAttach};
 pub use nat::{NatFlow, NatSettings, NatSizing, NatTimeouts, SweepStats};
 pub use pins::PinLayout;
 pub use remote::{Remote, SyncStats, Via};

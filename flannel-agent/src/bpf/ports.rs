@@ -1,13 +1,14 @@
 //! Local pods' bridge ports on the fast path: the bridge's forwarding database mirrored into
 //! `FLANNEL_PORTS` (pod MAC → host-side veth), so that `tc_from_netdev` delivers packets for
-//! local pods straight into their network namespace (see [`flannel_common::pods`]).
+//! local pods straight into their network namespace (see [`flannel_common::pods`]); and the
+//! veth ports themselves, where `tc_from_bridge` is attached ([`veth_ports`]).
 //!
 //! The desired set is a function of what the kernel holds ([`desired_ports`] of the bridge's
 //! links and FDB), applied by diff ([`FastPath::sync_ports`]): the daemon re-reads it whenever
 //! the bridge's FDB or its ports change, and a restarted agent fills the (unpinned) map the
 //! same way.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use aya::maps::{HashMap, MapData};
 use flannel_common::pods::{PORTS, PodPort, PortKey};
@@ -20,13 +21,9 @@ use crate::netlink::{FdbEntry, Link, NeighbourState};
 /// addresses. A MAC seen on two ports (a pod moved) is left out: the bridge is the safe way
 /// until the stale entry ages out.
 pub fn desired_ports(bridge: u32, links: &[Link], fdb: &[FdbEntry]) -> BTreeMap<PortKey, PodPort> {
-    let veth_ports: std::collections::BTreeSet<u32> = links
-        .iter()
-        .filter(|l| l.master == Some(bridge) && l.is_kind("veth"))
-        .map(|l| l.index)
-        .collect();
+    let veth_ports = veth_ports(bridge, links);
     let mut out = BTreeMap::new();
-    let mut ambiguous = std::collections::BTreeSet::new();
+    let mut ambiguous = BTreeSet::new();
     for entry in fdb {
         if entry.master != Some(bridge)
             || entry.state == NeighbourState::Permanent
@@ -51,6 +48,16 @@ pub fn desired_ports(bridge: u32, links: &[Link], fdb: &[FdbEntry]) -> BTreeMap<
         out.remove(&key);
     }
     out
+}
+
+/// The veth ports of bridge `bridge`: where `tc_from_bridge` is attached
+/// ([`FastPath::attach_ports`]).
+pub fn veth_ports(bridge: u32, links: &[Link]) -> BTreeSet<u32> {
+    links
+        .iter()
+        .filter(|l| l.master == Some(bridge) && l.is_kind("veth"))
+        .map(|l| l.index)
+        .collect()
 }
 
 /// What [`FastPath::sync_ports`] changed.
@@ -169,6 +176,7 @@ mod tests {
             fdb(14, [0x02, 0, 0, 0, 0, 0x14], NeighbourState::Reachable, 99),
             fdb(12, [0x01, 0, 0x5e, 0, 0, 1], NeighbourState::Reachable, 10),
         ];
+        assert_eq!(veth_ports(10, &links), BTreeSet::from([11, 12]));
         let ports = desired_ports(10, &links, &entries);
         assert_eq!(
             ports,

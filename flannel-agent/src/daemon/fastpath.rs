@@ -219,9 +219,10 @@ const PORTS_SETTLE: Duration = Duration::from_millis(20);
 /// How often the port mirror re-reads everything anyway (lost notifications).
 const PORTS_RESYNC: Duration = Duration::from_secs(30);
 
-/// Attaches the pod-side program to `bridge` now if it exists and again every time it is
-/// (re)created, and keeps the fast path's pod ports ([`bpf::ports`]) equal to the bridge's
-/// forwarding database, until `cancel`.
+/// Keeps the pod-side program attached to every veth port of `bridge` (found now if it exists,
+/// and again every time it is re-created) and the fast path's pod ports ([`bpf::ports`]) equal
+/// to the bridge's forwarding database, until `cancel`. A link of the program on the bridge
+/// itself (left by an older agent) is removed with the first sync.
 pub async fn attach_bridge(
     fast_path: SharedFastPath,
     nl: Netlink,
@@ -229,12 +230,7 @@ pub async fn attach_bridge(
     cancel: CancellationToken,
 ) {
     let attach = |index: u32| {
-        let Ok(mut fp) = fast_path.lock() else { return };
-        match fp.attach_bridge(index) {
-            Ok(bpf::Attached::Already) => {}
-            Ok(_) => info!(bridge = %bridge, index, "fast path attached to the pod bridge"),
-            Err(err) => warn!(bridge = %bridge, index, "attaching to the pod bridge: {err}"),
-        }
+        info!(bridge = %bridge, index, "fast path following the pod bridge's ports");
     };
     let mut events = match nl.link_events() {
         Ok(events) => events,
@@ -341,7 +337,9 @@ async fn sync_ports(fast_path: &SharedFastPath, nl: &Netlink, bridge: u32) {
         }
     };
     let desired = bpf::ports::desired_ports(bridge, &links, &fdb);
+    let veths = bpf::ports::veth_ports(bridge, &links);
     let Ok(mut fp) = fast_path.lock() else { return };
+    // The map first: a program adopted by the attach reads it at once.
     match fp.sync_ports(&desired) {
         Ok(sync) if sync.written + sync.removed > 0 => debug!(
             bridge,
@@ -352,6 +350,17 @@ async fn sync_ports(fast_path: &SharedFastPath, nl: &Netlink, bridge: u32) {
         ),
         Ok(_) => {}
         Err(err) => warn!(bridge, "writing the pod ports map: {err}"),
+    }
+    match fp.attach_ports(&veths) {
+        Ok(change) if change.attached + change.detached > 0 => debug!(
+            bridge,
+            ports = veths.len(),
+            attached = change.attached,
+            detached = change.detached,
+            "pod egress program attached to the bridge's ports"
+        ),
+        Ok(_) => {}
+        Err(err) => warn!(bridge, "attaching to the pod bridge's ports: {err}"),
     }
 }
 

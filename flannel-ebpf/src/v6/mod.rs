@@ -321,7 +321,7 @@ pub fn from_bridge(ctx: &TcContext) -> Outcome {
 /// Host-gw: route by the kernel FIB, decrement the hop limit, redirect.
 #[inline(never)]
 fn host_gw(ctx: &TcContext, info: &Ipv6Info) -> Verdict {
-    let route = fib::lookup(ctx, ingress_ifindex(ctx), info, 0);
+    let route = fib::lookup(ctx, crate::pods::routing_iif(ctx), info, 0);
     if route == Fib6::Failed {
         return Verdict::pass(Reason::PassFibFailed);
     }

@@ -614,7 +614,9 @@ pub fn etcd_outage_is_ridden_out(
         )?;
         ensure!(code == 200, "node{n} /readyz {code} after the outage");
     }
-    let (stream, flow) = traffic.finish("across the outage", 3000)?;
+    // The stream ran through the outage: 30 s at 10 ms is 3000 requests, fewer when the
+    // machine is busy (the sender paces by sleeping); what matters is that none was lost.
+    let (stream, flow) = traffic.finish("across the outage", 2000)?;
     let counters_after = fast_counters(cluster)?;
     expect_undisturbed(cluster, path, (a, b), &stream, &flow)
         .check(&counters_before, &counters_after)?;
@@ -793,4 +795,47 @@ pub fn direct_routing_on_mixed_underlay(c: &mut Cluster) -> Result<()> {
         },
         &[(1, 3), (3, 2), (1, 2), (2, 1)],
     )
+}
+
+/// A Service the way kube-proxy implements it: a DNAT in nat PREROUTING from a ClusterIP to a
+/// pod on another node. The pod's packets to the ClusterIP meet that rule on the pod bridge
+/// (br_netfilter, on here as in every kubeadm cluster) and must come back un-DNATed, so the
+/// flow has to stay with conntrack in both directions: every connection gets its echo.
+pub fn service_dnat_to_a_remote_pod(dataplane: Dataplane, backend: &str) {
+    let spec = spec_on(dataplane, 2, Underlay::L2, backend, 1);
+    with_cluster(
+        &named(dataplane, &format!("{backend} service DNAT")),
+        spec,
+        |c| {
+            let topo = c.topology();
+            let (client, server) = (topo.pods_on(1)[0], topo.pods_on(2)[0]);
+            let responder = probe::Responder::start(server.ns(), IpAddr::V4(server.ip()), 0)?;
+            let backend_addr = responder.addr();
+            let cluster_ip = "10.96.0.10";
+            topo.node(1).run(&[
+                "iptables",
+                "-w",
+                "-t",
+                "nat",
+                "-A",
+                "PREROUTING",
+                "-d",
+                cluster_ip,
+                "-p",
+                "tcp",
+                "--dport",
+                "80",
+                "-j",
+                "DNAT",
+                "--to-destination",
+                &backend_addr.to_string(),
+            ])?;
+            let target = std::net::SocketAddr::new(cluster_ip.parse()?, 80);
+            for i in 0..5 {
+                probe::tcp_probe(client.ns(), target, PROBE)
+                    .with_context(|| format!("connection {i} to the Service {target}"))?;
+            }
+            Ok(())
+        },
+    );
 }
