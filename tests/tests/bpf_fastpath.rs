@@ -1509,6 +1509,90 @@ fn pinned_maps_are_adopted_and_incompatible_ones_replaced() {
         .expect("namespace");
 }
 
+/// `tc_from_bridge` on the bridge's ports: one pinned link per port, adopted by a new handle,
+/// and removed (link and pin) for a port that is gone, and for the bridge itself.
+#[test]
+fn port_links_follow_the_set_of_ports() {
+    let Some(rig) = Rig::new("fpprt") else { return };
+    let pin = rig.pin.clone();
+    rig.ns
+        .enter(move || {
+            let ifs = Ifaces::current();
+            let sh = |args: &[&str]| {
+                let st = std::process::Command::new("ip")
+                    .args(args)
+                    .status()
+                    .expect("ip");
+                assert!(st.success(), "ip {args:?}");
+            };
+            sh(&["link", "add", "pa0", "type", "veth", "peer", "name", "pa1"]);
+            sh(&["link", "add", "pb0", "type", "veth", "peer", "name", "pb1"]);
+            let index = |name: &str| nix::net::if_::if_nametoindex(name).expect(name);
+            let (a, b) = (index("pa0"), index("pb0"));
+            let ingress_ids = |dev: &str| -> Vec<u32> {
+                aya::programs::SchedClassifier::query_tcx(dev, aya::programs::TcAttachType::Ingress)
+                    .expect("query tcx")
+                    .1
+                    .iter()
+                    .map(|p| p.id())
+                    .collect()
+            };
+            let pinned = || -> Vec<String> {
+                let mut v: Vec<String> = std::fs::read_dir(pin.join("links"))
+                    .expect("links dir")
+                    .flatten()
+                    .filter_map(|e| e.file_name().into_string().ok())
+                    .filter(|n| n.starts_with("tc_from_bridge-"))
+                    .collect();
+                v.sort();
+                v
+            };
+            let link_name = |i: u32| format!("tc_from_bridge-{i}");
+            let first_a;
+            {
+                let mut fp = FastPath::load(&pin).expect("load");
+                fp.set_config(&config(ifs.ext)).expect("config");
+                // An older agent's link on the bridge itself.
+                fp.attach_bridge(ifs.br).expect("bridge");
+                let both = std::collections::BTreeSet::from([a, b]);
+                let r = fp.attach_ports(&both).expect("attach ports");
+                assert_eq!(
+                    (r.attached, r.detached),
+                    (2, 1),
+                    "two ports in, the bridge out"
+                );
+                assert!(ingress_ids("br0").is_empty(), "nothing left on the bridge");
+                assert_eq!(ingress_ids("pa0").len(), 1);
+                assert_eq!(ingress_ids("pb0").len(), 1);
+                let mut want = vec![link_name(a), link_name(b)];
+                want.sort();
+                assert_eq!(pinned(), want);
+                let again = fp.attach_ports(&both).expect("again");
+                assert_eq!((again.attached, again.detached), (0, 0), "idempotent");
+                first_a = ingress_ids("pa0");
+            }
+            // A new handle adopts the pinned links: the same links, no second program.
+            let mut fp = FastPath::load(&pin).expect("reload");
+            let r = fp
+                .attach_ports(&std::collections::BTreeSet::from([a, b]))
+                .expect("adopt");
+            assert_eq!((r.attached, r.detached), (2, 0));
+            assert_eq!(ingress_ids("pa0").len(), 1, "replaced, not added");
+            assert_ne!(ingress_ids("pa0"), first_a, "this handle's program now");
+            // Port b goes away.
+            sh(&["link", "del", "pb0"]);
+            let r = fp
+                .attach_ports(&std::collections::BTreeSet::from([a]))
+                .expect("prune");
+            assert_eq!((r.attached, r.detached), (0, 1));
+            assert_eq!(pinned(), vec![link_name(a)]);
+            fp.detach_bridge().expect("detach");
+            assert!(pinned().is_empty());
+            assert!(ingress_ids("pa0").is_empty());
+        })
+        .expect("namespace");
+}
+
 #[test]
 fn links_are_pinned_replaced_atomically_and_cleaned_up() {
     let Some(rig) = Rig::new("fplnk") else { return };
