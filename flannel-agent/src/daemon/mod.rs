@@ -93,6 +93,8 @@ pub enum DaemonError {
     },
     #[error("invalid --healthz-ip {0:?}")]
     HealthzIp(String),
+    #[error("invalid masquerade settings: {0}")]
+    NatPortRange(String),
     #[error("the eBPF fast path was requested (--dataplane=ebpf) but {0}")]
     FastPathUnavailable(String),
     #[error("stopped before start-up completed")]
@@ -146,6 +148,7 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     let config = manager.network_config(&cancel).await?;
     let stack = config.stack()?;
     let backend = BackendOptions::from_config(&config)?;
+    masq::check_port_range(&cli, &backend).map_err(DaemonError::NatPortRange)?;
     let backend_type = backend.backend_type();
     info!(backend = %backend_type, ?stack, "network config loaded");
     manager.wait_ready().await?;
