@@ -38,9 +38,6 @@ use crate::{
 };
 use flannel_common::stats::Reason;
 
-/// How often expired NAT entries are swept and exhaustion is checked.
-pub const MAINTENANCE_PERIOD: Duration = Duration::from_secs(30);
-
 /// Who masquerades pod traffic.
 pub enum Masquerade {
     /// `--ip-masq` is off.
@@ -190,9 +187,10 @@ fn flows_to_hand_over(fp: &crate::bpf::FastPath) -> Option<usize> {
 
 /// The handover: marks the programs' NAT as handing over (call it once the traffic rules are
 /// the kernel's: until then new flows still skip the kernel's MASQUERADE), then every
-/// [`MAINTENANCE_PERIOD`] sweeps expired flows and turns the NAT off when none is left to
-/// translate. Runs until then or `cancel` (a restarted agent takes the handover up again).
-pub async fn hand_over(fast_path: SharedFastPath, cancel: CancellationToken) {
+/// `period` (`--ebpf-nat-sweep-interval`) sweeps expired flows and turns the NAT off when none
+/// is left to translate. Runs until then or `cancel` (a restarted agent takes the handover up
+/// again).
+pub async fn hand_over(fast_path: SharedFastPath, period: Duration, cancel: CancellationToken) {
     let fp = fast_path.clone();
     let begun = tokio::task::spawn_blocking(move || {
         let mut fp = fp
@@ -210,7 +208,7 @@ pub async fn hand_over(fast_path: SharedFastPath, cancel: CancellationToken) {
     loop {
         tokio::select! {
             () = cancel.cancelled() => return,
-            () = tokio::time::sleep(MAINTENANCE_PERIOD) => {}
+            () = tokio::time::sleep(period) => {}
         }
         let fp = fast_path.clone();
         let result = tokio::task::spawn_blocking(move || {
@@ -291,16 +289,16 @@ pub fn settings(cli: &Cli, addr: Ipv4Addr) -> NatSettings {
     }
 }
 
-/// Sweeps expired NAT entries every [`MAINTENANCE_PERIOD`] and reports exhaustion (packets
-/// dropped for lack of a free port since the last check) as a warning; the counter itself is
-/// in `/metrics` as `flannel_fastpath_packets_total{program="tc_to_netdev",
-/// reason="drop_snat_exhausted"}`. Runs until `cancel`.
-pub async fn maintain(fast_path: SharedFastPath, cancel: CancellationToken) {
+/// Sweeps expired NAT entries every `period` (`--ebpf-nat-sweep-interval`) and reports
+/// exhaustion (packets dropped for lack of a free port since the last check) as a warning;
+/// the counter itself is in `/metrics` as `flannel_fastpath_packets_total{program=
+/// "tc_to_netdev", reason="drop_snat_exhausted"}`. Runs until `cancel`.
+pub async fn maintain(fast_path: SharedFastPath, period: Duration, cancel: CancellationToken) {
     let mut seen = None;
     loop {
         tokio::select! {
             () = cancel.cancelled() => return,
-            () = tokio::time::sleep(MAINTENANCE_PERIOD) => {}
+            () = tokio::time::sleep(period) => {}
         }
         let fp = fast_path.clone();
         let result = tokio::task::spawn_blocking(move || {
@@ -345,6 +343,7 @@ pub async fn maintain(fast_path: SharedFastPath, cancel: CancellationToken) {
         }
     }
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -423,12 +423,13 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             Ok(None)
         });
     }
+    let sweep = Duration::from_secs(cli.ebpf_nat_sweep_interval);
     match &masquerade {
         masq::Masquerade::Ebpf { fast_path, .. } => {
             let fp = fast_path.clone();
             let cancel = cancel.clone();
             tasks.spawn(async move {
-                masq::maintain(fp, cancel).await;
+                masq::maintain(fp, sweep, cancel).await;
                 Ok(None)
             });
         }
@@ -437,7 +438,7 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             let fp = fast_path.clone();
             let cancel = cancel.clone();
             tasks.spawn(async move {
-                masq::hand_over(fp, cancel).await;
+                masq::hand_over(fp, sweep, cancel).await;
                 Ok(None)
             });
         }
