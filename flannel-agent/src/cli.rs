@@ -247,6 +247,11 @@ pub struct Cli {
     #[arg(long, value_parser = crate::bpf::nat::parse_port_range)]
     pub ebpf_nat_port_range: Option<(u16, u16)>,
 
+    /// seconds between sweeps of expired eBPF NAT entries (and, while masquerade is handed
+    /// back to iptables/nftables, checks whether the last eBPF-translated flow has ended)
+    #[arg(long, default_value = "30", value_parser = parse_seconds)]
+    pub ebpf_nat_sweep_interval: u64,
+
     /// destinations (comma-separated CIDRs) pod traffic is never masqueraded to, with
     /// iptables, nftables or eBPF masquerade
     #[arg(long, value_delimiter = ',', action = ArgAction::Append)]
@@ -498,6 +503,7 @@ mod tests {
             "--ebpf-nat-max-entries",
             "100000",
             "--ebpf-nat-port-range=20000-29999",
+            "--ebpf-nat-sweep-interval=2",
             "--ip-masq-exclude-cidrs=100.64.0.0/10,192.0.2.0/24",
             "--ip-masq-exclude-cidrs",
             "fd00:64::/64",
@@ -505,6 +511,7 @@ mod tests {
         assert!(!c.ebpf_masq);
         assert_eq!(c.ebpf_nat_max_entries, 100_000);
         assert_eq!(c.ebpf_nat_port_range, Some((20000, 29999)));
+        assert_eq!(c.ebpf_nat_sweep_interval, 2);
         let nets: Vec<String> = c
             .ip_masq_exclude_cidrs
             .iter()
@@ -574,6 +581,7 @@ mod tests {
         assert!(c.ebpf_masq);
         assert_eq!(c.ebpf_nat_max_entries, 0);
         assert_eq!(c.ebpf_nat_port_range, None);
+        assert_eq!(c.ebpf_nat_sweep_interval, 30);
         assert!(c.ip_masq_exclude_cidrs.is_empty());
         assert_eq!(c.bpf_pin_path, PathBuf::from("/sys/fs/bpf/flannel"));
         assert_eq!(c.state_dir, PathBuf::from("/var/lib/flannel"));

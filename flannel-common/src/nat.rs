@@ -15,9 +15,11 @@
 //! Every flow has two entries, one per direction (as Cilium's SNAT map): the outgoing one is
 //! the connection-tracking record (state and last-seen time live there), the incoming one is
 //! the reverse pointer and, being keyed by the translated tuple, the port allocator's "in use"
-//! set. Both are looked up for every packet of either direction, which keeps both hot in their
-//! LRU lists and lets each side check the other (a reverse entry whose outgoing entry is gone,
-//! expired or points elsewhere is stale).
+//! set. A reply looks both up (the reverse entry, then the outgoing one it names, which must
+//! be live and point back at it); a packet going out looks up its outgoing entry, and checks
+//! that the reverse entry still points back at it (re-making it if the LRU evicted it) when
+//! the outgoing entry is refreshed: at every state change and at least every half second. A
+//! reverse entry whose outgoing entry is gone, expired or points elsewhere is stale.
 //!
 //! Ports are host order in the maps (so `bpftool map dump` prints them as numbers) and
 //! addresses are network-order bytes (printed as `[10,244,1,5]`). ICMP echo uses the
@@ -26,7 +28,9 @@
 //!
 //! # Time
 //!
-//! Timestamps are `bpf_ktime_get_ns()` (`CLOCK_MONOTONIC`). Entries are never trusted past
+//! Timestamps are `bpf_ktime_get_coarse_ns()` (`CLOCK_MONOTONIC_COARSE`: `CLOCK_MONOTONIC` at
+//! the last timer tick, a few milliseconds behind at most and much cheaper to read on every
+//! packet; timeouts are whole seconds). Entries are never trusted past
 //! their timeout: a lookup that finds an expired entry treats it as absent, and the agent's
 //! periodic sweep deletes expired entries. The LRU evicts the least recently used flows when a
 //! map is full.
@@ -158,7 +162,7 @@ pub struct NatEntry {
     pub state: u8,
     /// `NAT_F_*` bits.
     pub flags: u8,
-    /// When the mapping was made (`bpf_ktime_get_ns`).
+    /// When the mapping was made (`bpf_ktime_get_coarse_ns`).
     pub created_ns: u64,
     /// When a packet of the flow was last seen (updated at most about once a second).
     pub last_seen_ns: u64,

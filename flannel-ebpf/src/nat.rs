@@ -75,9 +75,10 @@
 //!
 //! # What is translated
 //!
-//! TCP and UDP ports, ICMP echo identifiers, with the IPv4 header checksum and the L4
-//! checksum kept right by `bpf_l3_csum_replace` / `bpf_l4_csum_replace` (which understand
-//! `CHECKSUM_PARTIAL` packets: GSO, offloaded transmit); UDP without checksum stays without.
+//! TCP and UDP ports, ICMP echo identifiers, with the L4 checksum kept right by
+//! `bpf_l4_csum_replace` (which understands `CHECKSUM_PARTIAL` packets: GSO, offloaded
+//! transmit) and the IPv4 header checksum updated in place (RFC 1624; it is never
+//! offloaded); UDP without checksum stays without.
 //! ICMP errors about a masqueraded flow (fragmentation needed, unreachable, time exceeded)
 //! are translated in both directions together with the header they quote (and its checksums)
 //! so path MTU discovery and error reporting work. Fragments: the first carries the ports and
@@ -90,7 +91,7 @@ use aya_ebpf::{
     bindings::{
         BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT,
     },
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns},
     programs::TcContext,
 };
 use flannel_common::{
@@ -342,7 +343,7 @@ fn read_l4(ctx: &TcContext, ip: &Ip) -> L4 {
 #[inline(always)]
 fn now_ns() -> u64 {
     // SAFETY: plain helper call.
-    unsafe { bpf_ktime_get_ns() }
+    unsafe { bpf_ktime_get_coarse_ns() }
 }
 
 /// The network-order value of a port as the checksum helpers take it.
@@ -521,13 +522,18 @@ fn resolve(nat: &NatConfig, want: &Want) -> Result<(u16, [Option<Reason>; 2]), N
         if e.nat_addr == nat.nat_addr {
             first = e.nat_port;
             let live = restarted || !nat.expired(key.proto, e.state, e.last_seen_ns, now);
+            // A live entry is refreshed when its state changes and at least every half second;
+            // the reply entry is checked (and re-made if the LRU evicted it) at those times
+            // only, not for every packet of a busy flow.
+            let refresh = state != e.state || now.wrapping_sub(e.last_seen_ns) > NS_PER_S / 2;
+            if live && !refresh {
+                return Ok((e.nat_port, [None, None]));
+            }
             if live && reverse_holds(key, &e) {
-                if state != e.state || now.wrapping_sub(e.last_seen_ns) > NS_PER_S / 2 {
-                    // SAFETY: as above; a racing writer can only store another valid value.
-                    unsafe {
-                        (*entry).state = state;
-                        (*entry).last_seen_ns = now;
-                    }
+                // SAFETY: as above; a racing writer can only store another valid value.
+                unsafe {
+                    (*entry).state = state;
+                    (*entry).last_seen_ns = now;
                 }
                 return Ok((e.nat_port, [None, None]));
             }
@@ -698,9 +704,7 @@ fn rewrite_source(ctx: &TcContext, ip: &Ip, l4: &L4, addr: [u8; 4], port: u16) -
         port,
         L4Side::Source,
     )?;
-    ctx.l3_csum_replace(ip.l3 + IP_CHECK, be32(ip.src), be32(addr), 4)
-        .ok()?;
-    ctx.store(ip.l3 + IP_SRC, &addr, 0).ok()
+    rewrite_addr(ctx, ip.l3 + IP_SRC, ip.l3, ip.src, addr)
 }
 
 /// Rewrites the destination address and port (ICMP: identifier) with their checksums.
@@ -716,9 +720,7 @@ fn rewrite_destination(ctx: &TcContext, ip: &Ip, l4: &L4, addr: [u8; 4], port: u
         port,
         L4Side::Destination,
     )?;
-    ctx.l3_csum_replace(ip.l3 + IP_CHECK, be32(ip.dst), be32(addr), 4)
-        .ok()?;
-    ctx.store(ip.l3 + IP_DST, &addr, 0).ok()
+    rewrite_addr(ctx, ip.l3 + IP_DST, ip.l3, ip.dst, addr)
 }
 
 /// Which end of the L4 header changes.
@@ -770,13 +772,15 @@ fn rewrite_l4(
     Some(())
 }
 
-/// Rewrites one IPv4 address (at `at`, in the header at `l3`) and the header checksum only:
-/// for later fragments, which carry no L4 header.
+/// Rewrites one IPv4 address (at `at`, in the header at `l3`) and the header checksum, in
+/// place and by hand: the IPv4 header checksum is never offloaded, and two direct writes cost
+/// less than the `bpf_l3_csum_replace` and `bpf_skb_store_bytes` calls. Alone, for later
+/// fragments, which carry no L4 header; after [`rewrite_l4`] otherwise.
 #[inline(always)]
 fn rewrite_addr(ctx: &TcContext, at: usize, l3: usize, old: [u8; 4], new: [u8; 4]) -> Option<()> {
-    ctx.l3_csum_replace(l3 + IP_CHECK, be32(old), be32(new), 4)
-        .ok()?;
-    ctx.store(at, &new, 0).ok()
+    let check = load16(ctx, l3 + IP_CHECK)?;
+    store16(ctx, l3 + IP_CHECK, csum::update32(check, old, new))?;
+    store32(ctx, at, new)
 }
 
 // ---------------------------------------------------------------------------------------------

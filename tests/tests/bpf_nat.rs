@@ -8,8 +8,10 @@
 //! (another port, per destination); the node's own flows (registered, moved on collision);
 //! exhaustion (dropped, counted) and ports freed by closed or expired flows; what is not
 //! masqueraded (cluster destinations, multicast, excluded prefixes, kube-proxy's mark, other
-//! sources, NAT off); replies to unknown tuples; ICMP errors with their quoted headers in both
-//! directions; fragments; the agent's read-out, sweep and resize; `bpftool` output.
+//! sources, NAT off); replies to unknown tuples; a lost reply entry made again when its flow
+//! is refreshed; ICMP errors with their quoted headers in both directions; fragments; the
+//! agent's read-out, sweep and resize; `bpftool` output. Steps of a scenario whose input,
+//! output and counters are all known beforehand are written as [`Step`] tables.
 //!
 //! Needs root; skips otherwise, and when the agent was built without the eBPF object.
 
@@ -175,6 +177,49 @@ fn source_port(frame: &[u8]) -> u16 {
     }
 }
 
+/// One packet through one program and what must come of it: passed (`TC_ACT_OK`), the frame
+/// that comes out byte for byte, and exactly these counters (one packet each).
+struct Step<'a> {
+    what: &'a str,
+    hook: Hook,
+    frame: Vec<u8>,
+    out: Vec<u8>,
+    counted: &'a [Reason],
+}
+
+impl<'a> Step<'a> {
+    /// `ip` leaving through ext0 (`tc_to_netdev`), coming out as `out`.
+    fn out(what: &'a str, ip: &Ipv4, out: &Ipv4, counted: &'a [Reason]) -> Self {
+        Step {
+            what,
+            hook: Hook::ToNetdev,
+            frame: egress_frame(ip),
+            out: egress_frame(out),
+            counted,
+        }
+    }
+
+    /// `ip` arriving on ext0 (`tc_from_netdev`), coming out as `out`.
+    fn back(what: &'a str, ip: &Ipv4, out: &Ipv4, counted: &'a [Reason]) -> Self {
+        Step {
+            what,
+            hook: Hook::FromNetdev,
+            frame: ingress_frame(ip),
+            out: ingress_frame(out),
+            counted,
+        }
+    }
+
+    /// Runs the step and checks its outcome.
+    fn check(&self, fp: &mut FastPath, ext: u32) -> bpf_support::Run {
+        let r = run(fp, self.hook, &self.frame, Skb::on(ext));
+        assert_eq!(r.verdict, TC_ACT_OK, "{}", self.what);
+        assert_bytes(&r.out, &self.out, self.what);
+        assert_counted(&r, self.counted, self.what);
+        r
+    }
+}
+
 fn tcp(sport: u16, dport: u16, flags: u8) -> Tcp {
     Tcp {
         seq: 1000,
@@ -279,6 +324,83 @@ fn each_protocol_is_translated_both_ways_with_valid_checksums() {
     });
 }
 
+/// A live flow whose reply entry is gone (the LRU evicted it) gets it back when a packet going
+/// out refreshes the flow (its FIN here: a state change), and its replies are translated again.
+#[test]
+fn a_lost_reply_entry_is_made_again_when_the_flow_is_refreshed() {
+    let Some(rig) = Rig::new("ntrev") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    rig.with_nat(settings(), move |fp, ext| {
+        let syn = Ipv4::new(POD, OUT, tcp(48000, 443, tcp_flags::SYN));
+        let syn_ack = Ipv4::new(OUT, NODE, tcp(443, 48000, tcp_flags::SYN | tcp_flags::ACK));
+        let ack = Ipv4::new(OUT, NODE, tcp(443, 48000, tcp_flags::ACK));
+        let fin = Ipv4::new(POD, OUT, tcp(48000, 443, tcp_flags::FIN | tcp_flags::ACK));
+        Step::out(
+            "syn",
+            &syn,
+            &with_source(&syn, NODE, None),
+            &[Reason::Ipv4Tcp, Reason::FastSnat, Reason::LearnSnatFlow],
+        )
+        .check(fp, ext);
+        Step::back(
+            "syn-ack",
+            &syn_ack,
+            &with_destination(&syn_ack, POD, None),
+            &[Reason::Ipv4Tcp, Reason::FastSnatReply],
+        )
+        .check(fp, ext);
+
+        // The reply entry (203.0.113.10:443 -> 192.168.77.1:48000, TCP) disappears.
+        let rev = pin.join(names::PIN_LAYOUT_VERSION).join(names::NAT_REV4);
+        let mut key: Vec<String> = [203u8, 0, 113, 10, 192, 168, 77, 1]
+            .iter()
+            .chain(&443u16.to_ne_bytes())
+            .chain(&48000u16.to_ne_bytes())
+            .chain(&[6u8, 0, 0, 0])
+            .map(ToString::to_string)
+            .collect();
+        key.insert(0, "key".into());
+        let out = Command::new("bpftool")
+            .args(["map", "delete", "pinned"])
+            .arg(&rev)
+            .args(&key)
+            .output()
+            .expect("bpftool");
+        assert!(out.status.success(), "bpftool map delete: {out:?}");
+        let flows = fp.nat_flows().expect("flows");
+        assert_eq!(flows.len(), 1, "{flows:#?}");
+        assert!(!flows[0].reverse_ok, "{flows:#?}");
+
+        for step in [
+            Step::back(
+                "reply without its entry",
+                &ack,
+                &ack,
+                &[Reason::Ipv4Tcp, Reason::PassSnatNoEntry],
+            ),
+            Step::out(
+                "fin: the flow's state changes",
+                &fin,
+                &with_source(&fin, NODE, None),
+                &[Reason::Ipv4Tcp, Reason::FastSnat],
+            ),
+            Step::back(
+                "reply after the refresh",
+                &ack,
+                &with_destination(&ack, POD, None),
+                &[Reason::Ipv4Tcp, Reason::FastSnatReply],
+            ),
+        ] {
+            step.check(fp, ext);
+        }
+        let flows = fp.nat_flows().expect("flows");
+        assert!(flows.len() == 1 && flows[0].reverse_ok, "{flows:#?}");
+        assert_eq!(flows[0].nat.port(), 48000, "{flows:#?}");
+    });
+}
+
 #[test]
 fn port_collisions_get_another_port_per_destination() {
     let Some(rig) = Rig::new("ntcoll") else {
@@ -350,23 +472,26 @@ fn node_flows_are_registered_and_moved_on_collision() {
         return;
     };
     rig.with_nat(settings(), |fp, ext| {
-        // The node's own connection from a port in the range: registered, untouched.
+        // The node's own connection from a port in the range: registered, untouched; its
+        // replies are left alone too.
         let node_syn = Ipv4::new(NODE, OUT, tcp(42000, 443, tcp_flags::SYN));
-        let frame = egress_frame(&node_syn);
-        let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
-        assert_eq!(r.verdict, TC_ACT_OK);
-        assert_bytes(&r.out, &frame, "node flow");
-        assert_counted(
-            &r,
-            &[Reason::Ipv4Tcp, Reason::PassSnatHost, Reason::LearnSnatFlow],
-            "node flow",
-        );
-        // Its replies are left alone too.
         let reply = Ipv4::new(OUT, NODE, tcp(443, 42000, tcp_flags::SYN | tcp_flags::ACK));
-        let frame = ingress_frame(&reply);
-        let r = run(fp, Hook::FromNetdev, &frame, Skb::on(ext));
-        assert_bytes(&r.out, &frame, "node reply");
-        assert_counted(&r, &[Reason::Ipv4Tcp, Reason::PassSnatHost], "node reply");
+        for step in [
+            Step::out(
+                "node flow",
+                &node_syn,
+                &node_syn,
+                &[Reason::Ipv4Tcp, Reason::PassSnatHost, Reason::LearnSnatFlow],
+            ),
+            Step::back(
+                "node reply",
+                &reply,
+                &reply,
+                &[Reason::Ipv4Tcp, Reason::PassSnatHost],
+            ),
+        ] {
+            step.check(fp, ext);
+        }
 
         // A pod flow with that port to that destination does not get it.
         let pod = Ipv4::new(POD, OUT, tcp(42000, 443, tcp_flags::SYN));
@@ -403,12 +528,13 @@ fn node_flows_are_registered_and_moved_on_collision() {
             NODE,
             tcp(443, node_port, tcp_flags::SYN | tcp_flags::ACK),
         );
-        let r = run(fp, Hook::FromNetdev, &ingress_frame(&reply), Skb::on(ext));
-        assert_bytes(
-            &r.out,
-            &ingress_frame(&with_destination(&reply, NODE, Some(43000))),
+        Step::back(
             "moved node flow's reply",
-        );
+            &reply,
+            &with_destination(&reply, NODE, Some(43000)),
+            &[Reason::Ipv4Tcp, Reason::FastSnatReply],
+        )
+        .check(fp, ext);
 
         // A node *reply* (not a SYN: an inbound connection to a listening port) cannot move.
         let pod = Ipv4::new(POD2, OUT2, tcp(44000, 5432, tcp_flags::SYN));
@@ -418,21 +544,24 @@ fn node_flows_are_registered_and_moved_on_collision() {
             OUT2,
             tcp(44000, 5432, tcp_flags::SYN | tcp_flags::ACK),
         );
-        let frame = egress_frame(&node_reply);
-        let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
-        assert_bytes(&r.out, &frame, "node reply kept");
-        assert_counted(
-            &r,
-            &[Reason::Ipv4Tcp, Reason::PassSnatUnhandled],
-            "node reply kept",
-        );
-
         // Ports outside the range and VXLAN are not the NAT's business.
         let ssh = Ipv4::new(NODE, OUT, tcp(22, 50000, tcp_flags::ACK));
-        let frame = egress_frame(&ssh);
-        let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
-        assert_bytes(&r.out, &frame, "port 22");
-        assert_counted(&r, &[Reason::Ipv4Tcp, Reason::PassNoRoute], "port 22");
+        for step in [
+            Step::out(
+                "node reply kept",
+                &node_reply,
+                &node_reply,
+                &[Reason::Ipv4Tcp, Reason::PassSnatUnhandled],
+            ),
+            Step::out(
+                "port 22",
+                &ssh,
+                &ssh,
+                &[Reason::Ipv4Tcp, Reason::PassNoRoute],
+            ),
+        ] {
+            step.check(fp, ext);
+        }
         let flows = fp.nat_flows().expect("flows");
         assert_eq!(flows.iter().filter(|f| f.host).count(), 2, "{flows:#?}");
     });
@@ -451,60 +580,49 @@ fn a_handover_keeps_live_flows_and_maps_no_new_ones() {
         assert!(fp.begin_nat_handover().expect("handover"));
         assert!(fp.nat_config().expect("config").handover());
 
-        // It goes on being translated both ways.
         let data = Ipv4::new(POD, OUT, tcp(45000, 443, tcp_flags::ACK));
-        let r = run(fp, Hook::ToNetdev, &egress_frame(&data), Skb::on(ext));
-        assert_bytes(
-            &r.out,
-            &egress_frame(&with_source(&data, NODE, None)),
-            "live flow",
-        );
-        assert_counted(&r, &[Reason::Ipv4Tcp, Reason::FastSnat], "live flow");
         let reply = Ipv4::new(OUT, NODE, tcp(443, 45000, tcp_flags::ACK));
-        let r = run(fp, Hook::FromNetdev, &ingress_frame(&reply), Skb::on(ext));
-        assert_bytes(
-            &r.out,
-            &ingress_frame(&with_destination(&reply, POD, None)),
-            "live flow's reply",
-        );
-        assert_counted(
-            &r,
-            &[Reason::Ipv4Tcp, Reason::FastSnatReply],
-            "live flow's reply",
-        );
-
-        // A new pod flow is the kernel's: unchanged, nothing mapped.
         let new = Ipv4::new(POD2, OUT, tcp(46000, 443, tcp_flags::SYN));
-        let frame = egress_frame(&new);
-        let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
-        assert_eq!(r.verdict, TC_ACT_OK);
-        assert_bytes(&r.out, &frame, "new pod flow");
-        assert_counted(
-            &r,
-            &[Reason::Ipv4Tcp, Reason::PassSnatNoEntry],
-            "new pod flow",
-        );
-
-        // The kernel's masqueraded flows are registered, never moved: not even a new one
-        // whose port a live pod flow holds (it is passed as it is).
         let kernel = Ipv4::new(NODE, OUT, tcp(47000, 443, tcp_flags::SYN));
-        let frame = egress_frame(&kernel);
-        let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
-        assert_bytes(&r.out, &frame, "kernel flow");
-        assert_counted(
-            &r,
-            &[Reason::Ipv4Tcp, Reason::PassSnatHost, Reason::LearnSnatFlow],
-            "kernel flow",
-        );
         let clash = Ipv4::new(NODE, OUT, tcp(45000, 443, tcp_flags::SYN));
-        let frame = egress_frame(&clash);
-        let r = run(fp, Hook::ToNetdev, &frame, Skb::on(ext));
-        assert_bytes(&r.out, &frame, "kernel flow on a held port");
-        assert_counted(
-            &r,
-            &[Reason::Ipv4Tcp, Reason::PassSnatUnhandled],
-            "kernel flow on a held port",
-        );
+        for step in [
+            // The live flow goes on being translated both ways.
+            Step::out(
+                "live flow",
+                &data,
+                &with_source(&data, NODE, None),
+                &[Reason::Ipv4Tcp, Reason::FastSnat],
+            ),
+            Step::back(
+                "live flow's reply",
+                &reply,
+                &with_destination(&reply, POD, None),
+                &[Reason::Ipv4Tcp, Reason::FastSnatReply],
+            ),
+            // A new pod flow is the kernel's: unchanged, nothing mapped.
+            Step::out(
+                "new pod flow",
+                &new,
+                &new,
+                &[Reason::Ipv4Tcp, Reason::PassSnatNoEntry],
+            ),
+            // The kernel's masqueraded flows are registered, never moved: not even a new one
+            // whose port a live pod flow holds (it is passed as it is).
+            Step::out(
+                "kernel flow",
+                &kernel,
+                &kernel,
+                &[Reason::Ipv4Tcp, Reason::PassSnatHost, Reason::LearnSnatFlow],
+            ),
+            Step::out(
+                "kernel flow on a held port",
+                &clash,
+                &clash,
+                &[Reason::Ipv4Tcp, Reason::PassSnatUnhandled],
+            ),
+        ] {
+            step.check(fp, ext);
+        }
 
         let flows = fp.nat_flows().expect("flows");
         assert_eq!(flows.len(), 2, "{flows:#?}");

@@ -65,6 +65,10 @@ fn runnable() -> bool {
 }
 
 fn up(nodes: usize, pods: usize, dataplane: Dataplane) -> Cluster {
+    up_with(nodes, pods, dataplane, &[])
+}
+
+fn up_with(nodes: usize, pods: usize, dataplane: Dataplane, extra: &[&str]) -> Cluster {
     let topo = TopologySpec::new(nodes, Underlay::L2).cni_plugin(cni_plugin());
     let mut spec = ClusterSpec::new(topo, "vxlan", agent_bin());
     spec.dataplane = dataplane;
@@ -74,6 +78,8 @@ fn up(nodes: usize, pods: usize, dataplane: Dataplane) -> Cluster {
         "--ebpf-nat-max-entries=16384".into(),
         "--ip-masq-exclude-cidrs=100.64.0.0/10".into(),
     ];
+    spec.agent_args
+        .extend(extra.iter().map(|a| (*a).to_owned()));
     Cluster::up(spec, &|line| eprintln!("lab: {line}"), &|| false).expect("cluster up")
 }
 
@@ -630,4 +636,170 @@ fn switching_from_ebpf_to_iptables_hands_established_connections_over() {
         );
     }
     old.echo(b"last").expect("echo at the end");
+}
+
+/// The reply direction (destination address and port) of the node's conntrack entry for the
+/// TCP flow `local` → `server`: the pod's own tuple when the kernel does not NAT the flow, the
+/// node's address and the port MASQUERADE chose when it does.
+fn conntrack_reply(node: &Node, local: SocketAddr, server: SocketAddr) -> Option<(IpAddr, u16)> {
+    let table = node
+        .run(&["cat", "/proc/net/nf_conntrack"])
+        .expect("/proc/net/nf_conntrack");
+    let original = format!(
+        "src={} dst={} sport={} dport={} ",
+        local.ip(),
+        server.ip(),
+        local.port(),
+        server.port()
+    );
+    let line = table
+        .lines()
+        .find(|l| l.contains(" tcp ") && l.contains(&original))?;
+    let reply = &line[line.find(&original)? + original.len()..];
+    let field = |name: &str| {
+        reply
+            .split_whitespace()
+            .find_map(|t| t.strip_prefix(name))
+            .map(str::to_owned)
+    };
+    Some((field("dst=")?.parse().ok()?, field("dport=")?.parse().ok()?))
+}
+
+/// The handover from eBPF SNAT to iptables, to its end: the eBPF-masqueraded connection goes
+/// on after the switch (its conntrack entry has no NAT binding: the programs translate it),
+/// new connections are masqueraded by the kernel (conntrack holds their NAT binding), the
+/// handover stays while the old connection lives, and once it has closed (and its closed
+/// timeout passed) the agent's sweep removes it and turns the eBPF NAT off.
+#[test]
+fn an_ebpf_to_iptables_handover_ends_when_the_last_ebpf_flow_has_closed() {
+    use flannel_common::nat::{NAT_CFG_ENABLED, NAT_CFG_HANDOVER};
+    if !runnable() {
+        return;
+    }
+    let mut c = up_with(1, 1, Dataplane::Ebpf, &["--ebpf-nat-sweep-interval=1"]);
+    let outside = SocketAddr::new(IpAddr::V4(c.topology().hub_addr()), SERVER_PORT);
+    let _tcp = WhoAmI::start(c.topology().hub(), outside.ip(), SERVER_PORT);
+    let node_addr = IpAddr::V4(c.topology().node(1).addr());
+    let pod_ip = IpAddr::V4(c.topology().pods()[0].ip());
+
+    let mut old = Conn::open(c.topology().pods()[0].ns(), outside);
+    assert_eq!(old.seen.ip(), node_addr);
+    old.echo(b"eBPF NAT").expect("echo");
+    // eBPF translated it after conntrack: conntrack holds the pod's own tuple.
+    assert_eq!(
+        conntrack_reply(c.topology().node(1), old.local, outside),
+        Some((pod_ip, old.local.port())),
+        "conntrack entry of the eBPF-masqueraded flow"
+    );
+
+    // Back to iptables, with the handover's progress logged.
+    let mut spec = c.agent_spec();
+    spec.extra_args.push("--ebpf-masq=false".into());
+    spec.env.push((
+        "RUST_LOG".into(),
+        "info,flannel_agent::daemon::masq=debug".into(),
+    ));
+    agent(&mut c, 1)
+        .stop(Duration::from_secs(10))
+        .expect("stop");
+    let restarted = Agent::start(c.topology().node(1), &spec).expect("start without eBPF SNAT");
+    *agent(&mut c, 1) = restarted;
+    wait_ready(&mut c, 1);
+    eventually("the kernel's masquerade rules", || {
+        !masq_chain(c.topology().node(1)).contains("eBPF SNAT")
+    });
+    eventually("the handover flag", || {
+        nat_flags(c.topology().node(1)) == u64::from(NAT_CFG_ENABLED | NAT_CFG_HANDOVER)
+    });
+
+    // The old connection goes on, translated by the programs.
+    for i in 0..10 {
+        old.echo(format!("still here {i}").as_bytes())
+            .expect("eBPF-masqueraded connection after the switch");
+    }
+    // A new one goes through MASQUERADE: conntrack holds the node's address and the port the
+    // outside saw; the programs only registered it.
+    let mut new = Conn::open(c.topology().pods()[0].ns(), outside);
+    assert_eq!(new.seen.ip(), node_addr);
+    new.echo(b"kernel NAT").expect("echo");
+    assert_eq!(
+        conntrack_reply(c.topology().node(1), new.local, outside),
+        Some((node_addr, new.seen.port())),
+        "conntrack entry of the kernel-masqueraded flow"
+    );
+    let pod = c.topology().pods()[0].ip();
+    assert_eq!(
+        pod_flows(c.topology().node(1)),
+        vec![(pod, old.local.port(), old.seen.port())],
+        "the NAT holds the old pod flow only"
+    );
+
+    // While it lives, the sweeps keep the handover going: two sweeps that counted it.
+    let log_path = agent(&mut c, 1).log_path().to_owned();
+    let sweeps_with_the_flow = || {
+        std::fs::read_to_string(&log_path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("masquerade handover") && l.contains("flows=1"))
+            .count()
+    };
+    eventually("two handover sweeps", || sweeps_with_the_flow() >= 2);
+    assert_eq!(
+        nat_flags(c.topology().node(1)),
+        u64::from(NAT_CFG_ENABLED | NAT_CFG_HANDOVER),
+        "the handover goes on while the eBPF flow lives"
+    );
+    old.echo(b"last").expect("echo before closing");
+
+    // The old connection closes (FIN both ways): once its closed timeout has passed, a sweep
+    // removes it and the eBPF NAT is turned off.
+    let old_local = old.local;
+    drop(old);
+    let closed_s =
+        dump(c.topology().node(1), flannel_common::maps::NAT_CONFIG)[0]["value"]["tcp_closed_s"]
+            .as_u64()
+            .expect("tcp_closed_s");
+    let deadline = Instant::now() + Duration::from_secs(closed_s + 30);
+    while nat_flags(c.topology().node(1)) != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the handover did not end:\n{}",
+            agent(&mut c, 1).log_tail(30)
+        );
+        thread::sleep(Duration::from_millis(200));
+    }
+    let log = std::fs::read_to_string(&log_path).expect("log");
+    assert!(
+        log.contains("masquerade handover finished: eBPF SNAT is off"),
+        "{}",
+        agent(&mut c, 1).log_tail(30)
+    );
+    // Cleaned up: the whole NAT configuration is zero (off) and the old flow's entry is gone.
+    let cfg = &dump(c.topology().node(1), flannel_common::maps::NAT_CONFIG)[0]["value"];
+    assert_eq!(cfg["nat_addr"], serde_json::json!([0, 0, 0, 0]), "{cfg}");
+    assert_eq!(cfg["port_min"], 0, "{cfg}");
+    assert!(
+        !pod_flows(c.topology().node(1))
+            .iter()
+            .any(|(_, port, _)| *port == old_local.port()),
+        "the old flow's entry is swept"
+    );
+
+    // Masquerade is the kernel's alone now: the kernel's flow goes on, and another new one is
+    // masqueraded by MASQUERADE, not seen by the programs' NAT at all.
+    new.echo(b"after the handover")
+        .expect("kernel-masqueraded connection");
+    let before = counter(c.topology().node(1), "tc_to_netdev", "fast_snat");
+    let mut third = Conn::open(c.topology().pods()[0].ns(), outside);
+    assert_eq!(third.seen.ip(), node_addr);
+    third.echo(b"kernel NAT only").expect("echo");
+    assert_eq!(
+        conntrack_reply(c.topology().node(1), third.local, outside),
+        Some((node_addr, third.seen.port()))
+    );
+    assert_eq!(
+        counter(c.topology().node(1), "tc_to_netdev", "fast_snat"),
+        before
+    );
+    assert!(pod_flows(c.topology().node(1)).is_empty());
 }

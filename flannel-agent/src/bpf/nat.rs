@@ -337,7 +337,8 @@ pub fn handover_pending(flows: &[NatFlow]) -> usize {
         .count()
 }
 
-/// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns`.
+/// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_coarse_ns` (which lags it by
+/// a timer tick at most).
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,

@@ -27,18 +27,16 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::{
+    backend::BackendOptions,
     bpf::{
         NatSettings, NatSizing, SharedFastPath,
         nat::{default_port_range, handover_pending},
     },
-    cli::Cli,
+    cli::{Cli, Dataplane},
     dataplane::Local,
     traffic::MasqOptions,
 };
 use flannel_common::stats::Reason;
-
-/// How often expired NAT entries are swept and exhaustion is checked.
-pub const MAINTENANCE_PERIOD: Duration = Duration::from_secs(30);
 
 /// Who masquerades pod traffic.
 pub enum Masquerade {
@@ -189,9 +187,10 @@ fn flows_to_hand_over(fp: &crate::bpf::FastPath) -> Option<usize> {
 
 /// The handover: marks the programs' NAT as handing over (call it once the traffic rules are
 /// the kernel's: until then new flows still skip the kernel's MASQUERADE), then every
-/// [`MAINTENANCE_PERIOD`] sweeps expired flows and turns the NAT off when none is left to
-/// translate. Runs until then or `cancel` (a restarted agent takes the handover up again).
-pub async fn hand_over(fast_path: SharedFastPath, cancel: CancellationToken) {
+/// `period` (`--ebpf-nat-sweep-interval`) sweeps expired flows and turns the NAT off when none
+/// is left to translate. Runs until then or `cancel` (a restarted agent takes the handover up
+/// again).
+pub async fn hand_over(fast_path: SharedFastPath, period: Duration, cancel: CancellationToken) {
     let fp = fast_path.clone();
     let begun = tokio::task::spawn_blocking(move || {
         let mut fp = fp
@@ -209,7 +208,7 @@ pub async fn hand_over(fast_path: SharedFastPath, cancel: CancellationToken) {
     loop {
         tokio::select! {
             () = cancel.cancelled() => return,
-            () = tokio::time::sleep(MAINTENANCE_PERIOD) => {}
+            () = tokio::time::sleep(period) => {}
         }
         let fp = fast_path.clone();
         let result = tokio::task::spawn_blocking(move || {
@@ -244,6 +243,43 @@ fn fallback(cli: &Cli) -> Masquerade {
     }
 }
 
+/// Checks, before anything is set up, that the eBPF NAT's port range leaves the udp backend's
+/// port alone. The programs take every packet for the masquerade address with a destination
+/// port in the range for a reply to a masqueraded flow (and a pod flow may be given that port
+/// as its source), so the range must not hold the port on which the udp backend receives from
+/// its peers (8285, or the network config's `Port`). Only when eBPF masquerade may be used:
+/// `--ip-masq`, `--ebpf-masq` and a dataplane other than `kernel`. The range is
+/// `--ebpf-nat-port-range`, or the node's `ip_local_port_range` when the flag is not given.
+pub fn check_port_range(cli: &Cli, backend: &BackendOptions) -> Result<(), String> {
+    let BackendOptions::Udp(udp) = backend else {
+        return Ok(());
+    };
+    if !cli.ip_masq || !cli.ebpf_masq || cli.dataplane == Dataplane::Kernel {
+        return Ok(());
+    }
+    match cli.ebpf_nat_port_range {
+        Some(range) => port_range_excludes(range, udp.port, "--ebpf-nat-port-range"),
+        None => port_range_excludes(
+            default_port_range(),
+            udp.port,
+            "the default eBPF NAT port range (net.ipv4.ip_local_port_range)",
+        ),
+    }
+}
+
+/// [`check_port_range`] for one range (`what` names where it came from in the message).
+fn port_range_excludes((min, max): (u16, u16), udp_port: u16, what: &str) -> Result<(), String> {
+    if (min..=max).contains(&udp_port) {
+        return Err(format!(
+            "{what} {min}-{max} includes the udp backend's port {udp_port}: eBPF masquerade \
+             would take the backend's packets for replies to masqueraded flows; give \
+             --ebpf-nat-port-range a range without port {udp_port} (or set the backend's \
+             Port outside the range, or --ebpf-masq=false)"
+        ));
+    }
+    Ok(())
+}
+
 /// The programs' NAT settings from the command line.
 pub fn settings(cli: &Cli, addr: Ipv4Addr) -> NatSettings {
     NatSettings {
@@ -253,16 +289,16 @@ pub fn settings(cli: &Cli, addr: Ipv4Addr) -> NatSettings {
     }
 }
 
-/// Sweeps expired NAT entries every [`MAINTENANCE_PERIOD`] and reports exhaustion (packets
-/// dropped for lack of a free port since the last check) as a warning; the counter itself is
-/// in `/metrics` as `flannel_fastpath_packets_total{program="tc_to_netdev",
-/// reason="drop_snat_exhausted"}`. Runs until `cancel`.
-pub async fn maintain(fast_path: SharedFastPath, cancel: CancellationToken) {
+/// Sweeps expired NAT entries every `period` (`--ebpf-nat-sweep-interval`) and reports
+/// exhaustion (packets dropped for lack of a free port since the last check) as a warning;
+/// the counter itself is in `/metrics` as `flannel_fastpath_packets_total{program=
+/// "tc_to_netdev", reason="drop_snat_exhausted"}`. Runs until `cancel`.
+pub async fn maintain(fast_path: SharedFastPath, period: Duration, cancel: CancellationToken) {
     let mut seen = None;
     loop {
         tokio::select! {
             () = cancel.cancelled() => return,
-            () = tokio::time::sleep(MAINTENANCE_PERIOD) => {}
+            () = tokio::time::sleep(period) => {}
         }
         let fp = fast_path.clone();
         let result = tokio::task::spawn_blocking(move || {
@@ -304,6 +340,110 @@ pub async fn maintain(fast_path: SharedFastPath, cancel: CancellationToken) {
             }
             Ok(Err(err)) => warn!("NAT maintenance: {err}"),
             Err(err) => warn!("NAT maintenance task: {err}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::options::{UdpOptions, VxlanOptions};
+
+    fn cli(args: &[&str]) -> Cli {
+        let mut argv = vec!["flanneld"];
+        argv.extend_from_slice(args);
+        Cli::parse_from(argv, |_| None).expect("flags")
+    }
+
+    fn udp(port: u16) -> BackendOptions {
+        BackendOptions::Udp(UdpOptions { port })
+    }
+
+    #[test]
+    fn the_nat_port_range_must_leave_the_udp_port_out() {
+        let err = check_port_range(
+            &cli(&["--ip-masq", "--ebpf-nat-port-range=8000-9000"]),
+            &udp(8285),
+        )
+        .expect_err("8285 in 8000-9000");
+        assert_eq!(
+            err,
+            "--ebpf-nat-port-range 8000-9000 includes the udp backend's port 8285: eBPF \
+             masquerade would take the backend's packets for replies to masqueraded flows; give \
+             --ebpf-nat-port-range a range without port 8285 (or set the backend's Port outside \
+             the range, or --ebpf-masq=false)"
+        );
+        // The configured Port, at either end of the range.
+        for range in [
+            "--ebpf-nat-port-range=40000-50000",
+            "--ebpf-nat-port-range=30000-40000",
+        ] {
+            let err = check_port_range(&cli(&["--ip-masq", range]), &udp(40000))
+                .expect_err("the configured port");
+            assert!(err.contains("port 40000"), "{err}");
+        }
+        // A range beside the port is fine.
+        for range in [
+            "--ebpf-nat-port-range=8286-9000",
+            "--ebpf-nat-port-range=1024-8284",
+        ] {
+            assert_eq!(
+                check_port_range(&cli(&["--ip-masq", range]), &udp(8285)),
+                Ok(())
+            );
+        }
+    }
+
+    #[test]
+    fn the_guard_applies_only_where_ebpf_masquerade_may_run() {
+        let range = "--ebpf-nat-port-range=8000-9000";
+        for args in [
+            vec![range],
+            vec!["--ip-masq", "--ebpf-masq=false", range],
+            vec!["--ip-masq", "--dataplane=kernel", range],
+        ] {
+            assert_eq!(
+                check_port_range(&cli(&args), &udp(8285)),
+                Ok(()),
+                "{args:?}"
+            );
+        }
+        for args in [
+            vec!["--ip-masq", range],
+            vec!["--ip-masq", "--dataplane=ebpf", range],
+            vec!["--ip-masq", "--dataplane=auto", range],
+        ] {
+            assert!(
+                check_port_range(&cli(&args), &udp(8285)).is_err(),
+                "{args:?}"
+            );
+        }
+        // Other backends have no such port.
+        assert_eq!(
+            check_port_range(
+                &cli(&["--ip-masq", range]),
+                &BackendOptions::Vxlan(VxlanOptions::default())
+            ),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn the_default_range_is_checked_too_and_named() {
+        let (min, max) = default_port_range();
+        let err = check_port_range(&cli(&["--ip-masq"]), &udp(min)).expect_err("in the default");
+        assert!(
+            err.starts_with(&format!(
+                "the default eBPF NAT port range (net.ipv4.ip_local_port_range) {min}-{max} \
+                 includes the udp backend's port {min}"
+            )),
+            "{err}"
+        );
+        if min > 1 {
+            assert_eq!(
+                check_port_range(&cli(&["--ip-masq"]), &udp(min - 1)),
+                Ok(())
+            );
         }
     }
 }

@@ -93,6 +93,8 @@ pub enum DaemonError {
     },
     #[error("invalid --healthz-ip {0:?}")]
     HealthzIp(String),
+    #[error("invalid masquerade settings: {0}")]
+    NatPortRange(String),
     #[error("the eBPF fast path was requested (--dataplane=ebpf) but {0}")]
     FastPathUnavailable(String),
     #[error("stopped before start-up completed")]
@@ -146,6 +148,7 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     let config = manager.network_config(&cancel).await?;
     let stack = config.stack()?;
     let backend = BackendOptions::from_config(&config)?;
+    masq::check_port_range(&cli, &backend).map_err(DaemonError::NatPortRange)?;
     let backend_type = backend.backend_type();
     info!(backend = %backend_type, ?stack, "network config loaded");
     manager.wait_ready().await?;
@@ -420,12 +423,13 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             Ok(None)
         });
     }
+    let sweep = Duration::from_secs(cli.ebpf_nat_sweep_interval);
     match &masquerade {
         masq::Masquerade::Ebpf { fast_path, .. } => {
             let fp = fast_path.clone();
             let cancel = cancel.clone();
             tasks.spawn(async move {
-                masq::maintain(fp, cancel).await;
+                masq::maintain(fp, sweep, cancel).await;
                 Ok(None)
             });
         }
@@ -434,7 +438,7 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             let fp = fast_path.clone();
             let cancel = cancel.clone();
             tasks.spawn(async move {
-                masq::hand_over(fp, cancel).await;
+                masq::hand_over(fp, sweep, cancel).await;
                 Ok(None)
             });
         }

@@ -24,9 +24,15 @@
 //! Its TCP timestamps have another base (Linux derives the offset from the 4-tuple), so the
 //! server rejects the SYN (PAWS, `TcpExtPAWSTimewait`) and the client retransmits after a
 //! second (`TcpExtTCPSynRetrans`). A port-preserving NAT (eBPF, or MASQUERADE without
-//! `--random-fully`) gives a reused client port its old NAT port back. Repetitions
-//! go round-robin over the variants so that slow drifts of this shared machine spread over
-//! all of them; ratios compare medians with the baseline of the same run.
+//! `--random-fully`) gives a reused client port its old NAT port back.
+//!
+//! Each measurement of a repetition (the throughput run, the 1-client rate, the N-client
+//! rate) is taken for every variant back to back before the next measurement starts, and
+//! every repetition starts with another variant, so that slow drifts of this shared machine
+//! spread over all of them and the values a ratio compares were taken seconds apart; ratios
+//! compare medians with the baseline of the same run. On a machine where other jobs run, the
+//! connection rate of one variant still varies by ±30 % between repetitions: compare runs
+//! of several repetitions, not single values.
 
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, UdpSocket},
@@ -319,21 +325,44 @@ fn source_seen(
     bail!("no datagram from the pod reached the hub")
 }
 
-/// One repetition of every metric for one testbed, in [`METRICS`] order.
-pub fn measure_once(bed: &MasqBed, opts: &MasqOptions) -> Result<[f64; 4]> {
+/// The measurements of a repetition. Each is taken for every variant back to back before
+/// the next starts, so that the values a ratio compares were measured seconds apart, not a
+/// whole repetition apart (on a shared machine the background load changes within a minute).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// One iperf3 stream: [`METRICS`] 0 (throughput) and 3 (CPU per Gbit).
+    Throughput,
+    /// The connection rate with one client: [`METRICS`] 1.
+    Crr1,
+    /// The connection rate with N clients: [`METRICS`] 2.
+    CrrN,
+}
+
+impl Step {
+    /// Every step, in the order a repetition takes them.
+    pub const ALL: [Step; 3] = [Step::Throughput, Step::Crr1, Step::CrrN];
+}
+
+/// One measurement for one testbed: (index into [`METRICS`], value) pairs.
+pub fn measure_step(bed: &MasqBed, opts: &MasqOptions, step: Step) -> Result<Vec<(usize, f64)>> {
     let client = bed.client()?;
-    let t1 = measure::iperf3_tcp(client, bed.server_ip, 1, opts.duration)?;
     let addr = bed.crr_addr();
     let d = opts.crr_duration;
-    let one = client.enter(move || crr::run_clients(addr, 1, d))??;
-    let clients = opts.clients;
-    let many = client.enter(move || crr::run_clients(addr, clients, d))??;
-    Ok([
-        t1.gbps,
-        one.per_second(),
-        many.per_second(),
-        t1.cpu_per_gbit(),
-    ])
+    Ok(match step {
+        Step::Throughput => {
+            let t1 = measure::iperf3_tcp(client, bed.server_ip, 1, opts.duration)?;
+            vec![(0, t1.gbps), (3, t1.cpu_per_gbit())]
+        }
+        Step::Crr1 => {
+            let one = client.enter(move || crr::run_clients(addr, 1, d))??;
+            vec![(1, one.per_second())]
+        }
+        Step::CrrN => {
+            let clients = opts.clients;
+            let many = client.enter(move || crr::run_clients(addr, clients, d))??;
+            vec![(2, many.per_second())]
+        }
+    })
 }
 
 /// Sets up every variant, measures them round-robin and summarises against the baseline.
@@ -372,36 +401,40 @@ pub fn run(opts: &MasqOptions, log: &dyn Fn(&str), cancelled: &dyn Fn() -> bool)
     let mut samples = vec![vec![Vec::<f64>::new(); METRICS.len()]; n];
     let mut errors = vec![Vec::<String>::new(); n];
     for rep in 0..opts.reps {
-        for k in 0..n {
-            if cancelled() {
-                bail!("cancelled");
-            }
-            let i = (k + rep) % n;
-            let name = chosen[i].name;
-            match measure_once(&beds[i], opts) {
-                Ok(values) => {
-                    log(&format!(
-                        "rep {}/{} {name}: {:.2} Gbit/s, {:.0} conn/s (1 client), {:.0} conn/s \
-                         ({} clients), {:.3} CPU-s/Gbit",
-                        rep + 1,
-                        opts.reps,
-                        values[0],
-                        values[1],
-                        values[2],
-                        opts.clients,
-                        values[3]
-                    ));
-                    for (m, v) in values.iter().enumerate() {
-                        samples[i][m].push(*v);
-                    }
+        for step in Step::ALL {
+            for k in 0..n {
+                if cancelled() {
+                    bail!("cancelled");
                 }
-                Err(e) => {
-                    log(&format!(
-                        "rep {}/{} {name}: FAILED {e:#}",
-                        rep + 1,
-                        opts.reps
-                    ));
-                    errors[i].push(format!("rep {}: {e:#}", rep + 1));
+                let i = (k + rep) % n;
+                let name = chosen[i].name;
+                match measure_step(&beds[i], opts, step) {
+                    Ok(values) => {
+                        let shown: Vec<String> = values
+                            .iter()
+                            .map(|(m, v)| {
+                                let (key, _, unit, _) = METRICS[*m];
+                                format!("{key} {v:.3} {unit}")
+                            })
+                            .collect();
+                        log(&format!(
+                            "rep {}/{} {name}: {}",
+                            rep + 1,
+                            opts.reps,
+                            shown.join(", ")
+                        ));
+                        for (m, v) in values {
+                            samples[i][m].push(v);
+                        }
+                    }
+                    Err(e) => {
+                        log(&format!(
+                            "rep {}/{} {name} {step:?}: FAILED {e:#}",
+                            rep + 1,
+                            opts.reps
+                        ));
+                        errors[i].push(format!("rep {} {step:?}: {e:#}", rep + 1));
+                    }
                 }
             }
         }
