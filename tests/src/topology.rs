@@ -522,6 +522,12 @@ impl Pod {
         self.ip6
     }
 
+    /// The pod's IPv6 address, or an error naming the pod.
+    pub fn ip6_required(&self) -> Result<Ipv6Addr> {
+        self.ip6
+            .with_context(|| format!("pod {} has no IPv6 address", self.name))
+    }
+
     /// The CNI container id, `None` for hand-made pods.
     pub fn container_id(&self) -> Option<&str> {
         match &self.teardown {
