@@ -643,7 +643,7 @@ fn route_key(net: &Ipv4Net) -> Key<[u8; 4]> {
     Key::new(u32::from(net.prefix_len()), net.network().octets())
 }
 
-fn missing(name: &'static str) -> BpfError {
+pub(super) fn missing(name: &'static str) -> BpfError {
     BpfError::BadMap {
         name,
         reason: "not in the eBPF object".into(),
@@ -736,7 +736,7 @@ fn remove_pin(path: &Path) -> Result<(), BpfError> {
     }
 }
 
-fn remove_ignoring_missing(
+pub(super) fn remove_ignoring_missing(
     result: Result<(), aya::maps::MapError>,
     map: &'static str,
 ) -> Result<(), BpfError> {
