@@ -759,6 +759,14 @@ impl Topology {
         self.pods.iter().filter(|p| p.node == n).collect()
     }
 
+    /// The first pod on node `n`, or an error naming the node.
+    pub fn first_pod_on(&self, n: usize) -> Result<&Pod> {
+        self.pods
+            .iter()
+            .find(|p| p.node == n)
+            .with_context(|| format!("no pod on node{n}"))
+    }
+
     /// The pod named `name` (`n<node>p<k>`).
     pub fn pod(&self, name: &str) -> Option<&Pod> {
         self.pods.iter().find(|p| p.name == name)

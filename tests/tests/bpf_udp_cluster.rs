@@ -16,7 +16,7 @@
 
 use std::{
     net::{IpAddr, SocketAddr, SocketAddrV4, UdpSocket},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
@@ -37,7 +37,7 @@ use flannel_tests::{
     netns::NetNs,
     packet::{self, Checksum, Ipv4, ParsedL3, ParsedL4, Udp},
     require_ebpf_object, require_root,
-    topology::{Pod, TopologySpec, Underlay},
+    topology::{TopologySpec, Underlay},
 };
 
 const PORT: u16 = 8285;
@@ -49,15 +49,6 @@ fn cluster(nodes: usize, underlay: Underlay, dataplane: Dataplane) -> Result<Clu
     spec.ip_masq = true;
     spec.dataplane = dataplane;
     Cluster::up(spec, &|line| eprintln!("{line}"), &|| false)
-}
-
-fn pod(cluster: &Cluster, node: usize) -> Result<&Pod> {
-    cluster
-        .topology()
-        .pods_on(node)
-        .into_iter()
-        .next()
-        .with_context(|| format!("no pod on node{node}"))
 }
 
 /// Packets the fast path counted under `reason` (any program).
@@ -89,33 +80,6 @@ fn send_udp(ns: &NetNs, to: SocketAddr, payload: &[u8]) -> Result<()> {
         s.send_to(&payload, to)?;
         Ok(())
     })?
-}
-
-fn udp_listener(ns: &NetNs, addr: SocketAddr) -> Result<UdpSocket> {
-    let s = ns.enter(move || UdpSocket::bind(addr))??;
-    s.set_read_timeout(Some(Duration::from_millis(300)))?;
-    Ok(s)
-}
-
-fn recv_payload(s: &UdpSocket, payload: &[u8], timeout: Duration) -> Result<SocketAddr> {
-    let deadline = Instant::now() + timeout;
-    let mut buf = [0u8; 2048];
-    while Instant::now() < deadline {
-        match s.recv_from(&mut buf) {
-            Ok((n, from)) if &buf[..n] == payload => return Ok(from),
-            Ok(_) => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    bail!(
-        "no datagram {:?} within {timeout:?}",
-        String::from_utf8_lossy(payload)
-    )
 }
 
 /// The IPv4 packet of a captured frame (Ethernet header stripped), if it is IPv4.
@@ -160,7 +124,10 @@ fn three_nodes() -> Result<()> {
     }
     all_pairs(&cluster)?;
 
-    let (p1, p3) = (pod(&cluster, 1)?, pod(&cluster, 3)?);
+    let (p1, p3) = (
+        cluster.topology().first_pod_on(1)?,
+        cluster.topology().first_pod_on(3)?,
+    );
     let (n1, n3) = (topo.node(1), topo.node(3));
     let encap_before = forwarder(n1.ns(), "udp_encap")?;
     let fast_before = fast(n1.ns(), "fast_udp")?;
@@ -181,9 +148,9 @@ fn three_nodes() -> Result<()> {
     let underlay = Capture::start(n1.ns(), "eth0")?;
     let at_pod3 = Capture::start(p3.ns(), "eth0")?;
     let marker = b"flannel udp fast path wire check".to_vec();
-    let listener = udp_listener(p3.ns(), SocketAddr::new(IpAddr::V4(p3.ip()), 7200))?;
+    let listener = probe::udp_listener(p3.ns(), SocketAddr::new(IpAddr::V4(p3.ip()), 7200))?;
     send_udp(p1.ns(), SocketAddr::new(IpAddr::V4(p3.ip()), 7200), &marker)?;
-    let from = recv_payload(&listener, &marker, Duration::from_secs(3))?;
+    let from = probe::recv_payload(&listener, &marker, Duration::from_secs(3))?;
     ensure!(from.ip() == IpAddr::V4(p1.ip()), "source {from}");
     let sent = at_pod1.find(Duration::from_secs(3), |f| carrying(f, &marker))?;
     let wire = underlay.find(Duration::from_secs(3), |f| {
@@ -326,7 +293,10 @@ fn mixed_pair() -> Result<()> {
         "tx-udp_tnl-csum-segmentation",
         "off",
     ])?;
-    let (p1, p2) = (pod(&cluster, 1)?, pod(&cluster, 2)?);
+    let (p1, p2) = (
+        cluster.topology().first_pod_on(1)?,
+        cluster.topology().first_pod_on(2)?,
+    );
     wait::until_ok(Duration::from_secs(20), "pods reach each other", || {
         all_pairs(&cluster)
     })?;
@@ -348,7 +318,7 @@ fn mixed_pair() -> Result<()> {
     let hub = topo.hub();
     let hub_addr = topo.hub_addr();
     let at_pod = Capture::start(p1.ns(), "eth0")?;
-    let listener = udp_listener(p1.ns(), SocketAddr::new(IpAddr::V4(p1.ip()), 7300))?;
+    let listener = probe::udp_listener(p1.ns(), SocketAddr::new(IpAddr::V4(p1.ip()), 7300))?;
     let hello = b"hello from an upstream udp node".to_vec();
     let mut inner = Ipv4::new(p2.ip(), p1.ip(), Udp::new(40000, 7300).payload(&hello));
     inner.ttl = 10;
@@ -360,7 +330,7 @@ fn mixed_pair() -> Result<()> {
         s.send_to(&datagram, to)?;
         Ok(())
     })??;
-    let from = recv_payload(&listener, &hello, Duration::from_secs(3))?;
+    let from = probe::recv_payload(&listener, &hello, Duration::from_secs(3))?;
     ensure!(
         from == SocketAddr::new(IpAddr::V4(p2.ip()), 40000),
         "{from}"

@@ -1,7 +1,8 @@
 //! Reachability checks without `ping` (not installed here): a TCP echo [`Responder`] bound in
 //! one namespace and [`tcp_probe`] connecting from another, the pod-to-pod [`Matrix`] and
 //! its cross-node, both-family variant [`pods_talk`], a
-//! checksummed bulk [`transfer`], the source address a server sees ([`source_seen`]), a
+//! checksummed bulk [`transfer`], the source address a server sees ([`source_seen`]), UDP
+//! datagrams awaited by payload ([`udp_listener`], [`recv_payload`]), a
 //! continuous UDP request stream ([`UdpStream`] against a [`UdpEcho`]) that counts every
 //! lost request, and a long paced TCP transfer ([`TcpFlow`]) that reports retransmissions
 //! and its longest stall.
@@ -409,6 +410,36 @@ pub fn transfer(
 /// A [`transfer`] of `size` bytes with 30 s to finish; the throughput in Mbit/s.
 pub fn transfer_mbit(from: &NetNs, to: &NetNs, ip: IpAddr, size: u64) -> Result<f64> {
     Ok(transfer(from, to, ip, size, Duration::from_secs(30))?.mbit_per_s())
+}
+
+/// A UDP socket bound to `addr` in `ns` (the namespace only matters at bind time), reading
+/// with a 300 ms timeout (see [`recv_payload`]).
+pub fn udp_listener(ns: &NetNs, addr: SocketAddr) -> Result<UdpSocket> {
+    let s = ns.enter(move || UdpSocket::bind(addr))??;
+    s.set_read_timeout(Some(Duration::from_millis(300)))?;
+    Ok(s)
+}
+
+/// Receives on `s` until a datagram carrying exactly `payload` arrives; returns its source.
+pub fn recv_payload(s: &UdpSocket, payload: &[u8], timeout: Duration) -> Result<SocketAddr> {
+    let deadline = Instant::now() + timeout;
+    let mut buf = [0u8; 2048];
+    while Instant::now() < deadline {
+        match s.recv_from(&mut buf) {
+            Ok((n, from)) if &buf[..n] == payload => return Ok(from),
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    bail!(
+        "no datagram {:?} within {timeout:?}",
+        String::from_utf8_lossy(payload)
+    )
 }
 
 /// Accepts one TCP connection on `ip` in `to` from a client in `from` and returns the source
