@@ -6,6 +6,7 @@
 //! | [`process`] | processes in a namespace, killed when their guard drops |
 //! | [`agent`] | `flannel-agent` per node: flags, log, stop/kill/restart, RSS |
 //! | [`kv`] | etcd from inside a namespace |
+//! | [`kube`] | kube mode: the fake API server in the hub, agents with `--kube-subnet-mgr` |
 //! | [`lease`] | the network config, lease records, fake leases |
 //! | [`probe`] | TCP echo reachability and the pod-to-pod matrix |
 //! | [`status`] | kernel route/neighbour/FDB counts, `/healthz` and `/metrics` |
@@ -20,6 +21,7 @@ pub mod bins;
 pub mod capture;
 pub mod cluster;
 pub mod fastpath;
+pub mod kube;
 pub mod kv;
 pub mod lease;
 pub mod probe;

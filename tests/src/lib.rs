@@ -25,6 +25,30 @@ macro_rules! require_root {
     };
 }
 
+/// Skips the calling test (returns early with a message) when `flannel-agent` was built
+/// without its eBPF object (`AYA_BUILD_SKIP=1`).
+#[macro_export]
+macro_rules! require_ebpf_object {
+    () => {
+        if !$crate::has_ebpf_object() {
+            eprintln!("skipped: flannel-agent was built with AYA_BUILD_SKIP=1");
+            return;
+        }
+    };
+}
+
+/// Whether `flannel-agent` carries its eBPF object.
+pub fn has_ebpf_object() -> bool {
+    !flannel_agent::EBPF_OBJECT.is_empty()
+}
+
+/// Ends a test whose body returns a `Result`: panics with the whole error chain.
+pub fn check(result: anyhow::Result<()>) {
+    if let Err(e) = result {
+        panic!("{e:#}");
+    }
+}
+
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }

@@ -522,6 +522,12 @@ impl Pod {
         self.ip6
     }
 
+    /// The pod's IPv6 address, or an error naming the pod.
+    pub fn ip6_required(&self) -> Result<Ipv6Addr> {
+        self.ip6
+            .with_context(|| format!("pod {} has no IPv6 address", self.name))
+    }
+
     /// The CNI container id, `None` for hand-made pods.
     pub fn container_id(&self) -> Option<&str> {
         match &self.teardown {
@@ -751,6 +757,14 @@ impl Topology {
     /// The pods on node `n`.
     pub fn pods_on(&self, n: usize) -> Vec<&Pod> {
         self.pods.iter().filter(|p| p.node == n).collect()
+    }
+
+    /// The first pod on node `n`, or an error naming the node.
+    pub fn first_pod_on(&self, n: usize) -> Result<&Pod> {
+        self.pods
+            .iter()
+            .find(|p| p.node == n)
+            .with_context(|| format!("no pod on node{n}"))
     }
 
     /// The pod named `name` (`n<node>p<k>`).

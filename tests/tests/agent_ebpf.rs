@@ -34,12 +34,12 @@ use agent_support::{
 use anyhow::{Context as _, Result, ensure};
 use flannel_tests::{
     bench::variant::link_mac,
-    kube_mock::{self, MockApiServer},
+    kube_mock::MockApiServer,
     lab::{
         agent::{Agent, AgentSpec, DEFAULT_HEALTHZ_PORT, Dataplane},
         bins,
         fastpath::{self, Route},
-        probe, wait,
+        kube, probe, wait,
     },
     require_root,
     topology::{SubnetEnv, Topology, TopologySpec, Underlay},
@@ -185,34 +185,13 @@ fn kube_mode() -> Result<()> {
         .enable_all()
         .build()?;
     let mut topology = Topology::new(TopologySpec::new(2, Underlay::L2).cni_plugin(cni))?;
-    // In the hub, so that every node reaches it.
-    let hub = topology.hub_addr();
-    let listener = topology
-        .hub()
-        .enter(move || std::net::TcpListener::bind((hub, 0)))??;
-    let api = rt.block_on(MockApiServer::serve(listener))?;
     let cidr = |n: usize| -> Ipv4Net { format!("10.244.{n}.0/24").parse().expect("CIDR") };
-    for node in topology.nodes() {
-        let c = cidr(node.index()).to_string();
-        api.apply_node(kube_mock::node(&node.name(), &[c.as_str()], &[]));
-    }
+    let api = kube::api_in_hub(&rt, &topology, &|n| cidr(n).to_string())?;
     let network: Ipv4Net = "10.244.0.0/16".parse()?;
     let netconf = json!({"Network": network.to_string(), "Backend": {"Type": "vxlan"}});
-    let mut agents = Vec::new();
-    for node in topology.nodes() {
-        let conf = node.dir().join("net-conf.json");
-        std::fs::write(&conf, netconf.to_string())?;
-        // No etcd in kube mode: an endpoint nothing listens on.
-        let mut spec = AgentSpec::new(&agent_bin, "http://127.0.0.1:1");
-        spec.dataplane = Some(EBPF);
-        spec.extra_args = vec![
-            "--kube-subnet-mgr".into(),
-            format!("--kube-api-url={}", api.url()),
-            format!("--net-config-path={}", conf.display()),
-        ];
-        spec.env = vec![("NODE_NAME".into(), node.name())];
-        agents.push(Agent::start(node, &spec)?);
-    }
+    let mut spec = AgentSpec::new(&agent_bin, kube::NO_ETCD);
+    spec.dataplane = Some(EBPF);
+    let mut agents = kube::start_agents(&topology, &api, &netconf, &spec)?;
     let result = kube_mode_checks(&mut topology, &api, &mut agents, network, &cidr);
     if result.is_err() {
         for a in &agents {

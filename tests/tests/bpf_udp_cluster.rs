@@ -15,9 +15,8 @@
 //! otherwise and when the agent has no eBPF object).
 
 use std::{
-    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket},
-    thread,
-    time::{Duration, Instant},
+    net::{IpAddr, SocketAddr, SocketAddrV4, UdpSocket},
+    time::Duration,
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
@@ -27,122 +26,50 @@ use flannel_agent::udp::{
     packet as tun_packet,
 };
 use flannel_tests::{
+    check,
     lab::{
         agent::{Agent, DEFAULT_HEALTHZ_PORT, Dataplane},
         bins,
         capture::Capture,
         cluster::{Cluster, ClusterSpec},
-        probe, status,
+        fastpath, probe, status, wait,
     },
     netns::NetNs,
     packet::{self, Checksum, Ipv4, ParsedL3, ParsedL4, Udp},
-    require_root,
-    topology::{Pod, TopologySpec, Underlay},
+    require_ebpf_object, require_root,
+    topology::{TopologySpec, Underlay},
 };
 
 const PORT: u16 = 8285;
 
-fn check(result: Result<()>) {
-    if let Err(e) = result {
-        panic!("{e:#}");
-    }
-}
-
-fn skip_without_object() -> bool {
-    if flannel_agent::EBPF_OBJECT.is_empty() {
-        eprintln!("skipped: flannel-agent was built with AYA_BUILD_SKIP=1");
-        return true;
-    }
-    false
-}
-
 fn cluster(nodes: usize, underlay: Underlay, dataplane: Dataplane) -> Result<Cluster> {
-    let agent = bins::cargo_build("flannel-agent", bins::AGENT, "FLANNEL_AGENT_BIN")?;
-    let cni = bins::cargo_build("flannel-cni", bins::CNI_PLUGIN, "FLANNEL_CNI_BIN")?;
-    let topology = TopologySpec::new(nodes, underlay).cni_plugin(cni);
-    let mut spec = ClusterSpec::new(topology, "udp", agent);
+    let topology = TopologySpec::new(nodes, underlay).cni_plugin(bins::test_cni_plugin()?);
+    let mut spec = ClusterSpec::new(topology, "udp", bins::test_agent()?);
     spec.pods_per_node = 1;
     spec.ip_masq = true;
     spec.dataplane = dataplane;
     Cluster::up(spec, &|line| eprintln!("{line}"), &|| false)
 }
 
-fn pod(cluster: &Cluster, node: usize) -> Result<&Pod> {
-    cluster
-        .topology()
-        .pods_on(node)
-        .into_iter()
-        .next()
-        .with_context(|| format!("no pod on node{node}"))
-}
-
-/// The agent's `/metrics` samples named `name` whose labels contain `label`, summed.
-fn metric(ns: &NetNs, name: &str, label: &str) -> Result<f64> {
-    let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), DEFAULT_HEALTHZ_PORT);
-    let (code, body) = status::http_get(ns, addr, "/metrics")?;
-    ensure!(code == 200, "/metrics answered {code}");
-    Ok(status::parse_metrics(&body)
-        .into_iter()
-        .filter(|s| s.name == name && s.labels.contains(label))
-        .map(|s| s.value)
-        .sum())
-}
-
 /// Packets the fast path counted under `reason` (any program).
 fn fast(ns: &NetNs, reason: &str) -> Result<f64> {
-    metric(
-        ns,
-        "flannel_fastpath_packets_total",
-        &format!("reason=\"{reason}\""),
-    )
+    fastpath::packets(ns, DEFAULT_HEALTHZ_PORT, reason)
 }
 
 /// Packets the TUN path's forwarder counted under `reason`.
 fn forwarder(ns: &NetNs, reason: &str) -> Result<f64> {
-    metric(
+    status::metric_sum(
         ns,
+        DEFAULT_HEALTHZ_PORT,
         "flannel_udp_packets_total",
         &format!("reason=\"{reason}\""),
     )
 }
 
-/// The agent's active dataplane (`path` of `flannel_dataplane_info`).
-fn dataplane_of(ns: &NetNs) -> Result<String> {
-    let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), DEFAULT_HEALTHZ_PORT);
-    let (_, body) = status::http_get(ns, addr, "/metrics")?;
-    status::parse_metrics(&body)
-        .into_iter()
-        .find(|s| s.name == "flannel_dataplane_info" && s.value == 1.0)
-        .and_then(|s| {
-            let rest = s.labels.split("path=\"").nth(1)?;
-            rest.split('"').next().map(str::to_owned)
-        })
-        .context("no flannel_dataplane_info in /metrics")
-}
-
-fn wait_until<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<T>) -> Result<T> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        match f() {
-            Ok(t) => return Ok(t),
-            Err(e) if Instant::now() >= deadline => bail!("{what} within {timeout:?}: {e:#}"),
-            Err(_) => thread::sleep(Duration::from_millis(200)),
-        }
-    }
-}
-
 fn all_pairs(cluster: &Cluster) -> Result<()> {
     let matrix = cluster.matrix(Duration::from_secs(5))?;
     eprintln!("{matrix}");
-    ensure!(matrix.all_ok(), "pod matrix:\n{matrix}");
-    Ok(())
-}
-
-/// Sends `size` bytes over TCP from `from` to a listener in `to` (checked to arrive intact);
-/// the throughput in Mbit/s.
-fn tcp_transfer(from: &NetNs, to: &NetNs, to_ip: IpAddr, size: usize) -> Result<f64> {
-    let t = probe::transfer(from, to, to_ip, size as u64, Duration::from_secs(30))?;
-    Ok(t.mbit_per_s())
+    matrix.check()
 }
 
 /// One UDP datagram from inside `ns`.
@@ -153,33 +80,6 @@ fn send_udp(ns: &NetNs, to: SocketAddr, payload: &[u8]) -> Result<()> {
         s.send_to(&payload, to)?;
         Ok(())
     })?
-}
-
-fn udp_listener(ns: &NetNs, addr: SocketAddr) -> Result<UdpSocket> {
-    let s = ns.enter(move || UdpSocket::bind(addr))??;
-    s.set_read_timeout(Some(Duration::from_millis(300)))?;
-    Ok(s)
-}
-
-fn recv_payload(s: &UdpSocket, payload: &[u8], timeout: Duration) -> Result<SocketAddr> {
-    let deadline = Instant::now() + timeout;
-    let mut buf = [0u8; 2048];
-    while Instant::now() < deadline {
-        match s.recv_from(&mut buf) {
-            Ok((n, from)) if &buf[..n] == payload => return Ok(from),
-            Ok(_) => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    bail!(
-        "no datagram {:?} within {timeout:?}",
-        String::from_utf8_lossy(payload)
-    )
 }
 
 /// The IPv4 packet of a captured frame (Ethernet header stripped), if it is IPv4.
@@ -208,9 +108,7 @@ fn carrying(frame: &[u8], marker: &[u8]) -> Option<Vec<u8>> {
 #[test]
 fn udp_fast_path_carries_pods_across_three_nodes() {
     require_root!();
-    if skip_without_object() {
-        return;
-    }
+    require_ebpf_object!();
     check(three_nodes());
 }
 
@@ -218,22 +116,22 @@ fn three_nodes() -> Result<()> {
     let cluster = cluster(3, Underlay::L3, Dataplane::Ebpf)?;
     let topo = cluster.topology();
     for node in topo.nodes() {
-        ensure!(
-            dataplane_of(node.ns())? == "ebpf",
-            "{} is not on the fast path",
-            node.name()
-        );
+        fastpath::expect_path(node.ns(), DEFAULT_HEALTHZ_PORT, "ebpf")
+            .with_context(|| format!("{} is not on the fast path", node.name()))?;
         // The TUN path stays configured underneath.
         let link = node.run(&["ip", "-o", "link", "show", "flannel0"])?;
         ensure!(link.contains("UP"), "flannel0 on {}: {link}", node.name());
     }
     all_pairs(&cluster)?;
 
-    let (p1, p3) = (pod(&cluster, 1)?, pod(&cluster, 3)?);
+    let (p1, p3) = (
+        cluster.topology().first_pod_on(1)?,
+        cluster.topology().first_pod_on(3)?,
+    );
     let (n1, n3) = (topo.node(1), topo.node(3));
     let encap_before = forwarder(n1.ns(), "udp_encap")?;
     let fast_before = fast(n1.ns(), "fast_udp")?;
-    let mbit = tcp_transfer(p1.ns(), p3.ns(), IpAddr::V4(p3.ip()), 16 << 20)?;
+    let mbit = probe::transfer_mbit(p1.ns(), p3.ns(), IpAddr::V4(p3.ip()), 16 << 20)?;
     eprintln!("16 MiB TCP node1 → node3 over udp, fast path: {mbit:.0} Mbit/s");
     ensure!(
         fast(n1.ns(), "fast_udp")? - fast_before >= 100.0,
@@ -250,9 +148,9 @@ fn three_nodes() -> Result<()> {
     let underlay = Capture::start(n1.ns(), "eth0")?;
     let at_pod3 = Capture::start(p3.ns(), "eth0")?;
     let marker = b"flannel udp fast path wire check".to_vec();
-    let listener = udp_listener(p3.ns(), SocketAddr::new(IpAddr::V4(p3.ip()), 7200))?;
+    let listener = probe::udp_listener(p3.ns(), SocketAddr::new(IpAddr::V4(p3.ip()), 7200))?;
     send_udp(p1.ns(), SocketAddr::new(IpAddr::V4(p3.ip()), 7200), &marker)?;
-    let from = recv_payload(&listener, &marker, Duration::from_secs(3))?;
+    let from = probe::recv_payload(&listener, &marker, Duration::from_secs(3))?;
     ensure!(from.ip() == IpAddr::V4(p1.ip()), "source {from}");
     let sent = at_pod1.find(Duration::from_secs(3), |f| carrying(f, &marker))?;
     let wire = underlay.find(Duration::from_secs(3), |f| {
@@ -343,8 +241,8 @@ fn three_nodes() -> Result<()> {
 
     // Host-originated traffic still takes flannel0 and the forwarder.
     let encap_before = forwarder(n1.ns(), "udp_encap")?;
-    let responder = flannel_tests::lab::probe::Responder::start(p3.ns(), IpAddr::V4(p3.ip()), 0)?;
-    flannel_tests::lab::probe::tcp_probe(n1.ns(), responder.addr(), Duration::from_secs(5))?;
+    let responder = probe::Responder::start(p3.ns(), IpAddr::V4(p3.ip()), 0)?;
+    probe::tcp_probe(n1.ns(), responder.addr(), Duration::from_secs(5))?;
     ensure!(
         forwarder(n1.ns(), "udp_encap")? > encap_before,
         "host → pod did not use the forwarder"
@@ -357,9 +255,7 @@ fn three_nodes() -> Result<()> {
 #[test]
 fn udp_mixed_pair_fast_path_and_tun_path() {
     require_root!();
-    if skip_without_object() {
-        return;
-    }
+    require_ebpf_object!();
     check(mixed_pair());
 }
 
@@ -374,14 +270,14 @@ fn mixed_pair() -> Result<()> {
         .stop(Duration::from_secs(5))?;
     let node1 = cluster.topology().node(1);
     let fast_agent: Agent = Agent::start(node1, &spec)?;
-    wait_until("node1 on the fast path", Duration::from_secs(30), || {
-        ensure!(dataplane_of(node1.ns())? == "ebpf", "not yet");
+    wait::until_ok(Duration::from_secs(30), "node1 on the fast path", || {
+        fastpath::expect_path(node1.ns(), DEFAULT_HEALTHZ_PORT, "ebpf")?;
         node1.run(&["ip", "link", "show", "flannel0"])?;
         Ok(())
     })?;
     let topo = cluster.topology();
     let (n1, n2) = (topo.node(1), topo.node(2));
-    ensure!(dataplane_of(n2.ns())? == "kernel");
+    fastpath::expect_path(n2.ns(), DEFAULT_HEALTHZ_PORT, "kernel")?;
     // A veth hands a packet's unfinished (CHECKSUM_PARTIAL) inner checksum and GSO state to
     // its peer, which a NIC would have completed and segmented on transmit; a user-space
     // receiver (node2's forwarder) reads the datagram's bytes and would see the partial sum.
@@ -397,8 +293,11 @@ fn mixed_pair() -> Result<()> {
         "tx-udp_tnl-csum-segmentation",
         "off",
     ])?;
-    let (p1, p2) = (pod(&cluster, 1)?, pod(&cluster, 2)?);
-    wait_until("pods reach each other", Duration::from_secs(20), || {
+    let (p1, p2) = (
+        cluster.topology().first_pod_on(1)?,
+        cluster.topology().first_pod_on(2)?,
+    );
+    wait::until_ok(Duration::from_secs(20), "pods reach each other", || {
         all_pairs(&cluster)
     })?;
 
@@ -406,8 +305,8 @@ fn mixed_pair() -> Result<()> {
     let deliver_before = fast(n1.ns(), "fast_deliver_udp")?;
     let decap_before = forwarder(n2.ns(), "udp_decap")?;
     let encap_before = forwarder(n2.ns(), "udp_encap")?;
-    let fast_to_tun = tcp_transfer(p1.ns(), p2.ns(), IpAddr::V4(p2.ip()), 4 << 20)?;
-    let tun_to_fast = tcp_transfer(p2.ns(), p1.ns(), IpAddr::V4(p1.ip()), 4 << 20)?;
+    let fast_to_tun = probe::transfer_mbit(p1.ns(), p2.ns(), IpAddr::V4(p2.ip()), 4 << 20)?;
+    let tun_to_fast = probe::transfer_mbit(p2.ns(), p1.ns(), IpAddr::V4(p1.ip()), 4 << 20)?;
     eprintln!("4 MiB TCP fast → TUN {fast_to_tun:.0} Mbit/s, TUN → fast {tun_to_fast:.0} Mbit/s");
     ensure!(fast(n1.ns(), "fast_udp")? - fast_before >= 100.0);
     ensure!(fast(n1.ns(), "fast_deliver_udp")? - deliver_before >= 100.0);
@@ -419,7 +318,7 @@ fn mixed_pair() -> Result<()> {
     let hub = topo.hub();
     let hub_addr = topo.hub_addr();
     let at_pod = Capture::start(p1.ns(), "eth0")?;
-    let listener = udp_listener(p1.ns(), SocketAddr::new(IpAddr::V4(p1.ip()), 7300))?;
+    let listener = probe::udp_listener(p1.ns(), SocketAddr::new(IpAddr::V4(p1.ip()), 7300))?;
     let hello = b"hello from an upstream udp node".to_vec();
     let mut inner = Ipv4::new(p2.ip(), p1.ip(), Udp::new(40000, 7300).payload(&hello));
     inner.ttl = 10;
@@ -431,7 +330,7 @@ fn mixed_pair() -> Result<()> {
         s.send_to(&datagram, to)?;
         Ok(())
     })??;
-    let from = recv_payload(&listener, &hello, Duration::from_secs(3))?;
+    let from = probe::recv_payload(&listener, &hello, Duration::from_secs(3))?;
     ensure!(
         from == SocketAddr::new(IpAddr::V4(p2.ip()), 40000),
         "{from}"

@@ -17,51 +17,29 @@
 
 use std::{
     collections::BTreeSet,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, Ipv6Addr},
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
-    path::PathBuf,
-    thread,
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, bail, ensure};
+use anyhow::{Context as _, Result, ensure};
 use flannel_tests::{
-    kube_mock::{self, MockApiServer},
+    check,
     lab::{
         agent::{Agent, AgentSpec, DEFAULT_HEALTHZ_PORT, Dataplane},
         bins,
         capture::Capture,
         cluster::{Cluster, ClusterSpec},
-        probe, status,
+        fastpath, kube, probe, wait,
     },
     netns::NetNs,
     packet::{self, ParsedL3, ParsedL4},
-    require_root,
+    require_ebpf_object, require_root,
     topology::{Pod, Topology, TopologySpec, Underlay},
 };
 use serde_json::json;
 
 const NETWORK_V6: &str = "fd00:244::/48";
-
-fn check(result: Result<()>) {
-    if let Err(e) = result {
-        panic!("{e:#}");
-    }
-}
-
-fn skip_without_object() -> bool {
-    if flannel_agent::EBPF_OBJECT.is_empty() {
-        eprintln!("skipped: flannel-agent was built with AYA_BUILD_SKIP=1");
-        return true;
-    }
-    false
-}
-
-fn binaries() -> Result<(PathBuf, PathBuf)> {
-    let agent = bins::cargo_build("flannel-agent", bins::AGENT, "FLANNEL_AGENT_BIN")?;
-    let cni = bins::cargo_build("flannel-cni", bins::CNI_PLUGIN, "FLANNEL_CNI_BIN")?;
-    Ok((agent, cni))
-}
 
 fn dual_stack_cluster(
     nodes: usize,
@@ -69,11 +47,10 @@ fn dual_stack_cluster(
     underlay: Underlay,
     dataplane: Dataplane,
 ) -> Result<Cluster> {
-    let (agent, cni) = binaries()?;
     let topology = TopologySpec::new(nodes, underlay)
         .ipv6(true)
-        .cni_plugin(cni);
-    let mut spec = ClusterSpec::new(topology, backend, agent);
+        .cni_plugin(bins::test_cni_plugin()?);
+    let mut spec = ClusterSpec::new(topology, backend, bins::test_agent()?);
     spec.ipv6_network = Some(NETWORK_V6.parse()?);
     spec.pods_per_node = 1;
     spec.ip_masq = true;
@@ -81,77 +58,14 @@ fn dual_stack_cluster(
     Cluster::up(spec, &|line| eprintln!("{line}"), &|| false)
 }
 
-fn wait_until<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<T>) -> Result<T> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        match f() {
-            Ok(t) => return Ok(t),
-            Err(e) if Instant::now() >= deadline => bail!("{what} within {timeout:?}: {e:#}"),
-            Err(_) => thread::sleep(Duration::from_millis(200)),
-        }
-    }
-}
-
 /// Packets the fast path of the agent in `ns` counted under `reason` (any program).
 fn fast(ns: &NetNs, reason: &str) -> Result<f64> {
-    let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), DEFAULT_HEALTHZ_PORT);
-    let (code, body) = status::http_get(ns, addr, "/metrics")?;
-    ensure!(code == 200, "/metrics answered {code}");
-    let label = format!("reason=\"{reason}\"");
-    Ok(status::parse_metrics(&body)
-        .into_iter()
-        .filter(|s| s.name == "flannel_fastpath_packets_total" && s.labels.contains(&label))
-        .map(|s| s.value)
-        .sum())
+    fastpath::packets(ns, DEFAULT_HEALTHZ_PORT, reason)
 }
 
-/// The agent's active dataplane (`path` of `flannel_dataplane_info`).
-fn dataplane_of(ns: &NetNs) -> Result<String> {
-    let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), DEFAULT_HEALTHZ_PORT);
-    let (_, body) = status::http_get(ns, addr, "/metrics")?;
-    status::parse_metrics(&body)
-        .into_iter()
-        .find(|s| s.name == "flannel_dataplane_info" && s.value == 1.0)
-        .and_then(|s| {
-            let rest = s.labels.split("path=\"").nth(1)?;
-            rest.split('"').next().map(str::to_owned)
-        })
-        .context("no flannel_dataplane_info in /metrics")
-}
-
-fn ip6(p: &Pod) -> Result<Ipv6Addr> {
-    p.ip6()
-        .with_context(|| format!("pod {} has no IPv6 address", p.name()))
-}
-
-/// TCP echo from every pod to every pod of another node over IPv6 (and IPv4 when `v4`).
-fn pods_talk(pods: &[&Pod], v4: bool) -> Result<()> {
-    let mut failures = Vec::new();
-    for from in pods {
-        for to in pods {
-            if from.node() == to.node() {
-                continue;
-            }
-            let mut targets = vec![IpAddr::V6(ip6(to)?)];
-            if v4 {
-                targets.push(IpAddr::V4(to.ip()));
-            }
-            for ip in targets {
-                if let Err(e) = probe::tcp_reaches(from.ns(), to.ns(), ip, Duration::from_secs(5)) {
-                    failures.push(format!("{} → {} {ip}: {e:#}", from.name(), to.name()));
-                }
-            }
-        }
-    }
-    ensure!(failures.is_empty(), "unreachable:\n{}", failures.join("\n"));
-    Ok(())
-}
-
-/// Sends `size` bytes over TCP from `from` to a listener in `to` (checked to arrive intact);
-/// the throughput in Mbit/s.
-fn tcp_transfer(from: &NetNs, to: &NetNs, to_ip: IpAddr, size: usize) -> Result<f64> {
-    let t = probe::transfer(from, to, to_ip, size as u64, Duration::from_secs(30))?;
-    Ok(t.mbit_per_s())
+/// Fails unless the agent in `ns` runs the fast path.
+fn on_fast_path(ns: &NetNs) -> Result<()> {
+    fastpath::expect_path(ns, DEFAULT_HEALTHZ_PORT, "ebpf")
 }
 
 /// `count` ICMPv6 echo requests from `ns` to `dst` with identifier `id` (the kernel computes
@@ -250,9 +164,7 @@ fn vxlan6_echo(frame: &[u8], id: u16) -> Option<packet::Frame> {
 #[test]
 fn vxlan_dual_stack_three_nodes_on_the_fast_path() {
     require_root!();
-    if skip_without_object() {
-        return;
-    }
+    require_ebpf_object!();
     check(vxlan_dual_stack());
 }
 
@@ -260,10 +172,10 @@ fn vxlan_dual_stack() -> Result<()> {
     let cluster = dual_stack_cluster(3, "vxlan", Underlay::L3, Dataplane::Ebpf)?;
     let topo = cluster.topology();
     for node in topo.nodes() {
-        ensure!(dataplane_of(node.ns())? == "ebpf", "{}", node.name());
+        on_fast_path(node.ns()).context(node.name())?;
     }
     let pods: Vec<&Pod> = topo.pods().iter().collect();
-    pods_talk(&pods, true)?;
+    probe::pods_talk(&pods, true)?;
     for node in topo.nodes() {
         for reason in [
             "fast_vxlan",
@@ -281,14 +193,14 @@ fn vxlan_dual_stack() -> Result<()> {
     // The underlay carries VXLAN over IPv6 whose every checksum verifies.
     let (p1, p3) = (&pods[0], &pods[2]);
     let underlay = Capture::start(topo.node(1).ns(), "eth0")?;
-    let answered = ping6(p1.ns(), ip6(p3)?, 0x6a01, 3)?;
+    let answered = ping6(p1.ns(), p3.ip6_required()?, 0x6a01, 3)?;
     ensure!(answered == 3, "{answered} of 3 ICMPv6 echoes answered");
     let frame = underlay.find(Duration::from_secs(2), |f| {
         vxlan6_echo(f, 0x6a01).map(|_| f.to_vec())
     })?;
     packet::verify(&frame).context("the fast path's VXLAN-over-IPv6 frame")?;
     // A bulk transfer (its GSO packets take flannel-v6.1, its flow follows) arrives intact.
-    let mbit = tcp_transfer(p1.ns(), p3.ns(), IpAddr::V6(ip6(p3)?), 8 << 20)?;
+    let mbit = probe::transfer_mbit(p1.ns(), p3.ns(), IpAddr::V6(p3.ip6_required()?), 8 << 20)?;
     eprintln!("8 MiB TCP over IPv6 node1 → node3: {mbit:.0} Mbit/s");
     Ok(())
 }
@@ -296,9 +208,7 @@ fn vxlan_dual_stack() -> Result<()> {
 #[test]
 fn host_gw_dual_stack_on_the_fast_path() {
     require_root!();
-    if skip_without_object() {
-        return;
-    }
+    require_ebpf_object!();
     check(host_gw_dual_stack());
 }
 
@@ -306,7 +216,7 @@ fn host_gw_dual_stack() -> Result<()> {
     let cluster = dual_stack_cluster(3, "host-gw", Underlay::L2, Dataplane::Ebpf)?;
     let topo = cluster.topology();
     let pods: Vec<&Pod> = topo.pods().iter().collect();
-    pods_talk(&pods, true)?;
+    probe::pods_talk(&pods, true)?;
     for node in topo.nodes() {
         for reason in [
             "fast_host_gw",
@@ -322,7 +232,7 @@ fn host_gw_dual_stack() -> Result<()> {
         }
     }
     let (p1, p2) = (&pods[0], &pods[1]);
-    let mbit = tcp_transfer(p1.ns(), p2.ns(), IpAddr::V6(ip6(p2)?), 16 << 20)?;
+    let mbit = probe::transfer_mbit(p1.ns(), p2.ns(), IpAddr::V6(p2.ip6_required()?), 16 << 20)?;
     eprintln!("16 MiB TCP over IPv6 node1 → node2, host-gw: {mbit:.0} Mbit/s");
     ensure!(fast(topo.node(1).ns(), "fast_host_gw6")? >= 100.0);
     Ok(())
@@ -331,9 +241,7 @@ fn host_gw_dual_stack() -> Result<()> {
 #[test]
 fn vxlan_v6_mixed_pair_fast_path_and_kernel() {
     require_root!();
-    if skip_without_object() {
-        return;
-    }
+    require_ebpf_object!();
     check(mixed_pair());
 }
 
@@ -345,9 +253,9 @@ fn mixed_pair() -> Result<()> {
         let pods = topo.pods();
         let at_n2 = Capture::start(topo.node(2).ns(), "eth0")?;
         // (The first echoes may go unanswered while neighbour discovery and DAD settle.)
-        wait_until("the kernel path's echo", Duration::from_secs(20), || {
+        wait::until_ok(Duration::from_secs(20), "the kernel path's echo", || {
             ensure!(
-                ping6(pods[0].ns(), ip6(&pods[1])?, 0x6b01, 1)? == 1,
+                ping6(pods[0].ns(), pods[1].ip6_required()?, 0x6b01, 1)? == 1,
                 "no answer"
             );
             Ok(())
@@ -367,13 +275,12 @@ fn mixed_pair() -> Result<()> {
     let fast_agent = Agent::start(n1, &spec)?;
     let pods = topo.pods();
     let (p1, p2) = (&pods[0], &pods[1]);
-    let dst = ip6(p2)?;
-    wait_until("node1 on the fast path", Duration::from_secs(30), || {
-        ensure!(dataplane_of(n1.ns())? == "ebpf", "not yet");
-        Ok(())
+    let dst = p2.ip6_required()?;
+    wait::until_ok(Duration::from_secs(30), "node1 on the fast path", || {
+        on_fast_path(n1.ns())
     })?;
-    wait_until("pods reach each other", Duration::from_secs(20), || {
-        pods_talk(&[p1, p2], true)
+    wait::until_ok(Duration::from_secs(20), "pods reach each other", || {
+        probe::pods_talk(&[p1, p2], true)
     })?;
     let before = fast(n1.ns(), "fast_vxlan6")?;
     let at_n2 = Capture::start(n2.ns(), "eth0")?;
@@ -424,11 +331,11 @@ fn mixed_pair() -> Result<()> {
     );
 
     // Both directions between the fast path and the kernel path, small and bulk.
-    pods_talk(&[p1, p2], true)?;
-    let out = tcp_transfer(p1.ns(), p2.ns(), IpAddr::V6(dst), 4 << 20)?;
-    let back = tcp_transfer(p2.ns(), p1.ns(), IpAddr::V6(ip6(p1)?), 4 << 20)?;
+    probe::pods_talk(&[p1, p2], true)?;
+    let out = probe::transfer_mbit(p1.ns(), p2.ns(), IpAddr::V6(dst), 4 << 20)?;
+    let back = probe::transfer_mbit(p2.ns(), p1.ns(), IpAddr::V6(p1.ip6_required()?), 4 << 20)?;
     eprintln!("4 MiB TCP over IPv6, fast → kernel {out:.0} Mbit/s, kernel → fast {back:.0}");
-    ensure!(ping6(p2.ns(), ip6(p1)?, 0x6b02, 3)? == 3);
+    ensure!(ping6(p2.ns(), p1.ip6_required()?, 0x6b02, 3)? == 3);
     ensure!(fast(n1.ns(), "fast_deliver_vxlan6")? >= 3.0);
     drop(fast_agent);
     Ok(())
@@ -437,14 +344,11 @@ fn mixed_pair() -> Result<()> {
 #[test]
 fn ipv6_only_kube_mode_on_the_fast_path() {
     require_root!();
-    if skip_without_object() {
-        return;
-    }
+    require_ebpf_object!();
     check(ipv6_only_kube());
 }
 
 fn ipv6_only_kube() -> Result<()> {
-    let (agent, cni) = binaries()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -452,39 +356,28 @@ fn ipv6_only_kube() -> Result<()> {
     let mut topology = Topology::new(
         TopologySpec::new(2, Underlay::L2)
             .ipv6(true)
-            .cni_plugin(cni),
+            .cni_plugin(bins::test_cni_plugin()?),
     )?;
-    let api = kube_api(&rt, &topology)?;
+    let api = kube::api_in_hub(&rt, &topology, &|i| format!("fd00:244:0:{i}::/64"))?;
     let netconf = json!({
         "EnableIPv4": false,
         "EnableIPv6": true,
         "IPv6Network": NETWORK_V6,
         "Backend": {"Type": "vxlan"},
     });
-    let mut agents = Vec::new();
-    for node in topology.nodes() {
-        let conf = node.dir().join("net-conf.json");
-        std::fs::write(&conf, netconf.to_string())?;
-        let mut spec = AgentSpec::new(&agent, "http://127.0.0.1:1");
-        spec.ip_masq = true;
-        spec.dataplane = Some(Dataplane::Ebpf);
-        spec.extra_args = vec![
-            "--kube-subnet-mgr".into(),
-            format!("--kube-api-url={}", api.url()),
-            format!("--net-config-path={}", conf.display()),
-        ];
-        spec.env = vec![("NODE_NAME".into(), node.name())];
-        agents.push(Agent::start(node, &spec)?);
-    }
+    let mut spec = AgentSpec::new(bins::test_agent()?, kube::NO_ETCD);
+    spec.ip_masq = true;
+    spec.dataplane = Some(Dataplane::Ebpf);
+    let mut agents = kube::start_agents(&topology, &api, &netconf, &spec)?;
     for (node, agent) in topology.nodes().iter().zip(agents.iter_mut()) {
         agent.wait_subnet_env(node, Duration::from_secs(60))?;
-        ensure!(dataplane_of(node.ns())? == "ebpf", "{}", node.name());
+        on_fast_path(node.ns()).context(node.name())?;
     }
     for n in 1..=2 {
         topology.add_pod(n)?;
     }
     let pods: Vec<&Pod> = topology.pods().iter().collect();
-    pods_talk(&pods, false)?;
+    probe::pods_talk(&pods, false)?;
     for node in topology.nodes() {
         ensure!(
             fast(node.ns(), "fast_vxlan6")? >= 2.0
@@ -495,19 +388,4 @@ fn ipv6_only_kube() -> Result<()> {
     }
     drop(agents);
     Ok(())
-}
-
-/// The fake API server in the hub with one Node per node, IPv6 pod CIDR
-/// `fd00:244:0:<i>::/64`.
-fn kube_api(rt: &tokio::runtime::Runtime, topology: &Topology) -> Result<MockApiServer> {
-    let hub = topology.hub_addr();
-    let listener = topology
-        .hub()
-        .enter(move || std::net::TcpListener::bind((hub, 0)))??;
-    let api = rt.block_on(MockApiServer::serve(listener))?;
-    for node in topology.nodes() {
-        let cidr = format!("fd00:244:0:{}::/64", node.index());
-        api.apply_node(kube_mock::node(&node.name(), &[cidr.as_str()], &[]));
-    }
-    Ok(api)
 }

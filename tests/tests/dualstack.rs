@@ -22,31 +22,30 @@
 use std::{
     collections::BTreeSet,
     net::{IpAddr, Ipv6Addr},
-    path::PathBuf,
     sync::{
         Arc, Mutex,
         atomic::{AtomicUsize, Ordering},
     },
-    thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
-use anyhow::{Context as _, Result, bail, ensure};
+use anyhow::{Context as _, Result, ensure};
 use flannel_agent::{
     alloc::PreviousSubnets,
     lease::{LeaseAttrs, SubnetKey},
     subnet::etcd::{EtcdOptions, EtcdSubnetManager},
 };
 use flannel_tests::{
+    check,
     etcd::Etcd,
-    kube_mock::{self, MockApiServer},
     lab::{
         agent::{Agent, AgentSpec},
         bins,
         capture::Capture,
         cluster::{Cluster, ClusterSpec},
+        kube,
         kv::Kv,
-        lease, probe,
+        lease, probe, status, wait,
     },
     netns::NetNs,
     packet::{self, ParsedL3, ParsedL4},
@@ -58,82 +57,36 @@ use serde_json::{Value, json};
 
 const NETWORK_V6: &str = "fd00:244::/48";
 
-fn check(result: Result<()>) {
-    if let Err(e) = result {
-        panic!("{e:#}");
-    }
-}
-
-fn binaries() -> Result<(PathBuf, PathBuf)> {
-    let agent = bins::cargo_build("flannel-agent", bins::AGENT, "FLANNEL_AGENT_BIN")?;
-    let cni = bins::cargo_build("flannel-cni", bins::CNI_PLUGIN, "FLANNEL_CNI_BIN")?;
-    Ok((agent, cni))
-}
-
 fn json(ns: &NetNs, argv: &[&str]) -> Result<Value> {
     let out = ns.run(argv)?;
     serde_json::from_str(&out).with_context(|| format!("{argv:?} printed {out:?}"))
 }
 
-fn wait_until<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<T>) -> Result<T> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        match f() {
-            Ok(t) => return Ok(t),
-            Err(e) if Instant::now() >= deadline => bail!("{what} within {timeout:?}: {e:#}"),
-            Err(_) => thread::sleep(Duration::from_millis(200)),
-        }
-    }
-}
-
-fn dual_stack_cluster(backend: &str, underlay: Underlay) -> Result<Cluster> {
-    let (agent, cni) = binaries()?;
-    let topology = TopologySpec::new(3, underlay).ipv6(true).cni_plugin(cni);
-    let mut spec = ClusterSpec::new(topology, backend, agent);
+/// Three dual-stack nodes with one pod each, `--ip-masq`.
+fn dual_stack_spec(backend: &str, underlay: Underlay) -> Result<ClusterSpec> {
+    let topology = TopologySpec::new(3, underlay)
+        .ipv6(true)
+        .cni_plugin(bins::test_cni_plugin()?);
+    let mut spec = ClusterSpec::new(topology, backend, bins::test_agent()?);
     spec.ipv6_network = Some(NETWORK_V6.parse()?);
     spec.pods_per_node = 1;
     spec.ip_masq = true;
-    Cluster::up(spec, &|line| eprintln!("{line}"), &|| false)
+    Ok(spec)
 }
 
-/// Lines of `argv`'s output in `ns`, as a set.
-fn line_set(ns: &NetNs, argv: &[&str]) -> Result<BTreeSet<String>> {
-    Ok(ns
-        .run(argv)?
-        .lines()
-        .map(|l| l.trim().to_owned())
-        .filter(|l| !l.is_empty())
-        .collect())
+fn dual_stack_cluster(backend: &str, underlay: Underlay) -> Result<Cluster> {
+    Cluster::up(
+        dual_stack_spec(backend, underlay)?,
+        &|line| eprintln!("{line}"),
+        &|| false,
+    )
 }
 
-/// The IPv6 address of a pod or a failure naming the pod.
-fn ip6(p: &Pod) -> Result<Ipv6Addr> {
-    p.ip6()
-        .with_context(|| format!("pod {} has no IPv6 address", p.name()))
-}
-
-/// TCP echo from every pod to every pod of another node, over IPv4 (unless the pods have
-/// none) and IPv6.
-fn pods_talk(pods: &[&Pod], v4: bool) -> Result<()> {
-    let mut failures = Vec::new();
-    for from in pods {
-        for to in pods {
-            if from.node() == to.node() {
-                continue;
-            }
-            let mut targets = vec![IpAddr::V6(ip6(to)?)];
-            if v4 {
-                targets.push(IpAddr::V4(to.ip()));
-            }
-            for ip in targets {
-                if let Err(e) = probe::tcp_reaches(from.ns(), to.ns(), ip, Duration::from_secs(5)) {
-                    failures.push(format!("{} → {} {ip}: {e:#}", from.name(), to.name()));
-                }
-            }
-        }
-    }
-    ensure!(failures.is_empty(), "unreachable:\n{}", failures.join("\n"));
-    Ok(())
+/// The IPv4 pod matrix, then every pod to every pod of another node in both families.
+fn pods_talk_both_families(cluster: &Cluster) -> Result<()> {
+    cluster.matrix(Duration::from_secs(5))?.check()?;
+    let pods: Vec<&Pod> = cluster.topology().pods().iter().collect();
+    probe::pods_talk(&pods, true)
 }
 
 /// Upstream's masquerade rule lines for network `n` and lease `p`, with `multicast`.
@@ -156,7 +109,7 @@ fn masq_golden(n: &str, p: &str, multicast: &str, random_fully: bool) -> BTreeSe
 
 /// The nat lines mentioning FLANNEL, as upstream's e2e reads them.
 fn flannel_nat_lines(ns: &NetNs, bin: &str) -> Result<BTreeSet<String>> {
-    Ok(line_set(ns, &[bin, "-t", "nat", "-S"])?
+    Ok(status::line_set(ns, &[bin, "-t", "nat", "-S"])?
         .into_iter()
         .filter(|l| l.contains("FLANNEL"))
         .collect())
@@ -179,7 +132,7 @@ fn check_ip6_rules(node: &Node, lease6: Ipv6Net, v4_reference: bool) -> Result<(
         "{}: ip6tables nat rules\n got {masq:#?}\nwant {want:#?}",
         node.name()
     );
-    let fwd: BTreeSet<String> = line_set(node.ns(), &["ip6tables", "-S"])?
+    let fwd: BTreeSet<String> = status::line_set(node.ns(), &["ip6tables", "-S"])?
         .into_iter()
         .filter(|l| l.contains("FLANNEL"))
         .collect();
@@ -321,16 +274,8 @@ fn vxlan_dual_stack() -> Result<()> {
         want_neigh.insert(format!("{gw} lladdr {mac} PERMANENT proto 165"));
         want_fdb.insert(format!("{mac} dst {addr6} self permanent"));
     }
-    let routes: BTreeSet<String> =
-        line_set(n1.ns(), &["ip", "-6", "route", "show", "proto", "165"])?
-            .into_iter()
-            .map(|l| l.replace(" metric 1024", "").replace(" pref medium", ""))
-            .collect();
-    ensure!(
-        routes == want_routes,
-        "node1 IPv6 routes {routes:#?}, want {want_routes:#?}"
-    );
-    let neigh = line_set(
+    status::expect_agent_routes(n1.ns(), "-6", &want_routes)?;
+    let neigh = status::line_set(
         n1.ns(),
         &[
             "ip",
@@ -348,7 +293,7 @@ fn vxlan_dual_stack() -> Result<()> {
         "node1 IPv6 neighbours {neigh:#?}, want {want_neigh:#?}"
     );
     let fdb: BTreeSet<String> =
-        line_set(n1.ns(), &["bridge", "fdb", "show", "dev", "flannel-v6.1"])?
+        status::line_set(n1.ns(), &["bridge", "fdb", "show", "dev", "flannel-v6.1"])?
             .into_iter()
             .filter(|l| l.contains(" dst "))
             .collect();
@@ -358,7 +303,7 @@ fn vxlan_dual_stack() -> Result<()> {
     let pods: Vec<&Pod> = topo.pods().iter().collect();
     for p in &pods {
         let env = &cluster.subnet_envs()[p.node() - 1];
-        let addr = ip6(p)?;
+        let addr = p.ip6_required()?;
         ensure!(
             env.ipv6_subnet.is_some_and(|s| s.trunc().contains(&addr)),
             "pod {} IPv6 {:?} outside its node's subnet",
@@ -385,9 +330,7 @@ fn vxlan_dual_stack() -> Result<()> {
         "delegate {delegate}"
     );
 
-    let matrix = cluster.matrix(Duration::from_secs(5))?;
-    ensure!(matrix.all_ok(), "IPv4 pod matrix:\n{matrix}");
-    pods_talk(&pods, true)?;
+    pods_talk_both_families(&cluster)?;
 
     // IPv6 pod traffic to node3 rides VXLAN over the IPv6 underlay.
     let p1 = topo.pods_on(1)[0];
@@ -397,7 +340,7 @@ fn vxlan_dual_stack() -> Result<()> {
     probe::tcp_reaches(
         p1.ns(),
         p3.ns(),
-        IpAddr::V6(ip6(p3)?),
+        IpAddr::V6(p3.ip6_required()?),
         Duration::from_secs(5),
     )?;
     let (outer_dst, inner_dst) = capture.find(Duration::from_secs(3), |frame| {
@@ -420,7 +363,7 @@ fn vxlan_dual_stack() -> Result<()> {
         }
     })?;
     ensure!(
-        outer_dst == n3_addr6 && inner_dst == ip6(p3)?,
+        outer_dst == n3_addr6 && inner_dst == p3.ip6_required()?,
         "VXLAN to {outer_dst} carrying {inner_dst}"
     );
     Ok(())
@@ -442,15 +385,8 @@ fn vxlan_direct_routing_dual_stack() {
 }
 
 fn direct_routing_dual_stack() -> Result<()> {
-    let (agent, cni) = binaries()?;
-    let topology = TopologySpec::new(3, Underlay::Mixed)
-        .ipv6(true)
-        .cni_plugin(cni);
-    let mut spec = ClusterSpec::new(topology, "vxlan", agent);
-    spec.ipv6_network = Some(NETWORK_V6.parse()?);
+    let mut spec = dual_stack_spec("vxlan", Underlay::Mixed)?;
     spec.backend_options = json!({"DirectRouting": true});
-    spec.pods_per_node = 1;
-    spec.ip_masq = true;
     let cluster = Cluster::up(spec, &|line| eprintln!("{line}"), &|| false)?;
     let topo = cluster.topology();
     let envs = cluster.subnet_envs();
@@ -479,36 +415,13 @@ fn direct_routing_dual_stack() -> Result<()> {
     .into_iter()
     .collect();
     let n1 = topo.node(1);
-    let strip = |set: BTreeSet<String>| -> BTreeSet<String> {
-        set.into_iter()
-            .map(|l| l.replace(" metric 1024", "").replace(" pref medium", ""))
-            .collect()
-    };
-    let routes4 = strip(line_set(
-        n1.ns(),
-        &["ip", "-4", "route", "show", "proto", "165"],
-    )?);
-    let routes6 = strip(line_set(
-        n1.ns(),
-        &["ip", "-6", "route", "show", "proto", "165"],
-    )?);
-    ensure!(
-        routes4 == want4,
-        "node1 IPv4 routes {routes4:#?}, want {want4:#?}"
-    );
-    ensure!(
-        routes6 == want6,
-        "node1 IPv6 routes {routes6:#?}, want {want6:#?}"
-    );
+    status::expect_agent_routes(n1.ns(), "-4", &want4)?;
+    status::expect_agent_routes(n1.ns(), "-6", &want6)?;
     ensure!(
         !topo.l2_adjacent(1, 3)? && topo.l2_adjacent(1, 2)?,
         "the topology is not what the test assumes"
     );
-    let matrix = cluster.matrix(Duration::from_secs(5))?;
-    ensure!(matrix.all_ok(), "IPv4 pod matrix:\n{matrix}");
-    let pods: Vec<&Pod> = topo.pods().iter().collect();
-    pods_talk(&pods, true)?;
-    Ok(())
+    pods_talk_both_families(&cluster)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -540,37 +453,10 @@ fn host_gw_dual_stack() -> Result<()> {
             node.addr6().context("node IPv6")?
         ));
     }
-    let strip = |set: BTreeSet<String>| -> BTreeSet<String> {
-        set.into_iter()
-            .map(|l| {
-                l.replace(" metric 1024", "")
-                    .replace(" pref medium", "")
-                    .replace(" proto 165", "")
-            })
-            .collect()
-    };
-    let routes4 = strip(line_set(
-        n1.ns(),
-        &["ip", "-4", "route", "show", "proto", "165"],
-    )?);
-    let routes6 = strip(line_set(
-        n1.ns(),
-        &["ip", "-6", "route", "show", "proto", "165"],
-    )?);
-    ensure!(
-        routes4 == want4,
-        "node1 IPv4 routes {routes4:#?}, want {want4:#?}"
-    );
-    ensure!(
-        routes6 == want6,
-        "node1 IPv6 routes {routes6:#?}, want {want6:#?}"
-    );
+    status::expect_agent_routes(n1.ns(), "-4", &want4)?;
+    status::expect_agent_routes(n1.ns(), "-6", &want6)?;
 
-    let matrix = cluster.matrix(Duration::from_secs(5))?;
-    ensure!(matrix.all_ok(), "IPv4 pod matrix:\n{matrix}");
-    let pods: Vec<&Pod> = topo.pods().iter().collect();
-    pods_talk(&pods, true)?;
-    Ok(())
+    pods_talk_both_families(&cluster)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -748,7 +634,7 @@ fn ipv6_only_is_refused_in_etcd_mode() {
 }
 
 fn ipv6_only_etcd() -> Result<()> {
-    let (agent, _) = binaries()?;
+    let agent = bins::test_agent()?;
     let topology = Topology::new(TopologySpec::new(1, Underlay::L2).ipv6(true))?;
     let etcd = topology.start_etcd()?;
     let mut spec = ClusterSpec::new(topology.spec().clone(), "vxlan", &agent);
@@ -758,8 +644,8 @@ fn ipv6_only_etcd() -> Result<()> {
     lease::write_netconf(&kv, &spec.etcd_prefix, &spec.netconf())?;
     let node = topology.node(1);
     let mut a = Agent::start(node, &AgentSpec::new(&agent, etcd.endpoint()))?;
-    let status = wait_until("the agent to exit", Duration::from_secs(30), || {
-        a.exit_status().context("still running")
+    let status = wait::until(Duration::from_secs(30), "the agent to exit", || {
+        Ok(a.exit_status())
     })?;
     ensure!(!status.success(), "exit status {status}");
     let log = a.log_tail(20);
@@ -780,41 +666,6 @@ fn ipv6_only_etcd() -> Result<()> {
     Ok(())
 }
 
-/// Starts the fake API server in the hub (reachable from every node) with one Node object per
-/// node, each with an IPv6 pod CIDR `fd00:244:0:<i>::/64`.
-fn kube_api(rt: &tokio::runtime::Runtime, topology: &Topology) -> Result<MockApiServer> {
-    let hub = topology.hub_addr();
-    let listener = topology
-        .hub()
-        .enter(move || std::net::TcpListener::bind((hub, 0)))??;
-    let api = rt.block_on(MockApiServer::serve(listener))?;
-    for node in topology.nodes() {
-        let cidr = format!("fd00:244:0:{}::/64", node.index());
-        api.apply_node(kube_mock::node(&node.name(), &[cidr.as_str()], &[]));
-    }
-    Ok(api)
-}
-
-/// One agent per node in kube mode against `api`, with `netconf` as `net-conf.json`.
-fn kube_agents(topology: &Topology, api: &MockApiServer, netconf: &Value) -> Result<Vec<Agent>> {
-    let (agent, _) = binaries()?;
-    let mut agents = Vec::new();
-    for node in topology.nodes() {
-        let conf = node.dir().join("net-conf.json");
-        std::fs::write(&conf, netconf.to_string())?;
-        let mut spec = AgentSpec::new(&agent, "http://127.0.0.1:1");
-        spec.ip_masq = true;
-        spec.extra_args = vec![
-            "--kube-subnet-mgr".into(),
-            format!("--kube-api-url={}", api.url()),
-            format!("--net-config-path={}", conf.display()),
-        ];
-        spec.env = vec![("NODE_NAME".into(), node.name())];
-        agents.push(Agent::start(node, &spec)?);
-    }
-    Ok(agents)
-}
-
 #[test]
 fn ipv6_only_in_kube_mode() {
     require_root!();
@@ -824,7 +675,6 @@ fn ipv6_only_in_kube_mode() {
 
 fn ipv6_only_kube(backend: &str) -> Result<()> {
     eprintln!("--- IPv6 only, kube mode, {backend}");
-    let (_, cni) = binaries()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -832,16 +682,18 @@ fn ipv6_only_kube(backend: &str) -> Result<()> {
     let mut topology = Topology::new(
         TopologySpec::new(3, Underlay::L2)
             .ipv6(true)
-            .cni_plugin(cni),
+            .cni_plugin(bins::test_cni_plugin()?),
     )?;
-    let api = kube_api(&rt, &topology)?;
+    let api = kube::api_in_hub(&rt, &topology, &|i| format!("fd00:244:0:{i}::/64"))?;
     let netconf = json!({
         "EnableIPv4": false,
         "EnableIPv6": true,
         "IPv6Network": NETWORK_V6,
         "Backend": {"Type": backend},
     });
-    let mut agents = kube_agents(&topology, &api, &netconf)?;
+    let mut spec = AgentSpec::new(bins::test_agent()?, kube::NO_ETCD);
+    spec.ip_masq = true;
+    let mut agents = kube::start_agents(&topology, &api, &netconf, &spec)?;
     let vxlan = backend == "vxlan";
     let mtu = if vxlan { 1430 } else { 1500 };
 
@@ -863,14 +715,14 @@ fn ipv6_only_kube(backend: &str) -> Result<()> {
     // The node objects carry IPv6 annotations only.
     let prefix = "flannel.alpha.coreos.com";
     for node in topology.nodes() {
-        let obj = wait_until("the node annotations", Duration::from_secs(10), || {
+        let obj = wait::until(Duration::from_secs(10), "the node annotations", || {
             let obj = api.node(&node.name()).context("node gone")?;
             let ann = &obj["metadata"]["annotations"];
             ensure!(
                 ann[format!("{prefix}/kube-subnet-manager")] == "true",
                 "{ann}"
             );
-            Ok(obj)
+            Ok(Some(obj))
         })?;
         let ann = &obj["metadata"]["annotations"];
         let addr6 = node.addr6().context("IPv6 underlay")?.to_string();
@@ -911,8 +763,8 @@ fn ipv6_only_kube(backend: &str) -> Result<()> {
 
     // Routes: IPv6 only, one per peer.
     let n1 = topology.node(1);
-    let routes6 = line_set(n1.ns(), &["ip", "-6", "route", "show", "proto", "165"])?;
-    let routes4 = line_set(n1.ns(), &["ip", "-4", "route", "show", "proto", "165"])?;
+    let routes6 = status::agent_routes(n1.ns(), "-6")?;
+    let routes4 = status::agent_routes(n1.ns(), "-4")?;
     ensure!(routes4.is_empty(), "IPv4 routes {routes4:?}");
     for node in topology.nodes().iter().skip(1) {
         let subnet = format!("fd00:244:0:{}::/64", node.index());
@@ -952,7 +804,7 @@ fn ipv6_only_kube(backend: &str) -> Result<()> {
         );
     }
     let pods: Vec<&Pod> = topology.pods().iter().collect();
-    pods_talk(&pods, false)?;
+    probe::pods_talk(&pods, false)?;
     drop(agents);
     Ok(())
 }

@@ -15,24 +15,23 @@
 
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
-    path::PathBuf,
-    thread,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
 use flannel_tests::{
+    check,
     lab::{
         agent::DEFAULT_HEALTHZ_PORT,
         bins,
         capture::Capture,
         cluster::{Cluster, ClusterSpec},
-        probe, status,
+        probe, status, wait,
     },
     netns::NetNs,
     packet::{self, Ipv4, ParsedL3, ParsedL4, Udp},
     require_root,
-    topology::{Pod, TopologySpec, Underlay},
+    topology::{TopologySpec, Underlay},
 };
 use serde_json::Value;
 
@@ -40,36 +39,14 @@ const PORT: u16 = 8285;
 /// A subnet no node holds (nodes get 10.244.1.0/24 … 10.244.100.0/24).
 const NOWHERE: Ipv4Addr = Ipv4Addr::new(10, 244, 250, 9);
 
-fn check(result: Result<()>) {
-    if let Err(e) = result {
-        panic!("{e:#}");
-    }
-}
-
-fn binaries() -> Result<(PathBuf, PathBuf)> {
-    let agent = bins::cargo_build("flannel-agent", bins::AGENT, "FLANNEL_AGENT_BIN")?;
-    let cni = bins::cargo_build("flannel-cni", bins::CNI_PLUGIN, "FLANNEL_CNI_BIN")?;
-    Ok((agent, cni))
-}
-
 fn udp_cluster(nodes: usize, underlay: Underlay) -> Result<Cluster> {
-    let (agent, cni) = binaries()?;
-    let topology = TopologySpec::new(nodes, underlay).cni_plugin(cni);
-    let mut spec = ClusterSpec::new(topology, "udp", agent);
+    let topology = TopologySpec::new(nodes, underlay).cni_plugin(bins::test_cni_plugin()?);
+    let mut spec = ClusterSpec::new(topology, "udp", bins::test_agent()?);
     spec.pods_per_node = 1;
     // As upstream's manifest: the agent masquerades (pod-to-pod traffic keeps its source),
     // so the CNI bridge does not.
     spec.ip_masq = true;
     Cluster::up(spec, &|line| eprintln!("{line}"), &|| false)
-}
-
-fn pod(cluster: &Cluster, node: usize) -> Result<&Pod> {
-    cluster
-        .topology()
-        .pods_on(node)
-        .into_iter()
-        .next()
-        .with_context(|| format!("no pod on node{node}"))
 }
 
 fn json(ns: &NetNs, argv: &[&str]) -> Result<Value> {
@@ -89,17 +66,6 @@ fn udp_counter(ns: &NetNs, reason: &str) -> Result<f64> {
         .map_or(0.0, |s| s.value))
 }
 
-fn wait_until<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<T>) -> Result<T> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        match f() {
-            Ok(t) => return Ok(t),
-            Err(e) if Instant::now() >= deadline => bail!("{what} within {timeout:?}: {e:#}"),
-            Err(_) => thread::sleep(Duration::from_millis(200)),
-        }
-    }
-}
-
 /// Sends one UDP datagram from inside `ns` (with IP TTL `ttl`).
 fn send_udp(ns: &NetNs, to: SocketAddr, payload: &[u8], ttl: u32) -> Result<()> {
     let payload = payload.to_vec();
@@ -111,45 +77,9 @@ fn send_udp(ns: &NetNs, to: SocketAddr, payload: &[u8], ttl: u32) -> Result<()> 
     })?
 }
 
-/// A UDP socket bound in `ns` (the namespace only matters at bind time).
-fn udp_listener(ns: &NetNs, addr: SocketAddr) -> Result<UdpSocket> {
-    let s = ns.enter(move || UdpSocket::bind(addr))??;
-    s.set_read_timeout(Some(Duration::from_millis(300)))?;
-    Ok(s)
-}
-
-/// Receives until a datagram carrying `payload` arrives; returns its source.
-fn recv_payload(s: &UdpSocket, payload: &[u8], timeout: Duration) -> Result<SocketAddr> {
-    let deadline = Instant::now() + timeout;
-    let mut buf = [0u8; 2048];
-    while Instant::now() < deadline {
-        match s.recv_from(&mut buf) {
-            Ok((n, from)) if &buf[..n] == payload => return Ok(from),
-            Ok(_) => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    bail!(
-        "no datagram {:?} within {timeout:?}",
-        String::from_utf8_lossy(payload)
-    )
-}
-
 /// TCP connect from inside `ns`: `Ok(())`, or the OS error.
 fn tcp_connect(ns: &NetNs, to: SocketAddr, timeout: Duration) -> Result<std::io::Result<()>> {
     ns.enter(move || TcpStream::connect_timeout(&to, timeout).map(|_| ()))
-}
-
-/// Sends `size` bytes over TCP from `from` to a listener in `to` (checked to arrive intact);
-/// the throughput in Mbit/s.
-fn tcp_transfer(from: &NetNs, to: &NetNs, to_ip: IpAddr, size: usize) -> Result<f64> {
-    let t = probe::transfer(from, to, to_ip, size as u64, Duration::from_secs(30))?;
-    Ok(t.mbit_per_s())
 }
 
 /// The inner IPv4 packet of an underlay frame that is a udp-backend datagram, with the outer
@@ -289,8 +219,11 @@ fn carries_pods_across_nodes() -> Result<()> {
         bail!("pod matrix:\n{matrix}\n{}", errors.join("\n"));
     }
 
-    let (p1, p3) = (pod(&cluster, 1)?, pod(&cluster, 3)?);
-    let mbit = tcp_transfer(p1.ns(), p3.ns(), IpAddr::V4(p3.ip()), 16 << 20)?;
+    let (p1, p3) = (
+        cluster.topology().first_pod_on(1)?,
+        cluster.topology().first_pod_on(3)?,
+    );
+    let mbit = probe::transfer_mbit(p1.ns(), p3.ns(), IpAddr::V4(p3.ip()), 16 << 20)?;
     eprintln!("16 MiB TCP node1 → node3 over udp: {mbit:.0} Mbit/s");
 
     // The wire: what node1 sends for a pod datagram, and what the pod on node3 receives.
@@ -298,14 +231,14 @@ fn carries_pods_across_nodes() -> Result<()> {
     let underlay = Capture::start(n1.ns(), "eth0")?;
     let at_pod = Capture::start(p3.ns(), "eth0")?;
     let marker = b"flannel udp wire check".to_vec();
-    let listener = udp_listener(p3.ns(), SocketAddr::new(IpAddr::V4(p3.ip()), 7200))?;
+    let listener = probe::udp_listener(p3.ns(), SocketAddr::new(IpAddr::V4(p3.ip()), 7200))?;
     send_udp(
         p1.ns(),
         SocketAddr::new(IpAddr::V4(p3.ip()), 7200),
         &marker,
         64,
     )?;
-    let from = recv_payload(&listener, &marker, Duration::from_secs(3))?;
+    let from = probe::recv_payload(&listener, &marker, Duration::from_secs(3))?;
     ensure!(from.ip() == IpAddr::V4(p1.ip()), "source {from}");
 
     let (src, dst, sport, dport, payload) = underlay.find(Duration::from_secs(3), |f| {
@@ -365,7 +298,10 @@ fn follows_leases_and_interoperates() -> Result<()> {
     let cluster = udp_cluster(2, Underlay::L2)?;
     let topo = cluster.topology();
     let (n1, n2) = (topo.node(1), topo.node(2));
-    let (p1, p2) = (pod(&cluster, 1)?, pod(&cluster, 2)?);
+    let (p1, p2) = (
+        cluster.topology().first_pod_on(1)?,
+        cluster.topology().first_pod_on(2)?,
+    );
     let prefix = &cluster.spec().etcd_prefix;
 
     // 1. No lease covers the destination: ICMP net unreachable, so connect fails at once.
@@ -393,9 +329,9 @@ fn follows_leases_and_interoperates() -> Result<()> {
     )?;
     let underlay = Capture::start(n1.ns(), "eth0")?;
     let marker = b"to the node at the hub".to_vec();
-    wait_until(
-        "node1 encapsulating towards the new lease",
+    wait::until(
         Duration::from_secs(10),
+        "node1 encapsulating towards the new lease",
         || {
             send_udp(
                 p1.ns(),
@@ -403,17 +339,19 @@ fn follows_leases_and_interoperates() -> Result<()> {
                 &marker,
                 64,
             )?;
-            underlay.find(Duration::from_millis(500), |f| {
-                udp_datagram(f).filter(|d| d.1 == hub && d.3 == PORT && d.4.ends_with(&marker))
-            })
+            underlay
+                .find(Duration::from_millis(500), |f| {
+                    udp_datagram(f).filter(|d| d.1 == hub && d.3 == PORT && d.4.ends_with(&marker))
+                })
+                .map(Some)
         },
     )?;
 
     // 3. The lease goes away: back to ICMP net unreachable.
     cluster.kv().delete_prefix(&key)?;
-    wait_until(
-        "node1 forgetting the removed lease",
+    wait::until_ok(
         Duration::from_secs(10),
+        "node1 forgetting the removed lease",
         || match tcp_connect(p1.ns(), nowhere, Duration::from_secs(1))? {
             Err(e) if e.raw_os_error() == Some(libc::ENETUNREACH) => Ok(()),
             other => bail!("connect: {other:?}"),
@@ -424,7 +362,7 @@ fn follows_leases_and_interoperates() -> Result<()> {
     //    (UDP 8285 → 8285, payload = the raw inner IPv4 packet), from the underlay.
     let hub_ns = topo.hub();
     let at_pod = Capture::start(p2.ns(), "eth0")?;
-    let listener = udp_listener(p2.ns(), SocketAddr::new(IpAddr::V4(p2.ip()), 7300))?;
+    let listener = probe::udp_listener(p2.ns(), SocketAddr::new(IpAddr::V4(p2.ip()), 7300))?;
     let upstream_pod = Ipv4Addr::new(10, 244, 251, 7);
     let hello = b"hello from an upstream udp node".to_vec();
     let mut inner = Ipv4::new(upstream_pod, p2.ip(), Udp::new(40000, 7300).payload(&hello));
@@ -439,7 +377,7 @@ fn follows_leases_and_interoperates() -> Result<()> {
         })?
     };
     send_from_hub(datagram)?;
-    let from = recv_payload(&listener, &hello, Duration::from_secs(3))?;
+    let from = probe::recv_payload(&listener, &hello, Duration::from_secs(3))?;
     ensure!(
         from == SocketAddr::new(IpAddr::V4(upstream_pod), 40000),
         "the pod saw {from}"
@@ -457,19 +395,19 @@ fn follows_leases_and_interoperates() -> Result<()> {
 
     // 5. A datagram for a subnet that is not node2's (the pod on node1) is not relayed, and
     //    one whose TTL would expire is dropped.
-    let relay_listener = udp_listener(p1.ns(), SocketAddr::new(IpAddr::V4(p1.ip()), 7301))?;
+    let relay_listener = probe::udp_listener(p1.ns(), SocketAddr::new(IpAddr::V4(p1.ip()), 7301))?;
     let not_local_before = udp_counter(n2.ns(), "udp_drop_not_local")?;
     let relay = b"please relay".to_vec();
     send_from_hub(
         Ipv4::new(upstream_pod, p1.ip(), Udp::new(40000, 7301).payload(&relay)).encode(),
     )?;
     ensure!(
-        recv_payload(&relay_listener, &relay, Duration::from_secs(1)).is_err(),
+        probe::recv_payload(&relay_listener, &relay, Duration::from_secs(1)).is_err(),
         "node2 relayed a datagram for node1's pod"
     );
-    wait_until(
-        "node2 counting the relay attempt",
+    wait::until_ok(
         Duration::from_secs(3),
+        "node2 counting the relay attempt",
         || {
             let now = udp_counter(n2.ns(), "udp_drop_not_local")?;
             ensure!(now > not_local_before, "udp_drop_not_local {now}");
@@ -484,10 +422,10 @@ fn follows_leases_and_interoperates() -> Result<()> {
     );
     dying.ttl = 1;
     send_from_hub(dying.encode())?;
-    ensure!(recv_payload(&listener, b"ttl 1", Duration::from_secs(1)).is_err());
-    wait_until(
-        "node2 counting the expired TTL",
+    ensure!(probe::recv_payload(&listener, b"ttl 1", Duration::from_secs(1)).is_err());
+    wait::until_ok(
         Duration::from_secs(3),
+        "node2 counting the expired TTL",
         || {
             let now = udp_counter(n2.ns(), "udp_drop_ttl")?;
             ensure!(now > ttl_before, "udp_drop_ttl {now}");
@@ -500,9 +438,9 @@ fn follows_leases_and_interoperates() -> Result<()> {
     n1.run(&["ip", "link", "del", "flannel0"])?;
     let p2_addr = SocketAddr::new(IpAddr::V4(p2.ip()), 7400);
     let echo = p2.ns().enter(move || TcpListener::bind(p2_addr))??;
-    wait_until(
-        "pod1 → pod2 after flannel0 was deleted",
+    wait::until_ok(
         Duration::from_secs(20),
+        "pod1 → pod2 after flannel0 was deleted",
         || tcp_connect(p1.ns(), p2_addr, Duration::from_secs(1))?.context("connect"),
     )?;
     drop(echo);

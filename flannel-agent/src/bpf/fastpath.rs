@@ -780,7 +780,7 @@ fn remove_pin(path: &Path) -> Result<(), BpfError> {
     }
 }
 
-fn remove_ignoring_missing(
+pub(super) fn remove_ignoring_missing(
     result: Result<(), aya::maps::MapError>,
     map: &'static str,
 ) -> Result<(), BpfError> {

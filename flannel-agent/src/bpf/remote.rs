@@ -1,10 +1,9 @@
 //! [`Remote`]: how to reach one remote pod subnet, as the reconciler computes it, and the pure
-//! diff that [`super::FastPath::sync`] applies to the maps.
+//! diff that [`super::FastPath::sync`] applies to the maps. The conversion to map entries is
+//! shared with IPv6 ([`super::Remote6`]): [`Via`] ↔ [`Way`], and [`desired_entries`] over
+//! a [`FamilyRemote`].
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
-};
+use std::{collections::BTreeMap, fmt, net::Ipv4Addr};
 
 use flannel_common::route::{
     NODE_F_IPIP, NODE_F_VXLAN, NodeEntry, ROUTE_F_DIRECT, RemoteEntry, RouteKind,
@@ -40,6 +39,48 @@ pub enum Via {
     Udp,
 }
 
+/// The fields a route map value of either family spends on the way, in its order: `kind` (a
+/// [`RouteKind`]), `flags` (`ROUTE_F_*`), `vni` and `vtep_mac` (vxlan only). The rest of the
+/// value is the peer's public address.
+pub(crate) type Way = (u32, u32, u32, [u8; 6]);
+
+impl Via {
+    /// The map value's fields for this way (the VNI checked).
+    pub(crate) fn to_way(self) -> Result<Way, BpfError> {
+        Ok(match self {
+            Via::HostGw => (RouteKind::HostGw as u32, 0, 0, [0; 6]),
+            Via::DirectRouting => (RouteKind::HostGw as u32, ROUTE_F_DIRECT, 0, [0; 6]),
+            Via::Vxlan { vtep_mac, vni } => {
+                check_vni(vni)?;
+                (RouteKind::Vxlan as u32, 0, vni, vtep_mac)
+            }
+            Via::Ipip => (RouteKind::Ipip as u32, 0, 0, [0; 6]),
+            Via::Udp => (RouteKind::Udp as u32, 0, 0, [0; 6]),
+        })
+    }
+
+    /// The way a map value's fields describe, if its kind is valid.
+    pub(crate) fn from_way((kind, flags, vni, vtep_mac): Way) -> Option<Via> {
+        Some(match RouteKind::from_u32(kind)? {
+            RouteKind::HostGw if flags & ROUTE_F_DIRECT != 0 => Via::DirectRouting,
+            RouteKind::HostGw => Via::HostGw,
+            RouteKind::Vxlan => Via::Vxlan { vtep_mac, vni },
+            RouteKind::Ipip => Via::Ipip,
+            RouteKind::Udp => Via::Udp,
+        })
+    }
+
+    /// The tunnel kinds a node reached this way may send us (`NODE_F_*`).
+    fn node_flags(self) -> u32 {
+        match self {
+            Via::Vxlan { .. } => NODE_F_VXLAN,
+            Via::Ipip => NODE_F_IPIP,
+            // The TUN path accepts datagrams from any source (NAT), and so does the receive.
+            Via::HostGw | Via::DirectRouting | Via::Udp => 0,
+        }
+    }
+}
+
 /// One remote subnet's way: the peer's public IP and how to reach it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Remote {
@@ -52,54 +93,63 @@ pub struct Remote {
 impl Remote {
     /// The map value for this remote.
     pub fn to_entry(&self) -> Result<RemoteEntry, BpfError> {
-        let mut entry = RemoteEntry {
+        let (kind, flags, vni, vtep_mac) = self.via.to_way()?;
+        Ok(RemoteEntry {
+            kind,
+            flags,
             public_ip: self.public_ip.octets(),
+            vni,
+            vtep_mac,
             ..RemoteEntry::default()
-        };
-        match self.via {
-            Via::HostGw => entry.kind = RouteKind::HostGw as u32,
-            Via::DirectRouting => {
-                entry.kind = RouteKind::HostGw as u32;
-                entry.flags = ROUTE_F_DIRECT;
-            }
-            Via::Vxlan { vtep_mac, vni } => {
-                check_vni(vni)?;
-                entry.kind = RouteKind::Vxlan as u32;
-                entry.vni = vni;
-                entry.vtep_mac = vtep_mac;
-            }
-            Via::Ipip => entry.kind = RouteKind::Ipip as u32,
-            Via::Udp => entry.kind = RouteKind::Udp as u32,
-        }
-        Ok(entry)
+        })
     }
 
     /// The remote a map value describes, if the value is valid.
     pub fn from_entry(entry: &RemoteEntry) -> Option<Remote> {
-        let via = match RouteKind::from_u32(entry.kind)? {
-            RouteKind::HostGw if entry.flags & ROUTE_F_DIRECT != 0 => Via::DirectRouting,
-            RouteKind::HostGw => Via::HostGw,
-            RouteKind::Vxlan => Via::Vxlan {
-                vtep_mac: entry.vtep_mac,
-                vni: entry.vni,
-            },
-            RouteKind::Ipip => Via::Ipip,
-            RouteKind::Udp => Via::Udp,
-        };
+        let via = Via::from_way((entry.kind, entry.flags, entry.vni, entry.vtep_mac))?;
         Some(Remote {
             public_ip: Ipv4Addr::from(entry.public_ip),
             via,
         })
     }
+}
 
-    /// The tunnel kinds this remote's node may send us (`NODE_F_*`).
-    fn node_flags(&self) -> u32 {
-        match self.via {
-            Via::Vxlan { .. } => NODE_F_VXLAN,
-            Via::Ipip => NODE_F_IPIP,
-            // The TUN path accepts datagrams from any source (NAT), and so does the receive.
-            Via::HostGw | Via::DirectRouting | Via::Udp => 0,
-        }
+/// A remote of one address family ([`Remote`], [`super::Remote6`]), as [`desired_entries`]
+/// turns it into map entries.
+pub(crate) trait FamilyRemote {
+    /// The peer's public address (the node map's key).
+    type Addr: Copy + Ord;
+    /// A remote pod subnet (the route map's key, normalised).
+    type Net: Copy + Ord + fmt::Display;
+    /// The route map's value.
+    type Entry;
+    /// The subnet's name in errors.
+    const SUBNET: &'static str;
+
+    /// The subnet with its host bits cleared.
+    fn normalise(net: &Self::Net) -> Self::Net;
+    /// The peer's public address and the way to it.
+    fn peer(&self) -> (Self::Addr, Via);
+    /// The route map value.
+    fn entry(&self) -> Result<Self::Entry, BpfError>;
+}
+
+impl FamilyRemote for Remote {
+    type Addr = Ipv4Addr;
+    type Net = Ipv4Net;
+    type Entry = RemoteEntry;
+    const SUBNET: &'static str = "subnet";
+
+    fn normalise(net: &Ipv4Net) -> Ipv4Net {
+        net.trunc()
+    }
+
+    fn peer(&self) -> (Ipv4Addr, Via) {
+        (self.public_ip, self.via)
+    }
+
+    fn entry(&self) -> Result<RemoteEntry, BpfError> {
+        self.to_entry()
     }
 }
 
@@ -153,36 +203,35 @@ pub(crate) fn diff<K: Ord + Copy, V: PartialEq + Copy>(
     (upserts, deletes, added, unchanged)
 }
 
-/// The map contents a desired set stands for.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub(crate) struct DesiredEntries {
+/// The map contents a desired set of one family stands for.
+pub(crate) struct DesiredEntries<R: FamilyRemote> {
     /// Route map: normalised subnet → entry.
-    pub routes: BTreeMap<Ipv4Net, RemoteEntry>,
-    /// Node map: public IP → accepted tunnels.
-    pub nodes: BTreeMap<Ipv4Addr, NodeEntry>,
+    pub routes: BTreeMap<R::Net, R::Entry>,
+    /// Node map: public address → accepted tunnels.
+    pub nodes: BTreeMap<R::Addr, NodeEntry>,
 }
 
 /// The route and node entries for a desired set, with subnets normalised to their network
 /// address. Two desired subnets that normalise to the same key are an error.
-pub(crate) fn desired_entries(
-    desired: &BTreeMap<Ipv4Net, Remote>,
-) -> Result<DesiredEntries, BpfError> {
+pub(crate) fn desired_entries<R: FamilyRemote>(
+    desired: &BTreeMap<R::Net, R>,
+) -> Result<DesiredEntries<R>, BpfError> {
     let mut routes = BTreeMap::new();
-    let mut nodes: BTreeMap<Ipv4Addr, NodeEntry> = BTreeMap::new();
-    let mut seen = BTreeSet::new();
+    let mut nodes: BTreeMap<R::Addr, NodeEntry> = BTreeMap::new();
     for (subnet, remote) in desired {
-        let key = subnet.trunc();
-        if !seen.insert(key) {
+        let key = R::normalise(subnet);
+        if routes.contains_key(&key) {
             return Err(BpfError::Invalid {
-                field: "subnet",
+                field: R::SUBNET,
                 value: subnet.to_string(),
                 reason: "another desired subnet has the same network address and length",
             });
         }
-        routes.insert(key, remote.to_entry()?);
-        let flags = remote.node_flags();
+        routes.insert(key, remote.entry()?);
+        let (public_ip, via) = remote.peer();
+        let flags = via.node_flags();
         if flags != 0 {
-            nodes.entry(remote.public_ip).or_default().flags |= flags;
+            nodes.entry(public_ip).or_default().flags |= flags;
         }
     }
     Ok(DesiredEntries { routes, nodes })

@@ -12,7 +12,7 @@ use std::{collections::BTreeMap, fs, net::Ipv6Addr};
 
 use aya::maps::{Array, HashMap as BpfHashMap, LpmTrie, MapData, lpm_trie::Key};
 use flannel_common::{
-    route::{NODE_F_VXLAN, NodeEntry, ROUTE_F_DIRECT, RemoteEntry6, RouteKind},
+    route::{NodeEntry, RemoteEntry6},
     v6::{CFG6_ENABLED, CFG6_ROUTED_RX, CFG6_VXLAN_RX, CONFIG6, Config6, NODES6, ROUTES6},
 };
 use ipnet::Ipv6Net;
@@ -20,7 +20,8 @@ use ipnet::Ipv6Net;
 use super::{
     BpfError, FastPath, SyncStats, Via, VxlanLocal,
     config::{check_encap_values, check_interface, check_vni, kernel_source_ports},
-    remote::diff,
+    fastpath::{missing, remove_ignoring_missing},
+    remote::{DesiredEntries, FamilyRemote, desired_entries, diff},
 };
 
 /// The local node's IPv6 fast-path settings.
@@ -135,44 +136,30 @@ pub struct Remote6 {
 impl Remote6 {
     /// The map value for this remote.
     pub fn to_entry(&self) -> Result<RemoteEntry6, BpfError> {
-        let mut entry = RemoteEntry6 {
-            public_ip: self.public_ip.octets(),
-            ..RemoteEntry6::default()
-        };
-        match self.via {
-            Via::HostGw => entry.kind = RouteKind::HostGw as u32,
-            Via::DirectRouting => {
-                entry.kind = RouteKind::HostGw as u32;
-                entry.flags = ROUTE_F_DIRECT;
-            }
-            Via::Vxlan { vtep_mac, vni } => {
-                check_vni(vni)?;
-                entry.kind = RouteKind::Vxlan as u32;
-                entry.vni = vni;
-                entry.vtep_mac = vtep_mac;
-            }
-            Via::Ipip | Via::Udp => {
-                return Err(BpfError::Invalid {
-                    field: "via",
-                    value: format!("{:?}", self.via),
-                    reason: "IPIP and udp carry IPv4 only",
-                });
-            }
+        if matches!(self.via, Via::Ipip | Via::Udp) {
+            return Err(BpfError::Invalid {
+                field: "via",
+                value: format!("{:?}", self.via),
+                reason: "IPIP and udp carry IPv4 only",
+            });
         }
-        Ok(entry)
+        let (kind, flags, vni, vtep_mac) = self.via.to_way()?;
+        Ok(RemoteEntry6 {
+            kind,
+            flags,
+            public_ip: self.public_ip.octets(),
+            vni,
+            vtep_mac,
+            ..RemoteEntry6::default()
+        })
     }
 
     /// The remote a map value describes, if the value is valid for IPv6.
     pub fn from_entry(entry: &RemoteEntry6) -> Option<Remote6> {
-        let via = match RouteKind::from_u32(entry.kind)? {
-            RouteKind::HostGw if entry.flags & ROUTE_F_DIRECT != 0 => Via::DirectRouting,
-            RouteKind::HostGw => Via::HostGw,
-            RouteKind::Vxlan => Via::Vxlan {
-                vtep_mac: entry.vtep_mac,
-                vni: entry.vni,
-            },
-            RouteKind::Ipip | RouteKind::Udp => return None,
-        };
+        let via = Via::from_way((entry.kind, entry.flags, entry.vni, entry.vtep_mac))?;
+        if matches!(via, Via::Ipip | Via::Udp) {
+            return None;
+        }
         Some(Remote6 {
             public_ip: Ipv6Addr::from(entry.public_ip),
             via,
@@ -180,57 +167,27 @@ impl Remote6 {
     }
 }
 
-/// The IPv6 route map's and node map's contents.
-type Entries6 = (
-    BTreeMap<Ipv6Net, RemoteEntry6>,
-    BTreeMap<Ipv6Addr, NodeEntry>,
-);
+impl FamilyRemote for Remote6 {
+    type Addr = Ipv6Addr;
+    type Net = Ipv6Net;
+    type Entry = RemoteEntry6;
+    const SUBNET: &'static str = "ipv6 subnet";
 
-/// The route and node entries for a desired IPv6 set (subnets normalised; two desired subnets
-/// with the same key are an error).
-fn desired_entries6(desired: &BTreeMap<Ipv6Net, Remote6>) -> Result<Entries6, BpfError> {
-    let mut routes = BTreeMap::new();
-    let mut nodes: BTreeMap<Ipv6Addr, NodeEntry> = BTreeMap::new();
-    for (subnet, remote) in desired {
-        let key = subnet.trunc();
-        if routes.insert(key, remote.to_entry()?).is_some() {
-            return Err(BpfError::Invalid {
-                field: "ipv6 subnet",
-                value: subnet.to_string(),
-                reason: "another desired subnet has the same network address and length",
-            });
-        }
-        if matches!(remote.via, Via::Vxlan { .. }) {
-            nodes.entry(remote.public_ip).or_default().flags |= NODE_F_VXLAN;
-        }
+    fn normalise(net: &Ipv6Net) -> Ipv6Net {
+        net.trunc()
     }
-    Ok((routes, nodes))
-}
 
-fn missing(name: &'static str) -> BpfError {
-    BpfError::BadMap {
-        name,
-        reason: "not in the eBPF object".into(),
+    fn peer(&self) -> (Ipv6Addr, Via) {
+        (self.public_ip, self.via)
+    }
+
+    fn entry(&self) -> Result<RemoteEntry6, BpfError> {
+        self.to_entry()
     }
 }
 
 fn route_key6(net: &Ipv6Net) -> Key<[u8; 16]> {
     Key::new(u32::from(net.prefix_len()), net.network().octets())
-}
-
-fn remove_ignoring_missing(
-    result: Result<(), aya::maps::MapError>,
-    map: &'static str,
-) -> Result<(), BpfError> {
-    match result {
-        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-        Err(aya::maps::MapError::SyscallError(e))
-            if e.io_error.kind() == std::io::ErrorKind::NotFound =>
-        {
-            Ok(())
-        }
-        Err(e) => Err(BpfError::map(map, e)),
-    }
 }
 
 /// What the IPv6 route map holds: valid entries, and keys to delete (not a subnet).
@@ -278,7 +235,7 @@ impl FastPath {
     /// Makes the IPv6 route and node maps hold exactly `desired`, writing only what changed
     /// (the IPv6 twin of [`FastPath::sync`]).
     pub fn sync6(&mut self, desired: &BTreeMap<Ipv6Net, Remote6>) -> Result<SyncStats, BpfError> {
-        let (routes, nodes) = desired_entries6(desired)?;
+        let DesiredEntries { routes, nodes } = desired_entries(desired)?;
         let current_nodes = self.current_nodes6()?;
         let (node_upserts, node_deletes, _, _) = diff(&current_nodes, &nodes);
         let (current_routes, invalid) = self.current_routes6()?;
@@ -380,6 +337,8 @@ impl FastPath {
 
 #[cfg(test)]
 mod tests {
+    use flannel_common::route::NODE_F_VXLAN;
+
     use super::*;
 
     fn net(s: &str) -> Ipv6Net {
@@ -496,7 +455,7 @@ mod tests {
                 via: Via::HostGw,
             },
         );
-        let (routes, nodes) = desired_entries6(&desired).expect("valid");
+        let DesiredEntries { routes, nodes } = desired_entries(&desired).expect("valid");
         assert!(
             routes.contains_key(&net("fd00:10:244:3::/64")),
             "normalised"
@@ -510,6 +469,6 @@ mod tests {
                 via: Via::HostGw,
             },
         );
-        assert!(desired_entries6(&desired).is_err());
+        assert!(desired_entries(&desired).is_err());
     }
 }

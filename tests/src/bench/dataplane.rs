@@ -1,16 +1,17 @@
 //! `flannel-lab bench dataplane`: every variant set up side by side, then measured in
-//! round-robin repetitions (rep 1: A B C, rep 2: B C A, …) so slow drifts of the machine
-//! spread over all variants; medians are compared with the baseline variant of the same run.
+//! round-robin repetitions (rep 1: A B C, rep 2: B C A, …; see [`super::rounds`]) so slow
+//! drifts of the machine spread over all variants; medians are compared with the baseline
+//! variant of the same run.
 
 use std::{net::IpAddr, time::Duration};
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 use serde_json::json;
 
 use super::{
     measure::{self, IPERF_PORT, SOCKPERF_PORT},
-    report::{Machine, MetricResult, Report, VariantRecord},
-    stats::{Summary, ratio},
+    report::Report,
+    rounds::{self, Bench, Metric, Plan},
     variant::{self, SetupCtx, Testbed, Variant},
 };
 use crate::lab::{
@@ -56,7 +57,7 @@ impl Default for DataplaneOptions {
 }
 
 /// The metrics, in report order: key, label, unit, higher is better.
-pub const METRICS: [(&str, &str, &str, bool); 5] = [
+pub const METRICS: [Metric; 5] = [
     ("tcp1_gbps", "TCP 1 stream", "Gbit/s", true),
     ("tcp2_gbps", "TCP 2 streams", "Gbit/s", true),
     ("rr_p50_us", "TCP RR latency p50", "µs", false),
@@ -73,21 +74,6 @@ pub const METRICS: [(&str, &str, &str, bool); 5] = [
         false,
     ),
 ];
-
-/// One repetition of every metric for one testbed, in [`METRICS`] order.
-pub fn measure_once(bed: &Testbed, opts: &DataplaneOptions) -> Result<[f64; 5]> {
-    let client = bed.client_ns()?;
-    let t1 = measure::iperf3_tcp(client, bed.server_ip, 1, opts.duration)?;
-    let t2 = measure::iperf3_tcp(client, bed.server_ip, 2, opts.duration)?;
-    let rr = measure::sockperf_rr(client, bed.server_ip, opts.rr_duration, opts.rr_cpu)?;
-    Ok([
-        t1.gbps,
-        t2.gbps,
-        rr.p50_us,
-        t1.cpu_per_gbit(),
-        t2.cpu_per_gbit(),
-    ])
-}
 
 /// Starts the iperf3 and sockperf servers (the latter pinned to `rr_cpu`) in the testbed's
 /// server namespace and checks the client reaches the server address.
@@ -126,6 +112,71 @@ pub fn start_servers(bed: &mut Testbed, rr_cpu: Option<usize>) -> Result<()> {
     Ok(())
 }
 
+/// [`rounds::Bench`] over the [`variant`] testbeds.
+struct Dataplane<'a> {
+    opts: &'a DataplaneOptions,
+    ctx: &'a SetupCtx,
+}
+
+impl Bench for Dataplane<'_> {
+    type Variant = Variant;
+    type Bed = Testbed;
+
+    const METRICS: &'static [Metric] = &METRICS;
+    const KIND: &'static str = "variant";
+
+    fn all() -> Vec<Variant> {
+        variant::all()
+    }
+
+    fn label(v: &Variant) -> (&'static str, &'static str) {
+        (v.name, v.description)
+    }
+
+    fn set_up(&self, v: &Variant, log: &dyn Fn(&str)) -> Result<Testbed> {
+        let mut bed = v.prepare(self.ctx)?;
+        start_servers(&mut bed, self.opts.rr_cpu).with_context(|| format!("variant {}", v.name))?;
+        log(&format!(
+            "  client {:?} -> server {:?} at {}",
+            bed.client, bed.server, bed.server_ip
+        ));
+        Ok(bed)
+    }
+
+    fn steps(&self) -> usize {
+        3
+    }
+
+    /// Step 0: one stream (throughput, CPU); 1: two streams; 2: request/response.
+    fn measure(&self, bed: &Testbed, step: usize) -> Result<Vec<(usize, f64)>> {
+        let client = bed.client_ns()?;
+        let opts = self.opts;
+        Ok(match step {
+            0 | 1 => {
+                let streams = if step == 0 { 1 } else { 2 };
+                let t = measure::iperf3_tcp(client, bed.server_ip, streams, opts.duration)?;
+                vec![(step, t.gbps), (3 + step, t.cpu_per_gbit())]
+            }
+            _ => {
+                let rr =
+                    measure::sockperf_rr(client, bed.server_ip, opts.rr_duration, opts.rr_cpu)?;
+                vec![(2, rr.p50_us)]
+            }
+        })
+    }
+
+    fn progress(&self, values: &[(usize, f64)]) -> String {
+        let shown: Vec<String> = values
+            .iter()
+            .filter_map(|(m, v)| {
+                let (key, _, unit, _) = METRICS.get(*m)?;
+                Some(format!("{key} {v:.3} {unit}"))
+            })
+            .collect();
+        shown.join(", ")
+    }
+}
+
 /// Sets up every variant, measures them round-robin and summarises against the baseline.
 /// `log` gets progress lines; `cancelled` is polled between steps (Ctrl-C).
 pub fn run(
@@ -134,127 +185,21 @@ pub fn run(
     log: &dyn Fn(&str),
     cancelled: &dyn Fn() -> bool,
 ) -> Result<Report> {
-    if opts.reps == 0 {
-        bail!("--reps must be at least 1");
-    }
-    let variants: Vec<Variant> = opts
-        .variants
-        .iter()
-        .map(|name| {
-            variant::find(name).with_context(|| {
-                format!(
-                    "unknown variant {name:?}; known: {}",
-                    variant::all()
-                        .iter()
-                        .map(|v| v.name)
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            })
-        })
-        .collect::<Result<_>>()?;
-    if !variants.iter().any(|v| v.name == opts.baseline) {
-        bail!("the baseline {:?} is not among the variants", opts.baseline);
-    }
-    let mut beds = Vec::new();
-    for v in &variants {
-        if cancelled() {
-            bail!("cancelled");
-        }
-        log(&format!("setting up {}: {}", v.name, v.description));
-        let mut bed = v.prepare(ctx)?;
-        start_servers(&mut bed, opts.rr_cpu).with_context(|| format!("variant {}", v.name))?;
-        log(&format!(
-            "  client {:?} -> server {:?} at {}",
-            bed.client, bed.server, bed.server_ip
-        ));
-        beds.push(bed);
-    }
-    let n = beds.len();
-    let mut samples = vec![vec![Vec::<f64>::new(); METRICS.len()]; n];
-    let mut errors = vec![Vec::<String>::new(); n];
-    for rep in 0..opts.reps {
-        for k in 0..n {
-            if cancelled() {
-                bail!("cancelled");
-            }
-            let i = (k + rep) % n;
-            let name = variants[i].name;
-            match measure_once(&beds[i], opts) {
-                Ok(values) => {
-                    log(&format!(
-                        "rep {}/{} {name}: {:.2} / {:.2} Gbit/s, RR p50 {:.1} µs, {:.3} / {:.3} CPU-s/Gbit",
-                        rep + 1,
-                        opts.reps,
-                        values[0],
-                        values[1],
-                        values[2],
-                        values[3],
-                        values[4]
-                    ));
-                    for (m, v) in values.iter().enumerate() {
-                        samples[i][m].push(*v);
-                    }
-                }
-                Err(e) => {
-                    log(&format!(
-                        "rep {}/{} {name}: FAILED {e:#}",
-                        rep + 1,
-                        opts.reps
-                    ));
-                    errors[i].push(format!("rep {}: {e:#}", rep + 1));
-                }
-            }
-        }
-    }
-    let summaries: Vec<Vec<Option<Summary>>> = samples
-        .iter()
-        .map(|per| per.iter().map(|s| Summary::of(s)).collect())
-        .collect();
-    let base = variants
-        .iter()
-        .position(|v| v.name == opts.baseline)
-        .unwrap_or(0);
-    let mut records = Vec::new();
-    for (i, v) in variants.iter().enumerate() {
-        let metrics = METRICS
-            .iter()
-            .enumerate()
-            .filter_map(|(m, (key, label, unit, higher))| {
-                let summary = summaries[i][m].clone()?;
-                let baseline = summaries[base][m].as_ref().map_or(f64::NAN, |s| s.median);
-                Some(MetricResult {
-                    key: (*key).to_owned(),
-                    label: (*label).to_owned(),
-                    unit: (*unit).to_owned(),
-                    higher_is_better: *higher,
-                    ratio: ratio(summary.median, baseline),
-                    summary,
-                })
-            })
-            .collect();
-        records.push(VariantRecord {
-            variant: v.name.to_owned(),
-            description: v.description.to_owned(),
-            metrics,
-            errors: std::mem::take(&mut errors[i]),
-        });
-    }
-    drop(beds);
-    Ok(Report {
-        name: opts.name.clone(),
-        machine: Machine::current(),
-        baseline: opts.baseline.clone(),
-        settings: json!({
-            "reps": opts.reps,
-            "throughput_seconds": opts.duration.as_secs(),
-            "rr_seconds": opts.rr_duration.as_secs(),
-            "rr_pinned_cpu": opts.rr_cpu,
-            "tools": "iperf3 -J (TCP, 1 and 2 streams), sockperf ping-pong --tcp -m 64 --full-rtt",
-            "cpu": "machine-wide busy time from /proc/stat during each iperf3 run / Gbit received",
-        }),
-        variants: records,
-    })
+    let plan = Plan {
+        name: &opts.name,
+        variants: &opts.variants,
+        baseline: &opts.baseline,
+        reps: opts.reps,
+    };
+    let settings = json!({
+        "reps": opts.reps,
+        "throughput_seconds": opts.duration.as_secs(),
+        "rr_seconds": opts.rr_duration.as_secs(),
+        "rr_pinned_cpu": opts.rr_cpu,
+        "tools": "iperf3 -J (TCP, 1 and 2 streams), sockperf ping-pong --tcp -m 64 --full-rtt",
+        "cpu": "machine-wide busy time from /proc/stat during each iperf3 run / Gbit received",
+    });
+    rounds::run(&Dataplane { opts, ctx }, plan, settings, log, cancelled)
 }
 
 /// A quick single-pair check used by tests: 1 s of iperf3 and sockperf against `ip` from

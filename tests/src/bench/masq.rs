@@ -46,8 +46,8 @@ use serde_json::json;
 use super::{
     crr::{self, CrrServer},
     measure::{self, IPERF_PORT},
-    report::{Machine, MetricResult, Report, VariantRecord},
-    stats::{Summary, ratio},
+    report::Report,
+    rounds::{self, Bench, Metric, Plan},
 };
 use crate::{
     lab::{
@@ -189,7 +189,7 @@ impl MasqOptions {
 }
 
 /// The metrics, in report order: key, label, unit, higher is better.
-pub const METRICS: [(&str, &str, &str, bool); 4] = [
+pub const METRICS: [Metric; 4] = [
     ("tcp1_gbps", "TCP 1 stream, pod to outside", "Gbit/s", true),
     ("crr1_cps", "new connections, 1 client", "conn/s", true),
     ("crrn_cps", "new connections, N clients", "conn/s", true),
@@ -365,129 +365,66 @@ pub fn measure_step(bed: &MasqBed, opts: &MasqOptions, step: Step) -> Result<Vec
     })
 }
 
+/// [`rounds::Bench`] over the masquerade variants.
+struct Masq<'a>(&'a MasqOptions);
+
+impl Bench for Masq<'_> {
+    type Variant = MasqVariant;
+    type Bed = MasqBed;
+
+    const METRICS: &'static [Metric] = &METRICS;
+    const KIND: &'static str = "masq variant";
+
+    fn all() -> Vec<MasqVariant> {
+        variants()
+    }
+
+    fn label(v: &MasqVariant) -> (&'static str, &'static str) {
+        (v.name, v.description)
+    }
+
+    fn set_up(&self, v: &MasqVariant, log: &dyn Fn(&str)) -> Result<MasqBed> {
+        setup(v, self.0, log).with_context(|| format!("variant {}", v.name))
+    }
+
+    fn steps(&self) -> usize {
+        Step::ALL.len()
+    }
+
+    fn measure(&self, bed: &MasqBed, step: usize) -> Result<Vec<(usize, f64)>> {
+        measure_step(bed, self.0, Step::ALL[step % Step::ALL.len()])
+    }
+
+    fn progress(&self, values: &[(usize, f64)]) -> String {
+        let shown: Vec<String> = values
+            .iter()
+            .filter_map(|(m, v)| {
+                let (key, _, unit, _) = METRICS.get(*m)?;
+                Some(format!("{key} {v:.3} {unit}"))
+            })
+            .collect();
+        shown.join(", ")
+    }
+}
+
 /// Sets up every variant, measures them round-robin and summarises against the baseline.
 pub fn run(opts: &MasqOptions, log: &dyn Fn(&str), cancelled: &dyn Fn() -> bool) -> Result<Report> {
-    if opts.reps == 0 {
-        bail!("--reps must be at least 1");
-    }
-    let chosen: Vec<MasqVariant> = opts
-        .variants
-        .iter()
-        .map(|name| {
-            find(name).with_context(|| {
-                format!(
-                    "unknown masq variant {name:?}; known: {}",
-                    variants()
-                        .iter()
-                        .map(|v| v.name)
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            })
-        })
-        .collect::<Result<_>>()?;
-    if !chosen.iter().any(|v| v.name == opts.baseline) {
-        bail!("the baseline {:?} is not among the variants", opts.baseline);
-    }
-    let mut beds = Vec::new();
-    for v in &chosen {
-        if cancelled() {
-            bail!("cancelled");
-        }
-        log(&format!("setting up {}: {}", v.name, v.description));
-        beds.push(setup(v, opts, log).with_context(|| format!("variant {}", v.name))?);
-    }
-    let n = beds.len();
-    let mut samples = vec![vec![Vec::<f64>::new(); METRICS.len()]; n];
-    let mut errors = vec![Vec::<String>::new(); n];
-    for rep in 0..opts.reps {
-        for step in Step::ALL {
-            for k in 0..n {
-                if cancelled() {
-                    bail!("cancelled");
-                }
-                let i = (k + rep) % n;
-                let name = chosen[i].name;
-                match measure_step(&beds[i], opts, step) {
-                    Ok(values) => {
-                        let shown: Vec<String> = values
-                            .iter()
-                            .map(|(m, v)| {
-                                let (key, _, unit, _) = METRICS[*m];
-                                format!("{key} {v:.3} {unit}")
-                            })
-                            .collect();
-                        log(&format!(
-                            "rep {}/{} {name}: {}",
-                            rep + 1,
-                            opts.reps,
-                            shown.join(", ")
-                        ));
-                        for (m, v) in values {
-                            samples[i][m].push(v);
-                        }
-                    }
-                    Err(e) => {
-                        log(&format!(
-                            "rep {}/{} {name} {step:?}: FAILED {e:#}",
-                            rep + 1,
-                            opts.reps
-                        ));
-                        errors[i].push(format!("rep {} {step:?}: {e:#}", rep + 1));
-                    }
-                }
-            }
-        }
-    }
-    let summaries: Vec<Vec<Option<Summary>>> = samples
-        .iter()
-        .map(|per| per.iter().map(|s| Summary::of(s)).collect())
-        .collect();
-    let base = chosen
-        .iter()
-        .position(|v| v.name == opts.baseline)
-        .unwrap_or(0);
-    let records = chosen
-        .iter()
-        .enumerate()
-        .map(|(i, v)| VariantRecord {
-            variant: v.name.to_owned(),
-            description: v.description.to_owned(),
-            metrics: METRICS
-                .iter()
-                .enumerate()
-                .filter_map(|(m, (key, label, unit, higher))| {
-                    let summary = summaries[i][m].clone()?;
-                    let baseline = summaries[base][m].as_ref().map_or(f64::NAN, |s| s.median);
-                    Some(MetricResult {
-                        key: (*key).to_owned(),
-                        label: (*label).to_owned(),
-                        unit: (*unit).to_owned(),
-                        higher_is_better: *higher,
-                        ratio: ratio(summary.median, baseline),
-                        summary,
-                    })
-                })
-                .collect(),
-            errors: std::mem::take(&mut errors[i]),
-        })
-        .collect();
-    drop(beds);
-    Ok(Report {
-        name: opts.name.clone(),
-        machine: Machine::current(),
-        baseline: opts.baseline.clone(),
-        settings: json!({
-            "reps": opts.reps,
-            "throughput_seconds": opts.duration.as_secs(),
-            "crr_seconds": opts.crr_duration.as_secs(),
-            "crr_clients": opts.clients,
-            "topology": "1 node (vxlan, eBPF dataplane unless the variant says kernel), 1 pod; the outside is the hub namespace",
-            "tools": "iperf3 -J (TCP, 1 stream) pod -> hub; connection rate: connect, 64-byte request, 128-byte response, server closes (flannel_tests::bench::crr)",
-            "cpu": "machine-wide busy time from /proc/stat during each iperf3 run / Gbit received",
-        }),
-        variants: records,
-    })
+    let plan = Plan {
+        name: &opts.name,
+        variants: &opts.variants,
+        baseline: &opts.baseline,
+        reps: opts.reps,
+    };
+    let settings = json!({
+        "reps": opts.reps,
+        "throughput_seconds": opts.duration.as_secs(),
+        "crr_seconds": opts.crr_duration.as_secs(),
+        "crr_clients": opts.clients,
+        "topology": "1 node (vxlan, eBPF dataplane unless the variant says kernel), 1 pod; the outside is the hub namespace",
+        "tools": "iperf3 -J (TCP, 1 stream) pod -> hub; connection rate: connect, 64-byte request, 128-byte response, server closes (flannel_tests::bench::crr)",
+        "cpu": "machine-wide busy time from /proc/stat during each iperf3 run / Gbit received",
+    });
+    rounds::run(&Masq(opts), plan, settings, log, cancelled)
 }
 
 /// The targets of eBPF masquerade checked on a report, one sentence each: throughput at
@@ -572,6 +509,10 @@ pub fn targets(report: &Report) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::{
+        report::{Machine, MetricResult, VariantRecord},
+        stats::Summary,
+    };
 
     #[test]
     fn variants_are_known_and_distinct() {

@@ -6,7 +6,8 @@
 //! | [`variant`] | named setups (topology + setup function) yielding client and server |
 //! | [`measure`] | iperf3 throughput with /proc/stat CPU, sockperf ping-pong latency |
 //! | [`stats`] | median/min/max and ratios |
-//! | [`dataplane`] | the round-robin runner of `bench dataplane` |
+//! | [`rounds`] | the interleaved runner: set up every variant, measure round-robin, compare with the baseline |
+//! | [`dataplane`] | `bench dataplane`: throughput, latency and CPU of the [`variant`] testbeds |
 //! | [`control`] | `bench control`: N fake leases → time until the kernel holds them |
 //! | [`masq`] | `bench masq`: pod → outside through eBPF SNAT, iptables MASQUERADE, no NAT |
 //! | [`crr`] | the TCP connection-rate tool `bench masq` uses (`flannel-lab crr`) |
@@ -18,5 +19,6 @@ pub mod dataplane;
 pub mod masq;
 pub mod measure;
 pub mod report;
+pub mod rounds;
 pub mod stats;
 pub mod variant;

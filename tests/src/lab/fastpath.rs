@@ -285,6 +285,25 @@ pub fn active_path(ns: &NetNs, port: u16) -> Result<Option<String>> {
         .and_then(|s| label(&s.labels, "path")))
 }
 
+/// Fails unless the agent's active path ([`active_path`]) is `want` (`ebpf` or `kernel`).
+pub fn expect_path(ns: &NetNs, port: u16, want: &str) -> Result<()> {
+    let active = active_path(ns, port)?;
+    if active.as_deref() != Some(want) {
+        bail!("the agent's dataplane is {active:?}, not {want}");
+    }
+    Ok(())
+}
+
+/// Packets the agent's fast path counted under `reason`, summed over its programs.
+pub fn packets(ns: &NetNs, port: u16, reason: &str) -> Result<f64> {
+    status::metric_sum(
+        ns,
+        port,
+        "flannel_fastpath_packets_total",
+        &format!("reason=\"{reason}\""),
+    )
+}
+
 /// How much counter `(program, reason)` grew from `before` to `after`.
 pub fn grown(before: &Counts, after: &Counts, program: &str, reason: &str) -> u64 {
     let key = (program.to_owned(), reason.to_owned());

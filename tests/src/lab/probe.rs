@@ -1,6 +1,8 @@
 //! Reachability checks without `ping` (not installed here): a TCP echo [`Responder`] bound in
-//! one namespace and [`tcp_probe`] connecting from another, the pod-to-pod [`Matrix`], a
-//! checksummed bulk [`transfer`], the source address a server sees ([`source_seen`]), a
+//! one namespace and [`tcp_probe`] connecting from another, the pod-to-pod [`Matrix`] and
+//! its cross-node, both-family variant [`pods_talk`], a
+//! checksummed bulk [`transfer`], the source address a server sees ([`source_seen`]), UDP
+//! datagrams awaited by payload ([`udp_listener`], [`recv_payload`]), a
 //! continuous UDP request stream ([`UdpStream`] against a [`UdpEcho`]) that counts every
 //! lost request, and a long paced TCP transfer ([`TcpFlow`]) that reports retransmissions
 //! and its longest stall.
@@ -19,7 +21,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result, bail, ensure};
 
 use crate::{netns::NetNs, topology::Pod};
 
@@ -156,6 +158,12 @@ impl Matrix {
         self.failures() == 0
     }
 
+    /// `Ok` if every pair connected, else an error showing the matrix.
+    pub fn check(&self) -> Result<()> {
+        ensure!(self.all_ok(), "pod matrix:\n{self}");
+        Ok(())
+    }
+
     /// `(from, to)` index pairs that failed.
     pub fn failed_pairs(&self) -> Vec<(usize, usize)> {
         let mut out = Vec::new();
@@ -243,6 +251,30 @@ pub fn matrix(pods: &[&Pod], timeout: Duration) -> Result<Matrix> {
             .collect(),
         cells,
     })
+}
+
+/// TCP echo from every pod to every pod of another node over IPv6 (every pod needs an IPv6
+/// address) and, when `v4`, over IPv4 too; the error lists every pair that failed.
+pub fn pods_talk(pods: &[&Pod], v4: bool) -> Result<()> {
+    let mut failures = Vec::new();
+    for from in pods {
+        for to in pods {
+            if from.node() == to.node() {
+                continue;
+            }
+            let mut targets = vec![IpAddr::V6(to.ip6_required()?)];
+            if v4 {
+                targets.push(IpAddr::V4(to.ip()));
+            }
+            for ip in targets {
+                if let Err(e) = tcp_reaches(from.ns(), to.ns(), ip, Duration::from_secs(5)) {
+                    failures.push(format!("{} → {} {ip}: {e:#}", from.name(), to.name()));
+                }
+            }
+        }
+    }
+    ensure!(failures.is_empty(), "unreachable:\n{}", failures.join("\n"));
+    Ok(())
 }
 
 /// What [`transfer`] measured.
@@ -373,6 +405,41 @@ pub fn transfer(
     let sent = sent??;
     received.context("receiver")?;
     Ok(sent)
+}
+
+/// A [`transfer`] of `size` bytes with 30 s to finish; the throughput in Mbit/s.
+pub fn transfer_mbit(from: &NetNs, to: &NetNs, ip: IpAddr, size: u64) -> Result<f64> {
+    Ok(transfer(from, to, ip, size, Duration::from_secs(30))?.mbit_per_s())
+}
+
+/// A UDP socket bound to `addr` in `ns` (the namespace only matters at bind time), reading
+/// with a 300 ms timeout (see [`recv_payload`]).
+pub fn udp_listener(ns: &NetNs, addr: SocketAddr) -> Result<UdpSocket> {
+    let s = ns.enter(move || UdpSocket::bind(addr))??;
+    s.set_read_timeout(Some(Duration::from_millis(300)))?;
+    Ok(s)
+}
+
+/// Receives on `s` until a datagram carrying exactly `payload` arrives; returns its source.
+pub fn recv_payload(s: &UdpSocket, payload: &[u8], timeout: Duration) -> Result<SocketAddr> {
+    let deadline = Instant::now() + timeout;
+    let mut buf = [0u8; 2048];
+    while Instant::now() < deadline {
+        match s.recv_from(&mut buf) {
+            Ok((n, from)) if &buf[..n] == payload => return Ok(from),
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    bail!(
+        "no datagram {:?} within {timeout:?}",
+        String::from_utf8_lossy(payload)
+    )
 }
 
 /// Accepts one TCP connection on `ip` in `to` from a client in `from` and returns the source

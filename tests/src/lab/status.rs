@@ -2,13 +2,13 @@
 //! agent reports on `/healthz` and `/metrics`.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     io::{Read as _, Write as _},
     net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream},
     time::Duration,
 };
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result, bail, ensure};
 use ipnet::Ipv4Net;
 use serde_json::Value;
 
@@ -232,6 +232,56 @@ pub fn metric(ns: &NetNs, port: u16, name: &str) -> Result<Option<f64>> {
         .into_iter()
         .find(|s| s.name == name)
         .map(|s| s.value))
+}
+
+/// The samples of metric `name` on the agent's `/metrics` at `127.0.0.1:port` in `ns` whose
+/// label set contains `label` (e.g. `reason="fast_udp"`), summed.
+pub fn metric_sum(ns: &NetNs, port: u16, name: &str, label: &str) -> Result<f64> {
+    let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
+    let (code, body) = http_get(ns, addr, "/metrics")?;
+    ensure!(code == 200, "/metrics answered {code}");
+    Ok(parse_metrics(&body)
+        .into_iter()
+        .filter(|s| s.name == name && s.labels.contains(label))
+        .map(|s| s.value)
+        .sum())
+}
+
+/// The lines of `argv`'s output in `ns`, trimmed, empty ones left out, as a set.
+pub fn line_set(ns: &NetNs, argv: &[&str]) -> Result<BTreeSet<String>> {
+    Ok(ns
+        .run(argv)?
+        .lines()
+        .map(|l| l.trim().to_owned())
+        .filter(|l| !l.is_empty())
+        .collect())
+}
+
+/// The routes of one family (`"-4"` or `"-6"`) the agent installed in `ns` (protocol 165),
+/// one line each, without what the kernel adds by default (` metric 1024`, ` pref medium`)
+/// and without the protocol.
+pub fn agent_routes(ns: &NetNs, family: &str) -> Result<BTreeSet<String>> {
+    Ok(
+        line_set(ns, &["ip", family, "route", "show", "proto", "165"])?
+            .into_iter()
+            .map(|l| {
+                l.replace(" metric 1024", "")
+                    .replace(" pref medium", "")
+                    .replace(" proto 165", "")
+            })
+            .collect(),
+    )
+}
+
+/// Fails unless [`agent_routes`] of `family` in `ns` are exactly `want`; the error shows both.
+pub fn expect_agent_routes(ns: &NetNs, family: &str, want: &BTreeSet<String>) -> Result<()> {
+    let got = agent_routes(ns, family)?;
+    ensure!(
+        &got == want,
+        "{} routes ({family}) {got:#?}, want {want:#?}",
+        ns.name()
+    );
+    Ok(())
 }
 
 /// The HTTP status of `path` (`/healthz`, `/readyz`) on the agent at `127.0.0.1:port` in

@@ -1,0 +1,176 @@
+//! The interleaved runner behind `bench dataplane` and `bench masq`: every variant is set up
+//! side by side, then measured in round-robin repetitions (rep 1: A B C, rep 2: B C A, …) so
+//! slow drifts of the machine spread over all variants; a repetition's measurements
+//! ([`Bench::steps`]) are each taken for every variant back to back; each metric's median is
+//! compared with the baseline variant's of the same run.
+
+use anyhow::{Context as _, Result, bail};
+use serde_json::Value;
+
+use super::{
+    report::{Machine, MetricResult, Report, VariantRecord},
+    stats::{Summary, ratio},
+};
+
+/// A reported metric: key, label, unit, higher is better.
+pub type Metric = (&'static str, &'static str, &'static str, bool);
+
+/// A benchmark [`run`] drives: its variants, how one is set up, and one repetition of its
+/// metrics.
+pub trait Bench {
+    /// A setup to compare.
+    type Variant;
+    /// A variant set up; dropped (torn down) after the last repetition.
+    type Bed;
+
+    /// The metrics, in report order.
+    const METRICS: &'static [Metric];
+    /// What a variant is called in the unknown-name error (`variant`, `masq variant`).
+    const KIND: &'static str;
+
+    /// Every variant.
+    fn all() -> Vec<Self::Variant>;
+    /// A variant's name and one-line description.
+    fn label(v: &Self::Variant) -> (&'static str, &'static str);
+    /// Sets a variant up; `log` gets progress lines.
+    fn set_up(&self, v: &Self::Variant, log: &dyn Fn(&str)) -> Result<Self::Bed>;
+    /// How many measurements a repetition takes. Each is taken for every variant back to
+    /// back before the next one starts, so the values a ratio compares were measured
+    /// seconds apart, not a whole repetition apart.
+    fn steps(&self) -> usize {
+        1
+    }
+    /// Measurement `step` of a repetition: `(index into` [`Bench::METRICS`]`, value)` pairs.
+    fn measure(&self, bed: &Self::Bed, step: usize) -> Result<Vec<(usize, f64)>>;
+    /// The progress line of a measurement after `rep i/n name: `.
+    fn progress(&self, values: &[(usize, f64)]) -> String;
+}
+
+/// Settings of a run shared by every benchmark.
+#[derive(Debug, Clone, Copy)]
+pub struct Plan<'a> {
+    /// Report name (file names and title).
+    pub name: &'a str,
+    /// Variant names, in set-up order.
+    pub variants: &'a [String],
+    /// The variant ratios are relative to.
+    pub baseline: &'a str,
+    /// Repetitions of every measurement.
+    pub reps: usize,
+}
+
+/// Sets up the plan's variants, measures them round-robin and summarises against the
+/// baseline; `settings` is recorded in the report as is. `log` gets progress lines;
+/// `cancelled` is polled between steps (Ctrl-C).
+pub fn run<B: Bench>(
+    bench: &B,
+    plan: Plan<'_>,
+    settings: Value,
+    log: &dyn Fn(&str),
+    cancelled: &dyn Fn() -> bool,
+) -> Result<Report> {
+    if plan.reps == 0 {
+        bail!("--reps must be at least 1");
+    }
+    let variants = resolve::<B>(plan.variants)?;
+    let labels: Vec<_> = variants.iter().map(B::label).collect();
+    let Some(base) = labels.iter().position(|(name, _)| *name == plan.baseline) else {
+        bail!("the baseline {:?} is not among the variants", plan.baseline);
+    };
+    let mut beds = Vec::new();
+    for (v, (name, description)) in variants.iter().zip(&labels) {
+        if cancelled() {
+            bail!("cancelled");
+        }
+        log(&format!("setting up {name}: {description}"));
+        beds.push(bench.set_up(v, log)?);
+    }
+    let n = beds.len();
+    let mut samples = vec![vec![Vec::<f64>::new(); B::METRICS.len()]; n];
+    let mut errors = vec![Vec::<String>::new(); n];
+    let steps = bench.steps();
+    for rep in 0..plan.reps {
+        for step in 0..steps {
+            for k in 0..n {
+                if cancelled() {
+                    bail!("cancelled");
+                }
+                let i = (k + rep) % n;
+                let name = labels[i].0;
+                let head = format!("rep {}/{} {name}", rep + 1, plan.reps);
+                let at = if steps > 1 {
+                    format!(" step {}", step + 1)
+                } else {
+                    String::new()
+                };
+                match bench.measure(&beds[i], step) {
+                    Ok(values) => {
+                        log(&format!("{head}: {}", bench.progress(&values)));
+                        for (m, v) in values {
+                            if let Some(s) = samples[i].get_mut(m) {
+                                s.push(v);
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        log(&format!("{head}{at}: FAILED {e:#}"));
+                        errors[i].push(format!("rep {}{at}: {e:#}", rep + 1));
+                    }
+                }
+            }
+        }
+    }
+    drop(beds);
+    let summaries: Vec<Vec<Option<Summary>>> = samples
+        .iter()
+        .map(|per| per.iter().map(|s| Summary::of(s)).collect())
+        .collect();
+    let records = labels
+        .iter()
+        .enumerate()
+        .map(|(i, (name, description))| VariantRecord {
+            variant: (*name).to_owned(),
+            description: (*description).to_owned(),
+            metrics: B::METRICS
+                .iter()
+                .enumerate()
+                .filter_map(|(m, (key, label, unit, higher))| {
+                    let summary = summaries[i][m].clone()?;
+                    let baseline = summaries[base][m].as_ref().map_or(f64::NAN, |s| s.median);
+                    Some(MetricResult {
+                        key: (*key).to_owned(),
+                        label: (*label).to_owned(),
+                        unit: (*unit).to_owned(),
+                        higher_is_better: *higher,
+                        ratio: ratio(summary.median, baseline),
+                        summary,
+                    })
+                })
+                .collect(),
+            errors: std::mem::take(&mut errors[i]),
+        })
+        .collect();
+    Ok(Report {
+        name: plan.name.to_owned(),
+        machine: Machine::current(),
+        baseline: plan.baseline.to_owned(),
+        settings,
+        variants: records,
+    })
+}
+
+/// The variants of these names, in this order; an unknown name is an error listing the known.
+fn resolve<B: Bench>(names: &[String]) -> Result<Vec<B::Variant>> {
+    names
+        .iter()
+        .map(|name| {
+            B::all()
+                .into_iter()
+                .find(|v| B::label(v).0 == name)
+                .with_context(|| {
+                    let known: Vec<_> = B::all().iter().map(|v| B::label(v).0).collect();
+                    format!("unknown {} {name:?}; known: {}", B::KIND, known.join(", "))
+                })
+        })
+        .collect()
+}
