@@ -69,35 +69,68 @@ pub enum LinkEvent {
     Overrun,
 }
 
-/// The stream returned by [`Netlink::link_events`](super::Netlink::link_events). It owns its
-/// own socket, opened in the calling thread's network namespace; dropping it closes the socket.
-pub struct LinkEvents {
+/// A stream of decoded notifications of one multicast group ([`LinkEvents`], [`FdbEvents`]).
+/// It owns its own socket, opened in the calling thread's network namespace; dropping it
+/// closes the socket.
+pub struct Events<E> {
     messages: Unsolicited,
     task: tokio::task::JoinHandle<()>,
+    decode: fn(NetlinkMessage<RouteNetlinkMessage>) -> Option<E>,
 }
 
-impl std::fmt::Debug for LinkEvents {
+/// Link notifications ([`Netlink::link_events`](super::Netlink::link_events)).
+pub type LinkEvents = Events<LinkEvent>;
+/// Bridge FDB notifications ([`Netlink::fdb_events`](super::Netlink::fdb_events)).
+pub type FdbEvents = Events<FdbEvent>;
+
+impl<E> std::fmt::Debug for Events<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LinkEvents").finish_non_exhaustive()
+        f.debug_struct("Events").finish_non_exhaustive()
     }
 }
 
-impl Drop for LinkEvents {
+impl<E> Drop for Events<E> {
     fn drop(&mut self) {
         self.task.abort();
     }
 }
 
-impl LinkEvents {
-    /// Subscribes to link notifications. Must run inside a tokio runtime.
-    pub fn subscribe() -> Result<Self, NetlinkError> {
-        let (messages, task) = join_group(RTNLGRP_LINK, "join RTNLGRP_LINK")?;
-        Ok(Self { messages, task })
+impl<E> Events<E> {
+    /// Joins `group` (`what` names it in errors); must run inside a tokio runtime.
+    fn subscribe(
+        group: u32,
+        what: &'static str,
+        decode: fn(NetlinkMessage<RouteNetlinkMessage>) -> Option<E>,
+    ) -> Result<Self, NetlinkError> {
+        let (messages, task) = join_group(group, what)?;
+        Ok(Self {
+            messages,
+            task,
+            decode,
+        })
     }
 
     /// The next event; `None` when the socket is gone.
-    pub async fn next(&mut self) -> Option<LinkEvent> {
+    pub async fn next(&mut self) -> Option<E> {
         StreamExt::next(self).await
+    }
+}
+
+impl<E> Stream for Events<E> {
+    type Item = E;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<E>> {
+        loop {
+            match Pin::new(&mut self.messages).poll_next(cx) {
+                Poll::Ready(Some((message, _))) => {
+                    if let Some(e) = (self.decode)(message) {
+                        return Poll::Ready(Some(e));
+                    }
+                }
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
     }
 }
 
@@ -121,24 +154,6 @@ fn event(message: NetlinkMessage<RouteNetlinkMessage>) -> Option<LinkEvent> {
     }
 }
 
-impl Stream for LinkEvents {
-    type Item = LinkEvent;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<LinkEvent>> {
-        loop {
-            match Pin::new(&mut self.messages).poll_next(cx) {
-                Poll::Ready(Some((message, _))) => {
-                    if let Some(e) = event(message) {
-                        return Poll::Ready(Some(e));
-                    }
-                }
-                Poll::Ready(None) => return Poll::Ready(None),
-                Poll::Pending => return Poll::Pending,
-            }
-        }
-    }
-}
-
 /// A change to a bridge's forwarding database (`RTNLGRP_NEIGH`, bridge family).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FdbEvent {
@@ -152,44 +167,6 @@ pub enum FdbEvent {
     },
     /// Notifications were lost: re-list the entries.
     Overrun,
-}
-
-/// The stream returned by [`Netlink::fdb_events`](super::Netlink::fdb_events); like
-/// [`LinkEvents`], it owns its socket.
-pub struct FdbEvents {
-    messages: Unsolicited,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl std::fmt::Debug for FdbEvents {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FdbEvents").finish_non_exhaustive()
-    }
-}
-
-impl Drop for FdbEvents {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl FdbEvents {
-    /// Subscribes to neighbour notifications, keeping the bridge family's. Must run inside a
-    /// tokio runtime.
-    pub fn subscribe() -> Result<Self, NetlinkError> {
-        let (messages, task) = join_group(RTNLGRP_NEIGH, "join RTNLGRP_NEIGH")?;
-        Ok(Self { messages, task })
-    }
-
-    /// The next event; `None` when the socket is gone.
-    pub async fn next(&mut self) -> Option<FdbEvent> {
-        loop {
-            let (message, _) = StreamExt::next(&mut self.messages).await?;
-            if let Some(e) = fdb_event(message) {
-                return Some(e);
-            }
-        }
-    }
 }
 
 fn fdb_event(message: NetlinkMessage<RouteNetlinkMessage>) -> Option<FdbEvent> {
@@ -216,14 +193,15 @@ fn fdb_event(message: NetlinkMessage<RouteNetlinkMessage>) -> Option<FdbEvent> {
 }
 
 impl super::Netlink {
-    /// Subscribes to link added/removed notifications (see [`LinkEvents::subscribe`]).
+    /// Subscribes to link added/removed notifications.
     pub fn link_events(&self) -> Result<LinkEvents, NetlinkError> {
-        LinkEvents::subscribe()
+        Events::subscribe(RTNLGRP_LINK, "join RTNLGRP_LINK", event)
     }
 
-    /// Subscribes to bridge FDB notifications (see [`FdbEvents::subscribe`]).
+    /// Subscribes to bridge FDB notifications (neighbour notifications of the bridge
+    /// family).
     pub fn fdb_events(&self) -> Result<FdbEvents, NetlinkError> {
-        FdbEvents::subscribe()
+        Events::subscribe(RTNLGRP_NEIGH, "join RTNLGRP_NEIGH", fdb_event)
     }
 }
 

@@ -302,31 +302,28 @@ impl Netlink {
     /// The FDB entries of device `ifindex` (`bridge fdb show dev DEV`), including entries a
     /// bridge master holds for it.
     pub async fn list_fdb(&self, ifindex: u32) -> Result<Vec<FdbEntry>, NetlinkError> {
-        let mut message = NeighbourMessage::default();
-        message.header.family = AddressFamily::Bridge;
-        message.header.ifindex = ifindex;
         let ctx = Ctx::new("list fdb", format!("of index {ifindex}"));
-        let answers = self
-            .dump(RouteNetlinkMessage::GetNeighbour(message), &ctx)
-            .await?;
-        Ok(answers
-            .iter()
-            .filter_map(|m| match m {
-                RouteNetlinkMessage::NewNeighbour(n) => fdb_from_message(n),
-                _ => None,
-            })
-            .filter(|e| e.ifindex == ifindex)
-            .collect())
+        let mut entries = self.dump_fdb(ifindex, &ctx).await?;
+        entries.retain(|e| e.ifindex == ifindex);
+        Ok(entries)
     }
 
     /// The FDB entries bridge `bridge` holds for its ports (`bridge fdb show br BR`): learnt,
     /// static and local (permanent) entries, each with the port it points to in `ifindex`.
     pub async fn list_bridge_fdb(&self, bridge: u32) -> Result<Vec<FdbEntry>, NetlinkError> {
+        let ctx = Ctx::new("list fdb", format!("of bridge index {bridge}"));
+        let mut entries = self.dump_fdb(0, &ctx).await?;
+        entries.retain(|e| e.master == Some(bridge) && !e.flags.contains(NeighbourFlags::SELF));
+        Ok(entries)
+    }
+
+    /// Dumps the bridge-family neighbour table (of device `ifindex`, 0 for all).
+    async fn dump_fdb(&self, ifindex: u32, ctx: &Ctx) -> Result<Vec<FdbEntry>, NetlinkError> {
         let mut message = NeighbourMessage::default();
         message.header.family = AddressFamily::Bridge;
-        let ctx = Ctx::new("list fdb", format!("of bridge index {bridge}"));
+        message.header.ifindex = ifindex;
         let answers = self
-            .dump(RouteNetlinkMessage::GetNeighbour(message), &ctx)
+            .dump(RouteNetlinkMessage::GetNeighbour(message), ctx)
             .await?;
         Ok(answers
             .iter()
@@ -334,7 +331,6 @@ impl Netlink {
                 RouteNetlinkMessage::NewNeighbour(n) => fdb_from_message(n),
                 _ => None,
             })
-            .filter(|e| e.master == Some(bridge) && !e.flags.contains(NeighbourFlags::SELF))
             .collect())
     }
 

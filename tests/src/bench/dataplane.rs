@@ -164,17 +164,6 @@ impl Bench for Dataplane<'_> {
             }
         })
     }
-
-    fn progress(&self, values: &[(usize, f64)]) -> String {
-        let shown: Vec<String> = values
-            .iter()
-            .filter_map(|(m, v)| {
-                let (key, _, unit, _) = METRICS.get(*m)?;
-                Some(format!("{key} {v:.3} {unit}"))
-            })
-            .collect();
-        shown.join(", ")
-    }
 }
 
 /// Sets up every variant, measures them round-robin and summarises against the baseline.

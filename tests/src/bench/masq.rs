@@ -394,17 +394,6 @@ impl Bench for Masq<'_> {
     fn measure(&self, bed: &MasqBed, step: usize) -> Result<Vec<(usize, f64)>> {
         measure_step(bed, self.0, Step::ALL[step % Step::ALL.len()])
     }
-
-    fn progress(&self, values: &[(usize, f64)]) -> String {
-        let shown: Vec<String> = values
-            .iter()
-            .filter_map(|(m, v)| {
-                let (key, _, unit, _) = METRICS.get(*m)?;
-                Some(format!("{key} {v:.3} {unit}"))
-            })
-            .collect();
-        shown.join(", ")
-    }
 }
 
 /// Sets up every variant, measures them round-robin and summarises against the baseline.

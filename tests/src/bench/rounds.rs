@@ -42,8 +42,18 @@ pub trait Bench {
     }
     /// Measurement `step` of a repetition: `(index into` [`Bench::METRICS`]`, value)` pairs.
     fn measure(&self, bed: &Self::Bed, step: usize) -> Result<Vec<(usize, f64)>>;
-    /// The progress line of a measurement after `rep i/n name: `.
-    fn progress(&self, values: &[(usize, f64)]) -> String;
+    /// The progress line of a measurement after `rep i/n name: `: each value with its
+    /// metric's key and unit.
+    fn progress(&self, values: &[(usize, f64)]) -> String {
+        let shown: Vec<String> = values
+            .iter()
+            .filter_map(|(m, v)| {
+                let (key, _, unit, _) = Self::METRICS.get(*m)?;
+                Some(format!("{key} {v:.3} {unit}"))
+            })
+            .collect();
+        shown.join(", ")
+    }
 }
 
 /// Settings of a run shared by every benchmark.
