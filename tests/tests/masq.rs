@@ -22,6 +22,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use flannel_common::nat::{NAT_CFG_ENABLED, NAT_CFG_HANDOVER};
 use flannel_tests::{
     lab::{
         agent::{Agent, Dataplane},
@@ -285,6 +286,25 @@ fn wait_ready(c: &mut Cluster, n: usize) {
 
 fn agent(c: &mut Cluster, n: usize) -> &mut Agent {
     c.agent_mut(n).expect("agent")
+}
+
+/// Restarts node1's agent with `--ebpf-masq=false` (and `env`) and waits until the kernel's
+/// masquerade rules are back and the programs hand the eBPF-masqueraded flows over.
+fn switch_to_iptables(c: &mut Cluster, env: &[(&str, &str)]) {
+    let mut spec = c.agent_spec();
+    spec.extra_args.push("--ebpf-masq=false".into());
+    spec.env
+        .extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+    agent(c, 1).stop(Duration::from_secs(10)).expect("stop");
+    let restarted = Agent::start(c.topology().node(1), &spec).expect("start without eBPF SNAT");
+    *agent(c, 1) = restarted;
+    wait_ready(c, 1);
+    eventually("the kernel's masquerade rules", || {
+        !masq_chain(c.topology().node(1)).contains("eBPF SNAT")
+    });
+    eventually("the handover flag", || {
+        nat_flags(c.topology().node(1)) == u64::from(NAT_CFG_ENABLED | NAT_CFG_HANDOVER)
+    });
 }
 
 fn masq_chain(node: &Node) -> String {
@@ -570,7 +590,6 @@ fn nat_flags(node: &Node) -> u64 {
 
 #[test]
 fn switching_from_ebpf_to_iptables_hands_established_connections_over() {
-    use flannel_common::nat::{NAT_CFG_ENABLED, NAT_CFG_HANDOVER};
     if !runnable() {
         return;
     }
@@ -588,20 +607,7 @@ fn switching_from_ebpf_to_iptables_hands_established_connections_over() {
     assert_eq!(nat_flags(c.topology().node(1)), u64::from(NAT_CFG_ENABLED));
 
     // The node's agent comes back with masquerade in iptables.
-    let mut spec = c.agent_spec();
-    spec.extra_args.push("--ebpf-masq=false".into());
-    agent(&mut c, 1)
-        .stop(Duration::from_secs(10))
-        .expect("stop");
-    let restarted = Agent::start(c.topology().node(1), &spec).expect("start without eBPF SNAT");
-    *agent(&mut c, 1) = restarted;
-    wait_ready(&mut c, 1);
-    eventually("the kernel's masquerade rules", || {
-        !masq_chain(c.topology().node(1)).contains("eBPF SNAT")
-    });
-    eventually("the handover flag", || {
-        nat_flags(c.topology().node(1)) == u64::from(NAT_CFG_ENABLED | NAT_CFG_HANDOVER)
-    });
+    switch_to_iptables(&mut c, &[]);
 
     // The eBPF-masqueraded connection goes on (its conntrack entry has no NAT binding, the
     // programs keep translating it) ...
@@ -672,7 +678,6 @@ fn conntrack_reply(node: &Node, local: SocketAddr, server: SocketAddr) -> Option
 /// timeout passed) the agent's sweep removes it and turns the eBPF NAT off.
 #[test]
 fn an_ebpf_to_iptables_handover_ends_when_the_last_ebpf_flow_has_closed() {
-    use flannel_common::nat::{NAT_CFG_ENABLED, NAT_CFG_HANDOVER};
     if !runnable() {
         return;
     }
@@ -693,24 +698,10 @@ fn an_ebpf_to_iptables_handover_ends_when_the_last_ebpf_flow_has_closed() {
     );
 
     // Back to iptables, with the handover's progress logged.
-    let mut spec = c.agent_spec();
-    spec.extra_args.push("--ebpf-masq=false".into());
-    spec.env.push((
-        "RUST_LOG".into(),
-        "info,flannel_agent::daemon::masq=debug".into(),
-    ));
-    agent(&mut c, 1)
-        .stop(Duration::from_secs(10))
-        .expect("stop");
-    let restarted = Agent::start(c.topology().node(1), &spec).expect("start without eBPF SNAT");
-    *agent(&mut c, 1) = restarted;
-    wait_ready(&mut c, 1);
-    eventually("the kernel's masquerade rules", || {
-        !masq_chain(c.topology().node(1)).contains("eBPF SNAT")
-    });
-    eventually("the handover flag", || {
-        nat_flags(c.topology().node(1)) == u64::from(NAT_CFG_ENABLED | NAT_CFG_HANDOVER)
-    });
+    switch_to_iptables(
+        &mut c,
+        &[("RUST_LOG", "info,flannel_agent::daemon::masq=debug")],
+    );
 
     // The old connection goes on, translated by the programs.
     for i in 0..10 {

@@ -174,12 +174,7 @@ pub fn run(
     log: &dyn Fn(&str),
     cancelled: &dyn Fn() -> bool,
 ) -> Result<Report> {
-    let plan = Plan {
-        name: &opts.name,
-        variants: &opts.variants,
-        baseline: &opts.baseline,
-        reps: opts.reps,
-    };
+    let plan = Plan::new(&opts.name, &opts.variants, &opts.baseline, opts.reps);
     let settings = json!({
         "reps": opts.reps,
         "throughput_seconds": opts.duration.as_secs(),

@@ -69,6 +69,18 @@ pub struct Plan<'a> {
     pub reps: usize,
 }
 
+impl<'a> Plan<'a> {
+    /// The plan of a run of `variants` against `baseline`, `reps` times, reported as `name`.
+    pub fn new(name: &'a str, variants: &'a [String], baseline: &'a str, reps: usize) -> Self {
+        Plan {
+            name,
+            variants,
+            baseline,
+            reps,
+        }
+    }
+}
+
 /// Sets up the plan's variants, measures them round-robin and summarises against the
 /// baseline; `settings` is recorded in the report as is. `log` gets progress lines;
 /// `cancelled` is polled between steps (Ctrl-C).
