@@ -226,6 +226,10 @@ impl Applier for BpfApplier {
         "ebpf"
     }
 
+    fn quick(&self) -> bool {
+        true
+    }
+
     fn sync<'a>(
         &'a mut self,
         local: &'a Local,

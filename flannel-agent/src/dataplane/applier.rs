@@ -117,6 +117,13 @@ pub trait Applier: Send {
     /// A short name for logs and status (`kernel`, `ebpf`).
     fn name(&self) -> &'static str;
 
+    /// Whether a sync is cheap enough (milliseconds, like writing BPF maps) to be run again at
+    /// once for a newer lease snapshot while slower appliers are still busy with the previous
+    /// one (see `Reconciler::reconcile_once`).
+    fn quick(&self) -> bool {
+        false
+    }
+
     /// Makes the applier's state match `desired` for node `local`. In
     /// [`SyncMode::AddOnly`] nothing may be removed.
     fn sync<'a>(

@@ -477,7 +477,7 @@ impl Claims {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::{
         collections::BTreeMap,
         net::{Ipv4Addr, Ipv6Addr},
@@ -498,7 +498,7 @@ mod tests {
 
     const EXT_INDEX: u32 = 2;
 
-    fn mac(last: u8) -> MacAddr {
+    pub(crate) fn mac(last: u8) -> MacAddr {
         MacAddr([0x0e, 0x2a, 0, 0, 0, last])
     }
 
@@ -510,7 +510,7 @@ mod tests {
         .to_json()
     }
 
-    fn local(backend: BackendOptions, stack: IpStack) -> Local {
+    pub(crate) fn local(backend: BackendOptions, stack: IpStack) -> Local {
         let lease = Lease::new(
             SubnetKey::parse("10.244.1.0-24&fd00:244:1::-64").unwrap(),
             LeaseAttrs::default(),
@@ -544,7 +544,7 @@ mod tests {
         )
     }
 
-    fn vxlan(direct_routing: bool) -> BackendOptions {
+    pub(crate) fn vxlan(direct_routing: bool) -> BackendOptions {
         BackendOptions::Vxlan(VxlanOptions {
             direct_routing,
             ..VxlanOptions::default()
@@ -560,13 +560,13 @@ mod tests {
         Lease::new(SubnetKey::parse(key).unwrap(), attrs, None)
     }
 
-    fn vx_lease(key: &str, ip: [u8; 4], m: MacAddr) -> Lease {
+    pub(crate) fn vx_lease(key: &str, ip: [u8; 4], m: MacAddr) -> Lease {
         let mut l = lease(key, "vxlan", ip);
         l.attrs.backend_data = Some(vxlan_data(m));
         l
     }
 
-    fn snapshot(leases: Vec<(&str, Lease)>) -> LeaseSnapshot {
+    pub(crate) fn snapshot(leases: Vec<(&str, Lease)>) -> LeaseSnapshot {
         LeaseSnapshot {
             generation: 1,
             synced: true,
@@ -581,7 +581,7 @@ mod tests {
 
     /// The underlay: 192.168.10.0/24 and fd00:10::/64 connected on eth0, everything else via
     /// a router.
-    fn facts() -> Facts {
+    pub(crate) fn facts() -> Facts {
         let routes = vec![
             Route::new("192.168.10.0/24".parse().unwrap())
                 .dev(EXT_INDEX)

@@ -133,6 +133,56 @@ impl NoteLog {
     }
 }
 
+/// The quick appliers of a reconcile (those before a slow one), kept busy with newer lease
+/// snapshots while the slow applier runs.
+struct QuickPass<'a> {
+    appliers: &'a mut [Box<dyn Applier>],
+    local: &'a Local,
+    facts: &'a Facts,
+    newer: &'a mut watch::Receiver<LeaseSnapshot>,
+}
+
+impl QuickPass<'_> {
+    /// Drives `slow` to completion; every snapshot published meanwhile is synced into the
+    /// quick appliers at once (`seen` set). Their failures are only logged: the reconcile the
+    /// caller runs next retries everything.
+    async fn alongside(
+        self,
+        mut slow: futures::future::BoxFuture<'_, super::applier::ApplyReport>,
+        seen: &mut bool,
+    ) -> super::applier::ApplyReport {
+        loop {
+            tokio::select! {
+                report = &mut slow => return report,
+                changed = self.newer.changed() => {
+                    if changed.is_err() {
+                        // The publisher is gone: nothing newer will come.
+                        return slow.await;
+                    }
+                    *seen = true;
+                    let snapshot = self.newer.borrow_and_update().clone();
+                    let want = desired(self.local, &snapshot, self.facts);
+                    let mode = if snapshot.synced {
+                        SyncMode::Full
+                    } else {
+                        SyncMode::AddOnly
+                    };
+                    for applier in self.appliers.iter_mut().filter(|a| a.quick()) {
+                        let report = applier.sync(self.local, &want, mode).await;
+                        tracing::debug!(
+                            applier = applier.name(),
+                            generation = snapshot.generation,
+                            errors = report.errors.len(),
+                            stats = %report.stats,
+                            "quick pass for a newer lease snapshot"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The reconciler: owns this node's [`Local`] description and the appliers.
 pub struct Reconciler {
     nl: Netlink,
@@ -269,6 +319,30 @@ impl Reconciler {
     /// One reconcile against `snapshot` (the loop in [`run`](Self::run) calls this; tests
     /// and the daemon may call it directly).
     pub async fn reconcile_once(&mut self, snapshot: &LeaseSnapshot) -> ReconcileOutcome {
+        self.reconcile(snapshot, None).await.0
+    }
+
+    /// [`Reconciler::reconcile_once`]; with `newer`, a lease snapshot published while a slow
+    /// applier (the kernel's) is busy is handed at once to the quick appliers before it
+    /// ([`Applier::quick`], the eBPF maps), so a lease event reaches the maps without waiting
+    /// for the kernel tables of the previous one. True in the second value when that happened:
+    /// the caller reconciles again, which brings the slow appliers up to date too.
+    async fn reconcile(
+        &mut self,
+        snapshot: &LeaseSnapshot,
+        newer: Option<&mut watch::Receiver<LeaseSnapshot>>,
+    ) -> (ReconcileOutcome, bool) {
+        let mut newer_seen = false;
+        let outcome = self.reconcile_inner(snapshot, newer, &mut newer_seen).await;
+        (outcome, newer_seen)
+    }
+
+    async fn reconcile_inner(
+        &mut self,
+        snapshot: &LeaseSnapshot,
+        mut newer: Option<&mut watch::Receiver<LeaseSnapshot>>,
+        newer_seen: &mut bool,
+    ) -> ReconcileOutcome {
         let started = Instant::now();
         self.status.send_modify(|s| {
             s.reconciles += 1;
@@ -333,9 +407,24 @@ impl Reconciler {
         let mut stats = ApplyStats::default();
         let mut errors = Vec::new();
         let mut timings = Vec::with_capacity(self.appliers.len());
-        for applier in &mut self.appliers {
+        for idx in 0..self.appliers.len() {
+            let (before, rest) = self.appliers.split_at_mut(idx);
+            let applier = &mut rest[0];
             let applier_started = std::time::Instant::now();
-            let report = applier.sync(&self.local, &want, mode).await;
+            let report = match newer.as_deref_mut() {
+                Some(rx) if !applier.quick() && before.iter().any(|a| a.quick()) => {
+                    let quick = QuickPass {
+                        appliers: before,
+                        local: &self.local,
+                        facts: &facts,
+                        newer: rx,
+                    };
+                    quick
+                        .alongside(applier.sync(&self.local, &want, mode), newer_seen)
+                        .await
+                }
+                _ => applier.sync(&self.local, &want, mode).await,
+            };
             timings.push((applier.name(), applier_started.elapsed()));
             stats.accumulate(&report.stats);
             for e in report.errors {
@@ -434,8 +523,11 @@ impl Reconciler {
             if pending && retry_at.is_none_or(|t| t <= Instant::now()) {
                 pending = false;
                 let snapshot = snapshots.borrow_and_update().clone();
-                let outcome = self.reconcile_once(&snapshot).await;
+                let (outcome, newer_seen) = self.reconcile(&snapshot, Some(&mut snapshots)).await;
                 next_resync = Instant::now() + config.resync_interval;
+                if newer_seen {
+                    pending = true;
+                }
                 if outcome.ok {
                     retry_at = None;
                     backoff = config.backoff_initial;
@@ -487,6 +579,115 @@ impl Reconciler {
         }
         tracing::info!(
             "dataplane reconciler stopped; devices, routes, neighbours and FDB entries stay in place"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use futures::future::BoxFuture;
+    use tokio::sync::Notify;
+
+    use super::*;
+    use crate::{
+        dataplane::{
+            Desired,
+            applier::ApplyReport,
+            desired::tests::{facts, local, mac, snapshot, vx_lease, vxlan},
+        },
+        ip::IpStack,
+    };
+
+    /// Records the number of peers of every sync; a slow one waits for `gate` first.
+    struct Recorder {
+        quick: bool,
+        seen: Arc<Mutex<Vec<usize>>>,
+        gate: Option<Arc<Notify>>,
+    }
+
+    impl Applier for Recorder {
+        fn name(&self) -> &'static str {
+            if self.quick { "quick" } else { "slow" }
+        }
+
+        fn quick(&self) -> bool {
+            self.quick
+        }
+
+        fn sync<'a>(
+            &'a mut self,
+            _local: &'a Local,
+            desired: &'a Desired,
+            _mode: SyncMode,
+        ) -> BoxFuture<'a, ApplyReport> {
+            let peers = desired.peers.len();
+            Box::pin(async move {
+                if let Some(gate) = &self.gate {
+                    gate.notified().await;
+                }
+                self.seen.lock().unwrap().push(peers);
+                ApplyReport::default()
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_newer_snapshot_reaches_the_quick_appliers_while_a_slow_one_runs() {
+        let local = local(vxlan(false), IpStack::V4);
+        let facts = facts();
+        let (tx, mut rx) = watch::channel(snapshot(vec![]));
+        let quick_seen = Arc::new(Mutex::new(Vec::new()));
+        let slow_seen = Arc::new(Mutex::new(Vec::new()));
+        let gate = Arc::new(Notify::new());
+        let mut quick: Vec<Box<dyn Applier>> = vec![Box::new(Recorder {
+            quick: true,
+            seen: quick_seen.clone(),
+            gate: None,
+        })];
+        let mut slow = Recorder {
+            quick: false,
+            seen: slow_seen.clone(),
+            gate: Some(gate.clone()),
+        };
+        let first = desired(&local, &rx.borrow_and_update().clone(), &facts);
+        let mut seen = false;
+        let pass = QuickPass {
+            appliers: &mut quick,
+            local: &local,
+            facts: &facts,
+            newer: &mut rx,
+        };
+        let run = pass.alongside(slow.sync(&local, &first, SyncMode::Full), &mut seen);
+        let driver = async {
+            let mut next = snapshot(vec![(
+                "10.244.2.0-24",
+                vx_lease("10.244.2.0-24", [192, 168, 10, 2], mac(2)),
+            )]);
+            next.generation = 2;
+            tx.send(next).unwrap();
+            // The quick applier gets the new lease while the slow one still waits.
+            for _ in 0..1000 {
+                if !quick_seen.lock().unwrap().is_empty() {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            assert_eq!(*quick_seen.lock().unwrap(), vec![1]);
+            assert!(
+                slow_seen.lock().unwrap().is_empty(),
+                "the slow one is still busy"
+            );
+            gate.notify_one();
+        };
+        let (report, ()) = tokio::join!(run, driver);
+        assert!(report.errors.is_empty());
+        assert!(seen, "the caller must reconcile again");
+        assert_eq!(
+            *slow_seen.lock().unwrap(),
+            vec![0],
+            "the slow one finished its own sync"
         );
     }
 }
