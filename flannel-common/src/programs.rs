@@ -5,7 +5,7 @@
 //!
 //! | program | attach point | job |
 //! |---|---|---|
-//! | [`TC_FROM_BRIDGE`] | TC ingress of the pod bridge (`cni0`) | pod → remote pod: host-gw redirect, VXLAN or IPIP encapsulation |
+//! | [`TC_FROM_BRIDGE`] | TC ingress of the pod bridge's veth ports (the agent's choice; the bridge itself in test rigs) | pod → remote pod: host-gw redirect, VXLAN or IPIP encapsulation |
 //! | [`TC_FROM_NETDEV`] | TC ingress of the external interface | IPIP decapsulation, VXLAN receive, delivery to the bridge, NAT-guard learning |
 //! | [`TC_TO_NETDEV`] | TC egress of the external interface | IPIP encapsulation of kernel-routed packets, kernel-flow learning |
 //! | [`XDP_FROM_NETDEV`] | XDP (native mode only) of the external interface | decapsulation of deliverable IPIP/VXLAN before GRO |
@@ -20,7 +20,7 @@ pub const TC_CLASSIFY: &str = "tc_classify";
 /// returns `XDP_PASS`.
 pub const XDP_CLASSIFY: &str = "xdp_classify";
 
-/// Pod egress: TC ingress of the pod bridge.
+/// Pod egress: TC ingress of the pod bridge's veth ports.
 pub const TC_FROM_BRIDGE: &str = "tc_from_bridge";
 
 /// Node ingress: TC ingress of the external interface.

@@ -3,7 +3,7 @@
 //!
 //! | program | attach point |
 //! |---|---|
-//! | `tc_from_bridge` | TC ingress of the pod bridge (`cni0`) |
+//! | `tc_from_bridge` | TC ingress of the pod bridge's (`cni0`) veth ports |
 //! | `tc_from_netdev` | TC ingress of the external interface |
 //! | `tc_to_netdev` | TC egress of the external interface |
 //! | `xdp_from_netdev` | XDP (native mode) of the external interface |
@@ -53,7 +53,7 @@ pub fn xdp_classify(ctx: XdpContext) -> u32 {
     XDP_PASS
 }
 
-/// Pod egress, on TC ingress of the pod bridge: see `flannel_ebpf::bridge`.
+/// Pod egress, on TC ingress of the pod bridge's veth ports: see `flannel_ebpf::bridge`.
 #[classifier]
 pub fn tc_from_bridge(ctx: TcContext) -> i32 {
     ctx.pull_headers(PULL_LEN);

@@ -424,9 +424,9 @@ impl FastPath {
         Ok(outcome)
     }
 
-    /// Attaches `tc_from_bridge` to TC ingress of the pod bridge (`cni0`). Call it when the
-    /// bridge appears (the CNI bridge plugin creates it with the first pod) and again when it
-    /// is re-created: the link of the previous bridge (gone with its device) is unpinned.
+    /// Attaches `tc_from_bridge` to TC ingress of the bridge device itself, removing its other
+    /// links. Only where bridged traffic skips netfilter (the BPF test rigs): the daemon uses
+    /// [`FastPath::attach_ports`], see `flannel_ebpf::bridge` for why.
     pub fn attach_bridge(&mut self, ifindex: u32) -> Result<Attached, BpfError> {
         self.attach(Hook::FromBridge, ifindex)
     }

@@ -223,7 +223,7 @@ const PORTS_RESYNC: Duration = Duration::from_secs(30);
 /// and again every time it is re-created) and the fast path's pod ports ([`bpf::ports`]) equal
 /// to the bridge's forwarding database, until `cancel`. A link of the program on the bridge
 /// itself (left by an older agent) is removed with the first sync.
-pub async fn attach_bridge(
+pub async fn follow_bridge_ports(
     fast_path: SharedFastPath,
     nl: Netlink,
     bridge: String,

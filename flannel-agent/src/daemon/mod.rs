@@ -419,7 +419,7 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         let bridge = cli.pod_bridge.clone();
         let cancel = cancel.clone();
         tasks.spawn(async move {
-            fastpath::attach_bridge(fp, nl, bridge, cancel).await;
+            fastpath::follow_bridge_ports(fp, nl, bridge, cancel).await;
             Ok(None)
         });
     }
