@@ -576,7 +576,8 @@ impl FastPath {
         ))
     }
 
-    /// Every flow the maps hold, oldest first, decoded (expired ones included and marked).
+    /// Every flow the maps hold, oldest first (then by address), decoded (expired ones
+    /// included and marked).
     pub fn nat_flows(&self) -> Result<Vec<NatFlow>, BpfError> {
         let cfg = self.nat_config()?;
         let now = monotonic_ns();
@@ -610,7 +611,15 @@ impl FastPath {
                 reverse_ok,
             });
         }
-        flows.sort_by_key(|f| std::cmp::Reverse(f.age));
+        // The programs stamp flows with the coarse clock (one tick is several ms), so flows
+        // made together tie on age: the addresses decide between them.
+        flows.sort_by(|a, b| {
+            b.age
+                .cmp(&a.age)
+                .then(a.orig.cmp(&b.orig))
+                .then(a.remote.cmp(&b.remote))
+                .then(a.proto.cmp(&b.proto))
+        });
         Ok(flows)
     }
 
