@@ -303,7 +303,7 @@ impl Netlink {
     /// bridge master holds for it.
     pub async fn list_fdb(&self, ifindex: u32) -> Result<Vec<FdbEntry>, NetlinkError> {
         let ctx = Ctx::new("list fdb", format!("of index {ifindex}"));
-        let mut entries = self.dump_fdb(ifindex, &ctx).await?;
+        let mut entries = self.dump_fdb(ifindex, None, &ctx).await?;
         entries.retain(|e| e.ifindex == ifindex);
         Ok(entries)
     }
@@ -312,16 +312,28 @@ impl Netlink {
     /// static and local (permanent) entries, each with the port it points to in `ifindex`.
     pub async fn list_bridge_fdb(&self, bridge: u32) -> Result<Vec<FdbEntry>, NetlinkError> {
         let ctx = Ctx::new("list fdb", format!("of bridge index {bridge}"));
-        let mut entries = self.dump_fdb(0, &ctx).await?;
+        let mut entries = self.dump_fdb(0, Some(bridge), &ctx).await?;
         entries.retain(|e| e.master == Some(bridge) && !e.flags.contains(NeighbourFlags::SELF));
         Ok(entries)
     }
 
-    /// Dumps the bridge-family neighbour table (of device `ifindex`, 0 for all).
-    async fn dump_fdb(&self, ifindex: u32, ctx: &Ctx) -> Result<Vec<FdbEntry>, NetlinkError> {
+    /// Dumps the bridge-family neighbour table of device `ifindex` (0 for all), limited by the
+    /// kernel to the ports of bridge `master` when given (a strict-checking dump filter: the
+    /// vxlan device's entries, one per remote node, are not sent at all).
+    async fn dump_fdb(
+        &self,
+        ifindex: u32,
+        master: Option<u32>,
+        ctx: &Ctx,
+    ) -> Result<Vec<FdbEntry>, NetlinkError> {
         let mut message = NeighbourMessage::default();
         message.header.family = AddressFamily::Bridge;
         message.header.ifindex = ifindex;
+        if let Some(master) = master {
+            message
+                .attributes
+                .push(NeighbourAttribute::Controller(master));
+        }
         let answers = self
             .dump(RouteNetlinkMessage::GetNeighbour(message), ctx)
             .await?;
