@@ -152,6 +152,8 @@ pub struct Metrics {
     /// Remote peers that cannot be reached with the configured backend (e.g. host-gw across
     /// an L3 underlay).
     pub peers_unreachable: Gauge,
+    /// Pod bridge ports the fast path's pod-side program is attached to.
+    pub fastpath_pod_ports: Gauge,
     /// Completed reconcile runs.
     pub reconcile_runs: Counter,
     /// Duration of reconcile runs in seconds.
@@ -197,6 +199,12 @@ impl Metrics {
             "Remote nodes that the configured backend cannot reach",
             peers_unreachable.clone(),
         );
+        let fastpath_pod_ports = Gauge::default();
+        registry.register(
+            "fastpath_pod_ports",
+            "Pod bridge ports whose pods' packets the eBPF fast path takes",
+            fastpath_pod_ports.clone(),
+        );
         let reconcile_runs = Counter::default();
         registry.register(
             "reconcile_runs",
@@ -230,6 +238,7 @@ impl Metrics {
             kernel_entries,
             bpf_entries,
             peers_unreachable,
+            fastpath_pod_ports,
             reconcile_runs,
             reconcile_duration,
             errors,
@@ -319,7 +328,13 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("flannel_reconcile_runs_total 1"), "{text}");
-        assert!(!text.contains("fastpath"), "{text}");
+        assert!(!text.contains("fastpath_packets"), "{text}");
+        assert!(!text.contains("fastpath_bytes"), "{text}");
+        m.fastpath_pod_ports.set(2);
+        assert!(
+            m.render().lines().any(|l| l == "flannel_fastpath_pod_ports 2"),
+            "{text}"
+        );
 
         m.set_counter_source(Arc::new(Fixed));
         let text = m.render();

@@ -272,12 +272,21 @@ fn mixed_pair() -> Result<()> {
     let fast_agent: Agent = Agent::start(node1, &spec)?;
     wait::until_ok(Duration::from_secs(30), "node1 on the fast path", || {
         fastpath::expect_path(node1.ns(), DEFAULT_HEALTHZ_PORT, "ebpf")?;
+        fastpath::expect_pod_ports(node1.ns(), DEFAULT_HEALTHZ_PORT, 1)?;
         node1.run(&["ip", "link", "show", "flannel0"])?;
         Ok(())
     })?;
     let topo = cluster.topology();
     let (n1, n2) = (topo.node(1), topo.node(2));
     fastpath::expect_path(n2.ns(), DEFAULT_HEALTHZ_PORT, "kernel")?;
+    let entries = |kind: &str| {
+        status::metric_sum(
+            n1.ns(),
+            DEFAULT_HEALTHZ_PORT,
+            "flannel_bpf_map_entries",
+            &format!("kind=\"{kind}\""),
+        )
+    };
     // A veth hands a packet's unfinished (CHECKSUM_PARTIAL) inner checksum and GSO state to
     // its peer, which a NIC would have completed and segmented on transmit; a user-space
     // receiver (node2's forwarder) reads the datagram's bytes and would see the partial sum.
@@ -300,16 +309,38 @@ fn mixed_pair() -> Result<()> {
     wait::until_ok(Duration::from_secs(20), "pods reach each other", || {
         all_pairs(&cluster)
     })?;
+    // The pod has sent by now, so the bridge has learnt its MAC.
+    wait::until_ok(Duration::from_secs(5), "node1's map entries", || {
+        ensure!(
+            entries("routes4")? == 1.0 && entries("ports")? == 1.0,
+            "node1's maps: {} route(s) (one peer), {} pod(s) (one pod)",
+            entries("routes4")?,
+            entries("ports")?
+        );
+        Ok(())
+    })?;
 
-    let fast_before = fast(n1.ns(), "fast_udp")?;
-    let deliver_before = fast(n1.ns(), "fast_deliver_udp")?;
+    let counted_before = fastpath::counters(n1.ns(), DEFAULT_HEALTHZ_PORT)?.packets;
     let decap_before = forwarder(n2.ns(), "udp_decap")?;
     let encap_before = forwarder(n2.ns(), "udp_encap")?;
     let fast_to_tun = probe::transfer_mbit(p1.ns(), p2.ns(), IpAddr::V4(p2.ip()), 4 << 20)?;
     let tun_to_fast = probe::transfer_mbit(p2.ns(), p1.ns(), IpAddr::V4(p1.ip()), 4 << 20)?;
     eprintln!("4 MiB TCP fast → TUN {fast_to_tun:.0} Mbit/s, TUN → fast {tun_to_fast:.0} Mbit/s");
-    ensure!(fast(n1.ns(), "fast_udp")? - fast_before >= 100.0);
-    ensure!(fast(n1.ns(), "fast_deliver_udp")? - deliver_before >= 100.0);
+    let counted = fastpath::counters(n1.ns(), DEFAULT_HEALTHZ_PORT)?.packets;
+    let grown = |reason: &str| -> u64 {
+        counted
+            .keys()
+            .filter(|(_, r)| r == reason)
+            .map(|(p, r)| fastpath::grown(&counted_before, &counted, p, r))
+            .sum()
+    };
+    ensure!(
+        grown("fast_udp") >= 100 && grown("fast_deliver_udp") >= 100,
+        "node1's fast path did not carry the transfers: {}\npod port programs: {}\nagent log:\n{}",
+        fastpath::growth_text(&counted_before, &counted),
+        n1.run(&["bpftool", "net", "show"]).unwrap_or_else(|e| e.to_string()),
+        fast_agent.log_tail(40)
+    );
     ensure!(forwarder(n2.ns(), "udp_decap")? - decap_before >= 100.0);
     ensure!(forwarder(n2.ns(), "udp_encap")? - encap_before >= 100.0);
 

@@ -277,7 +277,8 @@ fn mixed_pair() -> Result<()> {
     let (p1, p2) = (&pods[0], &pods[1]);
     let dst = p2.ip6_required()?;
     wait::until_ok(Duration::from_secs(30), "node1 on the fast path", || {
-        on_fast_path(n1.ns())
+        on_fast_path(n1.ns())?;
+        fastpath::expect_pod_ports(n1.ns(), DEFAULT_HEALTHZ_PORT, 1)
     })?;
     wait::until_ok(Duration::from_secs(20), "pods reach each other", || {
         probe::pods_talk(&[p1, p2], true)
@@ -375,6 +376,11 @@ fn ipv6_only_kube() -> Result<()> {
     }
     for n in 1..=2 {
         topology.add_pod(n)?;
+    }
+    for node in topology.nodes() {
+        wait::until_ok(Duration::from_secs(20), "the fast path on the pod's port", || {
+            fastpath::expect_pod_ports(node.ns(), DEFAULT_HEALTHZ_PORT, 1)
+        })?;
     }
     let pods: Vec<&Pod> = topology.pods().iter().collect();
     probe::pods_talk(&pods, false)?;

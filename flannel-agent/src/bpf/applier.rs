@@ -13,12 +13,13 @@ use std::{
 
 use futures::future::BoxFuture;
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+use prometheus_client::metrics::{family::Family, gauge::Gauge};
 
 use super::{FastPath, Remote, Remote6, Via};
 use crate::{
     backend::BackendOptions,
     dataplane::{Applier, ApplyError, ApplyReport, ApplyStats, Desired, Local, Reach, SyncMode},
-    metrics::{CounterSource, FastPathCount},
+    metrics::{CounterSource, FastPathCount, KindLabel},
 };
 
 /// The loaded fast path, shared by the applier, the bridge attacher and the metrics.
@@ -130,6 +131,8 @@ pub fn remotes6(
 pub struct BpfApplier {
     fast_path: SharedFastPath,
     vxlan_vni: Option<u32>,
+    /// `flannel_bpf_map_entries`, when exported: route entries per family after each sync.
+    entries: Option<Family<KindLabel, Gauge>>,
 }
 
 impl BpfApplier {
@@ -137,6 +140,22 @@ impl BpfApplier {
         Self {
             fast_path,
             vxlan_vni,
+            entries: None,
+        }
+    }
+
+    /// Reports the route maps' entries (`routes4`, `routes6`) in `entries` after every sync.
+    pub fn with_entries_gauge(mut self, entries: Family<KindLabel, Gauge>) -> Self {
+        self.entries = Some(entries);
+        self
+    }
+
+    /// Sets the `kind` gauge to the entries a successful sync left.
+    fn report_entries(&self, kind: &str, s: &super::SyncStats) {
+        if let Some(entries) = &self.entries {
+            entries
+                .get_or_create(&KindLabel { kind: kind.into() })
+                .set((s.added + s.updated + s.unchanged) as i64);
         }
     }
 
@@ -171,7 +190,10 @@ impl BpfApplier {
             }
         }
         match fp.sync(&want) {
-            Ok(s) => add_stats(&mut report.stats, &s),
+            Ok(s) => {
+                add_stats(&mut report.stats, &s);
+                self.report_entries("routes4", &s);
+            }
             Err(err) => {
                 report.errors.push(ApplyError {
                     kind: "bpf:sync".into(),
@@ -199,7 +221,10 @@ impl BpfApplier {
             }
         }
         match fp.sync6(&want6) {
-            Ok(s) => add_stats(&mut report.stats, &s),
+            Ok(s) => {
+                add_stats(&mut report.stats, &s);
+                self.report_entries("routes6", &s);
+            }
             Err(err) => {
                 report.errors.push(ApplyError {
                     kind: "bpf:sync".into(),

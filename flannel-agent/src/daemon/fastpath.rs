@@ -20,6 +20,7 @@ use crate::{
     },
     cli::Dataplane,
     dataplane::Local,
+    metrics::{KindLabel, Metrics},
     ip::IpStack,
     netlink::{FdbEvent, FdbEvents, LinkEvent, Netlink},
 };
@@ -222,11 +223,13 @@ const PORTS_RESYNC: Duration = Duration::from_secs(30);
 /// Keeps the pod-side program attached to every veth port of `bridge` (found now if it exists,
 /// and again every time it is re-created) and the fast path's pod ports ([`bpf::ports`]) equal
 /// to the bridge's forwarding database, until `cancel`. A link of the program on the bridge
-/// itself (left by an older agent) is removed with the first sync.
+/// itself (left by an older agent) is removed with the first sync. `metrics` shows how many
+/// ports the program is on and how many pods the map knows.
 pub async fn follow_bridge_ports(
     fast_path: SharedFastPath,
     nl: Netlink,
     bridge: String,
+    metrics: Arc<Metrics>,
     cancel: CancellationToken,
 ) {
     let attach = |index: u32| {
@@ -296,8 +299,14 @@ pub async fn follow_bridge_ports(
             _ = resync.tick() => mark(&mut settle),
             () = sleep_until_some(settle) => {
                 settle = None;
-                if let Some(index) = bridge_index {
-                    sync_ports(&fast_path, &nl, index).await;
+                if let Some(index) = bridge_index
+                    && let Some(synced) = sync_ports(&fast_path, &nl, index).await
+                {
+                    metrics.fastpath_pod_ports.set(synced.attached as i64);
+                    metrics
+                        .bpf_entries
+                        .get_or_create(&KindLabel { kind: "ports".into() })
+                        .set(synced.pods as i64);
                 }
             }
         }
@@ -320,9 +329,17 @@ async fn sleep_until_some(deadline: Option<Instant>) {
     }
 }
 
+/// What one [`sync_ports`] left in place.
+struct PortsSynced {
+    /// Ports with `tc_from_bridge` attached.
+    attached: usize,
+    /// Pods (MACs) in the pod ports map.
+    pods: usize,
+}
+
 /// Re-reads the ports and FDB of bridge `bridge` and writes the difference into the fast
-/// path's pod ports.
-async fn sync_ports(fast_path: &SharedFastPath, nl: &Netlink, bridge: u32) {
+/// path's pod ports; `None` when the bridge could not be read.
+async fn sync_ports(fast_path: &SharedFastPath, nl: &Netlink, bridge: u32) -> Option<PortsSynced> {
     let read = async {
         Ok::<_, crate::netlink::NetlinkError>((
             nl.list_links().await?,
@@ -333,24 +350,33 @@ async fn sync_ports(fast_path: &SharedFastPath, nl: &Netlink, bridge: u32) {
         Ok(read) => read,
         Err(err) => {
             warn!(bridge, "reading the pod bridge's ports: {err}");
-            return;
+            return None;
         }
     };
     let desired = bpf::ports::desired_ports(bridge, &links, &fdb);
     let veths = bpf::ports::veth_ports(bridge, &links);
-    let Ok(mut fp) = fast_path.lock() else { return };
+    let Ok(mut fp) = fast_path.lock() else {
+        return None;
+    };
     // The map first: a program adopted by the attach reads it at once.
-    match fp.sync_ports(&desired) {
-        Ok(sync) if sync.written + sync.removed > 0 => debug!(
-            bridge,
-            pods = sync.total,
-            written = sync.written,
-            removed = sync.removed,
-            "pod ports synced"
-        ),
-        Ok(_) => {}
-        Err(err) => warn!(bridge, "writing the pod ports map: {err}"),
-    }
+    let pods = match fp.sync_ports(&desired) {
+        Ok(sync) => {
+            if sync.written + sync.removed > 0 {
+                debug!(
+                    bridge,
+                    pods = sync.total,
+                    written = sync.written,
+                    removed = sync.removed,
+                    "pod ports synced"
+                );
+            }
+            sync.total
+        }
+        Err(err) => {
+            warn!(bridge, "writing the pod ports map: {err}");
+            fp.ports().map(|p| p.len()).unwrap_or(0)
+        }
+    };
     match fp.attach_ports(&veths) {
         Ok(change) if change.attached + change.detached > 0 => debug!(
             bridge,
@@ -362,6 +388,12 @@ async fn sync_ports(fast_path: &SharedFastPath, nl: &Netlink, bridge: u32) {
         Ok(_) => {}
         Err(err) => warn!(bridge, "attaching to the pod bridge's ports: {err}"),
     }
+    let attached = fp
+        .attachments()
+        .iter()
+        .filter(|(hook, _)| *hook == bpf::Hook::FromBridge)
+        .count();
+    Some(PortsSynced { attached, pods })
 }
 
 #[cfg(test)]

@@ -361,10 +361,10 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     // peer's traffic until the map entry exists, so the order is safe either way.
     let mut appliers: Vec<Box<dyn dataplane::Applier>> = Vec::new();
     if let Some(fp) = active.fast_path() {
-        appliers.push(Box::new(crate::bpf::BpfApplier::new(
-            fp.clone(),
-            fastpath::vxlan_vni(&backend),
-        )));
+        appliers.push(Box::new(
+            crate::bpf::BpfApplier::new(fp.clone(), fastpath::vxlan_vni(&backend))
+                .with_entries_gauge(metrics.bpf_entries.clone()),
+        ));
         metrics.set_counter_source(Arc::new(crate::bpf::FastPathCounters(fp.clone())));
     }
     appliers.push(Box::new(dataplane::kernel::KernelApplier::new(nl.clone())));
@@ -418,8 +418,9 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         let nl = nl.clone();
         let bridge = cli.pod_bridge.clone();
         let cancel = cancel.clone();
+        let metrics = metrics.clone();
         tasks.spawn(async move {
-            fastpath::follow_bridge_ports(fp, nl, bridge, cancel).await;
+            fastpath::follow_bridge_ports(fp, nl, bridge, metrics, cancel).await;
             Ok(None)
         });
     }

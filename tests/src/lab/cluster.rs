@@ -14,6 +14,7 @@ use serde_json::Value;
 
 use super::{
     agent::{Agent, AgentSpec, Dataplane},
+    fastpath,
     kv::Kv,
     lease::{self, LeaseRecord},
     probe::{self, Matrix},
@@ -205,7 +206,40 @@ impl Cluster {
                 progress(&format!("node{n}: pod {} {}", pod.name(), pod.ip_net()));
             }
         }
+        cluster.wait_pod_ports(Duration::from_secs(20))?;
         Ok(cluster)
+    }
+
+    /// Waits until the fast path of every `--dataplane=ebpf` node takes the packets of all its
+    /// pods: the agent attaches to new bridge ports a moment after the pod appears, and tests
+    /// that count fast-path packets need it there.
+    pub fn wait_pod_ports(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        for (i, agent) in self.agents.iter().enumerate() {
+            let node = &self.topology.nodes()[i];
+            let pods = self.topology.pods().iter().filter(|p| p.node() == node.index()).count();
+            let Some(port) = agent.healthz_port() else {
+                continue;
+            };
+            if pods == 0 || self.dataplane_of(node.index()) != Dataplane::Ebpf {
+                continue;
+            }
+            loop {
+                let Err(err) = fastpath::expect_pod_ports(node.ns(), port, pods) else {
+                    break;
+                };
+                if Instant::now() >= deadline {
+                    bail!(
+                        "{}: {err:#} after {timeout:?}; last lines of {}:\n{}",
+                        node.name(),
+                        agent.log_path().display(),
+                        agent.log_tail(30)
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Ok(())
     }
 
     /// Waits until every agent answers `/readyz` with 200 (its first reconcile against the

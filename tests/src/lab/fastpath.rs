@@ -294,6 +294,17 @@ pub fn expect_path(ns: &NetNs, port: u16, want: &str) -> Result<()> {
     Ok(())
 }
 
+/// Fails unless the agent's fast path takes the packets of at least `pods` pod bridge ports
+/// (`flannel_fastpath_pod_ports`): the agent attaches to the ports shortly after it reports
+/// the eBPF path, and until then pods' packets take the kernel path.
+pub fn expect_pod_ports(ns: &NetNs, port: u16, pods: usize) -> Result<()> {
+    let ports = status::metric_sum(ns, port, "flannel_fastpath_pod_ports", "")?;
+    if ports < pods as f64 {
+        bail!("the fast path is on {ports} pod port(s), not yet on {pods}");
+    }
+    Ok(())
+}
+
 /// Packets the agent's fast path counted under `reason`, summed over its programs.
 pub fn packets(ns: &NetNs, port: u16, reason: &str) -> Result<f64> {
     status::metric_sum(
