@@ -332,7 +332,9 @@ mod tests {
         assert!(!text.contains("fastpath_bytes"), "{text}");
         m.fastpath_pod_ports.set(2);
         assert!(
-            m.render().lines().any(|l| l == "flannel_fastpath_pod_ports 2"),
+            m.render()
+                .lines()
+                .any(|l| l == "flannel_fastpath_pod_ports 2"),
             "{text}"
         );
 

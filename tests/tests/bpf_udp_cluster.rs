@@ -338,7 +338,8 @@ fn mixed_pair() -> Result<()> {
         grown("fast_udp") >= 100 && grown("fast_deliver_udp") >= 100,
         "node1's fast path did not carry the transfers: {}\npod port programs: {}\nagent log:\n{}",
         fastpath::growth_text(&counted_before, &counted),
-        n1.run(&["bpftool", "net", "show"]).unwrap_or_else(|e| e.to_string()),
+        n1.run(&["bpftool", "net", "show"])
+            .unwrap_or_else(|e| e.to_string()),
         fast_agent.log_tail(40)
     );
     ensure!(forwarder(n2.ns(), "udp_decap")? - decap_before >= 100.0);

@@ -378,9 +378,11 @@ fn ipv6_only_kube() -> Result<()> {
         topology.add_pod(n)?;
     }
     for node in topology.nodes() {
-        wait::until_ok(Duration::from_secs(20), "the fast path on the pod's port", || {
-            fastpath::expect_pod_ports(node.ns(), DEFAULT_HEALTHZ_PORT, 1)
-        })?;
+        wait::until_ok(
+            Duration::from_secs(20),
+            "the fast path on the pod's port",
+            || fastpath::expect_pod_ports(node.ns(), DEFAULT_HEALTHZ_PORT, 1),
+        )?;
     }
     let pods: Vec<&Pod> = topology.pods().iter().collect();
     probe::pods_talk(&pods, false)?;

@@ -20,8 +20,8 @@ use crate::{
     },
     cli::Dataplane,
     dataplane::Local,
-    metrics::{KindLabel, Metrics},
     ip::IpStack,
+    metrics::{KindLabel, Metrics},
     netlink::{FdbEvent, FdbEvents, LinkEvent, Netlink},
 };
 

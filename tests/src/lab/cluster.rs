@@ -217,7 +217,12 @@ impl Cluster {
         let deadline = Instant::now() + timeout;
         for (i, agent) in self.agents.iter().enumerate() {
             let node = &self.topology.nodes()[i];
-            let pods = self.topology.pods().iter().filter(|p| p.node() == node.index()).count();
+            let pods = self
+                .topology
+                .pods()
+                .iter()
+                .filter(|p| p.node() == node.index())
+                .count();
             let Some(port) = agent.healthz_port() else {
                 continue;
             };
