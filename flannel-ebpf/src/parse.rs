@@ -106,7 +106,9 @@ impl PacketCtx for TcContext {
         } else {
             len
         };
-        if PacketCtx::data(self) + want > PacketCtx::data_end(self) {
+        if PacketCtx::data(self) + want > PacketCtx::data_end(self)
+            && linear_tcp_headers(self).is_none()
+        {
             // On failure the packet stays as it was and the parser reports it truncated.
             let _ = self.pull_data(want as u32);
         }
@@ -150,6 +152,37 @@ pub fn ptr_at<C: PacketCtx, T>(ctx: &C, offset: usize) -> Option<*const T> {
 #[inline(always)]
 pub fn ptr_at_mut<C: PacketCtx, T>(ctx: &C, offset: usize) -> Option<*mut T> {
     ptr_at::<C, T>(ctx, offset).map(|p| p.cast_mut())
+}
+
+/// The length of an IPv4 TCP packet's header chain (Ethernet, IPv4 with its options, TCP with
+/// its options) when all of it is directly readable, `None` otherwise (other protocols,
+/// tunnels, IPv6, VLAN tags, a short linear part).
+///
+/// The programs read nothing of a TCP packet beyond its headers, and the stack's own TCP
+/// packets carry exactly their headers in the linear part with the payload in pages: such a
+/// packet needs no [`PacketCtx::pull_headers`], whose `bpf_skb_pull_data` would move payload
+/// into the head and, for the clones TCP transmits, reallocate the head of every packet.
+#[inline(always)]
+pub fn linear_tcp_headers<C: PacketCtx>(ctx: &C) -> Option<usize> {
+    if read::<C, [u8; 2]>(ctx, 12)? != ETH_P_IP.to_be_bytes() {
+        return None;
+    }
+    let version_ihl: u8 = read(ctx, ETH_HDR_LEN)?;
+    let ihl = usize::from(version_ihl & 0x0f) * 4;
+    if version_ihl >> 4 != 4
+        || ihl < IPV4_HDR_LEN
+        || read::<C, u8>(ctx, ETH_HDR_LEN + 9)? != proto::TCP
+    {
+        return None;
+    }
+    let l4 = ETH_HDR_LEN + ihl;
+    let doff = usize::from(read::<C, u8>(ctx, l4 + 12)? >> 4) * 4;
+    if doff < TCP_HDR_LEN {
+        return None;
+    }
+    let end = l4 + doff;
+    read::<C, u8>(ctx, end - 1)?;
+    Some(end)
 }
 
 /// Reads a `T` (alignment 1) at `offset`, if it lies within the packet data.
@@ -423,6 +456,38 @@ mod tests {
 
     fn reason(frame: &[u8]) -> Reason {
         classify(&Slice(frame))
+    }
+
+    #[test]
+    fn tcp_headers_in_the_linear_part_need_no_pull() {
+        // Ethernet + IPv4 with 4 bytes of options + TCP with 12 bytes of options, then payload
+        // (the linear part ends where the slice ends).
+        let mut seg = vec![0u8; 32];
+        seg[12] = 8 << 4;
+        let frame = ipv4(proto::TCP, &[1, 1, 1, 0], 0, &seg);
+        assert_eq!(linear_tcp_headers(&Slice(&frame)), Some(14 + 24 + 32));
+        let with_payload = [frame.clone(), vec![0xab; 100]].concat();
+        assert_eq!(linear_tcp_headers(&Slice(&with_payload)), Some(70));
+        // The TCP options reach past the linear part: pull.
+        assert_eq!(linear_tcp_headers(&Slice(&frame[..69])), None);
+        // Only part of the fixed TCP header is linear: pull.
+        assert_eq!(linear_tcp_headers(&Slice(&frame[..14 + 24 + 12])), None);
+        // A data offset below 5 words is not a header chain to trust.
+        let mut bad = frame.clone();
+        bad[14 + 24 + 12] = 4 << 4;
+        assert_eq!(linear_tcp_headers(&Slice(&bad)), None);
+        // Everything else is pulled as before: UDP (tunnels), ICMP (errors quote headers),
+        // IPv6, a non-IPv4 version nibble.
+        for other in [
+            ipv4(proto::UDP, &[], 0, &[0; 8]),
+            ipv4(proto::ICMP, &[], 0, &[8, 0, 0, 0, 0, 1, 0, 1]),
+            ipv6(proto::TCP, &tcp()),
+        ] {
+            assert_eq!(linear_tcp_headers(&Slice(&other)), None);
+        }
+        let mut v5 = ipv4(proto::TCP, &[], 0, &tcp());
+        v5[14] = 0x55;
+        assert_eq!(linear_tcp_headers(&Slice(&v5)), None);
     }
 
     #[test]

@@ -69,8 +69,8 @@ impl Fib6 {
 /// the callers' frames).
 #[inline(never)]
 pub fn lookup(ctx: &TcContext, ifindex: u32, info: &Ipv6Info, tot_len: u16) -> Fib6 {
-    // SAFETY: bpf_fib_lookup is a plain C struct; all-zero is a valid starting point.
-    let mut params: FibParams = unsafe { zeroed() };
+    let mut slot = core::mem::MaybeUninit::uninit();
+    let params = crate::fib::zeroed_params(&mut slot);
     params.family = AF_INET6;
     params.l4_protocol = info.next_hdr;
     params.sport = u16::from_ne_bytes(info.sport);
@@ -80,19 +80,19 @@ pub fn lookup(ctx: &TcContext, ifindex: u32, info: &Ipv6Info, tot_len: u16) -> F
     params.__bindgen_anon_2.flowinfo = (u32::from(info.tclass) << 20).to_be();
     params.__bindgen_anon_3.ipv6_src = words(&info.src);
     params.__bindgen_anon_4.ipv6_dst = words(&info.dst);
-    run(ctx, &mut params, 0)
+    run(ctx, params, 0)
 }
 
 /// Looks up the route of an outer (tunnel) packet from `src` to `dst` leaving through `oif`.
 #[inline(never)]
 pub fn lookup_output(ctx: &TcContext, oif: u32, src: &[u8; 16], dst: &[u8; 16]) -> Fib6 {
-    // SAFETY: as in `lookup`.
-    let mut params: FibParams = unsafe { zeroed() };
+    let mut slot = core::mem::MaybeUninit::uninit();
+    let params = crate::fib::zeroed_params(&mut slot);
     params.family = AF_INET6;
     params.ifindex = oif;
     params.__bindgen_anon_3.ipv6_src = words(src);
     params.__bindgen_anon_4.ipv6_dst = words(dst);
-    run(ctx, &mut params, BPF_FIB_LOOKUP_OUTPUT)
+    run(ctx, params, BPF_FIB_LOOKUP_OUTPUT)
 }
 
 #[inline(always)]
