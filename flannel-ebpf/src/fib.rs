@@ -64,7 +64,7 @@ impl Fib {
 #[inline(always)]
 pub fn zeroed_params(slot: &mut MaybeUninit<FibParams>) -> &mut FibParams {
     const WORDS: usize = size_of::<FibParams>() / 8;
-    const _: () = assert!(size_of::<FibParams>() % 8 == 0);
+    const _: () = assert!(size_of::<FibParams>().is_multiple_of(8));
     let words = slot.as_mut_ptr().cast::<u64>();
     let mut i = 0;
     while i < WORDS {
