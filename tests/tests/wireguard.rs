@@ -316,9 +316,15 @@ fn wireguard_cluster_end_to_end() {
     let mut cluster = up(3);
     let all = [1, 2, 3];
 
-    // Pods reach each other across nodes.
-    let matrix = cluster.matrix(T).expect("matrix");
-    assert!(matrix.all_ok(), "{matrix}");
+    // Pods reach each other across nodes, once every agent has programmed every peer (a
+    // handshake initiation that reaches a node before it knows the sender is dropped, and
+    // WireGuard retries only after 5 s).
+    cluster.wait_ready(Duration::from_secs(60)).expect("ready");
+    wait_for("pods to reach each other", Duration::from_secs(20), || {
+        let matrix = cluster.matrix(T)?;
+        anyhow::ensure!(matrix.all_ok(), "{matrix}");
+        Ok(Some(()))
+    });
 
     // Userspace devices, one wireguard-go per node, with peers from the leases.
     for node in cluster.topology().nodes() {

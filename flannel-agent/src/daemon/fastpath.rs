@@ -272,14 +272,19 @@ pub async fn follow_bridge_ports(
         tokio::select! {
             () = cancel.cancelled() => return,
             event = events.next() => match event {
+                // Every change of the bridge (a port added, its MTU) is an RTM_NEWLINK too.
                 Some(LinkEvent::New { index, name }) if name == bridge => {
-                    attach(index);
+                    if bridge_index != Some(index) {
+                        attach(index);
+                    }
                     bridge_index = Some(index);
                     mark(&mut settle);
                 }
                 Some(LinkEvent::Overrun) => {
                     if let Ok(Some(link)) = nl.link_by_name(&bridge).await {
-                        attach(link.index);
+                        if bridge_index != Some(link.index) {
+                            attach(link.index);
+                        }
                         bridge_index = Some(link.index);
                     }
                     mark(&mut settle);

@@ -402,9 +402,13 @@ pub fn transfer(
     let received = receiver
         .join()
         .map_err(|_| anyhow::anyhow!("receiver thread panicked"))?;
-    let sent = sent??;
-    received.context("receiver")?;
-    Ok(sent)
+    match (sent?, received) {
+        (Ok(sent), Ok(())) => Ok(sent),
+        (Ok(_), Err(err)) => Err(err.context("receiver")),
+        // The sender's error (a reset, a broken pipe) is often the receiver's doing: say both.
+        (Err(err), Err(receiver)) => Err(err.context(format!("receiver: {receiver:#}"))),
+        (Err(err), Ok(())) => Err(err),
+    }
 }
 
 /// A [`transfer`] of `size` bytes with 30 s to finish; the throughput in Mbit/s.
