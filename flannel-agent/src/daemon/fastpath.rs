@@ -219,6 +219,9 @@ fn local_configs(
 const PORTS_SETTLE: Duration = Duration::from_millis(20);
 /// How often the port mirror re-reads everything anyway (lost notifications).
 const PORTS_RESYNC: Duration = Duration::from_secs(30);
+/// How soon a sync that could not finish (the bridge unreadable, a port that vanished while
+/// being attached, a map write refused) is tried again.
+const PORTS_RETRY: Duration = Duration::from_secs(1);
 
 /// Keeps the pod-side program attached to every veth port of `bridge` (found now if it exists,
 /// and again every time it is re-created) and the fast path's pod ports ([`bpf::ports`]) equal
@@ -304,14 +307,18 @@ pub async fn follow_bridge_ports(
             _ = resync.tick() => mark(&mut settle),
             () = sleep_until_some(settle) => {
                 settle = None;
-                if let Some(index) = bridge_index
-                    && let Some(synced) = sync_ports(&fast_path, &nl, index).await
-                {
-                    metrics.fastpath_pod_ports.set(synced.attached as i64);
-                    metrics
-                        .bpf_entries
-                        .get_or_create(&KindLabel { kind: "ports".into() })
-                        .set(synced.pods as i64);
+                if let Some(index) = bridge_index {
+                    let synced = sync_ports(&fast_path, &nl, index).await;
+                    if let Some(synced) = &synced {
+                        metrics.fastpath_pod_ports.set(synced.attached as i64);
+                        metrics
+                            .bpf_entries
+                            .get_or_create(&KindLabel { kind: "ports".into() })
+                            .set(synced.pods as i64);
+                    }
+                    if !synced.is_some_and(|s| s.complete) {
+                        settle = Some(Instant::now() + PORTS_RETRY);
+                    }
                 }
             }
         }
@@ -340,6 +347,8 @@ struct PortsSynced {
     attached: usize,
     /// Pods (MACs) in the pod ports map.
     pods: usize,
+    /// Whether the map and the links are what the bridge's state asks for (no error).
+    complete: bool,
 }
 
 /// Re-reads the ports and FDB of bridge `bridge` and writes the difference into the fast
@@ -363,6 +372,7 @@ async fn sync_ports(fast_path: &SharedFastPath, nl: &Netlink, bridge: u32) -> Op
     let Ok(mut fp) = fast_path.lock() else {
         return None;
     };
+    let mut complete = true;
     // The map first: a program adopted by the attach reads it at once.
     let pods = match fp.sync_ports(&desired) {
         Ok(sync) => {
@@ -379,6 +389,7 @@ async fn sync_ports(fast_path: &SharedFastPath, nl: &Netlink, bridge: u32) -> Op
         }
         Err(err) => {
             warn!(bridge, "writing the pod ports map: {err}");
+            complete = false;
             fp.ports().map(|p| p.len()).unwrap_or(0)
         }
     };
@@ -391,14 +402,21 @@ async fn sync_ports(fast_path: &SharedFastPath, nl: &Netlink, bridge: u32) -> Op
             "pod egress program attached to the bridge's ports"
         ),
         Ok(_) => {}
-        Err(err) => warn!(bridge, "attaching to the pod bridge's ports: {err}"),
+        Err(err) => {
+            warn!(bridge, "attaching to the pod bridge's ports: {err}");
+            complete = false;
+        }
     }
     let attached = fp
         .attachments()
         .iter()
         .filter(|(hook, _)| *hook == bpf::Hook::FromBridge)
         .count();
-    Some(PortsSynced { attached, pods })
+    Some(PortsSynced {
+        attached,
+        pods,
+        complete,
+    })
 }
 
 #[cfg(test)]
