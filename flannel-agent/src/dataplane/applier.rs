@@ -19,6 +19,17 @@ pub enum SyncMode {
     AddOnly,
 }
 
+impl SyncMode {
+    /// The mode a lease snapshot allows: deletions only once the lease set is complete.
+    pub fn of(snapshot: &crate::subnet::LeaseSnapshot) -> Self {
+        if snapshot.synced {
+            SyncMode::Full
+        } else {
+            SyncMode::AddOnly
+        }
+    }
+}
+
 /// Counts of one sync (or sums over many).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ApplyStats {

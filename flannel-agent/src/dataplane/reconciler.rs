@@ -162,11 +162,7 @@ impl QuickPass<'_> {
                     *seen = true;
                     let snapshot = self.newer.borrow_and_update().clone();
                     let want = desired(self.local, &snapshot, self.facts);
-                    let mode = if snapshot.synced {
-                        SyncMode::Full
-                    } else {
-                        SyncMode::AddOnly
-                    };
+                    let mode = SyncMode::of(&snapshot);
                     for applier in self.appliers.iter_mut().filter(|a| a.quick()) {
                         let report = applier.sync(self.local, &want, mode).await;
                         tracing::debug!(
@@ -398,11 +394,7 @@ impl Reconciler {
 
         let want = desired(&self.local, snapshot, &facts);
         self.notes.update(&want.notes);
-        let mode = if snapshot.synced {
-            SyncMode::Full
-        } else {
-            SyncMode::AddOnly
-        };
+        let mode = SyncMode::of(snapshot);
 
         let mut stats = ApplyStats::default();
         let mut errors = Vec::new();

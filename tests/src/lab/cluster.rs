@@ -213,66 +213,48 @@ impl Cluster {
     /// Waits until the fast path of every `--dataplane=ebpf` node takes the packets of all its
     /// pods: the agent attaches to new bridge ports a moment after the pod appears, and tests
     /// that count fast-path packets need it there.
-    pub fn wait_pod_ports(&self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        for (i, agent) in self.agents.iter().enumerate() {
-            let node = &self.topology.nodes()[i];
-            let pods = self
-                .topology
+    pub fn wait_pod_ports(&mut self, timeout: Duration) -> Result<()> {
+        let pods_on = |n: usize| {
+            self.topology
                 .pods()
                 .iter()
-                .filter(|p| p.node() == node.index())
-                .count();
-            let Some(port) = agent.healthz_port() else {
-                continue;
-            };
-            if pods == 0 || self.dataplane_of(node.index()) != Dataplane::Ebpf {
-                continue;
-            }
-            loop {
-                let Err(err) = fastpath::expect_pod_ports(node.ns(), port, pods) else {
-                    break;
-                };
-                if Instant::now() >= deadline {
-                    bail!(
-                        "{}: {err:#} after {timeout:?}; last lines of {}:\n{}",
-                        node.name(),
-                        agent.log_path().display(),
-                        agent.log_tail(30)
-                    );
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-        Ok(())
+                .filter(|p| p.node() == n)
+                .count()
+        };
+        let wanted: Vec<usize> = self
+            .topology
+            .nodes()
+            .iter()
+            .map(|node| match self.dataplane_of(node.index()) {
+                Dataplane::Ebpf => pods_on(node.index()),
+                _ => 0,
+            })
+            .collect();
+        let nodes = self.topology.nodes();
+        poll_agents(
+            &mut self.agents,
+            nodes,
+            timeout,
+            |node, port| match wanted[node.index() - 1] {
+                0 => Ok(()),
+                pods => fastpath::expect_pod_ports(node.ns(), port, pods),
+            },
+        )
     }
 
     /// Waits until every agent answers `/readyz` with 200 (its first reconcile against the
     /// complete lease set succeeded), failing early if one exits.
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        for (i, agent) in self.agents.iter_mut().enumerate() {
-            let node = &self.topology.nodes()[i];
-            let Some(port) = agent.healthz_port() else {
-                continue;
-            };
-            loop {
-                agent.check_running()?;
-                if matches!(status::http_status(node.ns(), port, "/readyz"), Ok(200)) {
-                    break;
-                }
-                if Instant::now() >= deadline {
-                    bail!(
-                        "{} is not ready after {timeout:?}; last lines of {}:\n{}",
-                        node.name(),
-                        agent.log_path().display(),
-                        agent.log_tail(30)
-                    );
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        }
-        Ok(())
+        let nodes = self.topology.nodes();
+        poll_agents(
+            &mut self.agents,
+            nodes,
+            timeout,
+            |node, port| match status::http_status(node.ns(), port, "/readyz") {
+                Ok(200) => Ok(()),
+                other => bail!("not ready (/readyz: {other:?})"),
+            },
+        )
     }
 
     /// The agent flags shared by all nodes.
@@ -488,4 +470,37 @@ impl Cluster {
 
 fn oneline(env: &SubnetEnv) -> String {
     env.render().trim_end().replace('\n', " ")
+}
+
+/// Polls `check(node, healthz port)` for every agent that serves one, in turn, until it holds;
+/// fails at once if the agent exits, and with the last check's error and the agent's log
+/// when `timeout` (for all of them together) runs out.
+fn poll_agents(
+    agents: &mut [Agent],
+    nodes: &[crate::topology::Node],
+    timeout: Duration,
+    mut check: impl FnMut(&crate::topology::Node, u16) -> Result<()>,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    for (agent, node) in agents.iter_mut().zip(nodes) {
+        let Some(port) = agent.healthz_port() else {
+            continue;
+        };
+        loop {
+            agent.check_running()?;
+            let Err(err) = check(node, port) else {
+                break;
+            };
+            if Instant::now() >= deadline {
+                bail!(
+                    "{}: {err:#} after {timeout:?}; last lines of {}:\n{}",
+                    node.name(),
+                    agent.log_path().display(),
+                    agent.log_tail(30)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    Ok(())
 }
