@@ -8,18 +8,20 @@
 //! |---|---|---|---|
 //! | [`crate::maps::NAT_CONFIG`] | array (1) | 0 → [`NatConfig`] | agent |
 //! | [`crate::maps::NAT4`] | LRU hash | [`NatKey`] of the packet *leaving* (original source) → [`NatEntry`] (translated source, state, timestamps) | `tc_to_netdev` |
-//! | [`crate::maps::NAT_REV4`] | LRU hash | [`NatKey`] of the reply *arriving* (translated destination) → [`NatRevEntry`] (original source) | `tc_to_netdev` |
+//! | [`crate::maps::NAT_REV4`] | LRU hash | [`NatKey`] of the reply *arriving* (translated destination) → [`NatRevEntry`] (original source, last check) | `tc_to_netdev`, `tc_from_netdev` |
 //! | [`crate::maps::NAT_FRAG4`] | LRU hash | [`FragKey`] of an arriving fragmented reply → [`FragEntry`] (original destination) | `tc_from_netdev` |
 //! | [`crate::maps::NO_MASQ4`] | LPM trie | destination prefix → `u32` (1) | agent |
 //!
 //! Every flow has two entries, one per direction (as Cilium's SNAT map): the outgoing one is
 //! the connection-tracking record (state and last-seen time live there), the incoming one is
 //! the reverse pointer and, being keyed by the translated tuple, the port allocator's "in use"
-//! set. A reply looks both up (the reverse entry, then the outgoing one it names, which must
-//! be live and point back at it); a packet going out looks up its outgoing entry, and checks
-//! that the reverse entry still points back at it (re-making it if the LRU evicted it) when
-//! the outgoing entry is refreshed: at every state change and at least every half second. A
-//! reverse entry whose outgoing entry is gone, expired or points elsewhere is stale.
+//! set. A reply looks up the reverse entry; if the flow was checked in the last half second and
+//! the reply changes nothing, that is all, otherwise it checks the outgoing entry the reverse
+//! one names (it must be live and point back) and stamps the reverse entry with the result. A
+//! packet going out looks up its outgoing entry, and checks that the reverse entry still points
+//! back at it (re-making it if the LRU evicted it, stamping it otherwise) when the outgoing
+//! entry is refreshed: at every state change and at least every half second. A reverse entry
+//! whose outgoing entry is gone, expired or points elsewhere is stale.
 //!
 //! Ports are host order in the maps (so `bpftool map dump` prints them as numbers) and
 //! addresses are network-order bytes (printed as `[10,244,1,5]`). ICMP echo uses the
@@ -171,8 +173,14 @@ pub struct NatEntry {
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for NatEntry {}
 
-/// [`crate::maps::NAT_REV4`]'s value: the original source of the flow a reply belongs to. 16
-/// bytes.
+/// [`crate::maps::NAT_REV4`]'s value: the original source of the flow a reply belongs to,
+/// and what the last check of that flow found. 16 bytes.
+///
+/// `state` and `checked_ns` let most replies skip the outgoing entry: a reply arriving within
+/// [`REV_CHECK_NS`] of the last check that would not change the flow's state is translated on
+/// the strength of this entry alone ([`NatRevEntry::vouches_for`]). Every other reply, and
+/// every refresh of the flow on the way out, checks the outgoing entry and stamps the result
+/// here.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct NatRevEntry {
@@ -182,10 +190,10 @@ pub struct NatRevEntry {
     pub orig_port: u16,
     /// `NAT_F_*` bits.
     pub flags: u8,
-    /// Explicit padding; always zero.
-    pub _pad: u8,
-    /// When the mapping was made.
-    pub created_ns: u64,
+    /// The flow's `ST_*` bits at the last check (0 for a claim just made).
+    pub state: u8,
+    /// When the claim was made or its flow last found live (`bpf_ktime_get_coarse_ns`).
+    pub checked_ns: u64,
 }
 
 #[cfg(feature = "user")]
@@ -234,6 +242,32 @@ const _: () = {
 
 /// Nanoseconds per second.
 pub const NS_PER_S: u64 = 1_000_000_000;
+
+/// How long after a check of a flow its reverse entry alone vouches for replies that do not
+/// change the flow's state. Every timeout is at least a second and a check refreshes a
+/// last-seen time older than half a second, so a flow cannot expire in this window.
+pub const REV_CHECK_NS: u64 = NS_PER_S / 2;
+
+impl NatRevEntry {
+    /// Whether a reply that leaves the flow in `next_state` (computed from this entry's
+    /// `state`) may be translated without reading the outgoing entry at `now_ns`: the state
+    /// does not change and the last check is at most [`REV_CHECK_NS`] old (a check stamped
+    /// by another CPU a moment later counts as old, so it is made again).
+    #[inline(always)]
+    pub fn vouches_for(&self, next_state: u8, now_ns: u64) -> bool {
+        next_state == self.state && now_ns.wrapping_sub(self.checked_ns) <= REV_CHECK_NS
+    }
+}
+
+/// The state of a flow after a packet of `proto` with TCP `flags` came back from the outside.
+#[inline(always)]
+pub fn reply_state(proto_: u8, state: u8, flags: u8) -> u8 {
+    if proto_ == proto::TCP {
+        tcp_next(state, flags, false)
+    } else {
+        state | ST_REPLIED
+    }
+}
 
 impl NatConfig {
     /// Whether [`NAT_CFG_ENABLED`] is set.
@@ -532,6 +566,35 @@ mod tests {
         assert!(n.expired(proto::UDP, 0, 5 * NS_PER_S, 35 * NS_PER_S + 1));
         // A clock before the entry (it was written by another CPU a moment later) is fresh.
         assert!(!n.expired(proto::UDP, 0, 10 * NS_PER_S, 9 * NS_PER_S));
+    }
+
+    #[test]
+    fn a_reverse_entry_vouches_only_for_unchanged_state_within_half_a_second() {
+        let rev = NatRevEntry {
+            state: ST_REPLIED,
+            checked_ns: 10 * NS_PER_S,
+            ..NatRevEntry::default()
+        };
+        let ack = reply_state(proto::TCP, rev.state, tcp_flags::ACK);
+        assert_eq!(ack, ST_REPLIED);
+        assert!(rev.vouches_for(ack, 10 * NS_PER_S));
+        assert!(rev.vouches_for(ack, 10 * NS_PER_S + REV_CHECK_NS));
+        assert!(!rev.vouches_for(ack, 10 * NS_PER_S + REV_CHECK_NS + 1));
+        // Stamped by another CPU a moment after this one read the clock: checked again.
+        assert!(!rev.vouches_for(ack, 10 * NS_PER_S - 1));
+        // A FIN or RST from the outside changes the state: the outgoing entry must learn it.
+        let fin = reply_state(proto::TCP, rev.state, tcp_flags::FIN | tcp_flags::ACK);
+        assert_eq!(fin, ST_REPLIED | ST_FIN_IN);
+        assert!(!rev.vouches_for(fin, 10 * NS_PER_S));
+        let rst = reply_state(proto::TCP, rev.state, tcp_flags::RST);
+        assert!(!rev.vouches_for(rst, 10 * NS_PER_S));
+        // A claim just made (state 0): its first reply marks the flow replied, through a check.
+        let fresh = NatRevEntry {
+            checked_ns: 10 * NS_PER_S,
+            ..NatRevEntry::default()
+        };
+        assert!(!fresh.vouches_for(reply_state(proto::UDP, 0, 0), 10 * NS_PER_S));
+        assert_eq!(reply_state(proto::ICMP, 0, 0), ST_REPLIED);
     }
 
     #[test]

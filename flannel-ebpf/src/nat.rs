@@ -73,6 +73,12 @@
 //! LRU evicts the least recently used flows when the maps are full. A pure SYN from the
 //! outside is never a reply and is never translated.
 //!
+//! A reply costs one map lookup, not two, when it changes nothing (an ACK of an established
+//! upload, a response on a replied UDP flow) and the flow was checked in the last half second:
+//! the reverse entry keeps the state and time of the flow's last check
+//! ([`flannel_common::nat::NatRevEntry::vouches_for`]); every other reply reads and updates the
+//! outgoing entry and stamps the reverse one again.
+//!
 //! # What is translated
 //!
 //! TCP and UDP ports, ICMP echo identifiers, with the L4 checksum kept right by
@@ -99,7 +105,7 @@ use flannel_common::{
     csum,
     nat::{
         self, Egress, FragEntry, FragKey, NAT_F_HOST, NAT_MAX_PROBES, NS_PER_S, NatConfig,
-        NatEntry, NatKey, NatRevEntry, ST_REPLIED, proto, tcp_flags,
+        NatEntry, NatKey, NatRevEntry, proto, tcp_flags,
     },
     stats::Reason,
 };
@@ -358,16 +364,6 @@ fn be32(a: [u8; 4]) -> u64 {
     u64::from(u32::from_ne_bytes(a))
 }
 
-/// The state of a flow after a packet of it came back.
-#[inline(always)]
-fn state_in(proto_: u8, state: u8, l4: &L4) -> u8 {
-    if proto_ == proto::TCP {
-        nat::tcp_next(state, l4.flags, false)
-    } else {
-        state | ST_REPLIED
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Egress
 
@@ -529,7 +525,7 @@ fn resolve(nat: &NatConfig, want: &Want) -> Result<(u16, [Option<Reason>; 2]), N
             if live && !refresh {
                 return Ok((e.nat_port, [None, None]));
             }
-            if live && reverse_holds(key, &e) {
+            if live && reverse_holds(key, &e, state, now) {
                 // SAFETY: as above; a racing writer can only store another valid value.
                 unsafe {
                     (*entry).state = state;
@@ -547,8 +543,8 @@ fn resolve(nat: &NatConfig, want: &Want) -> Result<(u16, [Option<Reason>; 2]), N
         orig_addr: key.saddr,
         orig_port: key.sport,
         flags: want.flags,
-        _pad: 0,
-        created_ns: now,
+        state: want.state_after(0),
+        checked_ns: now,
     };
     let port = match allocate(nat, key, &rev, first, now, want.may_move) {
         Ok(port) => port,
@@ -576,24 +572,32 @@ fn resolve(nat: &NatConfig, want: &Want) -> Result<(u16, [Option<Reason>; 2]), N
     Ok((port, [Some(Reason::LearnSnatFlow), remap]))
 }
 
-/// Whether the reply entry of a live outgoing entry still points back at it (re-creating it
-/// if the LRU evicted it and the port is still free).
+/// Whether the reply entry of a live outgoing entry still points back at it, stamping it with
+/// the flow's new `state` (re-creating it if the LRU evicted it and the port is still free).
 #[inline(always)]
-fn reverse_holds(key: &NatKey, e: &NatEntry) -> bool {
+fn reverse_holds(key: &NatKey, e: &NatEntry, state: u8, now: u64) -> bool {
     let rkey = key.reply_of(e.nat_addr, e.nat_port);
-    match FLANNEL_NATREV4.get_ptr(rkey) {
-        Some(r) => {
+    match FLANNEL_NATREV4.get_ptr_mut(rkey) {
+        Some(ptr) => {
             // SAFETY: the pointer comes from a successful lookup.
-            let r = unsafe { r.read() };
-            r.orig_addr == key.saddr && r.orig_port == key.sport
+            let r = unsafe { ptr.read() };
+            let ours = r.orig_addr == key.saddr && r.orig_port == key.sport;
+            if ours {
+                // SAFETY: as above; a racing writer can only store another valid value.
+                unsafe {
+                    (*ptr).state = state;
+                    (*ptr).checked_ns = now;
+                }
+            }
+            ours
         }
         None => {
             let rev = NatRevEntry {
                 orig_addr: key.saddr,
                 orig_port: key.sport,
                 flags: e.flags,
-                _pad: 0,
-                created_ns: e.created_ns,
+                state,
+                checked_ns: now,
             };
             FLANNEL_NATREV4
                 .insert(rkey, rev, u64::from(BPF_NOEXIST))
@@ -654,13 +658,19 @@ fn claim(nat: &NatConfig, rkey: &NatKey, rev: &NatRevEntry, now: u64) -> Claim {
         Err(e) if i64::from(e) != -EEXIST => return Claim::Error,
         Err(_) => {}
     }
-    let Some(cur) = FLANNEL_NATREV4.get_ptr(rkey) else {
+    let Some(ptr) = FLANNEL_NATREV4.get_ptr_mut(rkey) else {
         return Claim::Taken;
     };
     // SAFETY: the pointer comes from a successful lookup.
-    let cur = unsafe { cur.read() };
+    let cur = unsafe { ptr.read() };
     if cur.orig_addr == rev.orig_addr && cur.orig_port == rev.orig_port {
-        // Ours already (our outgoing entry expired or was evicted).
+        // Ours already (our outgoing entry expired or was evicted): what it says about the
+        // flow is the old flow's.
+        // SAFETY: as above; a racing writer can only store another valid value.
+        unsafe {
+            (*ptr).state = rev.state;
+            (*ptr).checked_ns = now;
+        }
         return Claim::Ours;
     }
     if !stale(nat, rkey, &cur, now) {
@@ -674,13 +684,13 @@ fn claim(nat: &NatConfig, rkey: &NatKey, rev: &NatRevEntry, now: u64) -> Claim {
 }
 
 /// Whether the claim `cur` on `rkey` belongs to no live flow: its outgoing entry is gone
-/// (and the claim is older than a second: younger ones may be in progress on another CPU),
-/// points elsewhere, or expired.
+/// (and the claim was made or last found live more than a second ago: younger ones may be in
+/// progress on another CPU), points elsewhere, or expired.
 #[inline(always)]
 fn stale(nat: &NatConfig, rkey: &NatKey, cur: &NatRevEntry, now: u64) -> bool {
     let owner = rkey.original_of(cur.orig_addr, cur.orig_port);
     match FLANNEL_NAT4.get_ptr(owner) {
-        None => now.saturating_sub(cur.created_ns) > NS_PER_S,
+        None => now.saturating_sub(cur.checked_ns) > NS_PER_S,
         Some(e) => {
             // SAFETY: the pointer comes from a successful lookup.
             let e = unsafe { e.read() };
@@ -857,11 +867,23 @@ fn reply_in(ctx: &TcContext, cfg: &Config, nat: &NatConfig, ip: &Ip) -> Option<N
 
 /// The reverse entry of the reply tuple `rkey` if its flow is live, updating the flow's state
 /// with the packet's `l4` (none for ICMP errors, which do not count as replies).
+///
+/// A reply that changes nothing within half a second of the flow's last check is vouched for
+/// by the reverse entry alone ([`NatRevEntry::vouches_for`]); otherwise the outgoing entry is
+/// checked, updated, and the result stamped on the reverse entry. Two CPUs stamping at once
+/// can only leave an older state or time there, which makes the next reply check again.
 #[inline(always)]
 fn live_reverse(nat: &NatConfig, rkey: &NatKey, now: u64, l4: Option<&L4>) -> Option<NatRevEntry> {
-    let rev = FLANNEL_NATREV4.get_ptr(rkey)?;
+    let rev_ptr = FLANNEL_NATREV4.get_ptr_mut(rkey)?;
     // SAFETY: the pointer comes from a successful lookup.
-    let rev = unsafe { rev.read() };
+    let rev = unsafe { rev_ptr.read() };
+    let after = |state: u8| match l4 {
+        Some(l4) => nat::reply_state(rkey.proto, state, l4.flags),
+        None => state,
+    };
+    if rev.vouches_for(after(rev.state), now) {
+        return Some(rev);
+    }
     let fkey = rkey.original_of(rev.orig_addr, rev.orig_port);
     let entry = FLANNEL_NAT4.get_ptr_mut(fkey)?;
     // SAFETY: as above.
@@ -872,15 +894,18 @@ fn live_reverse(nat: &NatConfig, rkey: &NatKey, now: u64, l4: Option<&L4>) -> Op
     {
         return None;
     }
-    if let Some(l4) = l4 {
-        let state = state_in(rkey.proto, e.state, l4);
-        if state != e.state || now.wrapping_sub(e.last_seen_ns) > NS_PER_S / 2 {
-            // SAFETY: as above; a racing writer can only store another valid value.
-            unsafe {
-                (*entry).state = state;
-                (*entry).last_seen_ns = now;
-            }
+    let state = after(e.state);
+    if state != e.state || now.wrapping_sub(e.last_seen_ns) > NS_PER_S / 2 {
+        // SAFETY: as above; a racing writer can only store another valid value.
+        unsafe {
+            (*entry).state = state;
+            (*entry).last_seen_ns = now;
         }
+    }
+    // SAFETY: as above.
+    unsafe {
+        (*rev_ptr).state = state;
+        (*rev_ptr).checked_ns = now;
     }
     Some(rev)
 }

@@ -22,7 +22,11 @@ use std::{
 use flannel_agent::bpf::{
     FastPath, Hook, LoadOptions, LocalConfig, NatSettings, Remote, Via, VxlanLocal,
 };
-use flannel_common::{maps as names, stats::Reason};
+use flannel_common::{
+    maps as names,
+    nat::{self, NatEntry, NatKey},
+    stats::Reason,
+};
 use flannel_tests::packet::{
     self, Checksum, Ethernet, Icmp, Ipv4, ParsedL3, ParsedL4, Tcp, Transport, Udp, tcp_flags,
 };
@@ -400,6 +404,92 @@ fn a_lost_reply_entry_is_made_again_when_the_flow_is_refreshed() {
         let flows = fp.nat_flows().expect("flows");
         assert!(flows.len() == 1 && flows[0].reverse_ok, "{flows:#?}");
         assert_eq!(flows[0].nat.port(), 48000, "{flows:#?}");
+    });
+}
+
+/// A reply that changes nothing within half a second of its flow's last check is translated
+/// from the reverse entry alone; one that changes the flow's state (a FIN from the outside)
+/// updates the outgoing entry even inside that window; after it, the outgoing entry is read
+/// again (here it is gone, so the reply is passed untranslated).
+#[test]
+fn replies_skip_the_flow_entry_only_within_half_a_second_of_a_check() {
+    let Some(rig) = Rig::new("ntvouch") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    rig.with_nat(settings(), move |fp, ext| {
+        // The deletion below must land inside the half second; on a stalled machine, the
+        // scenario is tried again on another port.
+        for (attempt, port) in [47000u16, 47001, 47002].into_iter().enumerate() {
+            let syn = Ipv4::new(POD, OUT, tcp(port, 443, tcp_flags::SYN));
+            let syn_ack = Ipv4::new(OUT, NODE, tcp(443, port, tcp_flags::SYN | tcp_flags::ACK));
+            let fin = Ipv4::new(OUT, NODE, tcp(443, port, tcp_flags::FIN | tcp_flags::ACK));
+            let ack = Ipv4::new(OUT, NODE, tcp(443, port, tcp_flags::ACK));
+            Step::out(
+                "syn",
+                &syn,
+                &with_source(&syn, NODE, None),
+                &[Reason::Ipv4Tcp, Reason::FastSnat, Reason::LearnSnatFlow],
+            )
+            .check(fp, ext);
+            let checked = std::time::Instant::now();
+            for step in [
+                Step::back(
+                    "syn-ack",
+                    &syn_ack,
+                    &with_destination(&syn_ack, POD, None),
+                    &[Reason::Ipv4Tcp, Reason::FastSnatReply],
+                ),
+                Step::back(
+                    "fin from the outside",
+                    &fin,
+                    &with_destination(&fin, POD, None),
+                    &[Reason::Ipv4Tcp, Reason::FastSnatReply],
+                ),
+            ] {
+                step.check(fp, ext);
+            }
+            let flows = fp.nat_flows().expect("flows");
+            let flow = flows
+                .iter()
+                .find(|f| f.orig.port() == port)
+                .unwrap_or_else(|| panic!("no flow for {port}: {flows:#?}"));
+            assert_eq!(
+                flow.state,
+                nat::ST_REPLIED | nat::ST_FIN_IN,
+                "the FIN reached the flow's entry inside the window: {flow}"
+            );
+
+            // The flow's own entry disappears; its reverse entry stays.
+            let key = NatKey::new(POD.octets(), OUT.octets(), port, 443, nat::proto::TCP);
+            let map = pin.join(names::PIN_LAYOUT_VERSION).join(names::NAT4);
+            let data = aya::maps::MapData::from_pin(&map).expect("pinned NAT4");
+            let mut fwd: aya::maps::HashMap<_, NatKey, NatEntry> =
+                aya::maps::HashMap::try_from(aya::maps::Map::from_map_data(data).expect("map"))
+                    .expect("NAT4 as a hash map");
+            fwd.remove(&key).expect("removing the flow's entry");
+            let r = run(fp, Hook::FromNetdev, &ingress_frame(&ack), Skb::on(ext));
+            if checked.elapsed() > Duration::from_millis(400) && attempt < 2 {
+                continue;
+            }
+            assert_bytes(
+                &r.out,
+                &ingress_frame(&with_destination(&ack, POD, None)),
+                "ack inside the window",
+            );
+            assert_counted(&r, &[Reason::Ipv4Tcp, Reason::FastSnatReply], "ack inside");
+
+            thread::sleep(Duration::from_millis(600));
+            Step::back(
+                "ack after the window: the flow's entry is read, and is gone",
+                &ack,
+                &ack,
+                &[Reason::Ipv4Tcp, Reason::PassSnatNoEntry],
+            )
+            .check(fp, ext);
+            return;
+        }
+        panic!("three attempts each took more than 400 ms between the check and the ack");
     });
 }
 
@@ -1227,6 +1317,8 @@ fn bpftool_shows_nat_entries_readably() {
             serde_json::json!([10, 244, 1, 5])
         );
         assert_eq!(rev[0]["value"]["orig_port"], 40000);
+        assert_eq!(rev[0]["value"]["state"], 0);
+        assert!(rev[0]["value"]["checked_ns"].as_u64().is_some(), "{rev}");
         let cfg = bpftool_dump(&maps.join(names::NAT_CONFIG));
         assert_eq!(cfg[0]["value"]["port_min"], 32768);
         assert_eq!(cfg[0]["value"]["port_max"], 60999);

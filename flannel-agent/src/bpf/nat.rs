@@ -351,8 +351,8 @@ pub fn monotonic_ns() -> u64 {
     u64::try_from(ts.tv_sec).unwrap_or(0) * NS_PER_S + u64::try_from(ts.tv_nsec).unwrap_or(0)
 }
 
-/// Reply entries younger than this are never orphans: the program writes the reply entry
-/// first and the flow's entry right after.
+/// Reply entries made or found live more recently than this are never orphans: the program
+/// writes the reply entry first and the flow's entry right after.
 const ORPHAN_GRACE_NS: u64 = 5 * NS_PER_S;
 
 /// Pinned NAT maps (of `sizes`) whose size differs from the one asked for but which are
@@ -653,7 +653,7 @@ impl FastPath {
                     Err(aya::maps::MapError::KeyNotFound) => continue,
                     Err(e) => return Err(BpfError::map(names::NAT_REV4, e)),
                 };
-                if now.saturating_sub(r.created_ns) < ORPHAN_GRACE_NS {
+                if now.saturating_sub(r.checked_ns) < ORPHAN_GRACE_NS {
                     continue;
                 }
                 let owner = rkey.original_of(r.orig_addr, r.orig_port);
