@@ -12,6 +12,7 @@
 //! | [`route`] | remote subnets ([`route::RemoteEntry`]) and tunnel peers ([`route::NodeEntry`]) |
 //! | [`config`] | the local node's configuration ([`config::Config`]) |
 //! | [`flow`] | keys of the flow-tracking LRU maps |
+//! | [`hops`] | remembered route lookups ([`hops::Hop`]) |
 //! | [`csum`] | checksums and the VXLAN source port, as pure functions |
 //! | [`nat`] | masquerade in eBPF: NAT map layouts, configuration, states, decisions |
 //! | [`udp`] | the udp backend's configuration entry and wire format |
@@ -22,6 +23,7 @@
 pub mod config;
 pub mod csum;
 pub mod flow;
+pub mod hops;
 pub mod maps;
 pub mod nat;
 pub mod pods;

@@ -15,8 +15,9 @@
 //!
 //! A packet whose destination lies in a remote subnet of `FLANNEL_ROUTES4` is sent according
 //! to the entry's kind (see [`crate::decide::from_bridge`] for every condition):
-//! - host-gw: `bpf_fib_lookup` (the kernel route `<subnet> via <peer>`), TTL decremented,
-//!   `bpf_redirect` with the neighbour's MACs or `bpf_redirect_neigh`;
+//! - host-gw: `bpf_fib_lookup` (the kernel route `<subnet> via <peer>`; the answer remembered
+//!   for a second, [`crate::hops`]), TTL decremented, `bpf_redirect` with the neighbour's MACs
+//!   or `bpf_redirect_neigh`;
 //! - VXLAN / IPIP: encapsulated ([`crate::encap`]) and redirected to the external interface;
 //! - udp: encapsulated as the udp backend's TUN path would ([`crate::udp`]) and redirected.
 //!
@@ -24,13 +25,13 @@
 //! unchanged (`TC_ACT_OK`), counted with a reason.
 
 use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
-use flannel_common::{config::FASTPATH_MARK, stats::Reason};
+use flannel_common::{config::FASTPATH_MARK, hops::HopKey, route::RemoteEntry, stats::Reason};
 
 use crate::{
     decide::{self, BridgeAction},
     deliver, encap,
     fib::{self, Fib},
-    ipv4, maps,
+    hops, ipv4, maps,
     parse::{self, Packet},
     udp,
 };
@@ -84,7 +85,7 @@ pub fn run(ctx: &TcContext) -> Outcome {
     );
     let sent = match action {
         BridgeAction::Pass(reason) => Err(reason),
-        BridgeAction::HostGw => host_gw(ctx, &info),
+        BridgeAction::HostGw(peer) => host_gw(ctx, &peer, &info),
         BridgeAction::Vxlan(peer) => encap::vxlan(ctx, cfg, &peer, &info)
             .and_then(|route| send(ctx, route))
             .map(|action| (action, Reason::FastVxlan)),
@@ -110,10 +111,19 @@ pub fn run(ctx: &TcContext) -> Outcome {
     }
 }
 
-/// Host-gw: route by the kernel FIB, decrement the TTL and redirect.
+/// Host-gw: route by the kernel FIB (the answer remembered for a second per destination and
+/// peer, see [`crate::hops`]), decrement the TTL and redirect.
 #[inline(always)]
-fn host_gw(ctx: &TcContext, info: &ipv4::Ipv4Info) -> Result<(i32, Reason), Reason> {
-    let route = fib::lookup(ctx, crate::pods::routing_iif(ctx), info, 0);
+fn host_gw(
+    ctx: &TcContext,
+    peer: &RemoteEntry,
+    info: &ipv4::Ipv4Info,
+) -> Result<(i32, Reason), Reason> {
+    let key = HopKey {
+        dst: info.dst,
+        via: peer.public_ip,
+    };
+    let route = hops::route(ctx, key, || crate::pods::routing_iif(ctx), info, 0);
     if route == Fib::Failed {
         return Err(Reason::PassFibFailed);
     }

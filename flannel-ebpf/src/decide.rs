@@ -17,8 +17,9 @@ use crate::ipv4::Ipv4Info;
 pub enum BridgeAction {
     /// Hand it to the kernel unchanged, counted under this reason.
     Pass(Reason),
-    /// Route it with `bpf_fib_lookup` and redirect (host-gw, DirectRouting).
-    HostGw,
+    /// Route it with `bpf_fib_lookup` and redirect (host-gw, DirectRouting); the entry names
+    /// the peer the lease set sends it to.
+    HostGw(RemoteEntry),
     /// Encapsulate it in VXLAN for this peer.
     Vxlan(RemoteEntry),
     /// Encapsulate it in IPIP for this peer.
@@ -111,7 +112,7 @@ pub fn from_bridge(
         return BridgeAction::Pass(Reason::PassKernelFlow);
     }
     match RouteKind::from_u32(entry.kind) {
-        Some(RouteKind::HostGw) => BridgeAction::HostGw,
+        Some(RouteKind::HostGw) => BridgeAction::HostGw(entry),
         Some(RouteKind::Vxlan) => BridgeAction::Vxlan(entry),
         Some(RouteKind::Ipip) => BridgeAction::Ipip(entry),
         // The TUN path takes two hops off the TTL; a packet that would expire on the way
@@ -222,7 +223,10 @@ mod tests {
     fn bridge_forwards_by_kind() {
         let info = tcp(POD, REMOTE);
         for (kind, want) in [
-            (RouteKind::HostGw, BridgeAction::HostGw),
+            (
+                RouteKind::HostGw,
+                BridgeAction::HostGw(entry(RouteKind::HostGw)),
+            ),
             (
                 RouteKind::Vxlan,
                 BridgeAction::Vxlan(entry(RouteKind::Vxlan)),

@@ -28,7 +28,8 @@
 //! straight to the pod is what the stack would have done (route to `cni0`, decrement TTL,
 //! resolve the pod's MAC, bridge to the pod's port) minus conntrack, which would only have had
 //! half a flow. The receive side delivers with `bpf_fib_lookup` (route and the pod's MAC from
-//! the bridge's neighbour table), then:
+//! the bridge's neighbour table; the answer is remembered for a second, see [`crate::hops`]),
+//! then:
 //! - `bpf_redirect_peer` into the pod's namespace when the agent's mirror of the bridge's
 //!   forwarding database ([`crate::pods`]) knows the veth port behind that MAC: no bridge, no
 //!   veth transmit, no backlog queue;
@@ -66,11 +67,12 @@ use aya_ebpf::{
     },
     programs::TcContext,
 };
-use flannel_common::{config::Config, stats::Reason};
+use flannel_common::{config::Config, hops::HopKey, stats::Reason};
 
 use crate::{
     decide,
     fib::{self, Fib},
+    hops,
     ipv4::{Ipv4Info, decremented_ttl_field},
     maps::{FLANNEL_KFLOWS4, FLANNEL_NATGRD4},
     parse::ETH_HDR_LEN,
@@ -90,7 +92,7 @@ pub fn decap(ctx: &TcContext, len: usize) -> Result<(), Reason> {
 
 /// The route to `inner`'s destination (a local pod) as if the packet arrived on the ingress
 /// interface, checking `inner`'s length against the bridge's MTU (for GSO packets the kernel
-/// checks the segments).
+/// checks the segments); remembered for a second ([`crate::hops`]).
 #[inline(always)]
 pub fn route_to_pod(ctx: &TcContext, inner: &Ipv4Info) -> Fib {
     let tot_len = if fib::gso_size(ctx) == 0 {
@@ -98,7 +100,11 @@ pub fn route_to_pod(ctx: &TcContext, inner: &Ipv4Info) -> Fib {
     } else {
         0
     };
-    fib::lookup(ctx, fib::ingress_ifindex(ctx), inner, tot_len)
+    let key = HopKey {
+        dst: inner.dst,
+        via: [0; 4],
+    };
+    hops::route(ctx, key, || fib::ingress_ifindex(ctx), inner, tot_len)
 }
 
 /// Delivers a packet whose IPv4 header is now right after the Ethernet header (plain, or

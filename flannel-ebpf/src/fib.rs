@@ -1,7 +1,7 @@
 //! Routing through the kernel's FIB from TC: `bpf_fib_lookup`, then `bpf_redirect` with the
 //! neighbour's MACs, or `bpf_redirect_neigh` when the neighbour is not resolved yet (the kernel
-//! resolves it and queues the packet). Used for host-gw transmit and for delivery to the pod
-//! bridge on receive.
+//! resolves it and queues the packet). Used for host-gw transmit and for delivery to local
+//! pods on receive (whose answers [`crate::pods`] remembers for a second).
 //!
 //! The lookup needs forwarding enabled on the ingress device (`net.ipv4.ip_forward=1`, which
 //! flannel requires anyway); otherwise it fails with `FWD_DISABLED` and the packet is passed.
@@ -83,6 +83,20 @@ pub fn zeroed_params(slot: &mut MaybeUninit<FibParams>) -> &mut FibParams {
 /// skb itself (which understands GSO packets).
 #[inline(always)]
 pub fn lookup(ctx: &TcContext, ifindex: u32, info: &Ipv4Info, tot_len: u16) -> Fib {
+    lookup_mtu(ctx, ifindex, info, tot_len, &mut 0)
+}
+
+/// [`lookup`], storing the route's MTU in `mtu` when it resolved (0 if the kernel did not
+/// say). Not returned with the [`Fib`]: LLVM copies a returned enum whole, bytes its variant
+/// leaves undefined included, and the verifier refuses reads of undefined registers.
+#[inline(always)]
+pub fn lookup_mtu(
+    ctx: &TcContext,
+    ifindex: u32,
+    info: &Ipv4Info,
+    tot_len: u16,
+    mtu: &mut u16,
+) -> Fib {
     let mut slot = MaybeUninit::uninit();
     let params = zeroed_params(&mut slot);
     params.family = AF_INET;
@@ -94,7 +108,12 @@ pub fn lookup(ctx: &TcContext, ifindex: u32, info: &Ipv4Info, tot_len: u16) -> F
     params.__bindgen_anon_2.tos = info.tos;
     params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(info.src);
     params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(info.dst);
-    run(ctx, params, 0)
+    let route = run(ctx, params, 0);
+    if let Fib::Resolved { .. } = route {
+        // SAFETY: on success the kernel leaves the route's MTU in this member.
+        *mtu = unsafe { params.__bindgen_anon_1.mtu_result };
+    }
+    route
 }
 
 /// Looks up the route of an outer (tunnel) packet from `src` to `dst` leaving through `oif`,

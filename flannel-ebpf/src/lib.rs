@@ -11,6 +11,7 @@
 //! | [`encap`] | VXLAN and IPIP headers and encapsulation (and why not collect_md) |
 //! | [`deliver`] | decapsulation, delivery to the bridge, the conntrack-consistency flow tables |
 //! | [`fib`] | `bpf_fib_lookup` + redirect |
+//! | [`hops`] | remembered route lookups |
 //! | [`pods`] | delivery into a local pod's namespace (`bpf_redirect_peer`) |
 //! | [`nat`] | masquerade: source NAT out, reverse NAT in, port allocation, ICMP errors |
 //! | [`maps`] | every map of the object |
@@ -29,6 +30,7 @@ pub mod decide;
 pub mod deliver;
 pub mod encap;
 pub mod fib;
+pub mod hops;
 pub mod ipv4;
 pub mod maps;
 pub mod nat;
@@ -39,3 +41,12 @@ pub mod stats;
 pub mod udp;
 pub mod v6;
 pub mod xdp;
+
+/// `CLOCK_MONOTONIC` at the last timer tick (`bpf_ktime_get_coarse_ns`): a few milliseconds
+/// behind at most and much cheaper to read on every packet; the time of the NAT's flows and
+/// of remembered deliveries.
+#[inline(always)]
+pub fn now_ns() -> u64 {
+    // SAFETY: plain helper call.
+    unsafe { aya_ebpf::helpers::bpf_ktime_get_coarse_ns() }
+}

@@ -11,6 +11,7 @@ use aya_ebpf::{
 use flannel_common::{
     config::Config,
     flow::{FlowKey, PeerKey},
+    hops::{HOPS4_MAX_ENTRIES, Hop, HopKey},
     maps as names,
     nat::{FragEntry, FragKey, NatConfig, NatEntry, NatKey, NatRevEntry},
     pods::{PORTS_MAX_ENTRIES, PodPort, PortKey},
@@ -96,6 +97,11 @@ pub static FLANNEL_NOMASQ4: LpmTrie<[u8; 4], u32, { names::NO_MASQ4_MAX_ENTRIES 
 #[btf_map]
 pub static FLANNEL_PORTS: HashMap<PortKey, PodPort, { PORTS_MAX_ENTRIES as usize }> =
     HashMap::new();
+
+/// Destinations → the route lookup's answer for them (`flannel_common::hops::HOPS4`).
+#[btf_map]
+pub static FLANNEL_HOPS4: LruHashMap<HopKey, Hop, { HOPS4_MAX_ENTRIES as usize }> =
+    LruHashMap::new();
 
 /// Counters of `tc_from_bridge` (`flannel_common::maps::CNT_FROM_BRIDGE`).
 #[btf_map]

@@ -97,7 +97,7 @@ use aya_ebpf::{
     bindings::{
         BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT,
     },
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns},
+    helpers::bpf_get_prandom_u32,
     programs::TcContext,
 };
 use flannel_common::{
@@ -112,6 +112,7 @@ use flannel_common::{
 
 use crate::{
     maps::{self, FLANNEL_NAT4, FLANNEL_NATFRG4, FLANNEL_NATREV4},
+    now_ns,
     parse::{ETH_HDR_LEN, ETH_P_IP, PacketCtx as _, ptr_at, ptr_at_mut},
 };
 
@@ -344,12 +345,6 @@ fn read_l4(ctx: &TcContext, ip: &Ip) -> L4 {
         }
         _ => other,
     }
-}
-
-#[inline(always)]
-fn now_ns() -> u64 {
-    // SAFETY: plain helper call.
-    unsafe { bpf_ktime_get_coarse_ns() }
 }
 
 /// The network-order value of a port as the checksum helpers take it.

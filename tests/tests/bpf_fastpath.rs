@@ -14,7 +14,8 @@
 use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, Ipv6Addr},
-    time::Instant,
+    thread,
+    time::{Duration, Instant},
 };
 
 use aya::{TestRun as _, TestRunOptions};
@@ -250,6 +251,64 @@ fn bridge_host_gw_routes_by_the_fib() {
             &[Reason::Ipv4Icmp, Reason::FastHostGw],
             "no neigh",
         );
+    });
+}
+
+/// The host-gw next hop of a destination is remembered for a second per peer: a changed
+/// neighbour entry of the same peer is seen after that; a lease that moves the subnet to
+/// another peer is followed at once.
+#[test]
+fn bridge_host_gw_remembers_the_next_hop_per_peer() {
+    let Some(rig) = Rig::new("fphop") else { return };
+    const MOVED_MAC: Mac = [0x02, 0xcc, 0, 0, 0, 0x99];
+    let sh = |cmd: String| rig.sh(&cmd);
+    rig.with_fast_path(|fp, ifs| {
+        let ip = from_pod(HOSTGW_POD, tcp());
+        let frame = pod_frame(&ip);
+        let to = |mac: Mac| Ethernet::new(EXT_MAC, mac, forwarded(&ip)).encode();
+        let send = |fp: &mut FastPath, what: &str, mac: Mac| {
+            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+            assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
+            assert_bytes(&r.out, &to(mac), what);
+        };
+        let peer2 = format!(
+            "ip neigh replace {PUB2} lladdr {} dev ext0 nud permanent",
+            mac_str(&PEER2_MAC)
+        );
+        let moved = format!(
+            "ip neigh replace {PUB2} lladdr {} dev ext0 nud permanent",
+            mac_str(&MOVED_MAC)
+        );
+        // The neighbour change must land inside the second; on a stalled machine the scenario
+        // is tried again.
+        for attempt in 0..3 {
+            sh(peer2.clone());
+            thread::sleep(Duration::from_millis(1100));
+            send(fp, "looked up", PEER2_MAC);
+            let looked_up = Instant::now();
+            sh(moved.clone());
+            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+            if looked_up.elapsed() > Duration::from_millis(800) && attempt < 2 {
+                continue;
+            }
+            assert_bytes(&r.out, &to(PEER2_MAC), "remembered: the old MAC");
+            thread::sleep(Duration::from_millis(1100));
+            send(fp, "a second later: the new MAC", MOVED_MAC);
+            break;
+        }
+        // The subnet moves to the node at .3 (route and lease): followed at once.
+        sh("ip route replace 10.244.2.0/24 via 192.168.77.3 dev ext0".into());
+        let mut moved_lease = remotes();
+        moved_lease.insert(
+            net("10.244.2.0/24"),
+            Remote {
+                public_ip: PUB3,
+                via: Via::HostGw,
+            },
+        );
+        fp.sync(&moved_lease).expect("sync");
+        let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+        assert_bytes(&r.out, &to(PEER3_MAC), "another peer: looked up at once");
     });
 }
 
@@ -753,6 +812,64 @@ fn netdev_delivers_into_a_known_pods_namespace() {
         let cleared = fp.sync_ports(&BTreeMap::new()).expect("clear ports");
         assert_eq!((cleared.removed, cleared.total), (1, 0));
         assert!(fp.ports().expect("read ports").is_empty());
+    });
+}
+
+/// The route lookup's answer for a local pod is remembered for a second: a change of the
+/// pod's neighbour entry is seen only after that, while a packet longer than the remembered
+/// route's MTU still goes to the lookup (which refuses it) at once.
+#[test]
+fn netdev_remembers_a_pods_route_for_a_second() {
+    let Some(rig) = Rig::new("fpdlv") else { return };
+    const MOVED_MAC: Mac = [0x02, 0xaa, 0, 0, 0, 0x99];
+    let moved = |rig: &Rig, mac: &Mac| {
+        rig.sh(&format!(
+            "ip neigh replace {POD} lladdr {} dev br0 nud permanent",
+            mac_str(mac)
+        ))
+    };
+    rig.with_fast_path(|fp, ifs| {
+        let skb = Skb::on(ifs.ext);
+        let ip = Ipv4 {
+            ttl: 63,
+            ..Ipv4::new(HOSTGW_POD, POD, tcp())
+        };
+        let frame = underlay(PEER2_MAC, ip.clone());
+        let to = |mac: Mac| Ethernet::new(BR_MAC, mac, forwarded(&ip)).encode();
+        // The neighbour change below must land inside the second; on a stalled machine the
+        // scenario is tried again.
+        for attempt in 0..3 {
+            moved(&rig, &POD_MAC);
+            thread::sleep(Duration::from_millis(1100));
+            plain_delivery(fp, ifs, &[], "looked up");
+            let looked_up = Instant::now();
+            moved(&rig, &MOVED_MAC);
+            let r = run(fp, Hook::FromNetdev, &frame, skb);
+            let big = Ipv4 {
+                ttl: 63,
+                ..Ipv4::new(HOSTGW_POD, POD, Udp::new(1, 2).payload(&[7; 1600]))
+            };
+            let big_frame = underlay(PEER2_MAC, big);
+            let r_big = run(fp, Hook::FromNetdev, &big_frame, skb);
+            if looked_up.elapsed() > Duration::from_millis(800) && attempt < 2 {
+                continue;
+            }
+            assert_eq!(r.verdict, TC_ACT_REDIRECT);
+            assert_bytes(&r.out, &to(POD_MAC), "remembered: the old MAC");
+            assert_eq!(r_big.verdict, TC_ACT_OK, "too big for the bridge");
+            assert_counted(
+                &r_big,
+                &big_frame,
+                &[Reason::Ipv4Udp, Reason::PassFibFailed],
+                "too big: looked up, refused",
+            );
+            thread::sleep(Duration::from_millis(1100));
+            let r = run(fp, Hook::FromNetdev, &frame, skb);
+            assert_eq!(r.verdict, TC_ACT_REDIRECT);
+            assert_bytes(&r.out, &to(MOVED_MAC), "a second later: the new MAC");
+            return;
+        }
+        panic!("three attempts each took more than 800 ms between the lookup and the check");
     });
 }
 
