@@ -1,11 +1,12 @@
 //! Remembered route lookups: the programs keep `bpf_fib_lookup`'s answer for a destination for
 //! a second ([`HOP_TTL_NS`]) and use it instead of looking the route up for every packet (the
-//! lookup was ~40 % of `tc_from_netdev`'s time and as much of `tc_from_bridge`'s host-gw path).
+//! lookup was ~40 % of `tc_from_netdev`'s time and as much of `tc_from_bridge`'s).
 //!
 //! | who | key ([`HopKey`]) | answer ([`Hop`]) |
 //! |---|---|---|
 //! | `tc_from_netdev`, delivery to a local pod (IPv4) | pod address, via 0.0.0.0 | the pod bridge, its MAC and the pod's |
 //! | `tc_from_bridge`, host-gw / DirectRouting to a remote pod | pod address, via the peer's public IP | the external interface, its MAC and the next hop's |
+//! | `tc_from_bridge`, `tc_to_netdev`: the VXLAN/IPIP packet's own route to the peer | the peer's public IP, via [`UNDERLAY_VIA`] | the external interface, its MAC and the next hop's |
 //!
 //! What a remembered answer can miss, for up to a second: a change of the route or of the
 //! neighbour entry behind it that the lease set does not show (the peer's public IP is part of
@@ -27,6 +28,10 @@ pub const HOPS4_MAX_ENTRIES: u32 = 16384;
 
 const _: () = assert!(HOPS4.len() <= MAX_OBJ_NAME_LEN);
 
+/// [`HopKey::via`] of a tunnel packet's own route to a peer (whose public IP is the key's
+/// `dst`): no pod or node has this address.
+pub const UNDERLAY_VIA: [u8; 4] = [255; 4];
+
 /// How long a remembered answer is used before the route is looked up again.
 pub const HOP_TTL_NS: u64 = 1_000_000_000;
 
@@ -36,7 +41,8 @@ pub const HOP_TTL_NS: u64 = 1_000_000_000;
 pub struct HopKey {
     /// The packet's destination.
     pub dst: [u8; 4],
-    /// The peer the lease set sends it to (its public IP), or 0.0.0.0 for a local pod.
+    /// The peer the lease set sends it to (its public IP), 0.0.0.0 for a local pod,
+    /// [`UNDERLAY_VIA`] for a tunnel's route to the peer in `dst`.
     pub via: [u8; 4],
 }
 

@@ -123,7 +123,16 @@ fn host_gw(
         dst: info.dst,
         via: peer.public_ip,
     };
-    let route = hops::route(ctx, key, || crate::pods::routing_iif(ctx), info, 0);
+    // The lookup lets the kernel check the packet against the MTU (GSO packets included);
+    // a remembered answer checks the IP length of a packet that is not GSO.
+    let len = if fib::gso_size(ctx) == 0 {
+        info.tot_len
+    } else {
+        0
+    };
+    let route = hops::route(key, len, |mtu| {
+        fib::lookup_mtu(ctx, crate::pods::routing_iif(ctx), info, 0, mtu)
+    });
     if route == Fib::Failed {
         return Err(Reason::PassFibFailed);
     }

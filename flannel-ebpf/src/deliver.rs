@@ -104,7 +104,9 @@ pub fn route_to_pod(ctx: &TcContext, inner: &Ipv4Info) -> Fib {
         dst: inner.dst,
         via: [0; 4],
     };
-    hops::route(ctx, key, || fib::ingress_ifindex(ctx), inner, tot_len)
+    hops::route(key, tot_len, |mtu| {
+        fib::lookup_mtu(ctx, fib::ingress_ifindex(ctx), inner, tot_len, mtu)
+    })
 }
 
 /// Delivers a packet whose IPv4 header is now right after the Ethernet header (plain, or

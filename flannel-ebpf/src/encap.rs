@@ -78,10 +78,17 @@ use aya_ebpf::{
     helpers::{bpf_check_mtu, bpf_get_hash_recalc, bpf_get_prandom_u32},
     programs::TcContext,
 };
-use flannel_common::{config::Config, csum, route::RemoteEntry, stats::Reason};
+use flannel_common::{
+    config::Config,
+    csum,
+    hops::{HopKey, UNDERLAY_VIA},
+    route::RemoteEntry,
+    stats::Reason,
+};
 
 use crate::{
     fib::{self, Fib},
+    hops,
     ipv4::{Ipv4Info, decremented_ttl_field},
     parse::{ETH_HDR_LEN, proto},
 };
@@ -239,10 +246,18 @@ const VXLAN_ROOM_FLAGS: u64 = (BPF_F_ADJ_ROOM_FIXED_GSO
 /// The `adjust_room` flags for IPIP.
 const IPIP_ROOM_FLAGS: u64 = (BPF_F_ADJ_ROOM_FIXED_GSO | BPF_F_ADJ_ROOM_ENCAP_L3_IPV4) as u64;
 
-/// The underlay route to `peer` out of the external interface.
+/// The underlay route to `peer` out of the external interface (remembered for a second,
+/// [`crate::hops`]; the tunnel's size was checked by [`fits`]).
 #[inline(always)]
 pub fn underlay_route(ctx: &TcContext, cfg: &Config, peer: &RemoteEntry) -> Result<Fib, Reason> {
-    match fib::lookup_output(ctx, cfg.ext_ifindex, cfg.public_ip, peer.public_ip) {
+    let key = HopKey {
+        dst: peer.public_ip,
+        via: UNDERLAY_VIA,
+    };
+    let route = hops::route(key, 0, |mtu| {
+        fib::lookup_output_mtu(ctx, cfg.ext_ifindex, cfg.public_ip, peer.public_ip, mtu)
+    });
+    match route {
         Fib::Failed => Err(Reason::PassFibFailed),
         route => Ok(route),
     }

@@ -108,12 +108,7 @@ pub fn lookup_mtu(
     params.__bindgen_anon_2.tos = info.tos;
     params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(info.src);
     params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(info.dst);
-    let route = run(ctx, params, 0);
-    if let Fib::Resolved { .. } = route {
-        // SAFETY: on success the kernel leaves the route's MTU in this member.
-        *mtu = unsafe { params.__bindgen_anon_1.mtu_result };
-    }
-    route
+    run(ctx, params, 0, mtu)
 }
 
 /// Looks up the route of an outer (tunnel) packet from `src` to `dst` leaving through `oif`,
@@ -121,17 +116,31 @@ pub fn lookup_mtu(
 /// policy routing by fwmark cannot divert tunnel packets.
 #[inline(always)]
 pub fn lookup_output(ctx: &TcContext, oif: u32, src: [u8; 4], dst: [u8; 4]) -> Fib {
+    lookup_output_mtu(ctx, oif, src, dst, &mut 0)
+}
+
+/// [`lookup_output`], storing the route's MTU in `mtu` as [`lookup_mtu`] does.
+#[inline(always)]
+pub fn lookup_output_mtu(
+    ctx: &TcContext,
+    oif: u32,
+    src: [u8; 4],
+    dst: [u8; 4],
+    mtu: &mut u16,
+) -> Fib {
     let mut slot = MaybeUninit::uninit();
     let params = zeroed_params(&mut slot);
     params.family = AF_INET;
     params.ifindex = oif;
     params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(src);
     params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(dst);
-    run(ctx, params, BPF_FIB_LOOKUP_OUTPUT)
+    run(ctx, params, BPF_FIB_LOOKUP_OUTPUT, mtu)
 }
 
+/// Runs the lookup; on success also stores the route's MTU (which the kernel leaves in the
+/// parameter block) in `mtu`.
 #[inline(always)]
-fn run(ctx: &TcContext, params: &mut FibParams, flags: u32) -> Fib {
+fn run(ctx: &TcContext, params: &mut FibParams, flags: u32, mtu: &mut u16) -> Fib {
     // SAFETY: the helper reads and writes `params` (of the size given) only.
     let rc = unsafe {
         bpf_fib_lookup(
@@ -142,6 +151,8 @@ fn run(ctx: &TcContext, params: &mut FibParams, flags: u32) -> Fib {
         )
     };
     if rc == BPF_FIB_LKUP_RET_SUCCESS as i64 {
+        // SAFETY: on success the kernel leaves the route's MTU in this member.
+        *mtu = unsafe { params.__bindgen_anon_1.mtu_result };
         Fib::Resolved {
             ifindex: params.ifindex,
             smac: params.smac,

@@ -2,36 +2,19 @@
 //! [`FLANNEL_HOPS4`] while the remembered answer is good, and looks the route up (and
 //! remembers the answer) otherwise.
 
-use aya_ebpf::programs::TcContext;
 use flannel_common::hops::{Hop, HopKey};
 
-use crate::{
-    fib::{self, Fib},
-    ipv4::Ipv4Info,
-    maps::FLANNEL_HOPS4,
-};
+use crate::{fib::Fib, maps::FLANNEL_HOPS4};
 
-/// The route for `info` as `bpf_fib_lookup` would give it when the packet arrives on
-/// `ifindex()` (called only for a lookup), checking `tot_len` (0: let the kernel check the
-/// skb) against the route's MTU: a remembered answer for `key` if it is fresh and the packet
-/// fits, otherwise a lookup, remembered when it resolved the next hop.
+/// The route for `key`: a remembered answer if it is fresh and a packet of IP length `len`
+/// (0: not checked here) fits its MTU, otherwise `lookup`'s (which stores the route's MTU in
+/// its argument), remembered when it resolved the next hop.
 #[inline(always)]
-pub fn route(
-    ctx: &TcContext,
-    key: HopKey,
-    ifindex: impl FnOnce() -> u32,
-    info: &Ipv4Info,
-    tot_len: u16,
-) -> Fib {
+pub fn route(key: HopKey, len: u16, lookup: impl FnOnce(&mut u16) -> Fib) -> Fib {
     let now = crate::now_ns();
     if let Some(hop) = FLANNEL_HOPS4.get_ptr(key) {
         // SAFETY: the pointer comes from a successful lookup; the entry is read once.
         let hop = unsafe { hop.read() };
-        let len = if tot_len == 0 && fib::gso_size(ctx) == 0 {
-            info.tot_len
-        } else {
-            tot_len
-        };
         if hop.usable(now, len) {
             return Fib::Resolved {
                 ifindex: hop.ifindex,
@@ -41,7 +24,7 @@ pub fn route(
         }
     }
     let mut mtu = 0;
-    let route = fib::lookup_mtu(ctx, ifindex(), info, tot_len, &mut mtu);
+    let route = lookup(&mut mtu);
     if let Fib::Resolved {
         ifindex,
         smac,
