@@ -35,6 +35,8 @@ pub struct DataplaneOptions {
     /// CPU both ends of the request/response test are pinned to (`None`: unpinned); see
     /// [`measure::sockperf_rr`].
     pub rr_cpu: Option<usize>,
+    /// CPUs the throughput runs pin the iperf3 client and server to (`None`: unpinned).
+    pub tcp_cpus: Option<measure::TcpCpus>,
     /// Report name (file names and title).
     pub name: String,
 }
@@ -51,6 +53,7 @@ impl Default for DataplaneOptions {
             duration: Duration::from_secs(5),
             rr_duration: Duration::from_secs(5),
             rr_cpu: Some(0),
+            tcp_cpus: None,
             name: "dataplane".to_owned(),
         }
     }
@@ -154,7 +157,13 @@ impl Bench for Dataplane<'_> {
         Ok(match step {
             0 | 1 => {
                 let streams = if step == 0 { 1 } else { 2 };
-                let t = measure::iperf3_tcp(client, bed.server_ip, streams, opts.duration)?;
+                let t = measure::iperf3_tcp(
+                    client,
+                    bed.server_ip,
+                    streams,
+                    opts.duration,
+                    opts.tcp_cpus,
+                )?;
                 vec![(step, t.gbps), (3 + step, t.cpu_per_gbit())]
             }
             _ => {
@@ -180,6 +189,7 @@ pub fn run(
         "throughput_seconds": opts.duration.as_secs(),
         "rr_seconds": opts.rr_duration.as_secs(),
         "rr_pinned_cpu": opts.rr_cpu,
+        "tcp_pinned_cpus": opts.tcp_cpus.map(|c| format!("client {}, server {}", c.client, c.server)),
         "tools": "iperf3 -J (TCP, 1 and 2 streams), sockperf ping-pong --tcp -m 64 --full-rtt",
         "cpu": "machine-wide busy time from /proc/stat during each iperf3 run / Gbit received",
     });
@@ -190,7 +200,7 @@ pub fn run(
 /// `bed`'s client; returns (Gbit/s, RR p50 µs).
 pub fn smoke(bed: &Testbed, ip: IpAddr) -> Result<(f64, f64)> {
     let client = bed.client_ns()?;
-    let t = measure::iperf3_tcp(client, ip, 1, Duration::from_secs(1))?;
+    let t = measure::iperf3_tcp(client, ip, 1, Duration::from_secs(1), None)?;
     let rr = measure::sockperf_rr(client, ip, Duration::from_secs(1), None)?;
     Ok((t.gbps, rr.p50_us))
 }

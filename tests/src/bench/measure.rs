@@ -108,20 +108,51 @@ pub fn parse_iperf3(json: &str) -> Result<(f64, u64, u64)> {
     Ok((bps / 1e9, bytes, retransmits))
 }
 
+/// The CPUs an iperf3 run pins its client and its server to (iperf3's `-A client,server`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpCpus {
+    /// CPU of the sending client.
+    pub client: usize,
+    /// CPU of the receiving server.
+    pub server: usize,
+}
+
+impl std::str::FromStr for TcpCpus {
+    type Err = anyhow::Error;
+
+    /// `client,server`, e.g. `0,1`.
+    fn from_str(s: &str) -> Result<Self> {
+        let (client, server) = s
+            .split_once(',')
+            .with_context(|| format!("{s:?}: want CLIENT,SERVER (CPU numbers)"))?;
+        let cpu = |v: &str| {
+            v.trim()
+                .parse::<usize>()
+                .with_context(|| format!("{v:?} in {s:?}: not a CPU number"))
+        };
+        Ok(TcpCpus {
+            client: cpu(client)?,
+            server: cpu(server)?,
+        })
+    }
+}
+
 /// Runs an iperf3 TCP client in `client` against a server at `server:IPERF_PORT` with
-/// `streams` parallel streams for `duration`, measuring the machine's CPU meanwhile.
+/// `streams` parallel streams for `duration`, measuring the machine's CPU meanwhile. With
+/// `cpus`, the client and the server are pinned (the server through the client's request).
 pub fn iperf3_tcp(
     client: &NetNs,
     server: IpAddr,
     streams: u32,
     duration: Duration,
+    cpus: Option<TcpCpus>,
 ) -> Result<Throughput> {
     let secs = duration.as_secs().max(1).to_string();
     let streams_arg = streams.to_string();
     let server_arg = server.to_string();
     let port = IPERF_PORT.to_string();
-    let before = CpuTimes::now()?;
-    let out = client.output(&[
+    let affinity = cpus.map(|c| format!("{},{}", c.client, c.server));
+    let mut argv = vec![
         "iperf3",
         "-c",
         &server_arg,
@@ -132,7 +163,12 @@ pub fn iperf3_tcp(
         "-P",
         &streams_arg,
         "-J",
-    ])?;
+    ];
+    if let Some(affinity) = &affinity {
+        argv.extend(["-A", affinity.as_str()]);
+    }
+    let before = CpuTimes::now()?;
+    let out = client.output(&argv)?;
     let after = CpuTimes::now()?;
     let (gbps, bytes, retransmits) = parse_iperf3(&String::from_utf8_lossy(&out.stdout))
         .with_context(|| {
@@ -261,6 +297,28 @@ pub fn sockperf_rr(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tcp_cpus_parse_as_client_comma_server() {
+        let cpus: TcpCpus = "0,1".parse().expect("0,1");
+        assert_eq!(
+            cpus,
+            TcpCpus {
+                client: 0,
+                server: 1
+            }
+        );
+        assert_eq!(
+            " 1 , 0".parse::<TcpCpus>().expect("spaces"),
+            TcpCpus {
+                client: 1,
+                server: 0
+            }
+        );
+        for bad in ["0", "0;1", "a,1", "0,-1", ""] {
+            assert!(bad.parse::<TcpCpus>().is_err(), "{bad:?} accepted");
+        }
+    }
 
     #[test]
     fn proc_stat() {

@@ -201,6 +201,11 @@ struct DataplaneArgs {
     /// CPU to pin both ends of the request/response test to (`none` to leave unpinned).
     #[arg(long, default_value = "0")]
     rr_cpu: String,
+    /// CPUs to pin the throughput runs' iperf3 client and server to, as CLIENT,SERVER (e.g.
+    /// `0,1`; `none` leaves them to the scheduler, whose placement moves single-stream
+    /// results by ±15 % from run to run here).
+    #[arg(long, default_value = "none")]
+    tcp_cpus: String,
     /// Comma-separated variants (`all` for every one; see `flannel-lab variants`).
     #[arg(long, value_delimiter = ',')]
     variants: Option<Vec<String>>,
@@ -434,6 +439,10 @@ fn bench_dataplane(args: DataplaneArgs) -> Result<()> {
                 cpu.parse()
                     .with_context(|| format!("--rr-cpu {cpu:?}: a CPU number or none"))?,
             ),
+        },
+        tcp_cpus: match args.tcp_cpus.as_str() {
+            "none" => None,
+            cpus => Some(cpus.parse().context("--tcp-cpus")?),
         },
         name: "dataplane".to_owned(),
     };
