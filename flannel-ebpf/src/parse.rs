@@ -155,27 +155,62 @@ pub fn ptr_at_mut<C: PacketCtx, T>(ctx: &C, offset: usize) -> Option<*mut T> {
 }
 
 /// The length of an IPv4 TCP packet's header chain (Ethernet, IPv4 with its options, TCP with
-/// its options) when all of it is directly readable, `None` otherwise (other protocols,
-/// tunnels, IPv6, VLAN tags, a short linear part).
+/// its options), bare or inside VXLAN (outer IPv4 without options, UDP, VXLAN, then the inner
+/// chain), when all of it is directly readable; `None` otherwise (other protocols and tunnels,
+/// IPv6, VLAN tags, a short linear part).
 ///
 /// The programs read nothing of a TCP packet beyond its headers, and the stack's own TCP
-/// packets carry exactly their headers in the linear part with the payload in pages: such a
-/// packet needs no [`PacketCtx::pull_headers`], whose `bpf_skb_pull_data` would move payload
-/// into the head and, for the clones TCP transmits, reallocate the head of every packet.
+/// packets carry exactly their headers in the linear part with the payload in pages (so do
+/// VXLAN packets the fast path built from them: the tunnel headers are inserted in the head):
+/// such a packet needs no [`PacketCtx::pull_headers`], whose `bpf_skb_pull_data` would move
+/// payload into the head and, for the clones TCP transmits, reallocate the head of every
+/// packet.
 #[inline(always)]
 pub fn linear_tcp_headers<C: PacketCtx>(ctx: &C) -> Option<usize> {
-    if read::<C, [u8; 2]>(ctx, 12)? != ETH_P_IP.to_be_bytes() {
-        return None;
+    if let Some(end) = tcp_chain_end(ctx) {
+        return Some(end);
     }
-    let version_ihl: u8 = read(ctx, ETH_HDR_LEN)?;
-    let ihl = usize::from(version_ihl & 0x0f) * 4;
-    if version_ihl >> 4 != 4
-        || ihl < IPV4_HDR_LEN
-        || read::<C, u8>(ctx, ETH_HDR_LEN + 9)? != proto::TCP
+    // VXLAN: outer IPv4 without options carrying UDP, the VXLAN "I" flag, an inner IPv4
+    // header without options (as the fast path and the kernel send them; fixed offsets keep
+    // the bounds checks simple for the verifier) carrying TCP.
+    if read::<C, [u8; 2]>(ctx, 12)? != ETH_P_IP.to_be_bytes()
+        || read::<C, u8>(ctx, ETH_HDR_LEN)? != 0x45
+        || read::<C, u8>(ctx, ETH_HDR_LEN + 9)? != proto::UDP
+        || read::<C, u8>(ctx, VXLAN_HDR_AT)? != 0x08
+        || read::<C, [u8; 2]>(ctx, VXLAN_INNER_L3 - 2)? != ETH_P_IP.to_be_bytes()
+        || read::<C, u8>(ctx, VXLAN_INNER_L3)? != 0x45
+        || read::<C, u8>(ctx, VXLAN_INNER_L3 + 9)? != proto::TCP
     {
         return None;
     }
-    let l4 = ETH_HDR_LEN + ihl;
+    let l4 = VXLAN_INNER_L3 + IPV4_HDR_LEN;
+    let doff = usize::from(read::<C, u8>(ctx, l4 + 12)? >> 4) * 4;
+    if doff < TCP_HDR_LEN {
+        return None;
+    }
+    let end = l4 + doff;
+    read::<C, u8>(ctx, end - 1)?;
+    Some(end)
+}
+
+/// Where a VXLAN header starts after an outer Ethernet, IPv4 (no options) and UDP header.
+const VXLAN_HDR_AT: usize = ETH_HDR_LEN + IPV4_HDR_LEN + 8;
+/// Where the inner IPv4 header of such a VXLAN packet starts.
+const VXLAN_INNER_L3: usize = VXLAN_HDR_AT + 8 + ETH_HDR_LEN;
+
+/// The end of the packet's IPv4 TCP header chain, if all of it is readable.
+#[inline(always)]
+fn tcp_chain_end<C: PacketCtx>(ctx: &C) -> Option<usize> {
+    if read::<C, [u8; 2]>(ctx, 12)? != ETH_P_IP.to_be_bytes() {
+        return None;
+    }
+    let l3 = ETH_HDR_LEN;
+    let version_ihl: u8 = read(ctx, l3)?;
+    let ihl = usize::from(version_ihl & 0x0f) * 4;
+    if version_ihl >> 4 != 4 || ihl < IPV4_HDR_LEN || read::<C, u8>(ctx, l3 + 9)? != proto::TCP {
+        return None;
+    }
+    let l4 = l3 + ihl;
     let doff = usize::from(read::<C, u8>(ctx, l4 + 12)? >> 4) * 4;
     if doff < TCP_HDR_LEN {
         return None;
@@ -488,6 +523,30 @@ mod tests {
         let mut v5 = ipv4(proto::TCP, &[], 0, &tcp());
         v5[14] = 0x55;
         assert_eq!(linear_tcp_headers(&Slice(&v5)), None);
+
+        // VXLAN around a TCP segment: the inner chain decides.
+        let inner = ipv4(proto::TCP, &[], 0, &seg);
+        let vxlan = |flags: u8| {
+            let mut payload = vec![0u8; 8 + 8];
+            payload[8] = flags;
+            payload.extend_from_slice(&inner);
+            ipv4(proto::UDP, &[], 0, &payload)
+        };
+        let tunnelled = vxlan(0x08);
+        let end = 14 + 20 + 8 + 8 + 14 + 20 + 32;
+        assert_eq!(linear_tcp_headers(&Slice(&tunnelled)), Some(end));
+        assert_eq!(linear_tcp_headers(&Slice(&tunnelled[..end - 1])), None);
+        // Not VXLAN (no "I" flag), or UDP around something else: pulled.
+        assert_eq!(linear_tcp_headers(&Slice(&vxlan(0))), None);
+        let mut udp_in_vxlan = vxlan(0x08);
+        udp_in_vxlan[14 + 20 + 16 + 14 + 9] = proto::UDP;
+        assert_eq!(linear_tcp_headers(&Slice(&udp_in_vxlan)), None);
+        // An outer header with options is not the fast path's own VXLAN: pulled.
+        let mut payload = vec![0u8; 16];
+        payload[8] = 0x08;
+        payload.extend_from_slice(&inner);
+        let with_options = ipv4(proto::UDP, &[1, 1, 1, 0], 0, &payload);
+        assert_eq!(linear_tcp_headers(&Slice(&with_options)), None);
     }
 
     #[test]
