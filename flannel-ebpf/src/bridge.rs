@@ -131,7 +131,7 @@ fn host_gw(
         0
     };
     let route = hops::route(key, len, |mtu| {
-        fib::lookup_mtu(ctx, crate::pods::routing_iif(ctx), info, 0, mtu)
+        fib::lookup(ctx, crate::pods::routing_iif(ctx), info, 0, mtu)
     });
     if route == Fib::Failed {
         return Err(Reason::PassFibFailed);

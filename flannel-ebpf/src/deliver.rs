@@ -105,7 +105,7 @@ pub fn route_to_pod(ctx: &TcContext, inner: &Ipv4Info) -> Fib {
         via: [0; 4],
     };
     hops::route(key, tot_len, |mtu| {
-        fib::lookup_mtu(ctx, fib::ingress_ifindex(ctx), inner, tot_len, mtu)
+        fib::lookup(ctx, fib::ingress_ifindex(ctx), inner, tot_len, mtu)
     })
 }
 

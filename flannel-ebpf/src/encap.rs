@@ -100,6 +100,12 @@ pub const VXLAN_OVERHEAD: usize = 50;
 pub const IPIP_OVERHEAD: usize = 20;
 /// VXLAN flags byte with the `I` (valid VNI) bit.
 pub const VXLAN_FLAG_I: u8 = 0x08;
+/// Offset of the VXLAN header in a VXLAN frame (outer Ethernet, IPv4 without options, UDP).
+pub const VXLAN_HDR_AT: usize = ETH_HDR_LEN + 20 + 8;
+/// Offset of the inner Ethernet header of a VXLAN frame.
+pub const VXLAN_INNER_ETH: usize = VXLAN_HDR_AT + 8;
+/// Offset of the inner IPv4 header of a VXLAN frame.
+pub const VXLAN_INNER_L3: usize = VXLAN_INNER_ETH + ETH_HDR_LEN;
 /// IP protocol number of IPv4-in-IPv4.
 pub const IPPROTO_IPIP: u8 = 4;
 
@@ -255,7 +261,7 @@ pub fn underlay_route(ctx: &TcContext, cfg: &Config, peer: &RemoteEntry) -> Resu
         via: UNDERLAY_VIA,
     };
     let route = hops::route(key, 0, |mtu| {
-        fib::lookup_output_mtu(ctx, cfg.ext_ifindex, cfg.public_ip, peer.public_ip, mtu)
+        fib::lookup_output(ctx, cfg.ext_ifindex, cfg.public_ip, peer.public_ip, mtu)
     });
     match route {
         Fib::Failed => Err(Reason::PassFibFailed),

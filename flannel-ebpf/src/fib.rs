@@ -1,7 +1,8 @@
 //! Routing through the kernel's FIB from TC: `bpf_fib_lookup`, then `bpf_redirect` with the
 //! neighbour's MACs, or `bpf_redirect_neigh` when the neighbour is not resolved yet (the kernel
-//! resolves it and queues the packet). Used for host-gw transmit and for delivery to local
-//! pods on receive (whose answers [`crate::pods`] remembers for a second).
+//! resolves it and queues the packet). Used for host-gw transmit, for delivery to local pods
+//! on receive and for the tunnels' own route to a peer (whose answers [`crate::hops`]
+//! remembers for a second).
 //!
 //! The lookup needs forwarding enabled on the ingress device (`net.ipv4.ip_forward=1`, which
 //! flannel requires anyway); otherwise it fails with `FWD_DISABLED` and the packet is passed.
@@ -77,26 +78,15 @@ pub fn zeroed_params(slot: &mut MaybeUninit<FibParams>) -> &mut FibParams {
     unsafe { slot.assume_init_mut() }
 }
 
-/// Looks up the route for `info`'s destination as if the packet arrived on `ifindex`.
+/// Looks up the route for `info`'s destination as if the packet arrived on `ifindex`,
+/// storing the route's MTU in `mtu` when it resolved.
 ///
 /// `tot_len` is the IP length to check against the output MTU; 0 lets the kernel check the
-/// skb itself (which understands GSO packets).
+/// skb itself (which understands GSO packets). The MTU is not returned with the [`Fib`]: LLVM
+/// copies a returned enum whole, bytes its variant leaves undefined included, and the
+/// verifier refuses reads of undefined registers.
 #[inline(always)]
-pub fn lookup(ctx: &TcContext, ifindex: u32, info: &Ipv4Info, tot_len: u16) -> Fib {
-    lookup_mtu(ctx, ifindex, info, tot_len, &mut 0)
-}
-
-/// [`lookup`], storing the route's MTU in `mtu` when it resolved (0 if the kernel did not
-/// say). Not returned with the [`Fib`]: LLVM copies a returned enum whole, bytes its variant
-/// leaves undefined included, and the verifier refuses reads of undefined registers.
-#[inline(always)]
-pub fn lookup_mtu(
-    ctx: &TcContext,
-    ifindex: u32,
-    info: &Ipv4Info,
-    tot_len: u16,
-    mtu: &mut u16,
-) -> Fib {
+pub fn lookup(ctx: &TcContext, ifindex: u32, info: &Ipv4Info, tot_len: u16, mtu: &mut u16) -> Fib {
     let mut slot = MaybeUninit::uninit();
     let params = zeroed_params(&mut slot);
     params.family = AF_INET;
@@ -112,22 +102,11 @@ pub fn lookup_mtu(
 }
 
 /// Looks up the route of an outer (tunnel) packet from `src` to `dst` leaving through `oif`,
-/// as the kernel would for a locally generated packet. The skb's mark plays no part, so
-/// policy routing by fwmark cannot divert tunnel packets.
+/// as the kernel would for a locally generated packet, storing the route's MTU in `mtu` as
+/// [`lookup`] does. The skb's mark plays no part, so policy routing by fwmark cannot divert
+/// tunnel packets.
 #[inline(always)]
-pub fn lookup_output(ctx: &TcContext, oif: u32, src: [u8; 4], dst: [u8; 4]) -> Fib {
-    lookup_output_mtu(ctx, oif, src, dst, &mut 0)
-}
-
-/// [`lookup_output`], storing the route's MTU in `mtu` as [`lookup_mtu`] does.
-#[inline(always)]
-pub fn lookup_output_mtu(
-    ctx: &TcContext,
-    oif: u32,
-    src: [u8; 4],
-    dst: [u8; 4],
-    mtu: &mut u16,
-) -> Fib {
+pub fn lookup_output(ctx: &TcContext, oif: u32, src: [u8; 4], dst: [u8; 4], mtu: &mut u16) -> Fib {
     let mut slot = MaybeUninit::uninit();
     let params = zeroed_params(&mut slot);
     params.family = AF_INET;

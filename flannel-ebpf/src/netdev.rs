@@ -42,18 +42,16 @@ use flannel_common::{
 use crate::{
     bridge::Outcome,
     decide, deliver,
-    encap::{self, IPIP_OVERHEAD, IPPROTO_IPIP, VXLAN_FLAG_I, VXLAN_OVERHEAD},
+    encap::{
+        self, IPIP_OVERHEAD, IPPROTO_IPIP, VXLAN_FLAG_I, VXLAN_INNER_ETH, VXLAN_INNER_L3,
+        VXLAN_OVERHEAD,
+    },
     fib::{self, Fib},
     ipv4::{self, Ipv4Info},
     maps, nat,
     parse::{self, ETH_HDR_LEN, ETH_P_IP, Packet, PacketCtx as _, proto, ptr_at},
 };
 
-/// Offset of the inner Ethernet header of a VXLAN packet (outer Ethernet, IPv4 without
-/// options, UDP, VXLAN).
-const VXLAN_INNER_ETH: usize = ETH_HDR_LEN + 20 + 8 + 8;
-/// Offset of the inner IPv4 header of a VXLAN packet.
-const VXLAN_INNER_L3: usize = VXLAN_INNER_ETH + ETH_HDR_LEN;
 /// Offset of the inner IPv4 header of an IPIP packet.
 const IPIP_INNER_L3: usize = ETH_HDR_LEN + IPIP_OVERHEAD;
 

@@ -19,6 +19,8 @@ use network_types::{
     udp::UdpHdr,
 };
 
+use crate::encap::{VXLAN_FLAG_I, VXLAN_HDR_AT, VXLAN_INNER_L3};
+
 /// EtherType IPv4.
 pub const ETH_P_IP: u16 = 0x0800;
 /// EtherType ARP.
@@ -176,27 +178,15 @@ pub fn linear_tcp_headers<C: PacketCtx>(ctx: &C) -> Option<usize> {
     if read::<C, [u8; 2]>(ctx, 12)? != ETH_P_IP.to_be_bytes()
         || read::<C, u8>(ctx, ETH_HDR_LEN)? != 0x45
         || read::<C, u8>(ctx, ETH_HDR_LEN + 9)? != proto::UDP
-        || read::<C, u8>(ctx, VXLAN_HDR_AT)? != 0x08
+        || read::<C, u8>(ctx, VXLAN_HDR_AT)? != VXLAN_FLAG_I
         || read::<C, [u8; 2]>(ctx, VXLAN_INNER_L3 - 2)? != ETH_P_IP.to_be_bytes()
         || read::<C, u8>(ctx, VXLAN_INNER_L3)? != 0x45
         || read::<C, u8>(ctx, VXLAN_INNER_L3 + 9)? != proto::TCP
     {
         return None;
     }
-    let l4 = VXLAN_INNER_L3 + IPV4_HDR_LEN;
-    let doff = usize::from(read::<C, u8>(ctx, l4 + 12)? >> 4) * 4;
-    if doff < TCP_HDR_LEN {
-        return None;
-    }
-    let end = l4 + doff;
-    read::<C, u8>(ctx, end - 1)?;
-    Some(end)
+    tcp_header_end(ctx, VXLAN_INNER_L3 + IPV4_HDR_LEN)
 }
-
-/// Where a VXLAN header starts after an outer Ethernet, IPv4 (no options) and UDP header.
-const VXLAN_HDR_AT: usize = ETH_HDR_LEN + IPV4_HDR_LEN + 8;
-/// Where the inner IPv4 header of such a VXLAN packet starts.
-const VXLAN_INNER_L3: usize = VXLAN_HDR_AT + 8 + ETH_HDR_LEN;
 
 /// The end of the packet's IPv4 TCP header chain, if all of it is readable.
 #[inline(always)]
@@ -210,7 +200,13 @@ fn tcp_chain_end<C: PacketCtx>(ctx: &C) -> Option<usize> {
     if version_ihl >> 4 != 4 || ihl < IPV4_HDR_LEN || read::<C, u8>(ctx, l3 + 9)? != proto::TCP {
         return None;
     }
-    let l4 = l3 + ihl;
+    tcp_header_end(ctx, l3 + ihl)
+}
+
+/// The end of the TCP header (options included) at `l4`, if all of it is readable and its
+/// data offset is sane.
+#[inline(always)]
+fn tcp_header_end<C: PacketCtx>(ctx: &C, l4: usize) -> Option<usize> {
     let doff = usize::from(read::<C, u8>(ctx, l4 + 12)? >> 4) * 4;
     if doff < TCP_HDR_LEN {
         return None;

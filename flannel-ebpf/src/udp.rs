@@ -155,10 +155,11 @@ pub fn encap(
     if !encap::fits(ctx, cfg, info, UDP_OVERHEAD) {
         return Err(Reason::PassTooBig);
     }
-    let route = match fib::lookup_output(ctx, cfg.ext_ifindex, udp.iface_addr, peer.public_ip) {
-        Fib::Failed => return Err(Reason::PassFibFailed),
-        route => route,
-    };
+    let route =
+        match fib::lookup_output(ctx, cfg.ext_ifindex, udp.iface_addr, peer.public_ip, &mut 0) {
+            Fib::Failed => return Err(Reason::PassFibFailed),
+            route => route,
+        };
     let l3_len = fib::skb_len(ctx) - ETH_HDR_LEN as u32;
     let outer = headers(udp, cfg.outer_ttl, peer.public_ip, l3_len);
     let ttl = ttl_field(info);

@@ -24,7 +24,7 @@ use flannel_agent::bpf::{
 };
 use flannel_common::{
     maps as names,
-    nat::{self, NatEntry, NatKey},
+    nat::{self, NatEntry, NatKey, NatRevEntry},
     stats::Reason,
 };
 use flannel_tests::packet::{
@@ -359,22 +359,8 @@ fn a_lost_reply_entry_is_made_again_when_the_flow_is_refreshed() {
         .check(fp, ext);
 
         // The reply entry (203.0.113.10:443 -> 192.168.77.1:48000, TCP) disappears.
-        let rev = pin.join(names::PIN_LAYOUT_VERSION).join(names::NAT_REV4);
-        let mut key: Vec<String> = [203u8, 0, 113, 10, 192, 168, 77, 1]
-            .iter()
-            .chain(&443u16.to_ne_bytes())
-            .chain(&48000u16.to_ne_bytes())
-            .chain(&[6u8, 0, 0, 0])
-            .map(ToString::to_string)
-            .collect();
-        key.insert(0, "key".into());
-        let out = Command::new("bpftool")
-            .args(["map", "delete", "pinned"])
-            .arg(&rev)
-            .args(&key)
-            .output()
-            .expect("bpftool");
-        assert!(out.status.success(), "bpftool map delete: {out:?}");
+        let rkey = NatKey::new(OUT.octets(), NODE.octets(), 443, 48000, nat::proto::TCP);
+        remove_pinned::<NatRevEntry>(&pin, names::NAT_REV4, &rkey);
         let flows = fp.nat_flows().expect("flows");
         assert_eq!(flows.len(), 1, "{flows:#?}");
         assert!(!flows[0].reverse_ok, "{flows:#?}");
@@ -462,12 +448,7 @@ fn replies_skip_the_flow_entry_only_within_half_a_second_of_a_check() {
 
             // The flow's own entry disappears; its reverse entry stays.
             let key = NatKey::new(POD.octets(), OUT.octets(), port, 443, nat::proto::TCP);
-            let map = pin.join(names::PIN_LAYOUT_VERSION).join(names::NAT4);
-            let data = aya::maps::MapData::from_pin(&map).expect("pinned NAT4");
-            let mut fwd: aya::maps::HashMap<_, NatKey, NatEntry> =
-                aya::maps::HashMap::try_from(aya::maps::Map::from_map_data(data).expect("map"))
-                    .expect("NAT4 as a hash map");
-            fwd.remove(&key).expect("removing the flow's entry");
+            remove_pinned::<NatEntry>(&pin, names::NAT4, &key);
             let r = run(fp, Hook::FromNetdev, &ingress_frame(&ack), Skb::on(ext));
             if checked.elapsed() > Duration::from_millis(400) && attempt < 2 {
                 continue;
@@ -1260,6 +1241,18 @@ fn fragments_follow_their_first_fragment() {
             "orphan fragment",
         );
     });
+}
+
+/// Removes `key` from the pinned NAT map `name` (values of type `V`), as an LRU eviction
+/// would; panics if the entry is not there.
+fn remove_pinned<V: aya::Pod>(pin: &Path, name: &str, key: &NatKey) {
+    let path = pin.join(names::PIN_LAYOUT_VERSION).join(name);
+    let data = aya::maps::MapData::from_pin(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let map = aya::maps::Map::from_map_data(data).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let mut map: aya::maps::HashMap<_, NatKey, V> =
+        aya::maps::HashMap::try_from(map).unwrap_or_else(|e| panic!("{name}: {e}"));
+    map.remove(key)
+        .unwrap_or_else(|e| panic!("removing {key:?} from {name}: {e}"));
 }
 
 /// `bpftool -j map dump` of a pinned map: the entries as bpftool decodes them with the map's
