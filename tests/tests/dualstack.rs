@@ -715,15 +715,31 @@ fn ipv6_only_kube(backend: &str) -> Result<()> {
     // The node objects carry IPv6 annotations only.
     let prefix = "flannel.alpha.coreos.com";
     for node in topology.nodes() {
-        let obj = wait::until(Duration::from_secs(10), "the node annotations", || {
-            let obj = api.node(&node.name()).context("node gone")?;
-            let ann = &obj["metadata"]["annotations"];
-            ensure!(
-                ann[format!("{prefix}/kube-subnet-manager")] == "true",
-                "{ann}"
-            );
-            Ok(Some(obj))
-        })?;
+        // The annotations and the NetworkUnavailable condition are two patches of the agent
+        // (metadata, then status): wait for both.
+        let obj = wait::until(
+            Duration::from_secs(10),
+            "the node annotations and condition",
+            || {
+                let obj = api.node(&node.name()).context("node gone")?;
+                let ann = &obj["metadata"]["annotations"];
+                ensure!(
+                    ann[format!("{prefix}/kube-subnet-manager")] == "true",
+                    "{ann}"
+                );
+                let conditions = &obj["status"]["conditions"];
+                ensure!(
+                    conditions
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|c| c["type"] == "NetworkUnavailable" && c["status"] == "False"),
+                    "{}: conditions {conditions}",
+                    node.name()
+                );
+                Ok(Some(obj))
+            },
+        )?;
         let ann = &obj["metadata"]["annotations"];
         let addr6 = node.addr6().context("IPv6 underlay")?.to_string();
         ensure!(
@@ -749,16 +765,6 @@ fn ipv6_only_kube(backend: &str) -> Result<()> {
                 "no IPv4 vxlan device in an IPv6-only network"
             );
         }
-        let conditions = &obj["status"]["conditions"];
-        ensure!(
-            conditions
-                .as_array()
-                .into_iter()
-                .flatten()
-                .any(|c| c["type"] == "NetworkUnavailable" && c["status"] == "False"),
-            "{}: conditions {conditions}",
-            node.name()
-        );
     }
 
     // Routes: IPv6 only, one per peer.
