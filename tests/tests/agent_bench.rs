@@ -1,16 +1,18 @@
 //! The agent-driven benchmark setups work: each `agent-*` kernel variant of `flannel-lab bench
 //! dataplane` carries iperf3 and sockperf traffic through the path it names, and `bench
-//! control` converges on a few hundred fake leases with its counters filled in. No timing is
-//! asserted (the numbers are the benchmarks' job); the paths and counts are.
+//! control` converges on a few hundred fake leases with its counters filled in; the eBPF
+//! variants' program run time is read. No timing is asserted (the numbers are the benchmarks'
+//! job); the paths and counts are.
 //!
 //! Run: `cargo test -p flannel-tests --test agent_bench` (as root; skipped otherwise).
 
 use std::{net::IpAddr, time::Duration};
 
+use flannel_common::programs::{TC_FROM_BRIDGE, TC_FROM_NETDEV};
 use flannel_tests::{
     bench::{
         control::{self, ControlOptions},
-        dataplane,
+        dataplane, measure, progtime,
         variant::{self, SetupCtx, Testbed},
     },
     lab::{agent::Dataplane, bins},
@@ -102,6 +104,39 @@ fn bare_agent_variants_carry_traffic_without_rules() {
     require_root!();
     carries_traffic("agent-host-gw-bare", "eth0", false);
     carries_traffic("agent-vxlan-bare", "flannel.1", false);
+}
+
+/// The programs' time the dataplane bench reports for eBPF variants: with statistics on, a
+/// request/response run between the pods of `agent-ebpf-host-gw` is seen running both the
+/// transmit and the receive program, about as often as round trips were made.
+#[test]
+fn ebpf_variant_reports_its_programs_run_time() {
+    require_root!();
+    let name = "agent-ebpf-host-gw";
+    let v = variant::find(name).expect("variant");
+    let mut bed = v
+        .prepare(&ctx())
+        .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    dataplane::start_servers(&mut bed, Some(0)).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    let client = bed.client_ns().unwrap_or_else(|e| panic!("{e:#}"));
+    let _stats = progtime::Stats::enable().unwrap_or_else(|e| panic!("{e:#}"));
+    let before = progtime::Snapshot::take();
+    let rr = measure::sockperf_rr(client, bed.server_ip, Duration::from_secs(1), Some(0))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let usage = before.until(&progtime::Snapshot::take());
+    eprintln!("{name}: {usage:?} over {} round trips", rr.round_trips);
+    for program in [TC_FROM_BRIDGE, TC_FROM_NETDEV] {
+        let ns = usage.ns_per_run(program);
+        assert!(ns.is_some_and(|ns| ns > 0.0), "{program}: {usage:?}");
+    }
+    // Each round trip runs both programs once per direction (other tests' traffic through
+    // programs of the same name can only add to it).
+    assert!(rr.round_trips > 100, "{rr:?}");
+    assert!(
+        usage.runs(TC_FROM_BRIDGE) >= 2 * rr.round_trips,
+        "{usage:?} for {} round trips",
+        rr.round_trips
+    );
 }
 
 #[test]

@@ -8,8 +8,11 @@ use std::{net::IpAddr, time::Duration};
 use anyhow::{Context as _, Result};
 use serde_json::json;
 
+use flannel_common::programs::{TC_FROM_BRIDGE, TC_FROM_NETDEV};
+
 use super::{
     measure::{self, IPERF_PORT, SOCKPERF_PORT},
+    progtime,
     report::Report,
     rounds::{self, Bench, Metric, Plan},
     variant::{self, SetupCtx, Testbed, Variant},
@@ -59,8 +62,14 @@ impl Default for DataplaneOptions {
     }
 }
 
-/// The metrics, in report order: key, label, unit, higher is better.
-pub const METRICS: [Metric; 5] = [
+/// How long the extra request/response run that reads the programs' run time lasts.
+const PROG_TIME_RR: Duration = Duration::from_secs(2);
+
+/// The metrics, in report order: key, label, unit, higher is better. The last three are the
+/// fast path's own time ([`progtime`]) in a request/response run of their own, for the
+/// variants whose traffic runs the agent's programs (the kernel clock reads that statistics
+/// add to every run are included).
+pub const METRICS: [Metric; 8] = [
     ("tcp1_gbps", "TCP 1 stream", "Gbit/s", true),
     ("tcp2_gbps", "TCP 2 streams", "Gbit/s", true),
     ("rr_p50_us", "TCP RR latency p50", "µs", false),
@@ -76,6 +85,9 @@ pub const METRICS: [Metric; 5] = [
         "CPU-s/Gbit",
         false,
     ),
+    ("bpf_rr_us", "eBPF time per round trip", "µs", false),
+    ("from_bridge_ns", "tc_from_bridge per run (RR)", "ns", false),
+    ("from_netdev_ns", "tc_from_netdev per run (RR)", "ns", false),
 ];
 
 /// Starts the iperf3 and sockperf servers (the latter pinned to `rr_cpu`) in the testbed's
@@ -147,10 +159,11 @@ impl Bench for Dataplane<'_> {
     }
 
     fn steps(&self) -> usize {
-        3
+        4
     }
 
-    /// Step 0: one stream (throughput, CPU); 1: two streams; 2: request/response.
+    /// Step 0: one stream (throughput, CPU); 1: two streams; 2: request/response; 3: the
+    /// programs' run time in a request/response run with BPF statistics on.
     fn measure(&self, bed: &Testbed, step: usize) -> Result<Vec<(usize, f64)>> {
         let client = bed.client_ns()?;
         let opts = self.opts;
@@ -166,13 +179,32 @@ impl Bench for Dataplane<'_> {
                 )?;
                 vec![(step, t.gbps), (3 + step, t.cpu_per_gbit())]
             }
-            _ => {
+            2 => {
                 let rr =
                     measure::sockperf_rr(client, bed.server_ip, opts.rr_duration, opts.rr_cpu)?;
                 vec![(2, rr.p50_us)]
             }
+            _ => {
+                let _stats = progtime::Stats::enable()?;
+                let before = progtime::Snapshot::take();
+                let rr = measure::sockperf_rr(client, bed.server_ip, PROG_TIME_RR, opts.rr_cpu)?;
+                let usage = before.until(&progtime::Snapshot::take());
+                program_time(&usage, rr.round_trips)
+            }
         })
     }
+}
+
+/// The [`METRICS`] entries of the programs' time over `round_trips` round trips; none when no
+/// program ran (a kernel-path variant).
+fn program_time(usage: &progtime::Usage, round_trips: u64) -> Vec<(usize, f64)> {
+    if usage.is_empty() || round_trips == 0 {
+        return Vec::new();
+    }
+    let mut values = vec![(5, usage.total_ns() as f64 / round_trips as f64 / 1000.0)];
+    values.extend(usage.ns_per_run(TC_FROM_BRIDGE).map(|ns| (6, ns)));
+    values.extend(usage.ns_per_run(TC_FROM_NETDEV).map(|ns| (7, ns)));
+    values
 }
 
 /// Sets up every variant, measures them round-robin and summarises against the baseline.
@@ -192,6 +224,7 @@ pub fn run(
         "tcp_pinned_cpus": opts.tcp_cpus.map(|c| format!("client {}, server {}", c.client, c.server)),
         "tools": "iperf3 -J (TCP, 1 and 2 streams), sockperf ping-pong --tcp -m 64 --full-rtt",
         "cpu": "machine-wide busy time from /proc/stat during each iperf3 run / Gbit received",
+        "ebpf_time": "BPF_ENABLE_STATS run time of tc_from_bridge, tc_from_netdev, tc_to_netdev and xdp_from_netdev (every node) during a separate 2 s sockperf run, per round trip and per run",
     });
     rounds::run(&Dataplane { opts, ctx }, plan, settings, log, cancelled)
 }

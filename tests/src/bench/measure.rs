@@ -196,8 +196,10 @@ pub struct Latency {
     pub p99_us: f64,
     /// Mean round trip.
     pub avg_us: f64,
-    /// Number of observations.
+    /// Number of observations (round trips of the valid duration).
     pub observations: u64,
+    /// Round trips of the whole run, warm-up included (the client's sent messages).
+    pub round_trips: u64,
 }
 
 fn strip_ansi(s: &str) -> String {
@@ -232,12 +234,35 @@ pub fn parse_sockperf(text: &str) -> Result<Latency> {
     let p50 = after("percentile 50.000 =").context("sockperf output has no median")?;
     let p99 = after("percentile 99.000 =").unwrap_or(f64::NAN);
     let avg = after("avg-rtt=").unwrap_or(f64::NAN);
-    let observations = after("Total ").map(|v| v as u64).unwrap_or(0);
+    // "Total N observations" (an earlier "[Total Run]" line also holds "Total ").
+    let observations = text
+        .lines()
+        .filter(|l| l.contains(" observations"))
+        .find_map(|l| {
+            let rest = &l[l.find("Total ")? + "Total ".len()..];
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0);
+    let round_trips = text
+        .lines()
+        .find(|l| l.contains("[Total Run]"))
+        .and_then(|l| {
+            let rest = &l[l.find("SentMessages=")? + "SentMessages=".len()..];
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0);
     Ok(Latency {
         p50_us: p50,
         p99_us: p99,
         avg_us: avg,
         observations,
+        round_trips,
     })
 }
 
@@ -355,7 +380,8 @@ mod tests {
 
     #[test]
     fn sockperf_summary() {
-        let text = "sockperf: [Valid Duration] RunTime=0.550 sec; SentMessages=32386; ReceivedMessages=32386\n\
+        let text = "sockperf: [Total Run] RunTime=1.000 sec; Warm up time=400 msec; SentMessages=40000; ReceivedMessages=39999\n\
+            sockperf: [Valid Duration] RunTime=0.550 sec; SentMessages=32386; ReceivedMessages=32386\n\
             sockperf: \u{1b}[2;35m====> avg-rtt=16.968 (std-dev=80.540)\u{1b}[0m\n\
             sockperf: Summary: Round trip is 16.968 usec\n\
             sockperf: \u{1b}[2;35mTotal 32386 observations\u{1b}[0m; each percentile contains 323.86 observations\n\
@@ -368,7 +394,8 @@ mod tests {
                 p50_us: 14.601,
                 p99_us: 21.431,
                 avg_us: 16.968,
-                observations: 32386
+                observations: 32386,
+                round_trips: 40000,
             }
         );
         assert!(parse_sockperf("sockperf: error").is_err());

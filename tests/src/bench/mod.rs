@@ -5,6 +5,7 @@
 //! |---|---|
 //! | [`variant`] | named setups (topology + setup function) yielding client and server |
 //! | [`measure`] | iperf3 throughput with /proc/stat CPU, sockperf ping-pong latency |
+//! | [`progtime`] | the agent's BPF programs' run time over a measurement (`BPF_ENABLE_STATS`) |
 //! | [`stats`] | median/min/max and ratios |
 //! | [`rounds`] | the interleaved runner: set up every variant, measure round-robin, compare with the baseline |
 //! | [`dataplane`] | `bench dataplane`: throughput, latency and CPU of the [`variant`] testbeds |
@@ -18,6 +19,7 @@ pub mod crr;
 pub mod dataplane;
 pub mod masq;
 pub mod measure;
+pub mod progtime;
 pub mod report;
 pub mod rounds;
 pub mod stats;

@@ -110,6 +110,13 @@ pub struct VariantRecord {
     pub errors: Vec<String>,
 }
 
+impl VariantRecord {
+    /// The metric with this key, if the variant has it.
+    pub fn metric(&self, key: &str) -> Option<&MetricResult> {
+        self.metrics.iter().find(|m| m.key == key)
+    }
+}
+
 /// A finished benchmark.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
@@ -155,8 +162,20 @@ impl Report {
         ]
     }
 
+    /// Every metric some variant has, in the order they first appear (a variant may lack
+    /// some: a measurement that failed every time, or one that only applies to some variants).
+    fn columns(&self) -> Vec<&MetricResult> {
+        let mut columns: Vec<&MetricResult> = Vec::new();
+        for m in self.variants.iter().flat_map(|v| &v.metrics) {
+            if !columns.iter().any(|c| c.key == m.key) {
+                columns.push(m);
+            }
+        }
+        columns
+    }
+
     /// The Markdown report: header, then one table (variants × metrics, each cell
-    /// `median [min–max] ratio×`).
+    /// `median [min–max] ratio×`, or `—` where a variant lacks the metric).
     pub fn markdown(&self) -> String {
         let mut out = format!("# flannel-lab bench {}\n\n", self.name);
         for line in self.header().iter().skip(1) {
@@ -173,21 +192,26 @@ impl Report {
         out += "\nCells: median [min–max] over the repetitions, then the ratio of the median \
                 to the baseline's (for throughput higher is better; for latency and CPU lower \
                 is better).\n\n";
-        let Some(first) = self.variants.first() else {
+        let columns = self.columns();
+        if columns.is_empty() {
             return out + "(no variants)\n";
-        };
+        }
         out += "| variant |";
-        for m in &first.metrics {
+        for m in &columns {
             let _ = write!(out, " {} ({}) |", m.label, m.unit);
         }
         out += "\n|---|";
-        for _ in &first.metrics {
+        for _ in &columns {
             out += "---|";
         }
         out += "\n";
         for v in &self.variants {
             let _ = write!(out, "| {} |", v.variant);
-            for m in &v.metrics {
+            for column in &columns {
+                let Some(m) = v.metric(&column.key) else {
+                    out += " — |";
+                    continue;
+                };
                 let ratio = m.ratio.map(|r| format!(" **{r:.2}×**")).unwrap_or_default();
                 let _ = write!(
                     out,
@@ -220,29 +244,34 @@ impl Report {
         const COLORS: [&str; 8] = [
             "#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#9c755f",
         ];
-        let metrics: Vec<(&str, String)> = self
-            .variants
-            .first()
-            .map(|v| {
-                v.metrics
+        // Only metrics with a ratio to the baseline can be drawn on the ratio axis.
+        let metrics: Vec<(&str, &str, String)> = self
+            .columns()
+            .into_iter()
+            .filter(|c| {
+                self.variants
                     .iter()
-                    .map(|m| {
-                        let better = if m.higher_is_better {
-                            "higher"
-                        } else {
-                            "lower"
-                        };
-                        (m.label.as_str(), format!("{}, {better} is better", m.unit))
-                    })
-                    .collect()
+                    .any(|v| v.metric(&c.key).is_some_and(|m| m.ratio.is_some()))
             })
-            .unwrap_or_default();
+            .map(|m| {
+                let better = if m.higher_is_better {
+                    "higher"
+                } else {
+                    "lower"
+                };
+                (
+                    m.key.as_str(),
+                    m.label.as_str(),
+                    format!("{}, {better} is better", m.unit),
+                )
+            })
+            .collect();
         let nv = self.variants.len().max(1);
         let (bar, left, top, plot_h) = (24.0, 60.0, 90.0, 260.0);
         // Room for the longest group label (about 6 px per character at 11 px).
         let longest = metrics
             .iter()
-            .map(|(l, u)| l.len().max(u.len()))
+            .map(|(_, l, u)| l.len().max(u.len()))
             .max()
             .unwrap_or(0) as f64;
         let group_w = (nv as f64 * bar + 30.0).max(longest * 6.0 + 12.0);
@@ -301,10 +330,10 @@ impl Report {
             width - 20.0,
             y1 = y(1.0)
         );
-        for (mi, (label, unit)) in metrics.iter().enumerate() {
+        for (mi, (key, label, unit)) in metrics.iter().enumerate() {
             let gx = left + mi as f64 * group_w + gap / 2.0;
             for (vi, v) in self.variants.iter().enumerate() {
-                let Some(r) = v.metrics.get(mi).and_then(|m| m.ratio) else {
+                let Some(r) = v.metric(key).and_then(|m| m.ratio) else {
                     continue;
                 };
                 let x = gx + vi as f64 * bar;
@@ -489,5 +518,22 @@ mod tests {
         );
         assert!(svg.contains("Test CPU &lt;x&gt;"));
         assert!(svg.contains(">0.75<"));
+    }
+
+    #[test]
+    fn a_metric_only_some_variants_have_gets_its_column() {
+        let mut r = report();
+        r.variants[1].metrics.push(metric("bpf_ns", 250.0, None));
+        let md = r.markdown();
+        assert!(
+            md.contains("| underlay | 40.0 [40.0–40.0] **1.00×** | — |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| ref-vxlan | 30.0 [30.0–30.0] **0.75×** | 250 [250–250] |"),
+            "{md}"
+        );
+        // No ratio, no bar: still 2 bars + 2 legend boxes.
+        assert_eq!(r.svg().matches("<rect x=").count(), 4);
     }
 }
