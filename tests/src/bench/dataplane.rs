@@ -195,10 +195,11 @@ impl Bench for Dataplane<'_> {
     }
 }
 
-/// The [`METRICS`] entries of the programs' time over `round_trips` round trips; none when no
-/// program ran (a kernel-path variant).
+/// The [`METRICS`] entries of the programs' time over `round_trips` round trips; none when the
+/// transmit program did not run for every round trip (a kernel-path variant: what the other
+/// testbeds' programs run meanwhile, for their agents' own traffic, is not this variant's).
 fn program_time(usage: &progtime::Usage, round_trips: u64) -> Vec<(usize, f64)> {
-    if usage.is_empty() || round_trips == 0 {
+    if round_trips == 0 || usage.runs(TC_FROM_BRIDGE) < round_trips {
         return Vec::new();
     }
     let mut values = vec![(5, usage.total_ns() as f64 / round_trips as f64 / 1000.0)];
@@ -236,4 +237,26 @@ pub fn smoke(bed: &Testbed, ip: IpAddr) -> Result<(f64, f64)> {
     let t = measure::iperf3_tcp(client, ip, 1, Duration::from_secs(1), None)?;
     let rr = measure::sockperf_rr(client, ip, Duration::from_secs(1), None)?;
     Ok((t.gbps, rr.p50_us))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn program_time_belongs_to_variants_whose_traffic_ran_the_programs() {
+        let before = progtime::Snapshot::from_totals(&[]);
+        let fast = progtime::Snapshot::from_totals(&[
+            (TC_FROM_BRIDGE, 600_000, 2_000),
+            (TC_FROM_NETDEV, 800_000, 2_000),
+        ]);
+        assert_eq!(
+            program_time(&before.until(&fast), 1_000),
+            vec![(5, 1.4), (6, 300.0), (7, 400.0)]
+        );
+        // Another testbed's agent traffic during a kernel-path variant's run.
+        let background = progtime::Snapshot::from_totals(&[(TC_FROM_NETDEV, 11_000, 2)]);
+        assert_eq!(program_time(&before.until(&background), 1_000), vec![]);
+        assert_eq!(program_time(&before.until(&fast), 0), vec![]);
+    }
 }
