@@ -13,6 +13,7 @@
 //! | [`config`] | the local node's configuration ([`config::Config`]) |
 //! | [`flow`] | keys of the flow-tracking LRU maps |
 //! | [`hops`] | remembered route lookups ([`hops::Hop`]) |
+//! | [`memo`] | remembered per-flow decisions ([`memo::FlowMemo`]) and their generation |
 //! | [`csum`] | checksums and the VXLAN source port, as pure functions |
 //! | [`nat`] | masquerade in eBPF: NAT map layouts, configuration, states, decisions |
 //! | [`udp`] | the udp backend's configuration entry and wire format |
@@ -25,6 +26,7 @@ pub mod csum;
 pub mod flow;
 pub mod hops;
 pub mod maps;
+pub mod memo;
 pub mod nat;
 pub mod pods;
 pub mod programs;

@@ -25,13 +25,15 @@
 //! unchanged (`TC_ACT_OK`), counted with a reason.
 
 use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
-use flannel_common::{config::FASTPATH_MARK, hops::HopKey, route::RemoteEntry, stats::Reason};
+use flannel_common::{
+    config::FASTPATH_MARK, hops::HopKey, memo::DIR_OUT, route::RemoteEntry, stats::Reason,
+};
 
 use crate::{
     decide::{self, BridgeAction},
     deliver, encap,
     fib::{self, Fib},
-    hops, ipv4, maps,
+    hops, ipv4, maps, memo,
     parse::{self, Packet},
     udp,
 };
@@ -76,6 +78,8 @@ pub fn run(ctx: &TcContext) -> Outcome {
     let Some(info) = ipv4::read(ctx, &packet) else {
         return Outcome::pass(class, Reason::PassMalformed);
     };
+    // Read before the checks: a change while they run retires what they decide.
+    let generation = memo::current();
     let action = decide::from_bridge(
         cfg,
         &info,
@@ -85,7 +89,7 @@ pub fn run(ctx: &TcContext) -> Outcome {
     );
     let sent = match action {
         BridgeAction::Pass(reason) => Err(reason),
-        BridgeAction::HostGw(peer) => host_gw(ctx, &peer, &info),
+        BridgeAction::HostGw(peer) => host_gw(ctx, &peer, &info, generation),
         BridgeAction::Vxlan(peer) => encap::vxlan(ctx, cfg, &peer, &info)
             .and_then(|route| send(ctx, route))
             .map(|action| (action, Reason::FastVxlan)),
@@ -118,6 +122,7 @@ fn host_gw(
     ctx: &TcContext,
     peer: &RemoteEntry,
     info: &ipv4::Ipv4Info,
+    generation: u64,
 ) -> Result<(i32, Reason), Reason> {
     let key = HopKey {
         dst: info.dst,
@@ -130,7 +135,8 @@ fn host_gw(
     } else {
         0
     };
-    let route = hops::route(key, len, |mtu| {
+    let mut mtu = 0;
+    let route = hops::route(key, len, &mut mtu, |mtu| {
         fib::lookup(ctx, crate::pods::routing_iif(ctx), info, 0, mtu)
     });
     if route == Fib::Failed {
@@ -138,6 +144,19 @@ fn host_gw(
     }
     if !ipv4::decrement_ttl(ctx, info.l3) {
         return Err(Reason::PassMalformed);
+    }
+    if let Fib::Resolved {
+        ifindex,
+        smac,
+        dmac,
+    } = route
+        && mtu != 0
+    {
+        memo::remember(
+            info,
+            DIR_OUT,
+            memo::memo(ifindex, smac, dmac, mtu, generation),
+        );
     }
     send(ctx, route).map(|action| (action, Reason::FastHostGw))
 }

@@ -92,9 +92,9 @@ pub fn decap(ctx: &TcContext, len: usize) -> Result<(), Reason> {
 
 /// The route to `inner`'s destination (a local pod) as if the packet arrived on the ingress
 /// interface, checking `inner`'s length against the bridge's MTU (for GSO packets the kernel
-/// checks the segments); remembered for a second ([`crate::hops`]).
+/// checks the segments); remembered for a second ([`crate::hops`]). `mtu` gets the route's MTU.
 #[inline(always)]
-pub fn route_to_pod(ctx: &TcContext, inner: &Ipv4Info) -> Fib {
+pub fn route_to_pod(ctx: &TcContext, inner: &Ipv4Info, mtu: &mut u16) -> Fib {
     let tot_len = if fib::gso_size(ctx) == 0 {
         inner.tot_len
     } else {
@@ -104,7 +104,7 @@ pub fn route_to_pod(ctx: &TcContext, inner: &Ipv4Info) -> Fib {
         dst: inner.dst,
         via: [0; 4],
     };
-    hops::route(key, tot_len, |mtu| {
+    hops::route(key, tot_len, mtu, |mtu| {
         fib::lookup(ctx, fib::ingress_ifindex(ctx), inner, tot_len, mtu)
     })
 }
@@ -142,7 +142,17 @@ pub fn learn_nat_guard(cfg: &Config, info: &Ipv4Info) -> bool {
     if FLANNEL_NATGRD4.get_ptr(key).is_some() {
         return false;
     }
-    FLANNEL_NATGRD4.insert(key, 1u32, 0).is_ok()
+    learnt(FLANNEL_NATGRD4.insert(key, 1u32, 0).is_ok())
+}
+
+/// After a flow-table insert: a new entry retires the remembered decisions
+/// ([`crate::memo`]), which skipped the flow tables.
+#[inline(always)]
+fn learnt(added: bool) -> bool {
+    if added {
+        crate::memo::retire_all();
+    }
+    added
 }
 
 /// Hands the flow of a packet arriving for a local pod to the kernel (both directions from now
@@ -150,7 +160,7 @@ pub fn learn_nat_guard(cfg: &Config, info: &Ipv4Info) -> bool {
 #[inline(always)]
 pub fn hand_to_kernel(info: &Ipv4Info) -> bool {
     let key = decide::flow_key_incoming(info);
-    FLANNEL_KFLOWS4.insert(key, 1u32, 0).is_ok()
+    learnt(FLANNEL_KFLOWS4.insert(key, 1u32, 0).is_ok())
 }
 
 /// Records the flow of a local pod's packet that leaves through the kernel, if it is a
@@ -164,5 +174,5 @@ pub fn learn_kernel_flow(cfg: &Config, info: &Ipv4Info) -> bool {
     if FLANNEL_KFLOWS4.get_ptr(key).is_some() {
         return false;
     }
-    FLANNEL_KFLOWS4.insert(key, 1u32, 0).is_ok()
+    learnt(FLANNEL_KFLOWS4.insert(key, 1u32, 0).is_ok())
 }

@@ -260,7 +260,7 @@ pub fn underlay_route(ctx: &TcContext, cfg: &Config, peer: &RemoteEntry) -> Resu
         dst: peer.public_ip,
         via: UNDERLAY_VIA,
     };
-    let route = hops::route(key, 0, |mtu| {
+    let route = hops::route(key, 0, &mut 0, |mtu| {
         fib::lookup_output(ctx, cfg.ext_ifindex, cfg.public_ip, peer.public_ip, mtu)
     });
     match route {

@@ -12,6 +12,7 @@
 //! | [`deliver`] | decapsulation, delivery to the bridge, the conntrack-consistency flow tables |
 //! | [`fib`] | `bpf_fib_lookup` + redirect |
 //! | [`hops`] | remembered route lookups |
+//! | [`memo`] | remembered per-flow decisions: the short path of both directions |
 //! | [`pods`] | delivery into a local pod's namespace (`bpf_redirect_peer`) |
 //! | [`nat`] | masquerade: source NAT out, reverse NAT in, port allocation, ICMP errors |
 //! | [`maps`] | every map of the object |
@@ -23,6 +24,9 @@
 //! On the bpf target this is `no_std`; on the host it compiles with std so that clippy and the
 //! unit tests (`cargo test -p flannel-ebpf --lib`) cover the pure logic.
 #![cfg_attr(target_arch = "bpf", no_std)]
+// The atomic add of `memo::retire_all` (the bpf target has no atomic types).
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
 pub mod bench;
 pub mod bridge;
@@ -33,6 +37,7 @@ pub mod fib;
 pub mod hops;
 pub mod ipv4;
 pub mod maps;
+pub mod memo;
 pub mod nat;
 pub mod netdev;
 pub mod parse;

@@ -30,7 +30,7 @@ use flannel_ebpf::{
         FLANNEL_CNT_FBR, FLANNEL_CNT_FND, FLANNEL_CNT_TND, FLANNEL_CNT_XND, FLANNEL_TC_CNT,
         FLANNEL_XDP_CNT,
     },
-    netdev,
+    memo, netdev,
     parse::{self, PULL_LEN, PacketCtx as _},
     stats, v6, xdp,
 };
@@ -58,7 +58,9 @@ pub fn xdp_classify(ctx: XdpContext) -> u32 {
 pub fn tc_from_bridge(ctx: TcContext) -> i32 {
     ctx.pull_headers(PULL_LEN);
     let bytes = ctx.packet_len() as u64;
-    let out = if v6::is_ipv6(&ctx) {
+    let out = if let Some(out) = memo::transmit(&ctx) {
+        out
+    } else if v6::is_ipv6(&ctx) {
         v6::from_bridge(&ctx)
     } else {
         bridge::run(&ctx)
@@ -78,7 +80,9 @@ pub fn tc_from_bridge(ctx: TcContext) -> i32 {
 pub fn tc_from_netdev(ctx: TcContext) -> i32 {
     ctx.pull_headers(PULL_LEN);
     let bytes = ctx.packet_len() as u64;
-    let (out, learnt) = if v6::is_ipv6(&ctx) {
+    let (out, learnt) = if let Some(out) = memo::deliver(&ctx) {
+        (out, netdev::Learnt::default())
+    } else if v6::is_ipv6(&ctx) {
         v6::from_netdev(&ctx)
     } else if let Some(run) = netdev::nat_ingress(&ctx) {
         run

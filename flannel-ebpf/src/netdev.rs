@@ -35,6 +35,7 @@ use aya_ebpf::{
 };
 use flannel_common::{
     config::{CFG_IPIP_KERNEL_RX, CFG_ROUTED_RX, CFG_VXLAN_RX, Config, FASTPATH_MARK},
+    memo::DIR_IN,
     route::{NODE_F_IPIP, NODE_F_VXLAN, RouteKind},
     stats::Reason,
 };
@@ -48,8 +49,9 @@ use crate::{
     },
     fib::{self, Fib},
     ipv4::{self, Ipv4Info},
-    maps, nat,
+    maps, memo, nat,
     parse::{self, ETH_HDR_LEN, ETH_P_IP, Packet, PacketCtx as _, proto, ptr_at},
+    pods,
 };
 
 /// Offset of the inner IPv4 header of an IPIP packet.
@@ -182,6 +184,8 @@ fn plain_in(
     if let Err(reason) = ipv4::screen(&Ok(*packet)) {
         return Verdict::pass(reason);
     }
+    // Read before the checks: a change while they run retires what they decide.
+    let generation = memo::current();
     *learnt = deliver::learn_nat_guard(cfg, info);
     if let Err(reason) = decide::deliverable(
         cfg,
@@ -194,9 +198,19 @@ fn plain_in(
     if cfg.flags & CFG_ROUTED_RX == 0 {
         return Verdict::pass(Reason::PassRoutedRxOff);
     }
-    let route = deliver::route_to_pod(ctx, info);
+    let mut mtu = 0;
+    let route = deliver::route_to_pod(ctx, info, &mut mtu);
     if route == Fib::Failed {
         return Verdict::pass(Reason::PassFibFailed);
+    }
+    if let Fib::Resolved {
+        ifindex,
+        smac,
+        dmac,
+    } = route
+        && let Some(port) = pods::port(ifindex, dmac)
+    {
+        memo::remember(info, DIR_IN, memo::memo(port, smac, dmac, mtu, generation));
     }
     match deliver::deliver(ctx, info, route) {
         Ok(action) => Verdict {
@@ -258,7 +272,7 @@ fn ipip_in(
             .is_ok()
                 && cfg.flags & CFG_ROUTED_RX != 0;
             if deliverable {
-                deliver::route_to_pod(ctx, info)
+                deliver::route_to_pod(ctx, info, &mut 0)
             } else {
                 Fib::Failed
             }
@@ -332,7 +346,7 @@ fn vxlan_in(
     ) {
         return Verdict::pass(reason);
     }
-    let route = deliver::route_to_pod(ctx, &info);
+    let route = deliver::route_to_pod(ctx, &info, &mut 0);
     if fib::gso_size(ctx) != 0 && !route.reaches_pod_port() {
         // See `deliver`: unless it goes straight into the pod, a GSO packet is left to the
         // kernel's VXLAN receive, which handles it properly; the flow moves to the kernel in

@@ -276,7 +276,7 @@ pub fn receive(ctx: &TcContext, cfg: &Config, outer: &Ipv4Info, nat_learnt: &mut
     }
     let gso = fib::gso_size(ctx) != 0;
     let route = match deliverable {
-        Ok(()) => deliver::route_to_pod(ctx, &info),
+        Ok(()) => deliver::route_to_pod(ctx, &info, &mut 0),
         Err(reason) if !gso => return Received::pass(reason),
         Err(_) => Fib::Failed,
     };

@@ -815,6 +815,172 @@ fn netdev_delivers_into_a_known_pods_namespace() {
     });
 }
 
+/// Removes the remote subnet `net` from the pinned route map behind the agent's back (no
+/// generation change), so that only a remembered decision can still send its flows.
+fn remove_route_behind_the_agents_back(pin: &std::path::Path, subnet: Ipv4Net) {
+    let name = flannel_common::maps::ROUTES4;
+    let path = pin
+        .join(flannel_common::maps::PIN_LAYOUT_VERSION)
+        .join(name);
+    let data = aya::maps::MapData::from_pin(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let map = aya::maps::Map::from_map_data(data).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let mut trie: aya::maps::LpmTrie<_, [u8; 4], flannel_common::route::RemoteEntry> =
+        aya::maps::LpmTrie::try_from(map).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let key = aya::maps::lpm_trie::Key::new(u32::from(subnet.prefix_len()), subnet.addr().octets());
+    trie.remove(&key)
+        .unwrap_or_else(|e| panic!("removing {subnet} from {name}: {e}"));
+}
+
+/// A flow's decision is remembered (`flannel_common::memo`): with the route removed behind the
+/// agent's back, the flow's next packets are still delivered / sent as before, and only its
+/// packets: another flow takes the full checks. Every change the decision rests on retires
+/// it at once: a kernel flow or NAT-guard entry the programs learn, the agent's route sync or
+/// configuration. A packet with TTL 1 never takes a remembered decision.
+#[test]
+fn flows_are_remembered_until_what_decided_them_changes() {
+    let Some(rig) = Rig::new("fpmemo") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    let hostgw = net("10.244.2.0/24");
+    rig.with_fast_path(move |fp, ifs| {
+        let skb = Skb::on(ifs.ext);
+        // The pod's port is known: delivery goes into its namespace (what is remembered).
+        let port = PodPort {
+            ifindex: 4242,
+            bridge: ifs.br,
+        };
+        fp.sync_ports(&BTreeMap::from([(PortKey::new(POD_MAC), port)]))
+            .expect("sync ports");
+        let incoming = |sport: u16, dport: u16| Ipv4 {
+            ttl: 63,
+            ..Ipv4::new(HOSTGW_POD, POD, Tcp::new(sport, dport).payload(b"memo"))
+        };
+        let deliver = |fp: &mut FastPath, ip: &Ipv4, want: &[Reason], what: &str| {
+            let frame = underlay(PEER2_MAC, ip.clone());
+            let r = run(fp, Hook::FromNetdev, &frame, skb);
+            assert_counted(&r, &frame, want, what);
+            if want.contains(&Reason::FastDeliver) {
+                assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
+                assert_bytes(
+                    &r.out,
+                    &Ethernet::new(BR_MAC, POD_MAC, forwarded(ip)).encode(),
+                    what,
+                );
+                packet::verify(&r.out).expect("checksums after the TTL decrement");
+            } else {
+                assert_eq!(r.verdict, TC_ACT_OK, "{what}");
+                assert_bytes(&r.out, &frame, what);
+            }
+        };
+        let fast = [Reason::Ipv4Tcp, Reason::FastDeliver, Reason::DeliverPeer];
+        let foreign = [Reason::Ipv4Tcp, Reason::PassForeignSource];
+
+        // Delivery: flow A decided by the full checks, then remembered.
+        let a = incoming(80, 40000);
+        deliver(fp, &a, &fast, "A, full checks");
+        remove_route_behind_the_agents_back(&pin, hostgw);
+        deliver(fp, &a, &fast, "A, remembered");
+        deliver(
+            fp,
+            &incoming(81, 40000),
+            &foreign,
+            "another flow: full checks",
+        );
+        let ttl1 = Ipv4 {
+            ttl: 1,
+            ..a.clone()
+        };
+        deliver(
+            fp,
+            &ttl1,
+            &[Reason::Ipv4Tcp, Reason::PassForeignSource],
+            "TTL 1: full checks",
+        );
+        // The kernel carried a packet of flow A out: the learner retires the memo.
+        let out = Ethernet::new(
+            EXT_MAC,
+            PEER2_MAC,
+            Ipv4 {
+                ttl: 63,
+                ..Ipv4::new(POD, HOSTGW_POD, Tcp::new(40000, 80))
+            },
+        )
+        .encode();
+        let r = run(fp, Hook::ToNetdev, &out, Skb::egress(ifs.ext));
+        assert!(
+            r.counted
+                .iter()
+                .any(|(reason, _, _)| *reason == Reason::LearnKernelFlow),
+            "{:?}",
+            r.counted
+        );
+        deliver(fp, &a, &foreign, "A after a kernel flow was learnt");
+        // The agent's sync puts the route back (and retires): A is now a kernel flow.
+        assert_eq!(fp.sync(&remotes()).expect("sync").added, 1);
+        deliver(
+            fp,
+            &a,
+            &[Reason::Ipv4Tcp, Reason::PassKernelFlow],
+            "A, a kernel flow",
+        );
+
+        // Flow B, remembered; the agent's configuration write retires it.
+        let b = incoming(82, 40000);
+        deliver(fp, &b, &fast, "B, full checks");
+        remove_route_behind_the_agents_back(&pin, hostgw);
+        deliver(fp, &b, &fast, "B, remembered");
+        fp.set_config(&config(ifs.ext)).expect("config");
+        deliver(
+            fp,
+            &b,
+            &foreign,
+            "B after the agent wrote its configuration",
+        );
+        fp.sync(&remotes()).expect("sync");
+
+        // Transmit (host-gw): flow C remembered, then a NAT-guard entry retires it.
+        let c = from_pod(HOSTGW_POD, Tcp::new(40001, 8080).payload(b"memo"));
+        let c_frame = pod_frame(&c);
+        let send = |fp: &mut FastPath, want: &[Reason], what: &str| {
+            let r = run(fp, Hook::FromBridge, &c_frame, Skb::on(ifs.br));
+            assert_counted(&r, &c_frame, want, what);
+            r
+        };
+        let r = send(fp, &[Reason::Ipv4Tcp, Reason::FastHostGw], "C, full checks");
+        let sent = Ethernet::new(EXT_MAC, PEER2_MAC, forwarded(&c)).encode();
+        assert_bytes(&r.out, &sent, "C, full checks");
+        remove_route_behind_the_agents_back(&pin, hostgw);
+        let r = send(fp, &[Reason::Ipv4Tcp, Reason::FastHostGw], "C, remembered");
+        assert_eq!(r.verdict, TC_ACT_REDIRECT);
+        assert_bytes(&r.out, &sent, "C, remembered");
+        assert_eq!(fp.sync(&remotes()).expect("sync").added, 1);
+        send(
+            fp,
+            &[Reason::Ipv4Tcp, Reason::FastHostGw],
+            "C, after the sync",
+        );
+        // The remote pod reaches a host address of this node: the NAT guard learns it.
+        let to_host = underlay(
+            PEER2_MAC,
+            Ipv4::new(HOSTGW_POD, PUB1, Tcp::new(8080, 30080)),
+        );
+        let r = run(fp, Hook::FromNetdev, &to_host, skb);
+        assert!(
+            r.counted
+                .iter()
+                .any(|(reason, _, _)| *reason == Reason::LearnNatGuard),
+            "{:?}",
+            r.counted
+        );
+        send(
+            fp,
+            &[Reason::Ipv4Tcp, Reason::PassNatReply],
+            "C to a NAT-guarded endpoint",
+        );
+    });
+}
+
 /// The route lookup's answer for a local pod is remembered for a second: a change of the
 /// pod's neighbour entry is seen only after that, while a packet longer than the remembered
 /// route's MTU still goes to the lookup (which refuses it) at once.

@@ -20,8 +20,10 @@ use aya::{
 };
 use flannel_common::{
     config::Config,
-    maps as names, programs,
-    route::{NodeEntry, RemoteEntry},
+    maps as names,
+    memo::{GEN_AGENT, GEN_PROGRAMS, HOST_GW_ROUTES, MEMO_GEN, generation},
+    programs,
+    route::{NodeEntry, RemoteEntry, RouteKind},
 };
 use ipnet::Ipv4Net;
 
@@ -234,7 +236,37 @@ impl FastPath {
         let entry = config.to_entry()?;
         let mut map = self.array_mut()?;
         map.set(0, entry, 0)
-            .map_err(|e| BpfError::map(names::CONFIG, e))
+            .map_err(|e| BpfError::map(names::CONFIG, e))?;
+        self.retire_memos()
+    }
+
+    /// Retires every remembered per-flow decision of the programs
+    /// ([`flannel_common::memo`]): called after each change of a map they rest on (routes,
+    /// nodes, pod ports, configuration).
+    pub(crate) fn retire_memos(&mut self) -> Result<(), BpfError> {
+        let mut map = self.memo_gen_mut()?;
+        let agent = map
+            .get(&GEN_AGENT, 0)
+            .map_err(|e| BpfError::map(MEMO_GEN, e))?;
+        map.set(GEN_AGENT, agent.wrapping_add(1), 0)
+            .map_err(|e| BpfError::map(MEMO_GEN, e))
+    }
+
+    /// The generation the programs' memos must carry to be used (both counters summed).
+    pub fn memo_generation(&self) -> Result<u64, BpfError> {
+        let map = self.ebpf.map(MEMO_GEN).ok_or_else(|| missing(MEMO_GEN))?;
+        let array: Array<&MapData, u64> =
+            Array::try_from(map).map_err(|e| BpfError::map(MEMO_GEN, e))?;
+        let slot = |i| array.get(&i, 0).map_err(|e| BpfError::map(MEMO_GEN, e));
+        Ok(generation(slot(GEN_PROGRAMS)?, slot(GEN_AGENT)?))
+    }
+
+    fn memo_gen_mut(&mut self) -> Result<Array<&mut MapData, u64>, BpfError> {
+        let map = self
+            .ebpf
+            .map_mut(MEMO_GEN)
+            .ok_or_else(|| missing(MEMO_GEN))?;
+        Array::try_from(map).map_err(|e| BpfError::map(MEMO_GEN, e))
     }
 
     /// The configuration entry as the programs see it.
@@ -297,6 +329,22 @@ impl FastPath {
             for addr in &node_deletes {
                 remove_ignoring_missing(map.remove(&addr.octets()), names::NODES4)?;
             }
+        }
+        // The transmit memos are for host-gw flows only: `tc_from_bridge` looks for one only
+        // while some subnet is reached host-gw.
+        let host_gw = routes
+            .values()
+            .any(|entry| entry.kind == RouteKind::HostGw as u32);
+        self.memo_gen_mut()?
+            .set(HOST_GW_ROUTES, u64::from(host_gw), 0)
+            .map_err(|e| BpfError::map(MEMO_GEN, e))?;
+        let changed = !(node_upserts.is_empty()
+            && node_deletes.is_empty()
+            && route_upserts.is_empty()
+            && route_deletes.is_empty()
+            && invalid_keys.is_empty());
+        if changed {
+            self.retire_memos()?;
         }
         Ok(stats)
     }

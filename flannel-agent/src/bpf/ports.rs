@@ -91,6 +91,10 @@ impl FastPath {
                 Err(e) => return Err(BpfError::map(PORTS, e)),
             }
         }
+        if !upserts.is_empty() || !deletes.is_empty() {
+            // A pod's port moved or went away: delivery memos must look again.
+            self.retire_memos()?;
+        }
         Ok(PortSync {
             written: upserts.len(),
             removed: deletes.len(),

@@ -1,0 +1,190 @@
+//! Remembered decisions per flow: after the full checks of a pod-to-pod packet ended in "deliver
+//! it into the local pod" (`tc_from_netdev`, a plain host-gw / DirectRouting packet) or "send it
+//! to the host-gw peer" (`tc_from_bridge`), the program keeps what it did for that flow
+//! ([`FlowMemo`]: where to, with which MACs) and the next packets of the flow take it from
+//! [`MEMO4`] with one lookup instead of the route, NAT-guard, kernel-flow, next-hop and port
+//! lookups. What the packet itself says is still checked on every packet (IPv4 TCP/UDP, no
+//! fragment or options, a sane header, TTL > 1, the length against the MTU for packets that are
+//! not GSO); IPv6, ICMP, tunnels and NAT never use a memo.
+//!
+//! A memo is used only while everything the decision rested on is unchanged:
+//! - at most a second old ([`crate::hops::HOP_TTL_NS`], as for a remembered next hop: a changed
+//!   neighbour is seen within a second);
+//! - taken at the current [generation](MEMO_GEN): any change of the route, node, port or
+//!   configuration maps by the agent, and any new NAT-guard or kernel-flow entry the programs
+//!   learn, moves the generation on, which retires every memo at once. The programs read the
+//!   generation *before* their checks, so a change that lands while a packet is being checked
+//!   leaves a memo that is already retired. (The learners count up with an atomic add after
+//!   their map update; on x86 that is a locked instruction, which orders the two.)
+
+use crate::{flow::FlowKey, maps::MAX_OBJ_NAME_LEN};
+
+/// LRU hash of flows → the decision taken for them ([`MemoKey`] → [`FlowMemo`]). Not pinned:
+/// a cache the programs fill, which a restarted agent starts afresh.
+pub const MEMO4: &str = "FLANNEL_MEMO4";
+/// Most flows [`MEMO4`] remembers.
+pub const MEMO4_MAX_ENTRIES: u32 = 65536;
+/// Array of `u64`: two counters whose sum is the memos' generation (slot [`GEN_PROGRAMS`]
+/// counted by the programs' learners, slot [`GEN_AGENT`] by the agent) and the agent's switch
+/// [`HOST_GW_ROUTES`]. Not pinned (it belongs with [`MEMO4`]).
+pub const MEMO_GEN: &str = "FLANNEL_MEMOGEN";
+/// The slot of [`MEMO_GEN`] the programs count up.
+pub const GEN_PROGRAMS: u32 = 0;
+/// The slot of [`MEMO_GEN`] the agent counts up.
+pub const GEN_AGENT: u32 = 1;
+/// The slot of [`MEMO_GEN`] that is nonzero while some remote subnet is reached host-gw
+/// (only then does `tc_from_bridge` look for a memo: VXLAN, IPIP and udp flows have none).
+pub const HOST_GW_ROUTES: u32 = 2;
+/// Slots of [`MEMO_GEN`].
+pub const MEMO_GEN_SLOTS: u32 = 3;
+
+const _: () = {
+    assert!(MEMO4.len() <= MAX_OBJ_NAME_LEN);
+    assert!(MEMO_GEN.len() <= MAX_OBJ_NAME_LEN);
+};
+
+/// [`MemoKey::dir`] of a packet arriving for a local pod (`tc_from_netdev`).
+pub const DIR_IN: u8 = 1;
+/// [`MemoKey::dir`] of a local pod's packet leaving for a host-gw peer (`tc_from_bridge`).
+pub const DIR_OUT: u8 = 2;
+
+/// [`MEMO4`]'s key: a flow seen from this node, local side first (as
+/// [`crate::flow::FlowKey`]), and the direction. 16 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct MemoKey {
+    /// The local pod's address.
+    pub local_addr: [u8; 4],
+    /// The remote pod's address.
+    pub remote_addr: [u8; 4],
+    /// The local port (network order).
+    pub local_port: [u8; 2],
+    /// The remote port (network order).
+    pub remote_port: [u8; 2],
+    /// IP protocol (6 or 17).
+    pub proto: u8,
+    /// [`DIR_IN`] or [`DIR_OUT`].
+    pub dir: u8,
+    /// Explicit padding; always zero.
+    pub _pad: [u8; 2],
+}
+
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for MemoKey {}
+
+impl MemoKey {
+    /// The key of `flow` in direction `dir`.
+    #[inline(always)]
+    pub fn new(flow: &FlowKey, dir: u8) -> MemoKey {
+        MemoKey {
+            local_addr: flow.local_addr,
+            remote_addr: flow.remote_addr,
+            local_port: flow.local_port,
+            remote_port: flow.remote_port,
+            proto: flow.proto,
+            dir,
+            _pad: [0; 2],
+        }
+    }
+}
+
+/// [`MEMO4`]'s value: what was done with the flow's packet. 40 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FlowMemo {
+    /// Where the packet went: the pod's veth port (`bpf_redirect_peer`, [`DIR_IN`]) or the
+    /// external interface (`bpf_redirect`, [`DIR_OUT`]).
+    pub ifindex: u32,
+    /// The route's MTU (the bridge's, or the external interface's route to the peer).
+    pub mtu: u16,
+    /// Explicit padding; always zero.
+    pub _pad: [u8; 2],
+    /// Source MAC written into the packet.
+    pub smac: [u8; 6],
+    /// Destination MAC written into the packet.
+    pub dmac: [u8; 6],
+    /// Explicit padding; always zero.
+    pub _pad2: [u8; 4],
+    /// The [generation](MEMO_GEN) the checks were made at.
+    pub generation: u64,
+    /// When the checks were made (`bpf_ktime_get_coarse_ns`).
+    pub checked_ns: u64,
+}
+
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for FlowMemo {}
+
+const _: () = {
+    assert!(core::mem::size_of::<MemoKey>() == 16);
+    assert!(core::mem::size_of::<FlowMemo>() == 40);
+};
+
+/// The generation from the two counters of [`MEMO_GEN`].
+#[inline(always)]
+pub fn generation(programs: u64, agent: u64) -> u64 {
+    programs.wrapping_add(agent)
+}
+
+impl FlowMemo {
+    /// Whether this memo may decide for a packet of IP length `tot_len` (0 for a GSO packet,
+    /// whose segments the route's MTU bounds anyway) at `now_ns` and generation `generation`.
+    #[inline(always)]
+    pub fn usable(&self, now_ns: u64, generation: u64, tot_len: u16) -> bool {
+        self.generation == generation
+            && now_ns.wrapping_sub(self.checked_ns) <= crate::hops::HOP_TTL_NS
+            && tot_len <= self.mtu
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hops::HOP_TTL_NS;
+
+    #[test]
+    fn a_memo_decides_only_at_its_generation_while_fresh_and_for_packets_that_fit() {
+        let memo = FlowMemo {
+            ifindex: 7,
+            mtu: 1500,
+            generation: generation(3, 4),
+            checked_ns: 10 * HOP_TTL_NS,
+            ..FlowMemo::default()
+        };
+        let now = 10 * HOP_TTL_NS;
+        assert!(memo.usable(now, 7, 1500));
+        assert!(
+            memo.usable(now + HOP_TTL_NS, 7, 0),
+            "GSO, within the second"
+        );
+        assert!(
+            !memo.usable(now, generation(4, 4), 100),
+            "a program learnt something"
+        );
+        assert!(
+            !memo.usable(now, generation(3, 5), 100),
+            "the agent changed a map"
+        );
+        assert!(!memo.usable(now + HOP_TTL_NS + 1, 7, 100), "stale");
+        assert!(!memo.usable(now - 1, 7, 100), "stamped later elsewhere");
+        assert!(!memo.usable(now, 7, 1501), "longer than the MTU");
+        assert_eq!(generation(u64::MAX, 2), 1, "wraps");
+    }
+
+    #[test]
+    fn both_directions_of_a_flow_have_their_own_key() {
+        let flow = FlowKey {
+            local_addr: [10, 244, 1, 2],
+            remote_addr: [10, 244, 2, 3],
+            local_port: [0x9c, 0x40],
+            remote_port: [0, 80],
+            proto: 6,
+            _pad: [0; 3],
+        };
+        let (a, b) = (MemoKey::new(&flow, DIR_IN), MemoKey::new(&flow, DIR_OUT));
+        assert_ne!(a, b);
+        assert_eq!(
+            (a.local_addr, a.remote_port, a.proto),
+            ([10, 244, 1, 2], [0, 80], 6)
+        );
+    }
+}

@@ -1,0 +1,227 @@
+//! Remembered per-flow decisions (see [`flannel_common::memo`]): the short path at the top of
+//! `tc_from_netdev` and `tc_from_bridge` that carries a packet of a remembered flow out as its
+//! flow's first packet was, and the calls the full checks make to remember a flow.
+//!
+//! The short path parses the packet with the same parser and screens it the same way, so
+//! a malformed, fragmented or option-carrying packet never takes it; a miss (no memo, a stale or
+//! retired one, TTL 1, a packet longer than the MTU) falls through to the full checks, which
+//! decide as if there were no memo.
+
+use aya_ebpf::{
+    btf_maps::{Array, LruHashMap},
+    helpers::{bpf_redirect, bpf_redirect_peer},
+    macros::btf_map,
+    programs::TcContext,
+};
+use flannel_common::{
+    config::FASTPATH_MARK,
+    memo::{
+        DIR_IN, DIR_OUT, FlowMemo, GEN_AGENT, GEN_PROGRAMS, HOST_GW_ROUTES, MEMO_GEN_SLOTS,
+        MEMO4_MAX_ENTRIES, MemoKey, generation,
+    },
+    stats::Reason,
+};
+
+use crate::{
+    bridge::Outcome,
+    decide, fib,
+    ipv4::{self, Ipv4Info},
+    maps,
+    parse::{self, PacketCtx as _, proto, ptr_at_mut},
+};
+
+/// Flows → the decision taken for them (`flannel_common::memo::MEMO4`).
+#[btf_map]
+pub static FLANNEL_MEMO4: LruHashMap<MemoKey, FlowMemo, { MEMO4_MAX_ENTRIES as usize }> =
+    LruHashMap::new();
+
+/// The two counters whose sum is the memos' generation, and the agent's host-gw switch
+/// (`flannel_common::memo::MEMO_GEN`).
+#[btf_map]
+pub static FLANNEL_MEMOGEN: Array<u64, { MEMO_GEN_SLOTS as usize }> = Array::new();
+
+/// The current generation.
+#[inline(always)]
+pub fn current() -> u64 {
+    let programs = FLANNEL_MEMOGEN.get(GEN_PROGRAMS).copied().unwrap_or(0);
+    let agent = FLANNEL_MEMOGEN.get(GEN_AGENT).copied().unwrap_or(0);
+    generation(programs, agent)
+}
+
+/// Retires every memo: called by the learners after they added a NAT-guard or kernel-flow
+/// entry (an atomic add after the map update; on x86 a locked instruction, a full barrier).
+#[inline(always)]
+pub fn retire_all() {
+    if let Some(slot) = FLANNEL_MEMOGEN.get_ptr_mut(GEN_PROGRAMS) {
+        // SAFETY: the pointer comes from a successful lookup of an 8-byte aligned u64 slot.
+        unsafe { atomic_add(slot) };
+    }
+}
+
+/// `*slot += 1` as one atomic instruction (BPF `lock xadd`; the bpf target has no atomic
+/// types, so the intrinsic; on the host, for the unit tests and clippy, `AtomicU64`).
+///
+/// # Safety
+/// `slot` must point to a live, 8-byte aligned `u64`.
+#[inline(always)]
+unsafe fn atomic_add(slot: *mut u64) {
+    #[cfg(target_arch = "bpf")]
+    // SAFETY: as the caller promised.
+    unsafe {
+        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::SeqCst }>(
+            slot, 1,
+        );
+    }
+    #[cfg(not(target_arch = "bpf"))]
+    // SAFETY: as the caller promised.
+    unsafe {
+        core::sync::atomic::AtomicU64::from_ptr(slot)
+            .fetch_add(1, core::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Remembers `memo` (see [`memo`]) for the flow of `info` in direction `dir` (TCP and UDP
+/// flows only).
+#[inline(always)]
+pub fn remember(info: &Ipv4Info, dir: u8, memo: FlowMemo) {
+    if info.proto != proto::TCP && info.proto != proto::UDP {
+        return;
+    }
+    let _ = FLANNEL_MEMO4.insert(key(info, dir), memo, 0);
+}
+
+/// A memo: packets go to `ifindex` with these MACs while they fit `mtu`; `generation` is the
+/// one read before the checks that decided so.
+#[inline(always)]
+pub fn memo(ifindex: u32, smac: [u8; 6], dmac: [u8; 6], mtu: u16, generation: u64) -> FlowMemo {
+    FlowMemo {
+        ifindex,
+        mtu,
+        _pad: [0; 2],
+        smac,
+        dmac,
+        _pad2: [0; 4],
+        generation,
+        checked_ns: crate::now_ns(),
+    }
+}
+
+#[inline(always)]
+fn key(info: &Ipv4Info, dir: u8) -> MemoKey {
+    let flow = if dir == DIR_IN {
+        decide::flow_key_incoming(info)
+    } else {
+        decide::flow_key_outgoing(info)
+    };
+    MemoKey::new(&flow, dir)
+}
+
+/// A screened IPv4 TCP/UDP packet with TTL > 1 and its class, or `None`.
+#[inline(always)]
+fn candidate(ctx: &TcContext) -> Option<(Ipv4Info, Reason)> {
+    let packet = ipv4::screen(&parse::parse(ctx)).ok()?;
+    if packet.class != Reason::Ipv4Tcp && packet.class != Reason::Ipv4Udp {
+        return None;
+    }
+    let info = ipv4::read(ctx, &packet)?;
+    (info.ttl > 1).then_some((info, packet.class))
+}
+
+/// The memo of `info`'s flow in direction `dir` if it may decide for this packet now.
+#[inline(always)]
+fn usable(ctx: &TcContext, info: &Ipv4Info, dir: u8) -> Option<FlowMemo> {
+    let generation = current();
+    let memo = FLANNEL_MEMO4.get_ptr(key(info, dir))?;
+    // SAFETY: the pointer comes from a successful lookup; the entry is read once.
+    let memo = unsafe { memo.read() };
+    let len = if fib::gso_size(ctx) == 0 {
+        info.tot_len
+    } else {
+        0
+    };
+    memo.usable(crate::now_ns(), generation, len)
+        .then_some(memo)
+}
+
+/// Decrements the TTL and writes the memo's MACs; `None` (nothing written) if the headers are
+/// not writable.
+#[inline(always)]
+fn rewrite(ctx: &TcContext, info: &Ipv4Info, memo: &FlowMemo) -> Option<()> {
+    let eth = ptr_at_mut::<TcContext, [u8; 12]>(ctx, 0)?;
+    if !ipv4::decrement_ttl(ctx, info.l3) {
+        return None;
+    }
+    let mut macs = [0u8; 12];
+    macs[..6].copy_from_slice(&memo.dmac);
+    macs[6..].copy_from_slice(&memo.smac);
+    // SAFETY: ptr_at_mut checked the 12 bytes lie within the packet.
+    unsafe { eth.write_unaligned(macs) };
+    Some(())
+}
+
+/// The source and destination of an IPv4 frame, read without parsing (the addresses sit at
+/// fixed offsets whatever the options): a cheap first filter before [`candidate`].
+#[inline(always)]
+fn addrs(ctx: &TcContext) -> Option<([u8; 4], [u8; 4])> {
+    let hdr = parse::ptr_at::<TcContext, [u8; 22]>(ctx, 12)?;
+    // SAFETY: ptr_at checked the 22 bytes (EtherType and the IPv4 header up to the
+    // destination) are readable.
+    let hdr = unsafe { hdr.read_unaligned() };
+    if u16::from_be_bytes([hdr[0], hdr[1]]) != parse::ETH_P_IP {
+        return None;
+    }
+    Some((
+        [hdr[14], hdr[15], hdr[16], hdr[17]],
+        [hdr[18], hdr[19], hdr[20], hdr[21]],
+    ))
+}
+
+/// `tc_from_netdev`: a plain packet of a remembered flow to a local pod, delivered into the
+/// pod's namespace. `None`: not such a packet (the full checks decide). A BPF subprogram of
+/// its own, so that its stack does not add to the full checks'.
+#[inline(never)]
+pub fn deliver(ctx: &TcContext) -> Option<Outcome> {
+    let cfg = maps::config()?;
+    let (_, dst) = addrs(ctx)?;
+    if !cfg.is_local_pod(dst) {
+        return None;
+    }
+    let (info, class) = candidate(ctx)?;
+    let memo = usable(ctx, &info, DIR_IN)?;
+    rewrite(ctx, &info, &memo)?;
+    crate::stats::count(
+        &maps::FLANNEL_CNT_FND,
+        Reason::DeliverPeer,
+        ctx.packet_len() as u64,
+    );
+    Some(Outcome {
+        // SAFETY: plain helper call.
+        action: unsafe { bpf_redirect_peer(memo.ifindex, 0) } as i32,
+        class,
+        verdict: Reason::FastDeliver,
+    })
+}
+
+/// `tc_from_bridge`: a local pod's packet of a remembered host-gw flow, sent to the peer.
+/// `None`: not such a packet (the full checks decide). A BPF subprogram of its own.
+#[inline(never)]
+pub fn transmit(ctx: &TcContext) -> Option<Outcome> {
+    if FLANNEL_MEMOGEN.get(HOST_GW_ROUTES).copied().unwrap_or(0) == 0 {
+        return None;
+    }
+    let cfg = maps::config()?;
+    let (src, dst) = addrs(ctx)?;
+    if !cfg.is_local_pod(src) || !cfg.in_cluster(dst) {
+        return None;
+    }
+    let (info, class) = candidate(ctx)?;
+    let memo = usable(ctx, &info, DIR_OUT)?;
+    rewrite(ctx, &info, &memo)?;
+    ctx.set_mark(FASTPATH_MARK);
+    Some(Outcome {
+        // SAFETY: plain helper call.
+        action: unsafe { bpf_redirect(memo.ifindex, 0) } as i32,
+        class,
+        verdict: Reason::FastHostGw,
+    })
+}
