@@ -12,11 +12,13 @@
 //! neighbour entry behind it that the lease set does not show (the peer's public IP is part of
 //! the key, so a subnet that moves to another node is looked up afresh at once). The kernel's
 //! own path is slower still to notice a changed neighbour: a stale entry is used until its probe
-//! fails. The bridge port a delivery goes into is still found by the pod's MAC in
-//! [`crate::pods::PORTS`] for every packet, so a pod that goes away stops being reached
-//! through its port at once. Only resolved answers are remembered (a missing neighbour is
-//! resolved by `bpf_redirect_neigh` and the next lookup finds it), and only packets that fit
-//! the route's MTU use them (longer ones take the lookup, which refuses them).
+//! fails. The bridge port a delivery goes into is found by the pod's MAC in
+//! [`crate::pods::PORTS`] for every packet the full checks handle; a remembered flow
+//! ([`crate::memo`]) keeps the port, but any change of the port map retires it, so a pod that
+//! goes away stops being reached through its port at once either way. Only resolved answers
+//! are remembered (a missing neighbour is resolved by `bpf_redirect_neigh` and the next lookup
+//! finds it), and only packets that fit the route's MTU use them (longer ones take the lookup,
+//! which refuses them).
 
 use crate::maps::MAX_OBJ_NAME_LEN;
 

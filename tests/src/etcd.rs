@@ -31,17 +31,27 @@ impl Etcd {
         Self::start_on("127.0.0.1")
     }
 
-    /// Starts etcd listening on `bind` (an address of the current network namespace).
+    /// Starts etcd listening on `bind` (an address of the current network namespace). The
+    /// free ports are picked before etcd binds them, so a test starting anything else at the
+    /// same moment can take one first: then it is tried again on other ports.
     pub fn start_on(bind: &str) -> Result<Self> {
-        let mut etcd = Etcd {
-            client_port: free_port()?,
-            peer_port: free_port()?,
-            data_dir: tempfile::Builder::new().prefix("flannel-etcd").tempdir()?,
-            child: None,
-            bind: bind.to_owned(),
-        };
-        etcd.resume()?;
-        Ok(etcd)
+        let mut attempt = 0;
+        loop {
+            let mut etcd = Etcd {
+                client_port: free_port()?,
+                peer_port: free_port()?,
+                data_dir: tempfile::Builder::new().prefix("flannel-etcd").tempdir()?,
+                child: None,
+                bind: bind.to_owned(),
+            };
+            match etcd.resume() {
+                Ok(()) => return Ok(etcd),
+                Err(e) if attempt < 4 && format!("{e:#}").contains("address already in use") => {
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// `http://<bind>:<port>`, the value for `--etcd-endpoints`.
