@@ -56,14 +56,17 @@ pub fn xdp_classify(ctx: XdpContext) -> u32 {
 /// Pod egress, on TC ingress of the pod bridge's veth ports: see `flannel_ebpf::bridge`.
 #[classifier]
 pub fn tc_from_bridge(ctx: TcContext) -> i32 {
-    ctx.pull_headers(PULL_LEN);
     let bytes = ctx.packet_len() as u64;
+    // A remembered flow first: its headers are already linear (or it is not taken).
     let out = if let Some(out) = memo::transmit(&ctx) {
         out
-    } else if v6::is_ipv6(&ctx) {
-        v6::from_bridge(&ctx)
     } else {
-        bridge::run(&ctx)
+        ctx.pull_headers(PULL_LEN);
+        if v6::is_ipv6(&ctx) {
+            v6::from_bridge(&ctx)
+        } else {
+            bridge::run(&ctx)
+        }
     };
     stats::count_run(
         &FLANNEL_CNT_FBR,
@@ -78,16 +81,19 @@ pub fn tc_from_bridge(ctx: TcContext) -> i32 {
 /// Node ingress, on TC ingress of the external interface: see `flannel_ebpf::netdev`.
 #[classifier]
 pub fn tc_from_netdev(ctx: TcContext) -> i32 {
-    ctx.pull_headers(PULL_LEN);
     let bytes = ctx.packet_len() as u64;
+    // A remembered flow first: its headers are already linear (or it is not taken).
     let (out, learnt) = if let Some(out) = memo::deliver(&ctx) {
         (out, netdev::Learnt::default())
-    } else if v6::is_ipv6(&ctx) {
-        v6::from_netdev(&ctx)
-    } else if let Some(run) = netdev::nat_ingress(&ctx) {
-        run
     } else {
-        netdev::from_netdev(&ctx)
+        ctx.pull_headers(PULL_LEN);
+        if v6::is_ipv6(&ctx) {
+            v6::from_netdev(&ctx)
+        } else if let Some(run) = netdev::nat_ingress(&ctx) {
+            run
+        } else {
+            netdev::from_netdev(&ctx)
+        }
     };
     let events = [
         learnt.nat_guard.then_some(Reason::LearnNatGuard),

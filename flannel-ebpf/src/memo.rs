@@ -4,8 +4,10 @@
 //!
 //! The short path parses the packet with the same parser and screens it the same way, so
 //! a malformed, fragmented or option-carrying packet never takes it; a miss (no memo, a stale or
-//! retired one, TTL 1, a packet longer than the MTU) falls through to the full checks, which
-//! decide as if there were no memo.
+//! retired one, TTL 1, a packet longer than the MTU, headers not in the linear part) falls
+//! through to the full checks, which pull the headers in and decide as if there were no memo.
+//! It runs before the programs' `pull_headers`: the packets it takes (the stack's own TCP and
+//! UDP) carry their headers in the linear part, and their linearity need not be checked twice.
 
 use aya_ebpf::{
     btf_maps::{Array, LruHashMap},
