@@ -15,7 +15,9 @@
 //!   learn, moves the generation on, which retires every memo at once. The programs read the
 //!   generation *before* their checks, so a change that lands while a packet is being checked
 //!   leaves a memo that is already retired. (The learners count up with an atomic add after
-//!   their map update; on x86 that is a locked instruction, which orders the two.)
+//!   their map update; on x86 that is a locked instruction, which orders the two. arm64's JIT
+//!   emits a non-fetching atomic add without that ordering: there a check racing a learner
+//!   within the same instant may keep a decision for up to its second.)
 
 use crate::{flow::FlowKey, maps::MAX_OBJ_NAME_LEN};
 
