@@ -555,11 +555,21 @@ fn tcp_echo(from: &Arc<NetNs>, to: &Arc<NetNs>, to_ip: IpAddr) -> Result<()> {
     let server_ns = to.clone();
     let server = thread::spawn(move || -> Result<()> {
         server_ns.enter(move || -> Result<()> {
-            let listener = match TcpListener::bind(SocketAddr::new(to_ip, ECHO_PORT)) {
-                Ok(l) => l,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(anyhow!("bind {to_ip}: {e}")));
-                    return Ok(());
+            // The previous echo's sockets on this port may not be gone yet (a busy machine).
+            let bind_deadline = Instant::now() + Duration::from_secs(3);
+            let listener = loop {
+                match TcpListener::bind(SocketAddr::new(to_ip, ECHO_PORT)) {
+                    Ok(l) => break l,
+                    Err(e)
+                        if e.kind() == std::io::ErrorKind::AddrInUse
+                            && Instant::now() < bind_deadline =>
+                    {
+                        thread::sleep(Duration::from_millis(50));
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(anyhow!("bind {to_ip}: {e}")));
+                        return Ok(());
+                    }
                 }
             };
             listener.set_nonblocking(true)?;
