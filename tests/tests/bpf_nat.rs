@@ -572,15 +572,17 @@ fn node_flows_are_registered_and_moved_on_collision() {
         let pod_port = source_port(&r.out);
         assert_ne!(pod_port, 42000);
 
-        // The other way round: a pod holds 43000; the node's new connection from 43000 to
-        // the same destination is moved (the kernel picked the port without knowing).
-        let pod = Ipv4::new(POD, OUT, tcp(43000, 443, tcp_flags::SYN));
+        // The other way round: a pod holds a port (43000, unless the flow above was moved
+        // there at random); the node's new connection from that port to the same destination
+        // is moved (the kernel picked the port without knowing).
+        let held: u16 = if pod_port == 43000 { 43001 } else { 43000 };
+        let pod = Ipv4::new(POD, OUT, tcp(held, 443, tcp_flags::SYN));
         let r = run(fp, Hook::ToNetdev, &egress_frame(&pod), Skb::on(ext));
-        assert_eq!(source_port(&r.out), 43000);
-        let node_syn = Ipv4::new(NODE, OUT, tcp(43000, 443, tcp_flags::SYN));
+        assert_eq!(source_port(&r.out), held);
+        let node_syn = Ipv4::new(NODE, OUT, tcp(held, 443, tcp_flags::SYN));
         let r = run(fp, Hook::ToNetdev, &egress_frame(&node_syn), Skb::on(ext));
         let node_port = source_port(&r.out);
-        assert_ne!(node_port, 43000);
+        assert_ne!(node_port, held);
         assert_bytes(
             &r.out,
             &egress_frame(&with_source(&node_syn, NODE, Some(node_port))),
@@ -604,7 +606,7 @@ fn node_flows_are_registered_and_moved_on_collision() {
         Step::back(
             "moved node flow's reply",
             &reply,
-            &with_destination(&reply, NODE, Some(43000)),
+            &with_destination(&reply, NODE, Some(held)),
             &[Reason::Ipv4Tcp, Reason::FastSnatReply],
         )
         .check(fp, ext);
