@@ -83,8 +83,17 @@ impl Hop {
     /// CPU a moment after `now_ns` counts as stale.
     #[inline(always)]
     pub fn usable(&self, now_ns: u64, tot_len: u16) -> bool {
-        now_ns.wrapping_sub(self.checked_ns) <= HOP_TTL_NS && tot_len <= self.mtu
+        fresh_and_fits(self.checked_ns, self.mtu, now_ns, tot_len)
     }
+}
+
+/// Whether an answer checked at `checked_ns` for a route of MTU `mtu` may carry a packet of IP
+/// length `tot_len` (0: not checked) at `now_ns`: at most [`HOP_TTL_NS`] old (a stamp later
+/// than `now_ns`, from another CPU, counts as stale) and the packet fits. Shared by the
+/// remembered hops and the remembered flows ([`crate::memo`]).
+#[inline(always)]
+pub fn fresh_and_fits(checked_ns: u64, mtu: u16, now_ns: u64, tot_len: u16) -> bool {
+    now_ns.wrapping_sub(checked_ns) <= HOP_TTL_NS && tot_len <= mtu
 }
 
 #[cfg(test)]

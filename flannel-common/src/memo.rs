@@ -133,8 +133,7 @@ impl FlowMemo {
     #[inline(always)]
     pub fn usable(&self, now_ns: u64, generation: u64, tot_len: u16) -> bool {
         self.generation == generation
-            && now_ns.wrapping_sub(self.checked_ns) <= crate::hops::HOP_TTL_NS
-            && tot_len <= self.mtu
+            && crate::hops::fresh_and_fits(self.checked_ns, self.mtu, now_ns, tot_len)
     }
 }
 

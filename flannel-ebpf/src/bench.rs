@@ -22,7 +22,7 @@ use flannel_common::route::RouteKind;
 
 use crate::{
     ipv4, maps,
-    parse::{self, ptr_at_mut},
+    parse::{self, write_macs},
 };
 
 /// Index 0: the ifindex of the collect_md VXLAN device to redirect to.
@@ -53,14 +53,9 @@ pub fn vxlan_md(ctx: &TcContext) -> i32 {
     if peer.kind != RouteKind::Vxlan as u32 {
         return TC_ACT_OK;
     }
-    let Some(eth) = ptr_at_mut::<TcContext, [u8; 12]>(ctx, 0) else {
+    if write_macs(ctx, peer.vtep_mac, cfg.vtep_mac).is_none() {
         return TC_ACT_OK;
-    };
-    let mut macs = [0u8; 12];
-    macs[..6].copy_from_slice(&peer.vtep_mac);
-    macs[6..].copy_from_slice(&cfg.vtep_mac);
-    // SAFETY: ptr_at_mut checked the 12 bytes lie within the packet.
-    unsafe { eth.write_unaligned(macs) };
+    }
     if !ipv4::decrement_ttl(ctx, info.l3) {
         return TC_ACT_OK;
     }

@@ -20,7 +20,7 @@ use aya_ebpf::{
 
 use crate::{
     ipv4::Ipv4Info,
-    parse::{PacketCtx as _, ptr_at_mut},
+    parse::{PacketCtx as _, write_macs},
 };
 
 /// `AF_INET`.
@@ -171,12 +171,7 @@ fn send(ctx: &TcContext, fib: Fib, to_pod: bool) -> Option<i32> {
             smac,
             dmac,
         } => {
-            let eth = ptr_at_mut::<TcContext, [u8; 12]>(ctx, 0)?;
-            let mut macs = [0u8; 12];
-            macs[..6].copy_from_slice(&dmac);
-            macs[6..].copy_from_slice(&smac);
-            // SAFETY: ptr_at_mut checked the 12 bytes lie within the packet.
-            unsafe { eth.write_unaligned(macs) };
+            write_macs(ctx, dmac, smac)?;
             if to_pod {
                 return Some(crate::pods::redirect(
                     ifindex,

@@ -11,7 +11,7 @@
 
 use aya_ebpf::{
     btf_maps::{Array, LruHashMap},
-    helpers::{bpf_redirect, bpf_redirect_peer},
+    helpers::bpf_redirect,
     macros::btf_map,
     programs::TcContext,
 };
@@ -29,7 +29,7 @@ use crate::{
     decide, fib,
     ipv4::{self, Ipv4Info},
     maps,
-    parse::{self, PacketCtx as _, proto, ptr_at_mut},
+    parse::{self, PacketCtx as _, proto},
 };
 
 /// Flows → the decision taken for them (`flannel_common::memo::MEMO4`).
@@ -145,20 +145,13 @@ fn usable(ctx: &TcContext, info: &Ipv4Info, dir: u8) -> Option<FlowMemo> {
         .then_some(memo)
 }
 
-/// Decrements the TTL and writes the memo's MACs; `None` (nothing written) if the headers are
-/// not writable.
+/// Writes the memo's MACs and decrements the TTL; `None` (nothing written) if the headers are
+/// not writable. (Both lie within the IPv4 header the parser read: if the MACs can be written,
+/// so can the TTL.)
 #[inline(always)]
 fn rewrite(ctx: &TcContext, info: &Ipv4Info, memo: &FlowMemo) -> Option<()> {
-    let eth = ptr_at_mut::<TcContext, [u8; 12]>(ctx, 0)?;
-    if !ipv4::decrement_ttl(ctx, info.l3) {
-        return None;
-    }
-    let mut macs = [0u8; 12];
-    macs[..6].copy_from_slice(&memo.dmac);
-    macs[6..].copy_from_slice(&memo.smac);
-    // SAFETY: ptr_at_mut checked the 12 bytes lie within the packet.
-    unsafe { eth.write_unaligned(macs) };
-    Some(())
+    parse::write_macs(ctx, memo.dmac, memo.smac)?;
+    ipv4::decrement_ttl(ctx, info.l3).then_some(())
 }
 
 /// The source and destination of an IPv4 frame, read without parsing (the addresses sit at
@@ -191,14 +184,8 @@ pub fn deliver(ctx: &TcContext) -> Option<Outcome> {
     let (info, class) = candidate(ctx)?;
     let memo = usable(ctx, &info, DIR_IN)?;
     rewrite(ctx, &info, &memo)?;
-    crate::stats::count(
-        &maps::FLANNEL_CNT_FND,
-        Reason::DeliverPeer,
-        ctx.packet_len() as u64,
-    );
     Some(Outcome {
-        // SAFETY: plain helper call.
-        action: unsafe { bpf_redirect_peer(memo.ifindex, 0) } as i32,
+        action: crate::pods::into_pod(memo.ifindex, ctx.packet_len() as u64),
         class,
         verdict: Reason::FastDeliver,
     })

@@ -507,14 +507,9 @@ fn ipip_out(
             smac,
             dmac,
         } if ifindex == ext && ctx.ifindex_is(ext) => {
-            let Some(eth) = parse::ptr_at_mut::<TcContext, [u8; 12]>(ctx, 0) else {
+            if parse::write_macs(ctx, dmac, smac).is_none() {
                 return Reason::DropRewriteFailed.into();
-            };
-            let mut macs = [0u8; 12];
-            macs[..6].copy_from_slice(&dmac);
-            macs[6..].copy_from_slice(&smac);
-            // SAFETY: ptr_at_mut checked the 12 bytes lie within the packet.
-            unsafe { eth.write_unaligned(macs) };
+            }
             TC_ACT_OK
         }
         route => {

@@ -156,6 +156,19 @@ pub fn ptr_at_mut<C: PacketCtx, T>(ctx: &C, offset: usize) -> Option<*mut T> {
     ptr_at::<C, T>(ctx, offset).map(|p| p.cast_mut())
 }
 
+/// Writes the Ethernet header's destination and source MACs; `None` (nothing written) if the
+/// header is not in the packet data.
+#[inline(always)]
+pub fn write_macs<C: PacketCtx>(ctx: &C, dmac: [u8; 6], smac: [u8; 6]) -> Option<()> {
+    let eth = ptr_at_mut::<C, [u8; 12]>(ctx, 0)?;
+    let mut macs = [0u8; 12];
+    macs[..6].copy_from_slice(&dmac);
+    macs[6..].copy_from_slice(&smac);
+    // SAFETY: ptr_at_mut checked the 12 bytes lie within the packet.
+    unsafe { eth.write_unaligned(macs) };
+    Some(())
+}
+
 /// The length of an IPv4 TCP packet's header chain (Ethernet, IPv4 with its options, TCP with
 /// its options), bare or inside VXLAN (outer IPv4 without options, UDP, VXLAN, then the inner
 /// chain), when all of it is directly readable; `None` otherwise (other protocols and tunnels,

@@ -36,12 +36,19 @@ pub fn port(bridge: u32, mac: [u8; 6]) -> Option<u32> {
 #[inline(always)]
 pub fn redirect(bridge: u32, dmac: [u8; 6], bytes: u64) -> i32 {
     if let Some(port) = port(bridge, dmac) {
-        stats::count(&FLANNEL_CNT_FND, Reason::DeliverPeer, bytes);
-        // SAFETY: plain helper call.
-        return unsafe { bpf_redirect_peer(port, 0) } as i32;
+        return into_pod(port, bytes);
     }
     // SAFETY: plain helper call.
     unsafe { bpf_redirect(bridge, 0) as i32 }
+}
+
+/// Sends a `bytes` long packet whose MACs are rewritten into the pod behind the veth `port`
+/// (counted as [`Reason::DeliverPeer`] of `tc_from_netdev`). Returns the TC action.
+#[inline(always)]
+pub fn into_pod(port: u32, bytes: u64) -> i32 {
+    stats::count(&FLANNEL_CNT_FND, Reason::DeliverPeer, bytes);
+    // SAFETY: plain helper call.
+    unsafe { bpf_redirect_peer(port, 0) as i32 }
 }
 
 /// The interface a pod's packet counts as arriving on for `bpf_fib_lookup`: the bridge, as

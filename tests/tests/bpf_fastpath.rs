@@ -648,6 +648,20 @@ fn unconfigured_programs_pass_everything() {
 // tc_from_netdev
 
 /// A frame arriving on ext0 from the underlay.
+/// A local pod's packet (port 40000 to port 80 of the host-gw pod) that the kernel sends out:
+/// what `tc_to_netdev` records as a kernel flow.
+fn kernel_sent_to_host_gw_pod() -> Vec<u8> {
+    Ethernet::new(
+        EXT_MAC,
+        PEER2_MAC,
+        Ipv4 {
+            ttl: 63,
+            ..Ipv4::new(POD, HOSTGW_POD, Tcp::new(40000, 80))
+        },
+    )
+    .encode()
+}
+
 fn underlay(src_mac: Mac, ip: Ipv4) -> Vec<u8> {
     Ethernet::new(src_mac, EXT_MAC, ip).encode()
 }
@@ -898,16 +912,14 @@ fn flows_are_remembered_until_what_decided_them_changes() {
             "TTL 1: full checks",
         );
         // The kernel carried a packet of flow A out: the learner retires the memo.
-        let out = Ethernet::new(
-            EXT_MAC,
-            PEER2_MAC,
-            Ipv4 {
-                ttl: 63,
-                ..Ipv4::new(POD, HOSTGW_POD, Tcp::new(40000, 80))
-            },
-        )
-        .encode();
+        let out = kernel_sent_to_host_gw_pod();
+        let generation = fp.memo_generation().expect("generation");
         let r = run(fp, Hook::ToNetdev, &out, Skb::egress(ifs.ext));
+        assert_eq!(
+            fp.memo_generation().expect("generation"),
+            generation + 1,
+            "the learner moved the generation on"
+        );
         assert!(
             r.counted
                 .iter()
@@ -930,7 +942,9 @@ fn flows_are_remembered_until_what_decided_them_changes() {
         deliver(fp, &b, &fast, "B, full checks");
         remove_route_behind_the_agents_back(&pin, hostgw);
         deliver(fp, &b, &fast, "B, remembered");
+        let generation = fp.memo_generation().expect("generation");
         fp.set_config(&config(ifs.ext)).expect("config");
+        assert_eq!(fp.memo_generation().expect("generation"), generation + 1);
         deliver(
             fp,
             &b,
@@ -1552,15 +1566,7 @@ fn kernel_flows_keep_their_replies_in_the_stack() {
             ..Skb::default()
         };
         // A pod's packet the kernel sent to a host-gw peer (e.g. DNATed from a ClusterIP).
-        let out = Ethernet::new(
-            EXT_MAC,
-            PEER2_MAC,
-            Ipv4 {
-                ttl: 63,
-                ..Ipv4::new(POD, HOSTGW_POD, Tcp::new(40000, 80))
-            },
-        )
-        .encode();
+        let out = kernel_sent_to_host_gw_pod();
         let r = run(fp, Hook::ToNetdev, &out, egress);
         assert_counted(
             &r,

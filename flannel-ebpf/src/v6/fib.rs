@@ -15,7 +15,7 @@ use aya_ebpf::{
 };
 
 use super::info::Ipv6Info;
-use crate::parse::{PacketCtx as _, ptr_at_mut};
+use crate::parse::{PacketCtx as _, write_macs};
 
 /// `AF_INET6`.
 const AF_INET6: u8 = 10;
@@ -144,12 +144,7 @@ fn send(ctx: &TcContext, fib: Fib6, to_pod: bool) -> Option<i32> {
             smac,
             dmac,
         } => {
-            let eth = ptr_at_mut::<TcContext, [u8; 12]>(ctx, 0)?;
-            let mut macs = [0u8; 12];
-            macs[..6].copy_from_slice(&dmac);
-            macs[6..].copy_from_slice(&smac);
-            // SAFETY: ptr_at_mut checked the 12 bytes lie within the packet.
-            unsafe { eth.write_unaligned(macs) };
+            write_macs(ctx, dmac, smac)?;
             if to_pod {
                 return Some(crate::pods::redirect(
                     ifindex,

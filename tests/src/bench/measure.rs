@@ -222,8 +222,10 @@ fn strip_ansi(s: &str) -> String {
 /// Parses sockperf's ping-pong summary (run with `--full-rtt`).
 pub fn parse_sockperf(text: &str) -> Result<Latency> {
     let text = strip_ansi(text);
-    let after = |marker: &str| -> Option<f64> {
-        let line = text.lines().find(|l| l.contains(marker))?;
+    // The number after `marker` on the first line holding `line` (sockperf prints "Total"
+    // on two lines: "[Total Run] ... SentMessages=N" and "Total N observations").
+    let number = |line: &str, marker: &str| -> Option<f64> {
+        let line = text.lines().find(|l| l.contains(line))?;
         let rest = &line[line.find(marker)? + marker.len()..];
         rest.trim_start()
             .split(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -231,32 +233,12 @@ pub fn parse_sockperf(text: &str) -> Result<Latency> {
             .parse()
             .ok()
     };
+    let after = |marker: &str| number(marker, marker);
     let p50 = after("percentile 50.000 =").context("sockperf output has no median")?;
     let p99 = after("percentile 99.000 =").unwrap_or(f64::NAN);
     let avg = after("avg-rtt=").unwrap_or(f64::NAN);
-    // "Total N observations" (an earlier "[Total Run]" line also holds "Total ").
-    let observations = text
-        .lines()
-        .filter(|l| l.contains(" observations"))
-        .find_map(|l| {
-            let rest = &l[l.find("Total ")? + "Total ".len()..];
-            rest.split(|c: char| !c.is_ascii_digit())
-                .next()?
-                .parse()
-                .ok()
-        })
-        .unwrap_or(0);
-    let round_trips = text
-        .lines()
-        .find(|l| l.contains("[Total Run]"))
-        .and_then(|l| {
-            let rest = &l[l.find("SentMessages=")? + "SentMessages=".len()..];
-            rest.split(|c: char| !c.is_ascii_digit())
-                .next()?
-                .parse()
-                .ok()
-        })
-        .unwrap_or(0);
+    let observations = number(" observations", "Total ").map_or(0, |v| v as u64);
+    let round_trips = number("[Total Run]", "SentMessages=").map_or(0, |v| v as u64);
     Ok(Latency {
         p50_us: p50,
         p99_us: p99,
