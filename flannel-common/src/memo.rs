@@ -1,11 +1,13 @@
 //! Remembered decisions per flow: after the full checks of a pod-to-pod packet ended in "deliver
-//! it into the local pod" (`tc_from_netdev`, a plain host-gw / DirectRouting packet) or "send it
-//! to the host-gw peer" (`tc_from_bridge`), the program keeps what it did for that flow
-//! ([`FlowMemo`]: where to, with which MACs) and the next packets of the flow take it from
-//! [`MEMO4`] with one lookup instead of the route, NAT-guard, kernel-flow, next-hop and port
-//! lookups. What the packet itself says is still checked on every packet (IPv4 TCP/UDP, no
-//! fragment or options, a sane header, TTL > 1, the length against the MTU for packets that are
-//! not GSO); IPv6, ICMP, tunnels and NAT never use a memo.
+//! it into the local pod" (`tc_from_netdev`: a plain host-gw / DirectRouting packet, or a VXLAN
+//! packet decapsulated) or "send it to the peer" (`tc_from_bridge`: host-gw, or VXLAN
+//! encapsulated), the program keeps what it did for that flow ([`FlowMemo`]: where to, with
+//! which MACs, through which tunnel peer) and the next packets of the flow take it from
+//! [`MEMO4`] with one lookup instead of the route, NAT-guard, kernel-flow, node, next-hop and
+//! port lookups. What the packet itself says is still checked on every packet (IPv4 TCP/UDP,
+//! no fragment or options, a sane header, TTL > 1, the length against the MTU; for VXLAN the
+//! outer header, port, VNI and VTEP MAC as well, and that it comes from the peer the memo was
+//! made for); IPv6, ICMP, IPIP, udp and NAT never use a memo.
 //!
 //! A memo is used only while everything the decision rested on is unchanged:
 //! - at most a second old ([`crate::hops::HOP_TTL_NS`], as for a remembered next hop: a changed
@@ -28,15 +30,15 @@ pub const MEMO4: &str = "FLANNEL_MEMO4";
 pub const MEMO4_MAX_ENTRIES: u32 = 65536;
 /// Array of `u64`: two counters whose sum is the memos' generation (slot [`GEN_PROGRAMS`]
 /// counted by the programs' learners, slot [`GEN_AGENT`] by the agent) and the agent's switch
-/// [`HOST_GW_ROUTES`]. Not pinned (it belongs with [`MEMO4`]).
+/// [`MEMO_ROUTES`]. Not pinned (it belongs with [`MEMO4`]).
 pub const MEMO_GEN: &str = "FLANNEL_MEMOGEN";
 /// The slot of [`MEMO_GEN`] the programs count up.
 pub const GEN_PROGRAMS: u32 = 0;
 /// The slot of [`MEMO_GEN`] the agent counts up.
 pub const GEN_AGENT: u32 = 1;
-/// The slot of [`MEMO_GEN`] that is nonzero while some remote subnet is reached host-gw
-/// (only then does `tc_from_bridge` look for a memo: VXLAN, IPIP and udp flows have none).
-pub const HOST_GW_ROUTES: u32 = 2;
+/// The slot of [`MEMO_GEN`] that is nonzero while some remote subnet is reached host-gw or
+/// by VXLAN (only then does `tc_from_bridge` look for a memo: IPIP and udp flows have none).
+pub const MEMO_ROUTES: u32 = 2;
 /// Slots of [`MEMO_GEN`].
 pub const MEMO_GEN_SLOTS: u32 = 3;
 
@@ -47,7 +49,7 @@ const _: () = {
 
 /// [`MemoKey::dir`] of a packet arriving for a local pod (`tc_from_netdev`).
 pub const DIR_IN: u8 = 1;
-/// [`MemoKey::dir`] of a local pod's packet leaving for a host-gw peer (`tc_from_bridge`).
+/// [`MemoKey::dir`] of a local pod's packet leaving for a peer (`tc_from_bridge`).
 pub const DIR_OUT: u8 = 2;
 
 /// [`MEMO4`]'s key: a flow seen from this node, local side first (as
@@ -90,23 +92,40 @@ impl MemoKey {
     }
 }
 
-/// [`MEMO4`]'s value: what was done with the flow's packet. 40 bytes.
+/// [`FlowMemo::tunnel`]: the packet went as it came (host-gw, DirectRouting).
+pub const TUNNEL_NONE: u8 = 0;
+/// [`FlowMemo::tunnel`]: the packet was decapsulated from ([`DIR_IN`]) or encapsulated in
+/// ([`DIR_OUT`]) VXLAN.
+pub const TUNNEL_VXLAN: u8 = 1;
+
+/// [`MEMO4`]'s value: what was done with the flow's packet. 56 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct FlowMemo {
     /// Where the packet went: the pod's veth port (`bpf_redirect_peer`, [`DIR_IN`]) or the
     /// external interface (`bpf_redirect`, [`DIR_OUT`]).
     pub ifindex: u32,
-    /// The route's MTU (the bridge's, or the external interface's route to the peer).
+    /// The largest IP packet (each segment, for GSO packets) the decision holds for: the
+    /// route's MTU (the bridge's, or the external interface's route to the peer), less the
+    /// tunnel's overhead for packets encapsulated.
     pub mtu: u16,
+    /// [`TUNNEL_NONE`] or [`TUNNEL_VXLAN`].
+    pub tunnel: u8,
     /// Explicit padding; always zero.
-    pub _pad: [u8; 2],
-    /// Source MAC written into the packet.
+    pub _pad: u8,
+    /// Source MAC written into the packet (the outer one, for packets encapsulated).
     pub smac: [u8; 6],
-    /// Destination MAC written into the packet.
+    /// Destination MAC written into the packet (the outer one, for packets encapsulated).
     pub dmac: [u8; 6],
+    /// Through a tunnel: the peer's public IP (network order), the outer destination of the
+    /// packets encapsulated, the outer source the packets decapsulated must come from.
+    pub peer: [u8; 4],
+    /// VXLAN, [`DIR_OUT`]: the peer's VNI (host order).
+    pub vni: u32,
+    /// VXLAN, [`DIR_OUT`]: the peer's VTEP MAC (inner destination).
+    pub vtep_mac: [u8; 6],
     /// Explicit padding; always zero.
-    pub _pad2: [u8; 4],
+    pub _pad2: [u8; 6],
     /// The [generation](MEMO_GEN) the checks were made at.
     pub generation: u64,
     /// When the checks were made (`bpf_ktime_get_coarse_ns`).
@@ -118,7 +137,7 @@ unsafe impl aya::Pod for FlowMemo {}
 
 const _: () = {
     assert!(core::mem::size_of::<MemoKey>() == 16);
-    assert!(core::mem::size_of::<FlowMemo>() == 40);
+    assert!(core::mem::size_of::<FlowMemo>() == 56);
 };
 
 /// The generation from the two counters of [`MEMO_GEN`].
@@ -128,12 +147,19 @@ pub fn generation(programs: u64, agent: u64) -> u64 {
 }
 
 impl FlowMemo {
-    /// Whether this memo may decide for a packet of IP length `tot_len` (0 for a GSO packet,
-    /// whose segments the route's MTU bounds anyway) at `now_ns` and generation `generation`.
+    /// Whether this memo may decide for a packet of IP length `tot_len` (each segment's, for
+    /// a GSO packet) at `now_ns` and generation `generation`.
     #[inline(always)]
     pub fn usable(&self, now_ns: u64, generation: u64, tot_len: u16) -> bool {
         self.generation == generation
             && crate::hops::fresh_and_fits(self.checked_ns, self.mtu, now_ns, tot_len)
+    }
+
+    /// Whether this memo of a [`DIR_IN`] flow was made for packets that come through `tunnel`
+    /// (from `peer`, compared for tunnels only).
+    #[inline(always)]
+    pub fn came_through(&self, tunnel: u8, peer: [u8; 4]) -> bool {
+        self.tunnel == tunnel && (tunnel == TUNNEL_NONE || self.peer == peer)
     }
 }
 
@@ -153,10 +179,7 @@ mod tests {
         };
         let now = 10 * HOP_TTL_NS;
         assert!(memo.usable(now, 7, 1500));
-        assert!(
-            memo.usable(now + HOP_TTL_NS, 7, 0),
-            "GSO, within the second"
-        );
+        assert!(memo.usable(now + HOP_TTL_NS, 7, 100), "within the second");
         assert!(
             !memo.usable(now, generation(4, 4), 100),
             "a program learnt something"
@@ -169,6 +192,35 @@ mod tests {
         assert!(!memo.usable(now - 1, 7, 100), "stamped later elsewhere");
         assert!(!memo.usable(now, 7, 1501), "longer than the MTU");
         assert_eq!(generation(u64::MAX, 2), 1, "wraps");
+    }
+
+    #[test]
+    fn a_delivery_memo_holds_for_packets_that_came_the_same_way() {
+        let peer = [192, 168, 1, 12];
+        let plain = FlowMemo::default();
+        assert!(plain.came_through(TUNNEL_NONE, [0; 4]));
+        assert!(
+            plain.came_through(TUNNEL_NONE, peer),
+            "no tunnel: the peer is not compared"
+        );
+        assert!(
+            !plain.came_through(TUNNEL_VXLAN, peer),
+            "a plain flow's memo is not a VXLAN one"
+        );
+        let vxlan = FlowMemo {
+            tunnel: TUNNEL_VXLAN,
+            peer,
+            ..FlowMemo::default()
+        };
+        assert!(vxlan.came_through(TUNNEL_VXLAN, peer));
+        assert!(
+            !vxlan.came_through(TUNNEL_VXLAN, [192, 168, 1, 13]),
+            "from another node"
+        );
+        assert!(
+            !vxlan.came_through(TUNNEL_NONE, peer),
+            "the same flow, not tunnelled"
+        );
     }
 
     #[test]

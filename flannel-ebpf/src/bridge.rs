@@ -91,7 +91,10 @@ pub fn run(ctx: &TcContext) -> Outcome {
         BridgeAction::Pass(reason) => Err(reason),
         BridgeAction::HostGw(peer) => host_gw(ctx, &peer, &info, generation),
         BridgeAction::Vxlan(peer) => encap::vxlan(ctx, cfg, &peer, &info)
-            .and_then(|route| send(ctx, route))
+            .and_then(|(route, mtu)| {
+                remember(&info, route, mtu, generation, Some(&peer));
+                send(ctx, route)
+            })
             .map(|action| (action, Reason::FastVxlan)),
         BridgeAction::Ipip(peer) => encap::ipip(ctx, cfg, &peer, &info, true)
             .and_then(|route| send(ctx, route))
@@ -145,6 +148,20 @@ fn host_gw(
     if !ipv4::decrement_ttl(ctx, info.l3) {
         return Err(Reason::PassMalformed);
     }
+    remember(info, route, mtu, generation, None);
+    send(ctx, route).map(|action| (action, Reason::FastHostGw))
+}
+
+/// Remembers the decision, taken at `generation`, to send `info`'s flow by `route` (when it
+/// resolved the next hop and gave an MTU), plain or encapsulated in VXLAN to `vxlan_peer`.
+#[inline(always)]
+fn remember(
+    info: &ipv4::Ipv4Info,
+    route: Fib,
+    mtu: u16,
+    generation: u64,
+    vxlan_peer: Option<&RemoteEntry>,
+) {
     if let Fib::Resolved {
         ifindex,
         smac,
@@ -152,13 +169,13 @@ fn host_gw(
     } = route
         && mtu != 0
     {
-        memo::remember(
-            info,
-            DIR_OUT,
-            memo::memo(ifindex, smac, dmac, mtu, generation),
-        );
+        let memo = memo::memo(ifindex, smac, dmac, mtu, generation);
+        let memo = match vxlan_peer {
+            Some(peer) => memo::through_vxlan(memo, peer.public_ip, Some(peer)),
+            None => memo,
+        };
+        memo::remember(info, DIR_OUT, memo);
     }
-    send(ctx, route).map(|action| (action, Reason::FastHostGw))
 }
 
 /// Tags the packet as the fast path's own (for `tc_to_netdev`) and redirects it.

@@ -90,7 +90,7 @@ use crate::{
     fib::{self, Fib},
     hops,
     ipv4::{Ipv4Info, decremented_ttl_field},
-    parse::{ETH_HDR_LEN, proto},
+    parse::{ETH_HDR_LEN, proto, ptr_at},
 };
 
 /// Bytes VXLAN adds after the outer Ethernet header: IPv4 20 + UDP 8 + VXLAN 8 + inner
@@ -221,25 +221,26 @@ pub fn ipip_header(
     })
 }
 
-/// Whether the packet (each segment, for GSO packets) still fits the external interface's MTU
-/// with `overhead` more bytes.
+/// The largest IP packet (each segment, for GSO packets) that fits the external interface's
+/// MTU with `overhead` more bytes, if this packet does.
 #[inline(always)]
-pub fn fits(ctx: &TcContext, cfg: &Config, info: &Ipv4Info, overhead: usize) -> bool {
+pub fn room(ctx: &TcContext, cfg: &Config, info: &Ipv4Info, overhead: usize) -> Option<u16> {
     let mut mtu: u32 = 0;
     // With mtu_len 0 the helper only reports the device's MTU in `mtu` (its own verdict is
     // about skb->len, which for a GSO packet is the sum of all segments).
     // SAFETY: the helper writes one u32 to `mtu`.
     let rc = unsafe { bpf_check_mtu(ctx.skb.skb.cast(), cfg.ext_ifindex, &mut mtu, 0, 0) };
-    if rc < 0 || mtu == 0 {
-        return false;
+    if rc < 0 || mtu <= overhead as u32 {
+        return None;
     }
     let gso = fib::gso_size(ctx);
     let l3_len = if gso == 0 {
         fib::skb_len(ctx).saturating_sub(ETH_HDR_LEN as u32)
     } else {
-        (info.l4 - info.l3) as u32 + u32::from(info.l4_hdr_len) + gso
+        info.segment_len(gso)
     };
-    l3_len + overhead as u32 <= mtu
+    let room = mtu - overhead as u32;
+    (l3_len <= room).then_some(room.min(u32::from(u16::MAX)) as u16)
 }
 
 /// The `adjust_room` flags for VXLAN.
@@ -270,19 +271,31 @@ pub fn underlay_route(ctx: &TcContext, cfg: &Config, peer: &RemoteEntry) -> Resu
 }
 
 /// Encapsulates the packet in VXLAN for `peer`, decrementing the inner TTL, and returns the
-/// underlay route to send it by. On `Err` the packet is unchanged, except for
-/// [`Reason::DropRewriteFailed`].
+/// underlay route to send it by and the largest inner packet that fits (see [`room`]). On
+/// `Err` the packet is unchanged, except for [`Reason::DropRewriteFailed`].
 #[inline(always)]
 pub fn vxlan(
     ctx: &TcContext,
     cfg: &Config,
     peer: &RemoteEntry,
     info: &Ipv4Info,
-) -> Result<Fib, Reason> {
-    if !fits(ctx, cfg, info, VXLAN_OVERHEAD) {
+) -> Result<(Fib, u16), Reason> {
+    let Some(mtu) = room(ctx, cfg, info, VXLAN_OVERHEAD) else {
         return Err(Reason::PassTooBig);
-    }
+    };
     let route = underlay_route(ctx, cfg, peer)?;
+    vxlan_encapsulate(ctx, cfg, peer, info)?;
+    Ok((route, mtu))
+}
+
+/// The encapsulation of [`vxlan`], without its checks (a remembered flow's were made).
+#[inline(always)]
+pub fn vxlan_encapsulate(
+    ctx: &TcContext,
+    cfg: &Config,
+    peer: &RemoteEntry,
+    info: &Ipv4Info,
+) -> Result<(), Reason> {
     let l3_len = fib::skb_len(ctx) - ETH_HDR_LEN as u32;
     // SAFETY: plain helper calls on the program's own skb.
     let (hash, id) = unsafe {
@@ -298,8 +311,24 @@ pub fn vxlan(
         .map_err(|_| Reason::PassAdjustFailed)?;
     ctx.store(ETH_HDR_LEN, &headers, 0)
         .and_then(|()| ctx.store(ETH_HDR_LEN + VXLAN_OVERHEAD + 8, &ttl_field, 0))
-        .map_err(|_| Reason::DropRewriteFailed)?;
-    Ok(route)
+        .map_err(|_| Reason::DropRewriteFailed)
+}
+
+/// Whether the VXLAN header and inner Ethernet header of a VXLAN frame (outer IPv4 without
+/// options) are ours: the I flag, our VNI, our VTEP MAC as the inner destination, IPv4 inside.
+#[inline(always)]
+pub fn vxlan_is_ours(ctx: &TcContext, cfg: &Config) -> bool {
+    // VXLAN header and inner Ethernet header: 8 + 14 bytes.
+    let Some(p) = ptr_at::<TcContext, [u8; 22]>(ctx, VXLAN_HDR_AT) else {
+        return false;
+    };
+    // SAFETY: ptr_at checked the 22 bytes are readable.
+    let hdr = unsafe { p.read_unaligned() };
+    let vni = u32::from_be_bytes([0, hdr[4], hdr[5], hdr[6]]);
+    hdr[0] == VXLAN_FLAG_I
+        && vni == cfg.vni
+        && hdr[8..14] == cfg.vtep_mac
+        && u16::from_be_bytes([hdr[20], hdr[21]]) == crate::parse::ETH_P_IP
 }
 
 /// Encapsulates the packet in IPIP for `peer` and returns the underlay route to send it by.
@@ -314,7 +343,7 @@ pub fn ipip(
     info: &Ipv4Info,
     forwarded: bool,
 ) -> Result<Fib, Reason> {
-    if !fits(ctx, cfg, info, IPIP_OVERHEAD) {
+    if room(ctx, cfg, info, IPIP_OVERHEAD).is_none() {
         return Err(Reason::PassTooBig);
     }
     let route = underlay_route(ctx, cfg, peer)?;

@@ -47,6 +47,13 @@ pub struct Ipv4Info {
 }
 
 impl Ipv4Info {
+    /// The IP length of each of its segments, for a GSO packet whose segments carry
+    /// `gso_size` bytes of payload after these headers.
+    #[inline(always)]
+    pub fn segment_len(&self, gso_size: u32) -> u32 {
+        (self.l4 - self.l3) as u32 + u32::from(self.l4_hdr_len) + gso_size
+    }
+
     /// Whether this is ICMP echo request or reply.
     #[inline(always)]
     pub fn is_icmp_echo(&self) -> bool {

@@ -6,30 +6,39 @@
 //! a malformed, fragmented or option-carrying packet never takes it; a miss (no memo, a stale or
 //! retired one, TTL 1, a packet longer than the MTU, headers not in the linear part) falls
 //! through to the full checks, which pull the headers in and decide as if there were no memo.
+//! A VXLAN packet takes it only with the outer header the full checks want (IPv4 without
+//! options or fragments, our address and port, our VNI and VTEP MAC, an IPv4 inner frame) and
+//! from the peer its flow's memo was made for; it is then decapsulated (or, on transmit,
+//! encapsulated) by the same code as on the full path. An encapsulation or decapsulation that
+//! fails leaves the packet unchanged and falls through too.
 //! It runs before the programs' `pull_headers`: the packets it takes (the stack's own TCP and
 //! UDP) carry their headers in the linear part, and their linearity need not be checked twice.
 
 use aya_ebpf::{
+    bindings::TC_ACT_SHOT,
     btf_maps::{Array, LruHashMap},
     helpers::bpf_redirect,
     macros::btf_map,
     programs::TcContext,
 };
 use flannel_common::{
-    config::FASTPATH_MARK,
+    config::{CFG_VXLAN_RX, Config, FASTPATH_MARK},
     memo::{
-        DIR_IN, DIR_OUT, FlowMemo, GEN_AGENT, GEN_PROGRAMS, HOST_GW_ROUTES, MEMO_GEN_SLOTS,
-        MEMO4_MAX_ENTRIES, MemoKey, generation,
+        DIR_IN, DIR_OUT, FlowMemo, GEN_AGENT, GEN_PROGRAMS, MEMO_GEN_SLOTS, MEMO_ROUTES,
+        MEMO4_MAX_ENTRIES, MemoKey, TUNNEL_NONE, TUNNEL_VXLAN, generation,
     },
+    route::{RemoteEntry, RouteKind},
     stats::Reason,
 };
 
 use crate::{
     bridge::Outcome,
-    decide, fib,
+    decide, deliver,
+    encap::{self, VXLAN_INNER_L3, VXLAN_OVERHEAD},
+    fib,
     ipv4::{self, Ipv4Info},
     maps,
-    parse::{self, PacketCtx as _, proto},
+    parse::{self, ETH_HDR_LEN, PacketCtx as _, proto},
 };
 
 /// Flows → the decision taken for them (`flannel_common::memo::MEMO4`).
@@ -99,12 +108,30 @@ pub fn memo(ifindex: u32, smac: [u8; 6], dmac: [u8; 6], mtu: u16, generation: u6
     FlowMemo {
         ifindex,
         mtu,
-        _pad: [0; 2],
+        tunnel: TUNNEL_NONE,
+        _pad: 0,
         smac,
         dmac,
-        _pad2: [0; 4],
+        peer: [0; 4],
+        vni: 0,
+        vtep_mac: [0; 6],
+        _pad2: [0; 6],
         generation,
         checked_ns: crate::now_ns(),
+    }
+}
+
+/// `memo` for packets that came through VXLAN from `peer` (`to: None`) or are encapsulated
+/// in VXLAN to the peer `to` (whose public IP is `peer`).
+#[inline(always)]
+pub fn through_vxlan(memo: FlowMemo, peer: [u8; 4], to: Option<&RemoteEntry>) -> FlowMemo {
+    let (vni, vtep_mac) = to.map_or((0, [0; 6]), |to| (to.vni, to.vtep_mac));
+    FlowMemo {
+        tunnel: TUNNEL_VXLAN,
+        peer,
+        vni,
+        vtep_mac,
+        ..memo
     }
 }
 
@@ -121,12 +148,18 @@ fn key(info: &Ipv4Info, dir: u8) -> MemoKey {
 /// A screened IPv4 TCP/UDP packet with TTL > 1 and its class, or `None`.
 #[inline(always)]
 fn candidate(ctx: &TcContext) -> Option<(Ipv4Info, Reason)> {
-    let packet = ipv4::screen(&parse::parse(ctx)).ok()?;
+    let (info, class) = screened(ctx, &parse::parse(ctx))?;
+    (info.ttl > 1).then_some((info, class))
+}
+
+/// `parsed` if it is a screened IPv4 TCP/UDP packet: what it says and its class.
+#[inline(always)]
+fn screened(ctx: &TcContext, parsed: &Result<parse::Packet, Reason>) -> Option<(Ipv4Info, Reason)> {
+    let packet = ipv4::screen(parsed).ok()?;
     if packet.class != Reason::Ipv4Tcp && packet.class != Reason::Ipv4Udp {
         return None;
     }
-    let info = ipv4::read(ctx, &packet)?;
-    (info.ttl > 1).then_some((info, packet.class))
+    Some((ipv4::read(ctx, &packet)?, packet.class))
 }
 
 /// The memo of `info`'s flow in direction `dir` if it may decide for this packet now.
@@ -136,11 +169,13 @@ fn usable(ctx: &TcContext, info: &Ipv4Info, dir: u8) -> Option<FlowMemo> {
     let memo = FLANNEL_MEMO4.get_ptr(key(info, dir))?;
     // SAFETY: the pointer comes from a successful lookup; the entry is read once.
     let memo = unsafe { memo.read() };
-    let len = if fib::gso_size(ctx) == 0 {
-        info.tot_len
+    let gso = fib::gso_size(ctx);
+    let len = if gso == 0 {
+        u32::from(info.tot_len)
     } else {
-        0
+        info.segment_len(gso)
     };
+    let len = u16::try_from(len).ok()?;
     memo.usable(crate::now_ns(), generation, len)
         .then_some(memo)
 }
@@ -171,18 +206,24 @@ fn addrs(ctx: &TcContext) -> Option<([u8; 4], [u8; 4])> {
     ))
 }
 
-/// `tc_from_netdev`: a plain packet of a remembered flow to a local pod, delivered into the
-/// pod's namespace. `None`: not such a packet (the full checks decide). A BPF subprogram of
-/// its own, so that its stack does not add to the full checks'.
+/// `tc_from_netdev`: a packet of a remembered flow to a local pod, plain or in VXLAN,
+/// delivered into the pod's namespace. `None`: not such a packet (the full checks decide). A
+/// BPF subprogram of its own, so that its stack does not add to the full checks'.
 #[inline(never)]
 pub fn deliver(ctx: &TcContext) -> Option<Outcome> {
     let cfg = maps::config()?;
-    let (_, dst) = addrs(ctx)?;
+    let (src, dst) = addrs(ctx)?;
+    if dst == cfg.public_ip {
+        return deliver_vxlan(ctx, cfg, src);
+    }
     if !cfg.is_local_pod(dst) {
         return None;
     }
     let (info, class) = candidate(ctx)?;
     let memo = usable(ctx, &info, DIR_IN)?;
+    if !memo.came_through(TUNNEL_NONE, src) {
+        return None;
+    }
     rewrite(ctx, &info, &memo)?;
     Some(Outcome {
         action: crate::pods::into_pod(memo.ifindex, ctx.packet_len() as u64),
@@ -191,11 +232,50 @@ pub fn deliver(ctx: &TcContext) -> Option<Outcome> {
     })
 }
 
-/// `tc_from_bridge`: a local pod's packet of a remembered host-gw flow, sent to the peer.
-/// `None`: not such a packet (the full checks decide). A BPF subprogram of its own.
+/// [`deliver`] for a VXLAN packet from `from` to our address: the outer headers checked as
+/// the full checks do, the inner packet screened, then decapsulated by the memo of its flow.
+#[inline(always)]
+fn deliver_vxlan(ctx: &TcContext, cfg: &Config, from: [u8; 4]) -> Option<Outcome> {
+    if cfg.flags & CFG_VXLAN_RX == 0 {
+        return None;
+    }
+    let (outer, class) = screened(ctx, &parse::parse(ctx))?;
+    if class != Reason::Ipv4Udp
+        || u16::from_be_bytes(outer.dport) != cfg.vxlan_port
+        || outer.l4 != ETH_HDR_LEN + 20
+        || !encap::vxlan_is_ours(ctx, cfg)
+    {
+        return None;
+    }
+    let (info, _) = screened(ctx, &parse::parse_ipv4_at(ctx, VXLAN_INNER_L3))?;
+    if info.ttl <= 1 || !cfg.is_local_pod(info.dst) {
+        return None;
+    }
+    let memo = usable(ctx, &info, DIR_IN)?;
+    if !memo.came_through(TUNNEL_VXLAN, from) {
+        return None;
+    }
+    deliver::decap(ctx, VXLAN_OVERHEAD).ok()?;
+    // The packet changed: from here on it goes into the pod or is dropped.
+    let inner = Ipv4Info {
+        l3: ETH_HDR_LEN,
+        ..info
+    };
+    Some(match rewrite(ctx, &inner, &memo) {
+        Some(()) => Outcome {
+            action: crate::pods::into_pod(memo.ifindex, ctx.packet_len() as u64),
+            class,
+            verdict: Reason::FastDeliverVxlan,
+        },
+        None => dropped(class),
+    })
+}
+
+/// `tc_from_bridge`: a local pod's packet of a remembered host-gw or VXLAN flow, sent to the
+/// peer. `None`: not such a packet (the full checks decide). A BPF subprogram of its own.
 #[inline(never)]
 pub fn transmit(ctx: &TcContext) -> Option<Outcome> {
-    if FLANNEL_MEMOGEN.get(HOST_GW_ROUTES).copied().unwrap_or(0) == 0 {
+    if FLANNEL_MEMOGEN.get(MEMO_ROUTES).copied().unwrap_or(0) == 0 {
         return None;
     }
     let cfg = maps::config()?;
@@ -205,12 +285,44 @@ pub fn transmit(ctx: &TcContext) -> Option<Outcome> {
     }
     let (info, class) = candidate(ctx)?;
     let memo = usable(ctx, &info, DIR_OUT)?;
-    rewrite(ctx, &info, &memo)?;
+    let verdict = if memo.tunnel == TUNNEL_VXLAN {
+        let peer = RemoteEntry {
+            kind: RouteKind::Vxlan as u32,
+            flags: 0,
+            public_ip: memo.peer,
+            vni: memo.vni,
+            vtep_mac: memo.vtep_mac,
+            _pad: [0; 2],
+        };
+        match encap::vxlan_encapsulate(ctx, cfg, &peer, &info) {
+            Ok(()) => {}
+            Err(Reason::DropRewriteFailed) => return Some(dropped(class)),
+            // Unchanged: the full checks try again.
+            Err(_) => return None,
+        }
+        if parse::write_macs(ctx, memo.dmac, memo.smac).is_none() {
+            return Some(dropped(class));
+        }
+        Reason::FastVxlan
+    } else {
+        rewrite(ctx, &info, &memo)?;
+        Reason::FastHostGw
+    };
     ctx.set_mark(FASTPATH_MARK);
     Some(Outcome {
         // SAFETY: plain helper call.
         action: unsafe { bpf_redirect(memo.ifindex, 0) } as i32,
         class,
-        verdict: Reason::FastHostGw,
+        verdict,
     })
+}
+
+/// A packet the short path changed but could not finish: dropped, as the full checks drop it.
+#[inline(always)]
+fn dropped(class: Reason) -> Outcome {
+    Outcome {
+        action: TC_ACT_SHOT,
+        class,
+        verdict: Reason::DropRewriteFailed,
+    }
 }

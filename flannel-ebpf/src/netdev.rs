@@ -43,14 +43,11 @@ use flannel_common::{
 use crate::{
     bridge::Outcome,
     decide, deliver,
-    encap::{
-        self, IPIP_OVERHEAD, IPPROTO_IPIP, VXLAN_FLAG_I, VXLAN_INNER_ETH, VXLAN_INNER_L3,
-        VXLAN_OVERHEAD,
-    },
+    encap::{self, IPIP_OVERHEAD, IPPROTO_IPIP, VXLAN_INNER_L3, VXLAN_OVERHEAD},
     fib::{self, Fib},
     ipv4::{self, Ipv4Info},
     maps, memo, nat,
-    parse::{self, ETH_HDR_LEN, ETH_P_IP, Packet, PacketCtx as _, proto, ptr_at},
+    parse::{self, ETH_HDR_LEN, ETH_P_IP, Packet, PacketCtx as _, proto},
     pods,
 };
 
@@ -203,6 +200,27 @@ fn plain_in(
     if route == Fib::Failed {
         return Verdict::pass(Reason::PassFibFailed);
     }
+    remember_delivery(info, route, mtu, generation, None);
+    match deliver::deliver(ctx, info, route) {
+        Ok(action) => Verdict {
+            action,
+            reason: Reason::FastDeliver,
+        },
+        Err(reason) => reason.into(),
+    }
+}
+
+/// Remembers a delivery into a local pod's namespace (only those: the pod's port is known)
+/// decided at `generation`, of a packet that came plain or (`vxlan_from`) through VXLAN from
+/// that peer.
+#[inline(always)]
+fn remember_delivery(
+    info: &Ipv4Info,
+    route: Fib,
+    mtu: u16,
+    generation: u64,
+    vxlan_from: Option<[u8; 4]>,
+) {
     if let Fib::Resolved {
         ifindex,
         smac,
@@ -210,14 +228,12 @@ fn plain_in(
     } = route
         && let Some(port) = pods::port(ifindex, dmac)
     {
-        memo::remember(info, DIR_IN, memo::memo(port, smac, dmac, mtu, generation));
-    }
-    match deliver::deliver(ctx, info, route) {
-        Ok(action) => Verdict {
-            action,
-            reason: Reason::FastDeliver,
-        },
-        Err(reason) => reason.into(),
+        let memo = memo::memo(port, smac, dmac, mtu, generation);
+        let memo = match vxlan_from {
+            Some(peer) => memo::through_vxlan(memo, peer, None),
+            None => memo,
+        };
+        memo::remember(info, DIR_IN, memo);
     }
 }
 
@@ -305,22 +321,7 @@ fn vxlan_in(
     learnt: &mut bool,
     kernel_flow: &mut bool,
 ) -> Verdict {
-    if outer.l4 != ETH_HDR_LEN + 20 {
-        return Verdict::pass(Reason::PassVxlanMismatch);
-    }
-    // VXLAN header and inner Ethernet header: 8 + 14 bytes.
-    let Some(p) = ptr_at::<TcContext, [u8; 22]>(ctx, VXLAN_INNER_ETH - 8) else {
-        return Verdict::pass(Reason::PassVxlanMismatch);
-    };
-    // SAFETY: ptr_at checked the 22 bytes are readable.
-    let hdr = unsafe { p.read_unaligned() };
-    let vni = u32::from_be_bytes([0, hdr[4], hdr[5], hdr[6]]);
-    let inner_ethertype = u16::from_be_bytes([hdr[20], hdr[21]]);
-    if hdr[0] != VXLAN_FLAG_I
-        || vni != cfg.vni
-        || hdr[8..14] != cfg.vtep_mac
-        || inner_ethertype != ETH_P_IP
-    {
+    if outer.l4 != ETH_HDR_LEN + 20 || !encap::vxlan_is_ours(ctx, cfg) {
         return Verdict::pass(Reason::PassVxlanMismatch);
     }
     let inner = parse::parse_ipv4_at(ctx, VXLAN_INNER_L3);
@@ -331,6 +332,8 @@ fn vxlan_in(
     let Some(info) = ipv4::read(ctx, &packet) else {
         return Verdict::pass(Reason::PassMalformed);
     };
+    // Read before the checks: a change while they run retires what they decide.
+    let generation = memo::current();
     *learnt = deliver::learn_nat_guard(cfg, &info);
     if cfg.flags & CFG_VXLAN_RX == 0 {
         return Verdict::pass(Reason::PassVxlanRxOff);
@@ -346,7 +349,8 @@ fn vxlan_in(
     ) {
         return Verdict::pass(reason);
     }
-    let route = deliver::route_to_pod(ctx, &info, &mut 0);
+    let mut mtu = 0;
+    let route = deliver::route_to_pod(ctx, &info, &mut mtu);
     if fib::gso_size(ctx) != 0 && !route.reaches_pod_port() {
         // See `deliver`: unless it goes straight into the pod, a GSO packet is left to the
         // kernel's VXLAN receive, which handles it properly; the flow moves to the kernel in
@@ -360,6 +364,7 @@ fn vxlan_in(
     if let Err(reason) = deliver::decap(ctx, VXLAN_OVERHEAD) {
         return Verdict::pass(reason);
     }
+    remember_delivery(&info, route, mtu, generation, Some(outer.src));
     match deliver::deliver(ctx, &info, route) {
         Ok(action) => Verdict {
             action,

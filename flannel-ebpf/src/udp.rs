@@ -152,7 +152,7 @@ pub fn encap(
     let Some(udp) = config() else {
         return Err(Reason::PassBadRoute);
     };
-    if !encap::fits(ctx, cfg, info, UDP_OVERHEAD) {
+    if encap::room(ctx, cfg, info, UDP_OVERHEAD).is_none() {
         return Err(Reason::PassTooBig);
     }
     let route =

@@ -221,7 +221,6 @@ fn stale_state_is_removed_at_start() {
         })
     });
     if let Err(e) = result {
-        eprintln!("[stale state] FAILED:\n{}", agent_support::dump(&mut c));
-        panic!("[stale state] {e:#}");
+        agent_support::fail("stale state", &mut c, &e);
     }
 }

@@ -995,6 +995,147 @@ fn flows_are_remembered_until_what_decided_them_changes() {
     });
 }
 
+/// VXLAN flows are remembered as host-gw ones are. Sent: with the route gone behind the
+/// agent's back the flow is still encapsulated exactly as the full checks did (outer IP ID
+/// aside, random per packet), a packet longer than the tunnel's MTU or with TTL 1 is not; the
+/// agent's configuration write retires it. Delivered: decapsulated into the pod the same way,
+/// but only when it comes in VXLAN from the node it was remembered for, not from another
+/// node, not plain.
+#[test]
+fn vxlan_flows_are_remembered_for_their_peer_only() {
+    let Some(rig) = Rig::new("fpmemovx") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    let vxlan_net = net("10.244.3.0/24");
+    rig.with_fast_path(move |fp, ifs| {
+        let port = PodPort {
+            ifindex: 4242,
+            bridge: ifs.br,
+        };
+        fp.sync_ports(&BTreeMap::from([(PortKey::new(POD_MAC), port)]))
+            .expect("sync ports");
+
+        // Transmit.
+        let to_remote = |payload: &[u8], ttl: u8| Ipv4 {
+            ttl,
+            ..from_pod(VXLAN_POD, Tcp::new(40002, 8080).payload(payload))
+        };
+        let encapsulated = |ip: &Ipv4, out: &[u8]| {
+            let (id, sport) = outer_fields(out);
+            let inner = Ethernet::new(LOCAL_VTEP, VTEP3, forwarded(ip)).encode();
+            let udp = Udp {
+                checksum: Checksum::Value(0),
+                ..Udp::vxlan(sport, 1, &inner)
+            };
+            let outer = Ipv4 {
+                id,
+                dont_fragment: false,
+                ttl: 64,
+                ..Ipv4::new(PUB1, PUB3, udp)
+            };
+            Ethernet::new(EXT_MAC, PEER3_MAC, outer).encode()
+        };
+        let send = |fp: &mut FastPath, ip: &Ipv4, fast: bool, what: &str| {
+            let frame = pod_frame(ip);
+            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+            if fast {
+                assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
+                assert_counted(&r, &frame, &[Reason::Ipv4Tcp, Reason::FastVxlan], what);
+                assert_bytes(&r.out, &encapsulated(ip, &r.out), what);
+                packet::verify(&r.out).expect("outer checksums");
+            } else {
+                assert_eq!(r.verdict, TC_ACT_OK, "{what}: {:?}", r.counted);
+                assert_bytes(&r.out, &frame, what);
+            }
+            r
+        };
+        let ip = to_remote(b"memo", 64);
+        let first = send(fp, &ip, true, "full checks");
+        remove_route_behind_the_agents_back(&pin, vxlan_net);
+        let again = send(fp, &ip, true, "remembered");
+        assert_eq!(
+            outer_fields(&first.out).1,
+            outer_fields(&again.out).1,
+            "the flow's source port"
+        );
+        send(fp, &to_remote(b"memo", 1), false, "TTL 1: full checks");
+        // The tunnel's MTU: the external interface's 1500 less 50.
+        send(fp, &to_remote(&[7; 1410], 64), true, "1450 bytes");
+        send(
+            fp,
+            &to_remote(&[7; 1411], 64),
+            false,
+            "1451 bytes: full checks",
+        );
+        fp.set_config(&config(ifs.ext)).expect("config");
+        send(fp, &ip, false, "after the agent wrote its configuration");
+        assert_eq!(fp.sync(&remotes()).expect("sync").added, 1);
+
+        // Delivery.
+        let inner = Ipv4 {
+            ttl: 63,
+            ..Ipv4::new(VXLAN_POD, POD, Tcp::new(8080, 40002).payload(b"memo"))
+        };
+        let delivered = Ethernet::new(BR_MAC, POD_MAC, forwarded(&inner)).encode();
+        let deliver = |fp: &mut FastPath, frame: &[u8], fast: bool, what: &str| {
+            let r = run(fp, Hook::FromNetdev, frame, Skb::on(ifs.ext));
+            if fast {
+                assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
+                assert_bytes(&r.out, &delivered, what);
+                let whole = frame.len() as u64;
+                assert_eq!(
+                    r.counted,
+                    vec![
+                        (Reason::Ipv4Udp, 1, whole),
+                        (Reason::FastDeliverVxlan, 1, whole),
+                        (Reason::DeliverPeer, 1, delivered.len() as u64),
+                    ],
+                    "{what}: counters"
+                );
+            } else {
+                assert_eq!(r.verdict, TC_ACT_OK, "{what}: {:?}", r.counted);
+                assert_bytes(&r.out, frame, what);
+                assert!(
+                    r.counted
+                        .iter()
+                        .any(|(reason, _, _)| *reason == Reason::PassForeignSource),
+                    "{what}: {:?}",
+                    r.counted
+                );
+            }
+        };
+        let from_pub3 = vxlan_frame(PUB3, 1, 8472, LOCAL_VTEP, &inner);
+        deliver(fp, &from_pub3, true, "full checks");
+        remove_route_behind_the_agents_back(&pin, vxlan_net);
+        deliver(fp, &from_pub3, true, "remembered");
+        deliver(
+            fp,
+            &vxlan_frame(PUB6, 1, 8472, LOCAL_VTEP, &inner),
+            false,
+            "the same flow from another node",
+        );
+        deliver(
+            fp,
+            &underlay(PEER3_MAC, inner.clone()),
+            false,
+            "the same flow, plain",
+        );
+        let ttl1 = Ipv4 {
+            ttl: 1,
+            ..inner.clone()
+        };
+        deliver(
+            fp,
+            &vxlan_frame(PUB3, 1, 8472, LOCAL_VTEP, &ttl1),
+            false,
+            "TTL 1",
+        );
+        deliver(fp, &from_pub3, true, "remembered, still");
+        assert_eq!(fp.sync(&remotes()).expect("sync").added, 1);
+    });
+}
+
 /// The route lookup's answer for a local pod is remembered for a second: a change of the
 /// pod's neighbour entry is seen only after that, while a packet longer than the remembered
 /// route's MTU still goes to the lookup (which refuses it) at once.

@@ -21,7 +21,7 @@ use aya::{
 use flannel_common::{
     config::Config,
     maps as names,
-    memo::{GEN_AGENT, GEN_PROGRAMS, HOST_GW_ROUTES, MEMO_GEN, generation},
+    memo::{GEN_AGENT, GEN_PROGRAMS, MEMO_GEN, MEMO_ROUTES, generation},
     programs,
     route::{NodeEntry, RemoteEntry, RouteKind},
 };
@@ -330,13 +330,13 @@ impl FastPath {
                 remove_ignoring_missing(map.remove(&addr.octets()), names::NODES4)?;
             }
         }
-        // The transmit memos are for host-gw flows only: `tc_from_bridge` looks for one only
-        // while some subnet is reached host-gw.
-        let host_gw = routes
-            .values()
-            .any(|entry| entry.kind == RouteKind::HostGw as u32);
+        // The transmit memos are for host-gw and VXLAN flows only: `tc_from_bridge` looks for
+        // one only while some subnet is reached so.
+        let remembered = routes.values().any(|entry| {
+            entry.kind == RouteKind::HostGw as u32 || entry.kind == RouteKind::Vxlan as u32
+        });
         self.memo_gen_mut()?
-            .set(HOST_GW_ROUTES, u64::from(host_gw), 0)
+            .set(MEMO_ROUTES, u64::from(remembered), 0)
             .map_err(|e| BpfError::map(MEMO_GEN, e))?;
         let changed = !(node_upserts.is_empty()
             && node_deletes.is_empty()

@@ -697,9 +697,11 @@ pub struct FlowStats {
     /// Segments the sender retransmitted (`tcpi_total_retrans`): 0 means no segment was lost
     /// (or delayed past the retransmission timeout) on the way.
     pub retransmits: u32,
-    /// Retransmissions the receiver reported as needless (D-SACKs the sender received,
-    /// `TcpExtTCPDSACKRecv` of the sender's namespace): a tail loss probe or a retransmission
-    /// after reordering that duplicated a segment that had arrived.
+    /// Retransmitted segments the receiver reported as needless (segments covered by the
+    /// D-SACKs the sender received, `TcpExtTCPDSACKRecvSegs` of the sender's namespace): a tail
+    /// loss probe or a retransmission after reordering that duplicated a segment that had
+    /// arrived. Counted in segments, as [`FlowStats::retransmits`] is: one D-SACK block may
+    /// cover a retransmission of several segments.
     pub spurious: u64,
     /// The sender namespace's non-zero retransmission counters (`TcpExt` of
     /// `/proc/net/netstat`: `TCPLossProbes`, `TCPFastRetrans`, `TCPTimeouts`, ...), which
@@ -716,6 +718,16 @@ impl FlowStats {
     }
 }
 
+/// The segments D-SACKs showed needless, from the sender's counters: `TCPDSACKRecvSegs`
+/// (segments), or on kernels without it `TCPDSACKRecv` (blocks, a lower bound).
+fn spurious_retransmits(netstat: &BTreeMap<String, u64>) -> u64 {
+    netstat
+        .get("TCPDSACKRecvSegs")
+        .or_else(|| netstat.get("TCPDSACKRecv"))
+        .copied()
+        .unwrap_or(0)
+}
+
 /// `TcpExt` counters about retransmissions, as named in `/proc/net/netstat`.
 const RETRANS_COUNTERS: &[&str] = &[
     "TCPLossProbes",
@@ -727,6 +739,7 @@ const RETRANS_COUNTERS: &[&str] = &[
     "TCPSpuriousRTOs",
     "TCPSpuriousRtxHostQueues",
     "TCPDSACKRecv",
+    "TCPDSACKRecvSegs",
     "TCPDSACKOfoRecv",
     "TCPSACKReorder",
     "TCPTSReorder",
@@ -839,7 +852,7 @@ impl TcpFlow {
             elapsed: self.started.elapsed(),
             longest_stall,
             retransmits,
-            spurious: sender_netstat.get("TCPDSACKRecv").copied().unwrap_or(0),
+            spurious: spurious_retransmits(&sender_netstat),
             sender_netstat,
         })
     }
@@ -935,4 +948,30 @@ fn tcp_info(stream: &TcpStream) -> Result<libc::tcp_info> {
         return Err(std::io::Error::last_os_error()).context("getsockopt TCP_INFO");
     }
     Ok(info)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn needless_retransmissions_are_counted_in_segments() {
+        let counters = |pairs: &[(&str, u64)]| -> BTreeMap<String, u64> {
+            pairs.iter().map(|&(k, v)| (k.to_owned(), v)).collect()
+        };
+        // One D-SACK block covering a two-segment retransmission.
+        let both = counters(&[("TCPDSACKRecv", 1), ("TCPDSACKRecvSegs", 2)]);
+        assert_eq!(spurious_retransmits(&both), 2);
+        let stats = FlowStats {
+            bytes: 0,
+            elapsed: Duration::ZERO,
+            longest_stall: Duration::ZERO,
+            retransmits: 2,
+            spurious: spurious_retransmits(&both),
+            sender_netstat: both,
+        };
+        assert_eq!(stats.lost(), 0);
+        assert_eq!(spurious_retransmits(&counters(&[("TCPDSACKRecv", 3)])), 3);
+        assert_eq!(spurious_retransmits(&counters(&[])), 0);
+    }
 }

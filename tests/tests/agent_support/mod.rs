@@ -74,7 +74,7 @@ pub fn named(dataplane: Dataplane, name: &str) -> String {
 }
 
 /// Brings the cluster up and waits until every agent is ready, then runs `body`. On failure
-/// prints the cluster's status and the agents' logs before panicking with the error chain.
+/// [`fail`]s with the cluster's status and the agents' logs.
 pub fn with_cluster(name: &str, spec: ClusterSpec, body: impl FnOnce(&mut Cluster) -> Result<()>) {
     let progress = |msg: &str| eprintln!("[{name}] {msg}");
     let mut cluster = match Cluster::up(spec, &progress, &|| false) {
@@ -85,9 +85,15 @@ pub fn with_cluster(name: &str, spec: ClusterSpec, body: impl FnOnce(&mut Cluste
         .wait_ready(Duration::from_secs(60))
         .and_then(|()| body(&mut cluster));
     if let Err(e) = result {
-        eprintln!("[{name}] FAILED; cluster state:\n{}", dump(&mut cluster));
-        panic!("[{name}] {e:#}");
+        fail(name, &mut cluster, &e);
     }
+}
+
+/// Prints the error chain, the cluster's state ([`dump`]) and panics with the error chain
+/// again: first as well as last, so that an output cut in the middle still shows it.
+pub fn fail(name: &str, cluster: &mut Cluster, e: &anyhow::Error) -> ! {
+    eprintln!("[{name}] FAILED: {e:#}\ncluster state:\n{}", dump(cluster));
+    panic!("[{name}] {e:#}");
 }
 
 /// Status block, the route maps of fast-path nodes, plus every agent's last log lines.
