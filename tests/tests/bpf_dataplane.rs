@@ -300,6 +300,21 @@ impl Cluster {
     }
 
     /// Drops INVALID conntrack packets in FORWARD on every node, as kube-proxy does.
+    /// Packets the underlay dropped on the way into node `i`: the hub port's transmit drops
+    /// and node `i`'s `eth0` receive drops (a veth whose peer runs XDP queues what it sends
+    /// in a ring of its own, and drops when that is full).
+    fn underlay_drops(&self, i: u8) -> u64 {
+        let dropped = |ns: &NetNs, dev: &str, dir: &str| -> u64 {
+            let out = ns
+                .run(&["ip", "-s", "-j", "link", "show", dev])
+                .unwrap_or_else(|e| panic!("{dev}: {e:#}"));
+            let v: serde_json::Value =
+                serde_json::from_str(&out).unwrap_or_else(|e| panic!("{dev}: {e}: {out}"));
+            v[0]["stats64"][dir]["dropped"].as_u64().unwrap_or(0)
+        };
+        dropped(&self.hub, &format!("u{i}"), "tx") + dropped(&self.node(i).ns, "eth0", "rx")
+    }
+
     fn drop_invalid(&self) {
         for node in &self.nodes {
             node.sh("iptables -A FORWARD -m conntrack --ctstate INVALID -j DROP")
@@ -851,22 +866,28 @@ fn large_transfer(c: &Cluster, xdp: bool, fast: Reason) -> (Counters, Counters) 
     c.enable_full(2, xdp, |_| {});
     c.drop_invalid();
     let before = c.counters(1).from_bridge.get(fast);
+    let dropped_before = c.underlay_drops(2);
     let (gbps, retransmits) = iperf(c, 1, 2, 4).expect("iperf3");
+    let dropped = c.underlay_drops(2) - dropped_before;
     let n1 = c.counters(1);
     let after = n1.from_bridge.get(fast);
     let packets = after.packets - before.packets;
     let bytes = after.bytes - before.bytes;
     println!(
         "iperf3 pod 1 -> pod 2, {:?}, xdp {xdp}: {gbps:.2} Gbit/s, {retransmits} retransmits, \
-         node 1 sent {packets} fast-path packets carrying {bytes} bytes",
+         node 1 sent {packets} fast-path packets carrying {bytes} bytes, the underlay dropped \
+         {dropped} on the way to node 2",
         c.backend
     );
     assert!(gbps > 0.5, "throughput {gbps} Gbit/s");
-    // No retransmit storm: well under 1% of the segments sent.
+    // No retransmit storm: well under 1% of the segments sent, besides what the underlay
+    // itself dropped (with XDP on node 2's eth0, its veth peer queues frames in a 256-slot
+    // ring and drops when bursts fill it: thousands per run on a busy machine, the programs
+    // never seeing them).
     let segments = bytes / 1400;
     assert!(
-        retransmits * 100 < segments.max(1),
-        "{retransmits} retransmits for ~{segments} segments"
+        retransmits.saturating_sub(dropped) * 100 < segments.max(1),
+        "{retransmits} retransmits for ~{segments} segments ({dropped} dropped by the underlay)"
     );
     // GSO packets went through adjust_room whole: far fewer packets than MTU-sized segments.
     assert!(
