@@ -21,6 +21,9 @@
 //! - VXLAN / IPIP: encapsulated ([`crate::encap`]) and redirected to the external interface;
 //! - udp: encapsulated as the udp backend's TUN path would ([`crate::udp`]) and redirected.
 //!
+//! A host-gw or VXLAN decision with a resolved next hop is remembered for the flow
+//! ([`crate::memo`]): the flow's next packets are sent from that memo before this body runs.
+//!
 //! IPv6 frames are handled by [`crate::v6`]. Everything else is handed to the kernel path
 //! unchanged (`TC_ACT_OK`), counted with a reason.
 
