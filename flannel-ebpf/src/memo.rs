@@ -9,8 +9,9 @@
 //! A VXLAN packet takes it only with the outer header the full checks want (IPv4 without
 //! options or fragments, our address and port, our VNI and VTEP MAC, an IPv4 inner frame) and
 //! from the peer its flow's memo was made for; it is then decapsulated (or, on transmit,
-//! encapsulated) by the same code as on the full path. An encapsulation or decapsulation that
-//! fails leaves the packet unchanged and falls through too.
+//! encapsulated) by the same code as on the full path. An encapsulation or decapsulation the
+//! kernel refuses (`bpf_skb_adjust_room`) leaves the packet unchanged and falls through too;
+//! a header write that fails after it drops the packet, as on the full path.
 //! It runs before the programs' `pull_headers`: the packets it takes (the stack's own TCP and
 //! UDP) carry their headers in the linear part, and their linearity need not be checked twice.
 
