@@ -1,13 +1,13 @@
 //! Remembered decisions per flow: after the full checks of a pod-to-pod packet ended in "deliver
 //! it into the local pod" (`tc_from_netdev`: a plain host-gw / DirectRouting packet, or a VXLAN
-//! packet decapsulated) or "send it to the peer" (`tc_from_bridge`: host-gw, or VXLAN
-//! encapsulated), the program keeps what it did for that flow ([`FlowMemo`]: where to, with
-//! which MACs, through which tunnel peer) and the next packets of the flow take it from
-//! [`MEMO4`] with one lookup instead of the route, NAT-guard, kernel-flow, node, next-hop and
-//! port lookups. What the packet itself says is still checked on every packet (IPv4 TCP/UDP,
-//! no fragment or options, a sane header, TTL > 1, the length against the MTU; for VXLAN the
-//! outer header, port, VNI and VTEP MAC as well, and that it comes from the peer the memo was
-//! made for); IPv6, ICMP, IPIP, udp and NAT never use a memo.
+//! or IPIP packet decapsulated) or "send it to the peer" (`tc_from_bridge`: host-gw, or
+//! encapsulated in VXLAN or IPIP), the program keeps what it did for that flow ([`FlowMemo`]:
+//! where to, with which MACs, through which tunnel peer) and the next packets of the flow take
+//! it from [`MEMO4`] with one lookup instead of the route, NAT-guard, kernel-flow, node,
+//! next-hop and port lookups. What the packet itself says is still checked on every packet
+//! (IPv4 TCP/UDP, no fragment or options, a sane header, TTL > 1, the length against the MTU;
+//! for a tunnel the outer header as the full checks want it, and that it comes from the peer
+//! the memo was made for); IPv6, ICMP, udp and NAT never use a memo.
 //!
 //! A memo is used only while everything the decision rested on is unchanged:
 //! - at most a second old ([`crate::hops::HOP_TTL_NS`], as for a remembered next hop: a changed
@@ -36,8 +36,8 @@ pub const MEMO_GEN: &str = "FLANNEL_MEMOGEN";
 pub const GEN_PROGRAMS: u32 = 0;
 /// The slot of [`MEMO_GEN`] the agent counts up.
 pub const GEN_AGENT: u32 = 1;
-/// The slot of [`MEMO_GEN`] that is nonzero while some remote subnet is reached host-gw or
-/// by VXLAN (only then does `tc_from_bridge` look for a memo: IPIP and udp flows have none).
+/// The slot of [`MEMO_GEN`] that is nonzero while some remote subnet is reached host-gw, by
+/// VXLAN or by IPIP (only then does `tc_from_bridge` look for a memo: udp flows have none).
 pub const MEMO_ROUTES: u32 = 2;
 /// Slots of [`MEMO_GEN`].
 pub const MEMO_GEN_SLOTS: u32 = 3;
@@ -97,6 +97,8 @@ pub const TUNNEL_NONE: u8 = 0;
 /// [`FlowMemo::tunnel`]: the packet was decapsulated from ([`DIR_IN`]) or encapsulated in
 /// ([`DIR_OUT`]) VXLAN.
 pub const TUNNEL_VXLAN: u8 = 1;
+/// [`FlowMemo::tunnel`]: the same through IPIP.
+pub const TUNNEL_IPIP: u8 = 2;
 
 /// [`MEMO4`]'s value: what was done with the flow's packet. 56 bytes.
 #[repr(C)]
@@ -109,7 +111,7 @@ pub struct FlowMemo {
     /// route's MTU (the bridge's, or the external interface's route to the peer), less the
     /// tunnel's overhead for packets encapsulated.
     pub mtu: u16,
-    /// [`TUNNEL_NONE`] or [`TUNNEL_VXLAN`].
+    /// [`TUNNEL_NONE`], [`TUNNEL_VXLAN`] or [`TUNNEL_IPIP`].
     pub tunnel: u8,
     /// Explicit padding; always zero.
     pub _pad: u8,

@@ -21,7 +21,7 @@
 //! - VXLAN / IPIP: encapsulated ([`crate::encap`]) and redirected to the external interface;
 //! - udp: encapsulated as the udp backend's TUN path would ([`crate::udp`]) and redirected.
 //!
-//! A host-gw or VXLAN decision with a resolved next hop is remembered for the flow
+//! A host-gw, VXLAN or IPIP decision with a resolved next hop is remembered for the flow
 //! ([`crate::memo`]): the flow's next packets are sent from that memo before this body runs.
 //!
 //! IPv6 frames are handled by [`crate::v6`]. Everything else is handed to the kernel path
@@ -29,7 +29,11 @@
 
 use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
 use flannel_common::{
-    config::FASTPATH_MARK, hops::HopKey, memo::DIR_OUT, route::RemoteEntry, stats::Reason,
+    config::FASTPATH_MARK,
+    hops::HopKey,
+    memo::{DIR_OUT, TUNNEL_IPIP, TUNNEL_VXLAN},
+    route::RemoteEntry,
+    stats::Reason,
 };
 
 use crate::{
@@ -95,12 +99,15 @@ pub fn run(ctx: &TcContext) -> Outcome {
         BridgeAction::HostGw(peer) => host_gw(ctx, &peer, &info, generation),
         BridgeAction::Vxlan(peer) => encap::vxlan(ctx, cfg, &peer, &info)
             .and_then(|(route, mtu)| {
-                remember(&info, route, mtu, generation, Some(&peer));
+                remember(&info, route, mtu, generation, Some((TUNNEL_VXLAN, &peer)));
                 send(ctx, route)
             })
             .map(|action| (action, Reason::FastVxlan)),
         BridgeAction::Ipip(peer) => encap::ipip(ctx, cfg, &peer, &info, true)
-            .and_then(|route| send(ctx, route))
+            .and_then(|(route, mtu)| {
+                remember(&info, route, mtu, generation, Some((TUNNEL_IPIP, &peer)));
+                send(ctx, route)
+            })
             .map(|action| (action, Reason::FastIpip)),
         BridgeAction::Udp(peer) => udp::encap(ctx, cfg, &peer, &info)
             .and_then(|route| send(ctx, route))
@@ -156,14 +163,14 @@ fn host_gw(
 }
 
 /// Remembers the decision, taken at `generation`, to send `info`'s flow by `route` (when it
-/// resolved the next hop and gave an MTU), plain or encapsulated in VXLAN to `vxlan_peer`.
+/// resolved the next hop and gave an MTU), plain or encapsulated (`tunnel`) to the peer.
 #[inline(always)]
 fn remember(
     info: &ipv4::Ipv4Info,
     route: Fib,
     mtu: u16,
     generation: u64,
-    vxlan_peer: Option<&RemoteEntry>,
+    tunnel: Option<(u8, &RemoteEntry)>,
 ) {
     if let Fib::Resolved {
         ifindex,
@@ -173,8 +180,8 @@ fn remember(
         && mtu != 0
     {
         let memo = memo::memo(ifindex, smac, dmac, mtu, generation);
-        let memo = match vxlan_peer {
-            Some(peer) => memo::through_vxlan(memo, peer.public_ip, Some(peer)),
+        let memo = match tunnel {
+            Some((tunnel, peer)) => memo::through(memo, tunnel, peer.public_ip, Some(peer)),
             None => memo,
         };
         memo::remember(info, DIR_OUT, memo);

@@ -106,6 +106,8 @@ pub const VXLAN_HDR_AT: usize = ETH_HDR_LEN + 20 + 8;
 pub const VXLAN_INNER_ETH: usize = VXLAN_HDR_AT + 8;
 /// Offset of the inner IPv4 header of a VXLAN frame.
 pub const VXLAN_INNER_L3: usize = VXLAN_INNER_ETH + ETH_HDR_LEN;
+/// Offset of the inner IPv4 header of an IPIP frame (outer IPv4 without options).
+pub const IPIP_INNER_L3: usize = ETH_HDR_LEN + IPIP_OVERHEAD;
 /// IP protocol number of IPv4-in-IPv4.
 pub const IPPROTO_IPIP: u8 = 4;
 
@@ -331,10 +333,11 @@ pub fn vxlan_is_ours(ctx: &TcContext, cfg: &Config) -> bool {
         && u16::from_be_bytes([hdr[20], hdr[21]]) == crate::parse::ETH_P_IP
 }
 
-/// Encapsulates the packet in IPIP for `peer` and returns the underlay route to send it by.
-/// `forwarded` packets (from a pod) get their inner TTL decremented first; kernel-routed ones
-/// (at the external interface's egress) already had it. On `Err` the packet is unchanged,
-/// except for [`Reason::DropRewriteFailed`].
+/// Encapsulates the packet in IPIP for `peer` and returns the underlay route to send it by
+/// and the largest inner packet that fits (see [`room`]). `forwarded` packets (from a pod)
+/// get their inner TTL decremented first; kernel-routed ones (at the external interface's
+/// egress) already had it. On `Err` the packet is unchanged, except for
+/// [`Reason::DropRewriteFailed`].
 #[inline(always)]
 pub fn ipip(
     ctx: &TcContext,
@@ -342,11 +345,24 @@ pub fn ipip(
     peer: &RemoteEntry,
     info: &Ipv4Info,
     forwarded: bool,
-) -> Result<Fib, Reason> {
-    if room(ctx, cfg, info, IPIP_OVERHEAD).is_none() {
+) -> Result<(Fib, u16), Reason> {
+    let Some(mtu) = room(ctx, cfg, info, IPIP_OVERHEAD) else {
         return Err(Reason::PassTooBig);
-    }
+    };
     let route = underlay_route(ctx, cfg, peer)?;
+    ipip_encapsulate(ctx, cfg, peer, info, forwarded)?;
+    Ok((route, mtu))
+}
+
+/// The encapsulation of [`ipip`], without its checks (a remembered flow's were made).
+#[inline(always)]
+pub fn ipip_encapsulate(
+    ctx: &TcContext,
+    cfg: &Config,
+    peer: &RemoteEntry,
+    info: &Ipv4Info,
+    forwarded: bool,
+) -> Result<(), Reason> {
     let l3_len = fib::skb_len(ctx) - ETH_HDR_LEN as u32;
     let inner_ttl = if forwarded {
         info.ttl.wrapping_sub(1)
@@ -366,8 +382,7 @@ pub fn ipip(
             Ok(())
         }
     });
-    written.map_err(|_| Reason::DropRewriteFailed)?;
-    Ok(route)
+    written.map_err(|_| Reason::DropRewriteFailed)
 }
 
 #[cfg(test)]

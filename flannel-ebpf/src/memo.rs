@@ -6,8 +6,9 @@
 //! a malformed, fragmented or option-carrying packet never takes it; a miss (no memo, a stale or
 //! retired one, TTL 1, a packet longer than the MTU, headers not in the linear part) falls
 //! through to the full checks, which pull the headers in and decide as if there were no memo.
-//! A VXLAN packet takes it only with the outer header the full checks want (IPv4 without
-//! options or fragments, our address and port, our VNI and VTEP MAC, an IPv4 inner frame) and
+//! A tunnel packet takes it only with the outer header the full checks want (IPv4 without
+//! options or fragments to our address; for VXLAN our port, VNI and VTEP MAC and an IPv4
+//! inner frame; for IPIP not a GSO packet while a kernel IPIP device receives those) and
 //! from the peer its flow's memo was made for; it is then decapsulated (or, on transmit,
 //! encapsulated) by the same code as on the full path. An encapsulation or decapsulation the
 //! kernel refuses (`bpf_skb_adjust_room`) leaves the packet unchanged and falls through too;
@@ -23,19 +24,19 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use flannel_common::{
-    config::{CFG_VXLAN_RX, Config, FASTPATH_MARK},
+    config::{CFG_IPIP_KERNEL_RX, CFG_VXLAN_RX, Config, FASTPATH_MARK},
     memo::{
         DIR_IN, DIR_OUT, FlowMemo, GEN_AGENT, GEN_PROGRAMS, MEMO_GEN_SLOTS, MEMO_ROUTES,
-        MEMO4_MAX_ENTRIES, MemoKey, TUNNEL_NONE, TUNNEL_VXLAN, generation,
+        MEMO4_MAX_ENTRIES, MemoKey, TUNNEL_IPIP, TUNNEL_NONE, TUNNEL_VXLAN, generation,
     },
-    route::{RemoteEntry, RouteKind},
+    route::RemoteEntry,
     stats::Reason,
 };
 
 use crate::{
     bridge::Outcome,
     decide, deliver,
-    encap::{self, VXLAN_INNER_L3, VXLAN_OVERHEAD},
+    encap::{self, IPIP_INNER_L3, IPIP_OVERHEAD, IPPROTO_IPIP, VXLAN_INNER_L3, VXLAN_OVERHEAD},
     fib,
     ipv4::{self, Ipv4Info},
     maps,
@@ -122,13 +123,13 @@ pub fn memo(ifindex: u32, smac: [u8; 6], dmac: [u8; 6], mtu: u16, generation: u6
     }
 }
 
-/// `memo` for packets that came through VXLAN from `peer` (`to: None`) or are encapsulated
-/// in VXLAN to the peer `to` (whose public IP is `peer`).
+/// `memo` for packets that came through `tunnel` from `peer` (`to: None`) or are
+/// encapsulated to the peer `to` (whose public IP is `peer`).
 #[inline(always)]
-pub fn through_vxlan(memo: FlowMemo, peer: [u8; 4], to: Option<&RemoteEntry>) -> FlowMemo {
+pub fn through(memo: FlowMemo, tunnel: u8, peer: [u8; 4], to: Option<&RemoteEntry>) -> FlowMemo {
     let (vni, vtep_mac) = to.map_or((0, [0; 6]), |to| (to.vni, to.vtep_mac));
     FlowMemo {
-        tunnel: TUNNEL_VXLAN,
+        tunnel,
         peer,
         vni,
         vtep_mac,
@@ -215,7 +216,7 @@ pub fn deliver(ctx: &TcContext) -> Option<Outcome> {
     let cfg = maps::config()?;
     let (src, dst) = addrs(ctx)?;
     if dst == cfg.public_ip {
-        return deliver_vxlan(ctx, cfg, src);
+        return deliver_tunnelled(ctx, cfg, src);
     }
     if !cfg.is_local_pod(dst) {
         return None;
@@ -233,30 +234,56 @@ pub fn deliver(ctx: &TcContext) -> Option<Outcome> {
     })
 }
 
-/// [`deliver`] for a VXLAN packet from `from` to our address: the outer headers checked as
-/// the full checks do, the inner packet screened, then decapsulated by the memo of its flow.
+/// [`deliver`] for a tunnel packet from `from` to our address (VXLAN or IPIP): the outer
+/// headers checked as the full checks do, the inner packet screened, then decapsulated by the
+/// memo of its flow.
 #[inline(always)]
-fn deliver_vxlan(ctx: &TcContext, cfg: &Config, from: [u8; 4]) -> Option<Outcome> {
-    if cfg.flags & CFG_VXLAN_RX == 0 {
+fn deliver_tunnelled(ctx: &TcContext, cfg: &Config, from: [u8; 4]) -> Option<Outcome> {
+    let outer = parse::parse(ctx).ok()?;
+    let (tunnel, inner_l3, overhead, verdict) = if outer.ip_proto == proto::UDP {
+        if cfg.flags & CFG_VXLAN_RX == 0 {
+            return None;
+        }
+        let (outer, _) = screened(ctx, &Ok(outer))?;
+        if u16::from_be_bytes(outer.dport) != cfg.vxlan_port
+            || outer.l4 != ETH_HDR_LEN + 20
+            || !encap::vxlan_is_ours(ctx, cfg)
+        {
+            return None;
+        }
+        (
+            TUNNEL_VXLAN,
+            VXLAN_INNER_L3,
+            VXLAN_OVERHEAD,
+            Reason::FastDeliverVxlan,
+        )
+    } else if outer.ip_proto == IPPROTO_IPIP {
+        // Without options or fragments (their own classes); with a kernel IPIP device, GSO
+        // packets are its to receive.
+        if outer.class != Reason::Ipv4OtherProto
+            || outer.l4_offset != IPIP_INNER_L3
+            || (cfg.flags & CFG_IPIP_KERNEL_RX != 0 && fib::gso_size(ctx) != 0)
+        {
+            return None;
+        }
+        (
+            TUNNEL_IPIP,
+            IPIP_INNER_L3,
+            IPIP_OVERHEAD,
+            Reason::FastDeliverIpip,
+        )
+    } else {
         return None;
-    }
-    let (outer, class) = screened(ctx, &parse::parse(ctx))?;
-    if class != Reason::Ipv4Udp
-        || u16::from_be_bytes(outer.dport) != cfg.vxlan_port
-        || outer.l4 != ETH_HDR_LEN + 20
-        || !encap::vxlan_is_ours(ctx, cfg)
-    {
-        return None;
-    }
-    let (info, _) = screened(ctx, &parse::parse_ipv4_at(ctx, VXLAN_INNER_L3))?;
+    };
+    let (info, _) = screened(ctx, &parse::parse_ipv4_at(ctx, inner_l3))?;
     if info.ttl <= 1 || !cfg.is_local_pod(info.dst) {
         return None;
     }
     let memo = usable(ctx, &info, DIR_IN)?;
-    if !memo.came_through(TUNNEL_VXLAN, from) {
+    if !memo.came_through(tunnel, from) {
         return None;
     }
-    deliver::decap(ctx, VXLAN_OVERHEAD).ok()?;
+    deliver::decap(ctx, overhead).ok()?;
     // The packet changed: from here on it goes into the pod or is dropped.
     let inner = Ipv4Info {
         l3: ETH_HDR_LEN,
@@ -265,15 +292,15 @@ fn deliver_vxlan(ctx: &TcContext, cfg: &Config, from: [u8; 4]) -> Option<Outcome
     Some(match rewrite(ctx, &inner, &memo) {
         Some(()) => Outcome {
             action: crate::pods::into_pod(memo.ifindex, ctx.packet_len() as u64),
-            class,
-            verdict: Reason::FastDeliverVxlan,
+            class: outer.class,
+            verdict,
         },
-        None => dropped(class),
+        None => dropped(outer.class),
     })
 }
 
-/// `tc_from_bridge`: a local pod's packet of a remembered host-gw or VXLAN flow, sent to the
-/// peer. `None`: not such a packet (the full checks decide). A BPF subprogram of its own.
+/// `tc_from_bridge`: a local pod's packet of a remembered host-gw, VXLAN or IPIP flow, sent to
+/// the peer. `None`: not such a packet (the full checks decide). A BPF subprogram of its own.
 #[inline(never)]
 pub fn transmit(ctx: &TcContext) -> Option<Outcome> {
     if FLANNEL_MEMOGEN.get(MEMO_ROUTES).copied().unwrap_or(0) == 0 {
@@ -286,29 +313,37 @@ pub fn transmit(ctx: &TcContext) -> Option<Outcome> {
     }
     let (info, class) = candidate(ctx)?;
     let memo = usable(ctx, &info, DIR_OUT)?;
-    let verdict = if memo.tunnel == TUNNEL_VXLAN {
-        let peer = RemoteEntry {
-            kind: RouteKind::Vxlan as u32,
-            flags: 0,
-            public_ip: memo.peer,
-            vni: memo.vni,
-            vtep_mac: memo.vtep_mac,
-            _pad: [0; 2],
-        };
-        match encap::vxlan_encapsulate(ctx, cfg, &peer, &info) {
-            Ok(()) => {}
-            Err(Reason::DropRewriteFailed) => return Some(dropped(class)),
-            // Unchanged: the full checks try again.
-            Err(_) => return None,
-        }
-        if parse::write_macs(ctx, memo.dmac, memo.smac).is_none() {
-            return Some(dropped(class));
-        }
-        Reason::FastVxlan
-    } else {
-        rewrite(ctx, &info, &memo)?;
-        Reason::FastHostGw
+    let peer = RemoteEntry {
+        kind: 0,
+        flags: 0,
+        public_ip: memo.peer,
+        vni: memo.vni,
+        vtep_mac: memo.vtep_mac,
+        _pad: [0; 2],
     };
+    let (encapsulated, verdict) = match memo.tunnel {
+        TUNNEL_VXLAN => (
+            encap::vxlan_encapsulate(ctx, cfg, &peer, &info),
+            Reason::FastVxlan,
+        ),
+        TUNNEL_IPIP => (
+            encap::ipip_encapsulate(ctx, cfg, &peer, &info, true),
+            Reason::FastIpip,
+        ),
+        _ => {
+            rewrite(ctx, &info, &memo)?;
+            (Ok(()), Reason::FastHostGw)
+        }
+    };
+    match encapsulated {
+        Ok(()) => {}
+        Err(Reason::DropRewriteFailed) => return Some(dropped(class)),
+        // Unchanged: the full checks try again.
+        Err(_) => return None,
+    }
+    if memo.tunnel != TUNNEL_NONE && parse::write_macs(ctx, memo.dmac, memo.smac).is_none() {
+        return Some(dropped(class));
+    }
     ctx.set_mark(FASTPATH_MARK);
     Some(Outcome {
         // SAFETY: plain helper call.

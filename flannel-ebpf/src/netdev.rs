@@ -35,7 +35,7 @@ use aya_ebpf::{
 };
 use flannel_common::{
     config::{CFG_IPIP_KERNEL_RX, CFG_ROUTED_RX, CFG_VXLAN_RX, Config, FASTPATH_MARK},
-    memo::DIR_IN,
+    memo::{DIR_IN, TUNNEL_IPIP, TUNNEL_VXLAN},
     route::{NODE_F_IPIP, NODE_F_VXLAN, RouteKind},
     stats::Reason,
 };
@@ -43,16 +43,13 @@ use flannel_common::{
 use crate::{
     bridge::Outcome,
     decide, deliver,
-    encap::{self, IPIP_OVERHEAD, IPPROTO_IPIP, VXLAN_INNER_L3, VXLAN_OVERHEAD},
+    encap::{self, IPIP_INNER_L3, IPIP_OVERHEAD, IPPROTO_IPIP, VXLAN_INNER_L3, VXLAN_OVERHEAD},
     fib::{self, Fib},
     ipv4::{self, Ipv4Info},
     maps, memo, nat,
     parse::{self, ETH_HDR_LEN, ETH_P_IP, Packet, PacketCtx as _, proto},
     pods,
 };
-
-/// Offset of the inner IPv4 header of an IPIP packet.
-const IPIP_INNER_L3: usize = ETH_HDR_LEN + IPIP_OVERHEAD;
 
 /// A TC action and the verdict reason to count.
 struct Verdict {
@@ -211,7 +208,7 @@ fn plain_in(
 }
 
 /// Remembers a delivery into a local pod's namespace (only those: the pod's port is known)
-/// decided at `generation`, of a packet that came plain or (`vxlan_from`) through VXLAN from
+/// decided at `generation`, of a packet that came plain or (`tunnel`) through a tunnel from
 /// that peer.
 #[inline(always)]
 fn remember_delivery(
@@ -219,7 +216,7 @@ fn remember_delivery(
     route: Fib,
     mtu: u16,
     generation: u64,
-    vxlan_from: Option<[u8; 4]>,
+    tunnel: Option<(u8, [u8; 4])>,
 ) {
     if let Fib::Resolved {
         ifindex,
@@ -229,8 +226,8 @@ fn remember_delivery(
         && let Some(port) = pods::port(ifindex, dmac)
     {
         let memo = memo::memo(port, smac, dmac, mtu, generation);
-        let memo = match vxlan_from {
-            Some(peer) => memo::through_vxlan(memo, peer, None),
+        let memo = match tunnel {
+            Some((tunnel, peer)) => memo::through(memo, tunnel, peer, None),
             None => memo,
         };
         memo::remember(info, DIR_IN, memo);
@@ -276,6 +273,9 @@ fn ipip_in(
         },
         None => None,
     };
+    // Read before the checks: a change while they run retires what they decide.
+    let generation = memo::current();
+    let mut mtu = 0;
     let route = match &info {
         Some(info) => {
             *learnt = deliver::learn_nat_guard(cfg, info);
@@ -288,7 +288,7 @@ fn ipip_in(
             .is_ok()
                 && cfg.flags & CFG_ROUTED_RX != 0;
             if deliverable {
-                deliver::route_to_pod(ctx, info, &mut 0)
+                deliver::route_to_pod(ctx, info, &mut mtu)
             } else {
                 Fib::Failed
             }
@@ -300,6 +300,13 @@ fn ipip_in(
     }
     match (info, route) {
         (Some(info), Fib::Resolved { .. } | Fib::NoNeigh { .. }) => {
+            remember_delivery(
+                &info,
+                route,
+                mtu,
+                generation,
+                Some((TUNNEL_IPIP, outer.src)),
+            );
             match deliver::deliver(ctx, &info, route) {
                 Ok(action) => Verdict {
                     action,
@@ -364,7 +371,13 @@ fn vxlan_in(
     if let Err(reason) = deliver::decap(ctx, VXLAN_OVERHEAD) {
         return Verdict::pass(reason);
     }
-    remember_delivery(&info, route, mtu, generation, Some(outer.src));
+    remember_delivery(
+        &info,
+        route,
+        mtu,
+        generation,
+        Some((TUNNEL_VXLAN, outer.src)),
+    );
     match deliver::deliver(ctx, &info, route) {
         Ok(action) => Verdict {
             action,
@@ -494,7 +507,7 @@ fn ipip_out(
     info: &Ipv4Info,
 ) -> Verdict {
     let route = match encap::ipip(ctx, cfg, peer, info, false) {
-        Ok(route) => route,
+        Ok((route, _)) => route,
         // No kernel IPIP exists to fall back to: a raw pod packet must not leak out.
         Err(Reason::PassTooBig) => {
             return Verdict {

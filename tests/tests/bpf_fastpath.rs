@@ -995,19 +995,100 @@ fn flows_are_remembered_until_what_decided_them_changes() {
     });
 }
 
-/// VXLAN flows are remembered as host-gw ones are. Sent: with the route gone behind the
-/// agent's back the flow is still encapsulated exactly as the full checks did (outer IP ID
-/// aside, random per packet), a packet longer than the tunnel's MTU or with TTL 1 is not; the
+/// A tunnel of [`tunnel_flows_are_remembered_for_their_peer_only`]: its remote subnet and
+/// pod, the largest inner packet it carries, the frame the full checks send for a pod's packet
+/// (given what came out, for the outer fields chosen at random), and a frame from a node.
+struct Tunnel {
+    subnet: &'static str,
+    pod: Ipv4Addr,
+    mtu: usize,
+    sent: fn(&Ipv4, &[u8]) -> Vec<u8>,
+    received: fn(Ipv4Addr, &Ipv4) -> Vec<u8>,
+    fast_out: Reason,
+    fast_in: Reason,
+    class_in: Reason,
+    /// The node of the remote subnet.
+    node: Ipv4Addr,
+    /// Another node this tunnel's packets may come from.
+    other_node: Ipv4Addr,
+}
+
+/// The outer IPv4 ID of an encapsulated frame (random per packet unless DF is inherited).
+fn outer_id(frame: &[u8]) -> u16 {
+    let parsed = packet::verify(frame).expect("valid outer headers");
+    let ParsedL3::Ipv4(ip) = parsed.l3 else {
+        panic!("not IPv4")
+    };
+    ip.id
+}
+
+const VXLAN_TUNNEL: Tunnel = Tunnel {
+    subnet: "10.244.3.0/24",
+    pod: VXLAN_POD,
+    mtu: 1450,
+    sent: |ip, out| {
+        let (id, sport) = outer_fields(out);
+        let inner = Ethernet::new(LOCAL_VTEP, VTEP3, forwarded(ip)).encode();
+        let udp = Udp {
+            checksum: Checksum::Value(0),
+            ..Udp::vxlan(sport, 1, &inner)
+        };
+        let outer = Ipv4 {
+            id,
+            dont_fragment: false,
+            ttl: 64,
+            ..Ipv4::new(PUB1, PUB3, udp)
+        };
+        Ethernet::new(EXT_MAC, PEER3_MAC, outer).encode()
+    },
+    received: |from, inner| vxlan_frame(from, 1, 8472, LOCAL_VTEP, inner),
+    fast_out: Reason::FastVxlan,
+    fast_in: Reason::FastDeliverVxlan,
+    class_in: Reason::Ipv4Udp,
+    node: PUB3,
+    other_node: PUB6,
+};
+
+const IPIP_TUNNEL: Tunnel = Tunnel {
+    subnet: "10.244.5.0/24",
+    pod: IPIP_POD,
+    mtu: 1480,
+    sent: |ip, out| {
+        let outer = Ipv4 {
+            id: outer_id(out),
+            dont_fragment: ip.dont_fragment,
+            ttl: ip.ttl - 1,
+            ..Ipv4::new(
+                PUB1,
+                PUB5,
+                Transport::Raw {
+                    proto: IPPROTO_IPIP,
+                    bytes: forwarded(ip).encode(),
+                },
+            )
+        };
+        Ethernet::new(EXT_MAC, PEER5_MAC, outer).encode()
+    },
+    received: ipip_frame,
+    fast_out: Reason::FastIpip,
+    fast_in: Reason::FastDeliverIpip,
+    class_in: Reason::Ipv4OtherProto,
+    node: PUB5,
+    other_node: PUB3,
+};
+
+/// Tunnelled flows are remembered as host-gw ones are. Sent: with the route gone behind the
+/// agent's back the flow is still encapsulated exactly as the full checks did (outer fields
+/// chosen at random aside), a packet longer than the tunnel's MTU or with TTL 1 is not; the
 /// agent's configuration write retires it. Delivered: decapsulated into the pod the same way,
-/// but only when it comes in VXLAN from the node it was remembered for, not from another
-/// node, not plain.
-#[test]
-fn vxlan_flows_are_remembered_for_their_peer_only() {
-    let Some(rig) = Rig::new("fpmemovx") else {
+/// but only when it comes through the tunnel from the node it was remembered for, not from
+/// another node, not plain.
+fn tunnel_flows_are_remembered_for_their_peer_only(name: &str, tunnel: &'static Tunnel) {
+    let Some(rig) = Rig::new(name) else {
         return;
     };
     let pin = rig.pin.clone();
-    let vxlan_net = net("10.244.3.0/24");
+    let subnet = net(tunnel.subnet);
     rig.with_fast_path(move |fp, ifs| {
         let port = PodPort {
             ifindex: 4242,
@@ -1019,54 +1100,38 @@ fn vxlan_flows_are_remembered_for_their_peer_only() {
         // Transmit.
         let to_remote = |payload: &[u8], ttl: u8| Ipv4 {
             ttl,
-            ..from_pod(VXLAN_POD, Tcp::new(40002, 8080).payload(payload))
-        };
-        let encapsulated = |ip: &Ipv4, out: &[u8]| {
-            let (id, sport) = outer_fields(out);
-            let inner = Ethernet::new(LOCAL_VTEP, VTEP3, forwarded(ip)).encode();
-            let udp = Udp {
-                checksum: Checksum::Value(0),
-                ..Udp::vxlan(sport, 1, &inner)
-            };
-            let outer = Ipv4 {
-                id,
-                dont_fragment: false,
-                ttl: 64,
-                ..Ipv4::new(PUB1, PUB3, udp)
-            };
-            Ethernet::new(EXT_MAC, PEER3_MAC, outer).encode()
+            ..from_pod(tunnel.pod, Tcp::new(40002, 8080).payload(payload))
         };
         let send = |fp: &mut FastPath, ip: &Ipv4, fast: bool, what: &str| {
             let frame = pod_frame(ip);
             let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
             if fast {
                 assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
-                assert_counted(&r, &frame, &[Reason::Ipv4Tcp, Reason::FastVxlan], what);
-                assert_bytes(&r.out, &encapsulated(ip, &r.out), what);
+                assert_counted(&r, &frame, &[Reason::Ipv4Tcp, tunnel.fast_out], what);
+                assert_bytes(&r.out, &(tunnel.sent)(ip, &r.out), what);
                 packet::verify(&r.out).expect("outer checksums");
             } else {
                 assert_eq!(r.verdict, TC_ACT_OK, "{what}: {:?}", r.counted);
                 assert_bytes(&r.out, &frame, what);
             }
-            r
         };
         let ip = to_remote(b"memo", 64);
-        let first = send(fp, &ip, true, "full checks");
-        remove_route_behind_the_agents_back(&pin, vxlan_net);
-        let again = send(fp, &ip, true, "remembered");
-        assert_eq!(
-            outer_fields(&first.out).1,
-            outer_fields(&again.out).1,
-            "the flow's source port"
-        );
+        send(fp, &ip, true, "full checks");
+        remove_route_behind_the_agents_back(&pin, subnet);
+        send(fp, &ip, true, "remembered");
         send(fp, &to_remote(b"memo", 1), false, "TTL 1: full checks");
-        // The tunnel's MTU: the external interface's 1500 less 50.
-        send(fp, &to_remote(&[7; 1410], 64), true, "1450 bytes");
+        let fits = tunnel.mtu - 40;
         send(
             fp,
-            &to_remote(&[7; 1411], 64),
+            &to_remote(&vec![7; fits], 64),
+            true,
+            "as long as the MTU",
+        );
+        send(
+            fp,
+            &to_remote(&vec![7; fits + 1], 64),
             false,
-            "1451 bytes: full checks",
+            "a byte longer: full checks",
         );
         fp.set_config(&config(ifs.ext)).expect("config");
         send(fp, &ip, false, "after the agent wrote its configuration");
@@ -1075,7 +1140,7 @@ fn vxlan_flows_are_remembered_for_their_peer_only() {
         // Delivery.
         let inner = Ipv4 {
             ttl: 63,
-            ..Ipv4::new(VXLAN_POD, POD, Tcp::new(8080, 40002).payload(b"memo"))
+            ..Ipv4::new(tunnel.pod, POD, Tcp::new(8080, 40002).payload(b"memo"))
         };
         let delivered = Ethernet::new(BR_MAC, POD_MAC, forwarded(&inner)).encode();
         let deliver = |fp: &mut FastPath, frame: &[u8], fast: bool, what: &str| {
@@ -1084,34 +1149,33 @@ fn vxlan_flows_are_remembered_for_their_peer_only() {
                 assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
                 assert_bytes(&r.out, &delivered, what);
                 let whole = frame.len() as u64;
-                assert_eq!(
-                    r.counted,
-                    vec![
-                        (Reason::Ipv4Udp, 1, whole),
-                        (Reason::FastDeliverVxlan, 1, whole),
-                        (Reason::DeliverPeer, 1, delivered.len() as u64),
-                    ],
-                    "{what}: counters"
-                );
+                let mut want = vec![
+                    (tunnel.class_in, 1, whole),
+                    (tunnel.fast_in, 1, whole),
+                    (Reason::DeliverPeer, 1, delivered.len() as u64),
+                ];
+                want.sort_by_key(|(r, _, _)| r.index());
+                assert_eq!(r.counted, want, "{what}: counters");
             } else {
+                // Not into the pod: the route is gone, so only a memo could deliver it.
                 assert_eq!(r.verdict, TC_ACT_OK, "{what}: {:?}", r.counted);
-                assert_bytes(&r.out, frame, what);
                 assert!(
                     r.counted
                         .iter()
-                        .any(|(reason, _, _)| *reason == Reason::PassForeignSource),
+                        .all(|(reason, _, _)| *reason != Reason::DeliverPeer
+                            && *reason != tunnel.fast_in),
                     "{what}: {:?}",
                     r.counted
                 );
             }
         };
-        let from_pub3 = vxlan_frame(PUB3, 1, 8472, LOCAL_VTEP, &inner);
-        deliver(fp, &from_pub3, true, "full checks");
-        remove_route_behind_the_agents_back(&pin, vxlan_net);
-        deliver(fp, &from_pub3, true, "remembered");
+        let from_peer = (tunnel.received)(tunnel.node, &inner);
+        deliver(fp, &from_peer, true, "full checks");
+        remove_route_behind_the_agents_back(&pin, subnet);
+        deliver(fp, &from_peer, true, "remembered");
         deliver(
             fp,
-            &vxlan_frame(PUB6, 1, 8472, LOCAL_VTEP, &inner),
+            &(tunnel.received)(tunnel.other_node, &inner),
             false,
             "the same flow from another node",
         );
@@ -1125,15 +1189,20 @@ fn vxlan_flows_are_remembered_for_their_peer_only() {
             ttl: 1,
             ..inner.clone()
         };
-        deliver(
-            fp,
-            &vxlan_frame(PUB3, 1, 8472, LOCAL_VTEP, &ttl1),
-            false,
-            "TTL 1",
-        );
-        deliver(fp, &from_pub3, true, "remembered, still");
+        deliver(fp, &(tunnel.received)(tunnel.node, &ttl1), false, "TTL 1");
+        deliver(fp, &from_peer, true, "remembered, still");
         assert_eq!(fp.sync(&remotes()).expect("sync").added, 1);
     });
+}
+
+#[test]
+fn vxlan_flows_are_remembered_for_their_peer_only() {
+    tunnel_flows_are_remembered_for_their_peer_only("fpmemovx", &VXLAN_TUNNEL);
+}
+
+#[test]
+fn ipip_flows_are_remembered_for_their_peer_only() {
+    tunnel_flows_are_remembered_for_their_peer_only("fpmemoip", &IPIP_TUNNEL);
 }
 
 /// The route lookup's answer for a local pod is remembered for a second: a change of the

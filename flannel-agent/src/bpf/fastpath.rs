@@ -330,10 +330,12 @@ impl FastPath {
                 remove_ignoring_missing(map.remove(&addr.octets()), names::NODES4)?;
             }
         }
-        // The transmit memos are for host-gw and VXLAN flows only: `tc_from_bridge` looks for
-        // one only while some subnet is reached so.
+        // The transmit memos are for host-gw, VXLAN and IPIP flows only: `tc_from_bridge`
+        // looks for one only while some subnet is reached so.
         let remembered = routes.values().any(|entry| {
-            entry.kind == RouteKind::HostGw as u32 || entry.kind == RouteKind::Vxlan as u32
+            [RouteKind::HostGw, RouteKind::Vxlan, RouteKind::Ipip]
+                .iter()
+                .any(|kind| entry.kind == *kind as u32)
         });
         self.memo_gen_mut()?
             .set(MEMO_ROUTES, u64::from(remembered), 0)
