@@ -181,7 +181,7 @@ fn remember(
     {
         let memo = memo::memo(ifindex, smac, dmac, mtu, generation);
         let memo = match tunnel {
-            Some((tunnel, peer)) => memo::through(memo, tunnel, peer.public_ip, Some(peer)),
+            Some((tunnel, peer)) => memo::to_peer(memo, tunnel, peer),
             None => memo,
         };
         memo::remember(info, DIR_OUT, memo);

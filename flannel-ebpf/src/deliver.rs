@@ -67,7 +67,11 @@ use aya_ebpf::{
     },
     programs::TcContext,
 };
-use flannel_common::{config::Config, hops::HopKey, stats::Reason};
+use flannel_common::{
+    config::{CFG_IPIP_KERNEL_RX, Config},
+    hops::HopKey,
+    stats::Reason,
+};
 
 use crate::{
     decide,
@@ -82,6 +86,14 @@ use crate::{
 /// VXLAN and inner Ethernet headers): the inner packet is IPv4 as well, GSO packets keep their
 /// segment size.
 const DECAP_FLAGS: u64 = (BPF_F_ADJ_ROOM_FIXED_GSO | BPF_F_ADJ_ROOM_DECAP_L3_IPV4) as u64;
+
+/// Whether an IPIP packet is the kernel's to receive rather than the programs': a kernel IPIP
+/// device exists ([`CFG_IPIP_KERNEL_RX`]) and the packet is GSO, which that device receives
+/// with the proper offload state (see the module documentation).
+#[inline(always)]
+pub fn ipip_is_the_kernels(ctx: &TcContext, cfg: &Config) -> bool {
+    cfg.flags & CFG_IPIP_KERNEL_RX != 0 && fib::gso_size(ctx) != 0
+}
 
 /// Removes `len` bytes after the Ethernet header (the outer tunnel headers).
 #[inline(always)]

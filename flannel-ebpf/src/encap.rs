@@ -90,7 +90,7 @@ use crate::{
     fib::{self, Fib},
     hops,
     ipv4::{Ipv4Info, decremented_ttl_field},
-    parse::{ETH_HDR_LEN, proto, ptr_at},
+    parse::{ETH_HDR_LEN, ETH_P_IP, PacketCtx, proto, ptr_at},
 };
 
 /// Bytes VXLAN adds after the outer Ethernet header: IPv4 20 + UDP 8 + VXLAN 8 + inner
@@ -316,21 +316,34 @@ pub fn vxlan_encapsulate(
         .map_err(|_| Reason::DropRewriteFailed)
 }
 
-/// Whether the VXLAN header and inner Ethernet header of a VXLAN frame (outer IPv4 without
-/// options) are ours: the I flag, our VNI, our VTEP MAC as the inner destination, IPv4 inside.
+/// Whether the VXLAN frame whose UDP header `outer` describes (an outer IPv4 header without
+/// options) is ours: see [`vxlan_header_is`], with our VNI and VTEP MAC and IPv4 inside.
 #[inline(always)]
-pub fn vxlan_is_ours(ctx: &TcContext, cfg: &Config) -> bool {
+pub fn vxlan_is_ours<C: PacketCtx>(ctx: &C, cfg: &Config, outer: &Ipv4Info) -> bool {
+    outer.l4 == VXLAN_HDR_AT - 8
+        && vxlan_header_is(ctx, VXLAN_HDR_AT, cfg.vni, cfg.vtep_mac, ETH_P_IP)
+}
+
+/// Whether the VXLAN header at `at` and the inner Ethernet header after it carry the I flag,
+/// `vni`, `vtep_mac` as the inner destination and `ethertype` (IPv4 and IPv6 receive alike).
+#[inline(always)]
+pub fn vxlan_header_is<C: PacketCtx>(
+    ctx: &C,
+    at: usize,
+    vni: u32,
+    vtep_mac: [u8; 6],
+    ethertype: u16,
+) -> bool {
     // VXLAN header and inner Ethernet header: 8 + 14 bytes.
-    let Some(p) = ptr_at::<TcContext, [u8; 22]>(ctx, VXLAN_HDR_AT) else {
+    let Some(p) = ptr_at::<C, [u8; 22]>(ctx, at) else {
         return false;
     };
     // SAFETY: ptr_at checked the 22 bytes are readable.
     let hdr = unsafe { p.read_unaligned() };
-    let vni = u32::from_be_bytes([0, hdr[4], hdr[5], hdr[6]]);
     hdr[0] == VXLAN_FLAG_I
-        && vni == cfg.vni
-        && hdr[8..14] == cfg.vtep_mac
-        && u16::from_be_bytes([hdr[20], hdr[21]]) == crate::parse::ETH_P_IP
+        && u32::from_be_bytes([0, hdr[4], hdr[5], hdr[6]]) == vni
+        && hdr[8..14] == vtep_mac
+        && u16::from_be_bytes([hdr[20], hdr[21]]) == ethertype
 }
 
 /// Encapsulates the packet in IPIP for `peer` and returns the underlay route to send it by

@@ -24,7 +24,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use flannel_common::{
-    config::{CFG_IPIP_KERNEL_RX, CFG_VXLAN_RX, Config, FASTPATH_MARK},
+    config::{CFG_VXLAN_RX, Config, FASTPATH_MARK},
     memo::{
         DIR_IN, DIR_OUT, FlowMemo, GEN_AGENT, GEN_PROGRAMS, MEMO_GEN_SLOTS, MEMO_ROUTES,
         MEMO4_MAX_ENTRIES, MemoKey, TUNNEL_IPIP, TUNNEL_NONE, TUNNEL_VXLAN, generation,
@@ -123,17 +123,23 @@ pub fn memo(ifindex: u32, smac: [u8; 6], dmac: [u8; 6], mtu: u16, generation: u6
     }
 }
 
-/// `memo` for packets that came through `tunnel` from `peer` (`to: None`) or are
-/// encapsulated to the peer `to` (whose public IP is `peer`).
+/// `memo` for packets that came through `tunnel` from the node `peer`.
 #[inline(always)]
-pub fn through(memo: FlowMemo, tunnel: u8, peer: [u8; 4], to: Option<&RemoteEntry>) -> FlowMemo {
-    let (vni, vtep_mac) = to.map_or((0, [0; 6]), |to| (to.vni, to.vtep_mac));
+pub fn from_peer(memo: FlowMemo, tunnel: u8, peer: [u8; 4]) -> FlowMemo {
     FlowMemo {
         tunnel,
         peer,
-        vni,
-        vtep_mac,
         ..memo
+    }
+}
+
+/// `memo` for packets encapsulated in `tunnel` to `peer`.
+#[inline(always)]
+pub fn to_peer(memo: FlowMemo, tunnel: u8, peer: &RemoteEntry) -> FlowMemo {
+    FlowMemo {
+        vni: peer.vni,
+        vtep_mac: peer.vtep_mac,
+        ..from_peer(memo, tunnel, peer.public_ip)
     }
 }
 
@@ -246,8 +252,7 @@ fn deliver_tunnelled(ctx: &TcContext, cfg: &Config, from: [u8; 4]) -> Option<Out
         }
         let (outer, _) = screened(ctx, &Ok(outer))?;
         if u16::from_be_bytes(outer.dport) != cfg.vxlan_port
-            || outer.l4 != ETH_HDR_LEN + 20
-            || !encap::vxlan_is_ours(ctx, cfg)
+            || !encap::vxlan_is_ours(ctx, cfg, &outer)
         {
             return None;
         }
@@ -258,11 +263,10 @@ fn deliver_tunnelled(ctx: &TcContext, cfg: &Config, from: [u8; 4]) -> Option<Out
             Reason::FastDeliverVxlan,
         )
     } else if outer.ip_proto == IPPROTO_IPIP {
-        // Without options or fragments (their own classes); with a kernel IPIP device, GSO
-        // packets are its to receive.
+        // Without options or fragments (their own classes).
         if outer.class != Reason::Ipv4OtherProto
             || outer.l4_offset != IPIP_INNER_L3
-            || (cfg.flags & CFG_IPIP_KERNEL_RX != 0 && fib::gso_size(ctx) != 0)
+            || deliver::ipip_is_the_kernels(ctx, cfg)
         {
             return None;
         }

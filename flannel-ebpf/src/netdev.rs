@@ -34,7 +34,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use flannel_common::{
-    config::{CFG_IPIP_KERNEL_RX, CFG_ROUTED_RX, CFG_VXLAN_RX, Config, FASTPATH_MARK},
+    config::{CFG_ROUTED_RX, CFG_VXLAN_RX, Config, FASTPATH_MARK},
     memo::{DIR_IN, TUNNEL_IPIP, TUNNEL_VXLAN},
     route::{NODE_F_IPIP, NODE_F_VXLAN, RouteKind},
     stats::Reason,
@@ -47,7 +47,7 @@ use crate::{
     fib::{self, Fib},
     ipv4::{self, Ipv4Info},
     maps, memo, nat,
-    parse::{self, ETH_HDR_LEN, ETH_P_IP, Packet, PacketCtx as _, proto},
+    parse::{self, ETH_P_IP, Packet, PacketCtx as _, proto},
     pods,
 };
 
@@ -227,7 +227,7 @@ fn remember_delivery(
     {
         let memo = memo::memo(port, smac, dmac, mtu, generation);
         let memo = match tunnel {
-            Some((tunnel, peer)) => memo::through(memo, tunnel, peer, None),
+            Some((tunnel, peer)) => memo::from_peer(memo, tunnel, peer),
             None => memo,
         };
         memo::remember(info, DIR_IN, memo);
@@ -246,8 +246,7 @@ fn ipip_in(
     if maps::node_flags(outer.src) & NODE_F_IPIP == 0 {
         return Verdict::pass(Reason::PassUnknownPeer);
     }
-    if cfg.flags & CFG_IPIP_KERNEL_RX != 0 && fib::gso_size(ctx) != 0 {
-        // A kernel IPIP device exists: it receives GSO packets properly (see `deliver`).
+    if deliver::ipip_is_the_kernels(ctx, cfg) {
         if let Ok(inner) = ipv4::screen(&parse::parse_ipv4_at(ctx, IPIP_INNER_L3))
             && let Some(inner) = ipv4::read(ctx, &inner)
         {
@@ -328,7 +327,7 @@ fn vxlan_in(
     learnt: &mut bool,
     kernel_flow: &mut bool,
 ) -> Verdict {
-    if outer.l4 != ETH_HDR_LEN + 20 || !encap::vxlan_is_ours(ctx, cfg) {
+    if !encap::vxlan_is_ours(ctx, cfg, outer) {
         return Verdict::pass(Reason::PassVxlanMismatch);
     }
     let inner = parse::parse_ipv4_at(ctx, VXLAN_INNER_L3);

@@ -30,7 +30,7 @@ use flannel_common::{
 
 use crate::{
     decide, deliver,
-    encap::{IPIP_OVERHEAD, IPPROTO_IPIP, VXLAN_FLAG_I, VXLAN_OVERHEAD},
+    encap::{self, IPIP_OVERHEAD, IPPROTO_IPIP, VXLAN_OVERHEAD},
     ipv4::{self, Ipv4Info},
     maps,
     parse::{self, ETH_HDR_LEN, ETH_P_IP, proto, ptr_at, ptr_at_mut},
@@ -108,22 +108,11 @@ fn decap_if_deliverable(
 /// VXLAN header and inner Ethernet: our VNI and VTEP MAC, IPv4 inside.
 #[inline(always)]
 fn check_vxlan(ctx: &XdpContext, cfg: &Config, outer: &Ipv4Info) -> Result<(), Reason> {
-    if outer.l4 != ETH_HDR_LEN + 20 {
-        return Err(Reason::PassVxlanMismatch);
+    if encap::vxlan_is_ours(ctx, cfg, outer) {
+        Ok(())
+    } else {
+        Err(Reason::PassVxlanMismatch)
     }
-    let p = ptr_at::<XdpContext, [u8; 22]>(ctx, ETH_HDR_LEN + 20 + 8)
-        .ok_or(Reason::PassVxlanMismatch)?;
-    // SAFETY: ptr_at checked the 22 bytes are readable.
-    let hdr = unsafe { p.read_unaligned() };
-    let vni = u32::from_be_bytes([0, hdr[4], hdr[5], hdr[6]]);
-    if hdr[0] != VXLAN_FLAG_I
-        || vni != cfg.vni
-        || hdr[8..14] != cfg.vtep_mac
-        || u16::from_be_bytes([hdr[20], hdr[21]]) != ETH_P_IP
-    {
-        return Err(Reason::PassVxlanMismatch);
-    }
-    Ok(())
 }
 
 /// The inner packet at `l3` must be one `tc_from_netdev` delivers.

@@ -142,6 +142,17 @@ impl NetNs {
         run_checked(self.command(program).args(args))
     }
 
+    /// A counter of link `dev`'s statistics (`ip -s -j link show`, `stats64`): `dir` is `rx` or
+    /// `tx`, `field` e.g. `bytes`, `packets` or `dropped`.
+    pub fn link_counter(&self, dev: &str, dir: &str, field: &str) -> Result<u64> {
+        let out = self.run(&["ip", "-s", "-j", "link", "show", dev])?;
+        let v: serde_json::Value = serde_json::from_str(&out)
+            .with_context(|| format!("ip -s -j link show {dev} in {}: {out}", self.name))?;
+        v[0]["stats64"][dir][field]
+            .as_u64()
+            .with_context(|| format!("{dev} in {} has no {dir} {field}: {out}", self.name))
+    }
+
     /// Runs `argv` inside the namespace and returns its output whatever the exit status.
     pub fn output(&self, argv: &[&str]) -> Result<Output> {
         let (program, args) = argv.split_first().context("empty command")?;

@@ -28,13 +28,11 @@ fn ctx() -> SetupCtx {
 
 /// Bytes `dev` on node `n` has sent.
 fn tx_bytes(bed: &Testbed, n: usize, dev: &str) -> u64 {
-    let stats = bed
-        .topology()
+    bed.topology()
         .node(n)
-        .run(&["ip", "-j", "-s", "link", "show", dev])
-        .unwrap_or_else(|e| panic!("{e:#}"));
-    let v: serde_json::Value = serde_json::from_str(&stats).expect("ip -j output");
-    v[0]["stats64"]["tx"]["bytes"].as_u64().unwrap_or_default()
+        .ns()
+        .link_counter(dev, "tx", "bytes")
+        .unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// Prepares `name`, runs one second of each measurement and checks the path: `via` is the

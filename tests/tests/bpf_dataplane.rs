@@ -299,22 +299,18 @@ impl Cluster {
             .unwrap_or_else(|e| panic!("counters of node {i}: {e:#}"))
     }
 
-    /// Drops INVALID conntrack packets in FORWARD on every node, as kube-proxy does.
     /// Packets the underlay dropped on the way into node `i`: the hub port's transmit drops
     /// and node `i`'s `eth0` receive drops (a veth whose peer runs XDP queues what it sends
     /// in a ring of its own, and drops when that is full).
     fn underlay_drops(&self, i: u8) -> u64 {
-        let dropped = |ns: &NetNs, dev: &str, dir: &str| -> u64 {
-            let out = ns
-                .run(&["ip", "-s", "-j", "link", "show", dev])
-                .unwrap_or_else(|e| panic!("{dev}: {e:#}"));
-            let v: serde_json::Value =
-                serde_json::from_str(&out).unwrap_or_else(|e| panic!("{dev}: {e}: {out}"));
-            v[0]["stats64"][dir]["dropped"].as_u64().unwrap_or(0)
+        let dropped = |ns: &NetNs, dev: &str, dir: &str| {
+            ns.link_counter(dev, dir, "dropped")
+                .unwrap_or_else(|e| panic!("{e:#}"))
         };
         dropped(&self.hub, &format!("u{i}"), "tx") + dropped(&self.node(i).ns, "eth0", "rx")
     }
 
+    /// Drops INVALID conntrack packets in FORWARD on every node, as kube-proxy does.
     fn drop_invalid(&self) {
         for node in &self.nodes {
             node.sh("iptables -A FORWARD -m conntrack --ctstate INVALID -j DROP")

@@ -829,6 +829,17 @@ fn netdev_delivers_into_a_known_pods_namespace() {
     });
 }
 
+/// Tells the fast path the local pod's bridge port (veth 4242 on the rig's bridge): delivery
+/// then goes into the pod's namespace, the delivery a memo remembers.
+fn know_pod_port(fp: &mut FastPath, ifs: &Ifaces) {
+    let port = PodPort {
+        ifindex: 4242,
+        bridge: ifs.br,
+    };
+    fp.sync_ports(&BTreeMap::from([(PortKey::new(POD_MAC), port)]))
+        .expect("sync ports");
+}
+
 /// Removes the remote subnet `net` from the pinned route map behind the agent's back (no
 /// generation change), so that only a remembered decision can still send its flows.
 fn remove_route_behind_the_agents_back(pin: &std::path::Path, subnet: Ipv4Net) {
@@ -860,12 +871,7 @@ fn flows_are_remembered_until_what_decided_them_changes() {
     rig.with_fast_path(move |fp, ifs| {
         let skb = Skb::on(ifs.ext);
         // The pod's port is known: delivery goes into its namespace (what is remembered).
-        let port = PodPort {
-            ifindex: 4242,
-            bridge: ifs.br,
-        };
-        fp.sync_ports(&BTreeMap::from([(PortKey::new(POD_MAC), port)]))
-            .expect("sync ports");
+        know_pod_port(fp, ifs);
         let incoming = |sport: u16, dport: u16| Ipv4 {
             ttl: 63,
             ..Ipv4::new(HOSTGW_POD, POD, Tcp::new(sport, dport).payload(b"memo"))
@@ -1090,12 +1096,7 @@ fn tunnel_flows_are_remembered_for_their_peer_only(name: &str, tunnel: &'static 
     let pin = rig.pin.clone();
     let subnet = net(tunnel.subnet);
     rig.with_fast_path(move |fp, ifs| {
-        let port = PodPort {
-            ifindex: 4242,
-            bridge: ifs.br,
-        };
-        fp.sync_ports(&BTreeMap::from([(PortKey::new(POD_MAC), port)]))
-            .expect("sync ports");
+        know_pod_port(fp, ifs);
 
         // Transmit.
         let to_remote = |payload: &[u8], ttl: u8| Ipv4 {

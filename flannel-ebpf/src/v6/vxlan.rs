@@ -46,9 +46,9 @@ use super::{
     info::Ipv6Info,
 };
 use crate::{
-    encap::VXLAN_FLAG_I,
+    encap::{self, VXLAN_FLAG_I},
     fib::{gso_size, skb_len},
-    parse::{ETH_HDR_LEN, ETH_P_IPV6, IPV6_HDR_LEN, proto, ptr_at},
+    parse::{ETH_HDR_LEN, ETH_P_IPV6, IPV6_HDR_LEN, proto},
 };
 
 /// Offset of the inner Ethernet header of a VXLAN-over-IPv6 packet.
@@ -226,16 +226,7 @@ pub fn encap(
 /// `I`, our VNI, our v6 VTEP MAC as inner destination, IPv6 inside.
 #[inline(always)]
 pub fn is_ours(ctx: &TcContext, cfg: &Config6) -> bool {
-    let Some(p) = ptr_at::<TcContext, [u8; 22]>(ctx, INNER_ETH - 8) else {
-        return false;
-    };
-    // SAFETY: ptr_at checked the 22 bytes are readable.
-    let hdr = unsafe { p.read_unaligned() };
-    let vni = u32::from_be_bytes([0, hdr[4], hdr[5], hdr[6]]);
-    hdr[0] == VXLAN_FLAG_I
-        && vni == cfg.vni
-        && hdr[8..14] == cfg.vtep_mac
-        && u16::from_be_bytes([hdr[20], hdr[21]]) == ETH_P_IPV6
+    encap::vxlan_header_is(ctx, INNER_ETH - 8, cfg.vni, cfg.vtep_mac, ETH_P_IPV6)
 }
 
 /// Removes the 70 outer bytes.
