@@ -1,6 +1,8 @@
 //! Measurement only, never attached by the agent: the collect_md alternative to
 //! [`crate::encap`], so that the throughput comparison can put numbers on the choice
-//! (`bpf_dataplane::throughput_comparison`).
+//! (`bpf_dataplane::throughput_comparison`), and the floor of an eBPF host-gw forwarder, so
+//! that the dataplane bench can tell the fast path's own cost from what any program on this
+//! path costs (`floor-ebpf-host-gw`).
 //!
 //! `tc_bench_vxmd` (TC ingress of the pod bridge) sends a pod's packet to a VXLAN peer the
 //! Cilium/Calico way: inner MACs rewritten (our VTEP MAC → the peer's), TTL decremented,
@@ -13,16 +15,19 @@ use core::mem::{size_of, zeroed};
 
 use aya_ebpf::{
     bindings::{BPF_F_ZERO_CSUM_TX, TC_ACT_OK, bpf_tunnel_key},
-    btf_maps::Array,
-    helpers::{bpf_redirect, bpf_skb_set_tunnel_key},
+    btf_maps::{Array, HashMap},
+    helpers::{bpf_redirect, bpf_redirect_peer, bpf_skb_set_tunnel_key},
     macros::btf_map,
     programs::TcContext,
 };
-use flannel_common::route::RouteKind;
+use flannel_common::{
+    programs::{BENCH_FLOOR_MAX_ENTRIES, FLOOR_PEER, FloorHop},
+    route::RouteKind,
+};
 
 use crate::{
     ipv4, maps,
-    parse::{self, write_macs},
+    parse::{self, ETH_HDR_LEN, ETH_P_IP, ptr_at, write_macs},
 };
 
 /// Index 0: the ifindex of the collect_md VXLAN device to redirect to.
@@ -78,4 +83,47 @@ pub fn vxlan_md(ctx: &TcContext) -> i32 {
     }
     // SAFETY: plain helper call.
     unsafe { bpf_redirect(md_ifindex, 0) as i32 }
+}
+
+/// Destination IPv4 address → where `tc_bench_floor` sends it
+/// (`flannel_common::programs::BENCH_FLOOR_MAP`).
+#[btf_map]
+pub static FLANNEL_BENCHFL: HashMap<[u8; 4], FloorHop, { BENCH_FLOOR_MAX_ENTRIES as usize }> =
+    HashMap::new();
+
+/// The body of `tc_bench_floor`: the least an eBPF host-gw forwarder does with a packet. An
+/// IPv4 frame without options and with TTL > 1 whose destination is in [`FLANNEL_BENCHFL`]
+/// gets the entry's MACs and its TTL decremented and is redirected (out of the entry's
+/// interface, or into its veth peer's namespace); everything else is passed. No parsing
+/// beyond that, no counters, no flow state: what the fast path does on top of this is its
+/// own cost.
+#[inline(always)]
+pub fn floor(ctx: &TcContext) -> i32 {
+    // EtherType, version/IHL … destination: bytes 12..34.
+    let Some(hdr) = ptr_at::<TcContext, [u8; 22]>(ctx, 12) else {
+        return TC_ACT_OK;
+    };
+    // SAFETY: ptr_at checked the 22 bytes are readable.
+    let hdr = unsafe { hdr.read_unaligned() };
+    let ttl = hdr[10];
+    if u16::from_be_bytes([hdr[0], hdr[1]]) != ETH_P_IP || hdr[2] != 0x45 || ttl <= 1 {
+        return TC_ACT_OK;
+    }
+    let dst = [hdr[18], hdr[19], hdr[20], hdr[21]];
+    let Some(hop) = FLANNEL_BENCHFL.get_ptr(dst) else {
+        return TC_ACT_OK;
+    };
+    // SAFETY: the pointer comes from a successful lookup; the entry is read once.
+    let hop = unsafe { hop.read() };
+    if write_macs(ctx, hop.dmac, hop.smac).is_none() || !ipv4::decrement_ttl(ctx, ETH_HDR_LEN) {
+        return TC_ACT_OK;
+    }
+    // SAFETY: plain helper calls.
+    unsafe {
+        if hop.into_peer == FLOOR_PEER {
+            bpf_redirect_peer(hop.ifindex, 0) as i32
+        } else {
+            bpf_redirect(hop.ifindex, 0) as i32
+        }
+    }
 }

@@ -2299,3 +2299,112 @@ fn counters_are_readable_with_bpftool_as_typed_json() {
     assert_eq!(typed["value"]["vni"], 1);
     assert_eq!(typed["key"]["prefix_len"], 24);
 }
+
+// ---------------------------------------------------------------------------------------------
+// tc_bench_floor (measurement only)
+
+/// The floor program of the `floor-ebpf-host-gw` bench variant: a packet to a destination in
+/// its map leaves with the entry's MACs and TTL - 1 (checksum updated), redirected out of or
+/// into the entry's interface; a packet with options, TTL 1, another destination and a
+/// non-IPv4 frame pass unchanged.
+#[test]
+fn floor_program_forwards_only_its_destinations() {
+    use flannel_common::programs::{
+        BENCH_FLOOR_MAP, FLOOR_EGRESS, FLOOR_PEER, FloorHop, TC_BENCH_FLOOR,
+    };
+    let Some(rig) = Rig::node("fpfloor") else {
+        return;
+    };
+    rig.ns
+        .enter(|| {
+            let mut ebpf = aya::Ebpf::load(flannel_agent::EBPF_OBJECT).expect("object");
+            let mut hops: aya::maps::HashMap<_, [u8; 4], FloorHop> =
+                aya::maps::HashMap::try_from(ebpf.map_mut(BENCH_FLOOR_MAP).expect("map"))
+                    .expect("hash map");
+            let out = FloorHop {
+                ifindex: 4242,
+                smac: EXT_MAC,
+                dmac: PEER2_MAC,
+                into_peer: FLOOR_EGRESS,
+            };
+            let into_pod = FloorHop {
+                ifindex: 4243,
+                smac: BR_MAC,
+                dmac: POD_MAC,
+                into_peer: FLOOR_PEER,
+            };
+            hops.insert(HOSTGW_POD.octets(), out, 0).expect("insert");
+            hops.insert(POD.octets(), into_pod, 0).expect("insert");
+            let program: &mut aya::programs::SchedClassifier = ebpf
+                .program_mut(TC_BENCH_FLOOR)
+                .expect("program")
+                .try_into()
+                .expect("classifier");
+            program.load().expect("load");
+            let run = |frame: &[u8]| {
+                let mut out = vec![0u8; frame.len() + 64];
+                let r = program
+                    .test_run(TestRunOptions {
+                        data_in: Some(frame),
+                        data_out: Some(&mut out),
+                        ..TestRunOptions::default()
+                    })
+                    .expect("test_run");
+                out.truncate(r.data_size_out as usize);
+                (r.return_value, out)
+            };
+
+            let to_remote = from_pod(HOSTGW_POD, tcp());
+            let (verdict, sent) = run(&pod_frame(&to_remote));
+            assert_eq!(verdict, TC_ACT_REDIRECT, "to the remote pod");
+            assert_bytes(
+                &sent,
+                &Ethernet::new(EXT_MAC, PEER2_MAC, forwarded(&to_remote)).encode(),
+                "to the remote pod",
+            );
+            packet::verify(&sent).expect("checksums after the TTL decrement");
+            let arriving = Ipv4 {
+                ttl: 63,
+                ..Ipv4::new(HOSTGW_POD, POD, Udp::new(53, 40000).payload(b"floor"))
+            };
+            let (verdict, delivered) = run(&underlay(PEER2_MAC, arriving.clone()));
+            assert_eq!(verdict, TC_ACT_REDIRECT, "into the pod");
+            assert_bytes(
+                &delivered,
+                &Ethernet::new(BR_MAC, POD_MAC, forwarded(&arriving)).encode(),
+                "into the pod",
+            );
+
+            let passed = [
+                (
+                    "IP options",
+                    pod_frame(&Ipv4 {
+                        options: vec![1, 1, 1, 1],
+                        ..to_remote.clone()
+                    }),
+                ),
+                (
+                    "TTL 1",
+                    pod_frame(&Ipv4 {
+                        ttl: 1,
+                        ..to_remote.clone()
+                    }),
+                ),
+                (
+                    "another destination",
+                    pod_frame(&from_pod(VXLAN_POD, tcp())),
+                ),
+                (
+                    "ARP",
+                    Ethernet::new(POD_MAC, MAC_BROADCAST, Arp::request(POD_MAC, POD, GATEWAY))
+                        .encode(),
+                ),
+            ];
+            for (what, frame) in passed {
+                let (verdict, out) = run(&frame);
+                assert_eq!(verdict, TC_ACT_OK, "{what}");
+                assert_bytes(&out, &frame, what);
+            }
+        })
+        .expect("namespace");
+}

@@ -8,7 +8,7 @@ use std::{net::IpAddr, time::Duration};
 use anyhow::{Context as _, Result};
 use serde_json::json;
 
-use flannel_common::programs::{TC_FROM_BRIDGE, TC_FROM_NETDEV};
+use flannel_common::programs::{TC_BENCH_FLOOR, TC_FROM_BRIDGE, TC_FROM_NETDEV};
 
 use super::{
     measure::{self, IPERF_PORT, SOCKPERF_PORT},
@@ -224,17 +224,23 @@ fn latency(p50s: &[f64]) -> Vec<(usize, f64)> {
         .unwrap_or_default()
 }
 
-/// The [`METRICS`] entries of the programs' time over `round_trips` round trips; none when the
-/// transmit program did not run for every round trip (a kernel-path variant: what the other
+/// The [`METRICS`] entries of the programs' time over `round_trips` round trips: the fast
+/// path's when its transmit program ran for every round trip, the floor program's alone when
+/// it did (`floor-ebpf-host-gw`), none otherwise (a kernel-path variant: what the other
 /// testbeds' programs run meanwhile, for their agents' own traffic, is not this variant's).
 fn program_time(usage: &progtime::Usage, round_trips: u64) -> Vec<(usize, f64)> {
-    if round_trips == 0 || usage.runs(TC_FROM_BRIDGE) < round_trips {
-        return Vec::new();
+    let ran = |program| round_trips > 0 && usage.runs(program) >= round_trips;
+    let per_round_trip = |ns: u64| ns as f64 / round_trips as f64 / 1000.0;
+    if ran(TC_FROM_BRIDGE) {
+        let mut values = vec![(6, per_round_trip(usage.total_ns()))];
+        values.extend(usage.ns_per_run(TC_FROM_BRIDGE).map(|ns| (7, ns)));
+        values.extend(usage.ns_per_run(TC_FROM_NETDEV).map(|ns| (8, ns)));
+        values
+    } else if ran(TC_BENCH_FLOOR) {
+        vec![(6, per_round_trip(usage.ns(TC_BENCH_FLOOR)))]
+    } else {
+        Vec::new()
     }
-    let mut values = vec![(6, usage.total_ns() as f64 / round_trips as f64 / 1000.0)];
-    values.extend(usage.ns_per_run(TC_FROM_BRIDGE).map(|ns| (7, ns)));
-    values.extend(usage.ns_per_run(TC_FROM_NETDEV).map(|ns| (8, ns)));
-    values
 }
 
 /// Sets up every variant, measures them round-robin and summarises against the baseline.
@@ -255,7 +261,7 @@ pub fn run(
         "tools": "iperf3 -J (TCP, 1 and 2 streams), sockperf ping-pong --tcp -m 64 --full-rtt",
         "rr_connections": RR_CONNECTIONS,
         "cpu": "machine-wide busy time from /proc/stat during each iperf3 run / Gbit received",
-        "ebpf_time": "BPF_ENABLE_STATS run time of tc_from_bridge, tc_from_netdev, tc_to_netdev and xdp_from_netdev (every node) during a separate 2 s sockperf run, per round trip and per run",
+        "ebpf_time": "BPF_ENABLE_STATS run time of tc_from_bridge, tc_from_netdev, tc_to_netdev and xdp_from_netdev (every node; tc_bench_floor for the floor variant) during a separate 2 s sockperf run, per round trip and per run",
     });
     rounds::run(&Dataplane { opts, ctx }, plan, settings, log, cancelled)
 }
@@ -288,6 +294,13 @@ mod tests {
         let background = progtime::Snapshot::from_totals(&[(TC_FROM_NETDEV, 11_000, 2)]);
         assert_eq!(program_time(&before.until(&background), 1_000), vec![]);
         assert_eq!(program_time(&before.until(&fast), 0), vec![]);
+        // The floor variant: its one program, four runs per round trip; the agents of other
+        // testbeds running meanwhile are not counted.
+        let floor = progtime::Snapshot::from_totals(&[
+            (TC_BENCH_FLOOR, 400_000, 4_000),
+            (TC_FROM_NETDEV, 11_000, 2),
+        ]);
+        assert_eq!(program_time(&before.until(&floor), 1_000), vec![(6, 0.4)]);
     }
 
     #[test]

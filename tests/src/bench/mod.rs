@@ -4,6 +4,7 @@
 //! | module | job |
 //! |---|---|
 //! | [`variant`] | named setups (topology + setup function) yielding client and server |
+//! | [`floor`] | the `floor-ebpf-host-gw` variant's minimal forwarding program |
 //! | [`measure`] | iperf3 throughput with /proc/stat CPU, sockperf ping-pong latency |
 //! | [`progtime`] | the agent's BPF programs' run time over a measurement (`BPF_ENABLE_STATS`) |
 //! | [`stats`] | median/min/max and ratios |
@@ -17,6 +18,7 @@
 pub mod control;
 pub mod crr;
 pub mod dataplane;
+pub mod floor;
 pub mod masq;
 pub mod measure;
 pub mod progtime;

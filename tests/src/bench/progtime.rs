@@ -8,14 +8,18 @@
 use std::{collections::BTreeMap, os::fd::OwnedFd};
 
 use anyhow::{Context as _, Result};
-use flannel_common::programs::{TC_FROM_BRIDGE, TC_FROM_NETDEV, TC_TO_NETDEV, XDP_FROM_NETDEV};
+use flannel_common::programs::{
+    TC_BENCH_FLOOR, TC_FROM_BRIDGE, TC_FROM_NETDEV, TC_TO_NETDEV, XDP_FROM_NETDEV,
+};
 
-/// The programs whose time is counted (every node's copy of each, summed by name).
-pub const PROGRAMS: [&str; 4] = [
+/// The programs whose time is counted (every node's copy of each, summed by name): the
+/// agent's, and the floor the `floor-ebpf-host-gw` variant runs instead.
+pub const PROGRAMS: [&str; 5] = [
     TC_FROM_BRIDGE,
     TC_FROM_NETDEV,
     TC_TO_NETDEV,
     XDP_FROM_NETDEV,
+    TC_BENCH_FLOOR,
 ];
 
 /// Run-time statistics switched on for as long as this lives.
@@ -92,6 +96,11 @@ impl Usage {
         Some(ns as f64 / runs as f64)
     }
 
+    /// Time of `program`, ns (0 if it did not run).
+    pub fn ns(&self, program: &str) -> u64 {
+        self.0.get(program).map_or(0, |&(ns, _)| ns)
+    }
+
     /// How often `program` ran.
     pub fn runs(&self, program: &str) -> u64 {
         self.0.get(program).map_or(0, |&(_, runs)| runs)
@@ -119,6 +128,10 @@ mod tests {
         assert_eq!(usage.ns_per_run(TC_FROM_BRIDGE), Some(400.0));
         assert_eq!(usage.ns_per_run(TC_FROM_NETDEV), Some(300.0));
         assert_eq!(usage.ns_per_run(TC_TO_NETDEV), None, "did not run");
+        assert_eq!(
+            (usage.ns(TC_FROM_NETDEV), usage.ns(TC_TO_NETDEV)),
+            (3_000, 0)
+        );
         assert_eq!(usage.total_ns(), 7_000);
         assert!(!usage.is_empty());
         assert!(after.until(&after).is_empty());

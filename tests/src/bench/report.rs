@@ -162,13 +162,21 @@ impl Report {
         ]
     }
 
-    /// Every metric some variant has, in the order they first appear (a variant may lack
-    /// some: a measurement that failed every time, or one that only applies to some variants).
+    /// Every metric some variant has (a variant may lack some: a measurement that failed
+    /// every time, or one that only applies to some variants), in the variants' own order: a
+    /// metric first seen in a later variant goes right after the one it follows there.
     fn columns(&self) -> Vec<&MetricResult> {
         let mut columns: Vec<&MetricResult> = Vec::new();
-        for m in self.variants.iter().flat_map(|v| &v.metrics) {
-            if !columns.iter().any(|c| c.key == m.key) {
-                columns.push(m);
+        for variant in &self.variants {
+            let mut at = 0;
+            for m in &variant.metrics {
+                match columns.iter().position(|c| c.key == m.key) {
+                    Some(i) => at = i + 1,
+                    None => {
+                        columns.insert(at, m);
+                        at += 1;
+                    }
+                }
             }
         }
         columns
@@ -535,5 +543,15 @@ mod tests {
         );
         // No ratio, no bar: still 2 bars + 2 legend boxes.
         assert_eq!(r.svg().matches("<rect x=").count(), 4);
+    }
+
+    #[test]
+    fn columns_keep_the_metrics_order_when_the_first_variant_lacks_one() {
+        let mut r = report();
+        r.variants[0].metrics.push(metric("c", 3.0, None));
+        r.variants[1].metrics.push(metric("b", 2.0, None));
+        r.variants[1].metrics.push(metric("c", 3.0, None));
+        let keys: Vec<&str> = r.columns().iter().map(|m| m.key.as_str()).collect();
+        assert_eq!(keys, ["tcp1", "b", "c"]);
     }
 }

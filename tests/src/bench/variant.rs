@@ -9,6 +9,7 @@
 //! | `pod-same-node` | pod → cni0 → pod on one node, pods made by the flannel CNI plugin |
 //! | `ref-hostgw` | pod → cni0 → node1 → static route via node2 → cni0 → pod (by hand) |
 //! | `ref-vxlan` | the same through hand-made `flannel.1` VXLAN devices with static FDB/neighbour/routes |
+//! | `floor-ebpf-host-gw` | `ref-hostgw`'s pods forwarded by a minimal TC program ([`super::floor`]): the least any eBPF host-gw costs on this path |
 //! | `agent-host-gw`, `agent-vxlan` | pods on two nodes of a cluster run by flannel-agent, kernel dataplane |
 //! | `agent-udp` | the same with the udp backend's TUN path (`flannel0`, user-space forwarder) |
 //! | `agent-host-gw-bare`, `agent-vxlan-bare` | the same without netfilter rules (`--iptables-forward-rules=false`, CNI `ipMasq: false`): only what the agent programs, comparable with `ref-*` |
@@ -61,8 +62,9 @@ pub enum Owner {
 /// A prepared variant: where the client runs and what it talks to.
 #[derive(Debug)]
 pub struct Testbed {
-    // Servers go before the namespaces they run in.
+    // Servers go before the namespaces they run in, and so do programs attached in them.
     guards: Vec<Process>,
+    programs: Vec<aya::Ebpf>,
     owner: Owner,
     /// Where clients run.
     pub client: Place,
@@ -77,6 +79,7 @@ impl Testbed {
     pub fn new(owner: Owner, client: Place, server: Place, server_ip: IpAddr) -> Self {
         Testbed {
             guards: Vec::new(),
+            programs: Vec::new(),
             owner,
             client,
             server,
@@ -238,6 +241,24 @@ pub fn all() -> Vec<Variant> {
             needs_cni: false,
             needs_agent: false,
             setup: Box::new(|t, _| ref_setup(t, false)),
+        },
+        Variant {
+            name: "floor-ebpf-host-gw",
+            description: "ref-hostgw's pods forwarded by a minimal TC program (destination lookup, MACs, TTL, redirect): the least any eBPF host-gw costs here",
+            topology: two_nodes.clone(),
+            needs_cni: false,
+            needs_agent: false,
+            setup: Box::new(|t, _| {
+                let mut bed = ref_setup(t, false)?;
+                bed.programs = super::floor::attach(bed.topology())?;
+                // The kernel forwards nothing: every pod packet crosses by the program.
+                for n in 1..=2 {
+                    bed.topology()
+                        .node(n)
+                        .run(&["sysctl", "-qw", "net.ipv4.ip_forward=0"])?;
+                }
+                Ok(bed)
+            }),
         },
         Variant {
             name: "ref-vxlan",
