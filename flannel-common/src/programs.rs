@@ -39,9 +39,10 @@ pub const TC_BENCH_VXMD: &str = "tc_bench_vxmd";
 /// The bench program's map: index 0 holds the collect_md device's ifindex.
 pub const BENCH_MD_MAP: &str = "FLANNEL_BENCHMD";
 
-/// Measurement only, never attached by the agent: the least an eBPF host-gw forwarder does
-/// (an IPv4 destination looked up in [`BENCH_FLOOR_MAP`], MACs rewritten, TTL decremented,
-/// redirected), the lower bound the fast path's programs are measured against.
+/// Measurement only, never attached by the agent: the least an eBPF forwarder does (an IPv4
+/// destination looked up in [`BENCH_FLOOR_MAP`], MACs rewritten, TTL decremented, redirected;
+/// for a VXLAN hop encapsulated first, and VXLAN to our port decapsulated), the lower bound
+/// the fast path's programs are measured against.
 pub const TC_BENCH_FLOOR: &str = "tc_bench_floor";
 
 /// The floor program's map: destination IPv4 address → [`FloorHop`].
@@ -56,25 +57,28 @@ pub const FLOOR_EGRESS: u32 = 0;
 /// (`bpf_redirect_peer`).
 pub const FLOOR_PEER: u32 = 1;
 
-/// Where [`TC_BENCH_FLOOR`] sends a packet for one destination. 20 bytes.
+/// Where [`TC_BENCH_FLOOR`] sends a packet for one destination. 44 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FloorHop {
     /// The interface to redirect to.
     pub ifindex: u32,
-    /// Source MAC written into the packet.
+    /// Source MAC written into the packet (the outer one, for VXLAN).
     pub smac: [u8; 6],
-    /// Destination MAC written into the packet.
+    /// Destination MAC written into the packet (the outer one, for VXLAN).
     pub dmac: [u8; 6],
     /// [`FLOOR_EGRESS`] or [`FLOOR_PEER`].
     pub into_peer: u32,
+    /// With `kind` [`crate::route::RouteKind::Vxlan`]: encapsulated for this peer (with the
+    /// configuration in [`crate::maps::CONFIG`]) before it is sent; otherwise unused (zero).
+    pub vxlan_peer: crate::route::RemoteEntry,
 }
 
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for FloorHop {}
 
 const _: () = {
-    assert!(core::mem::size_of::<FloorHop>() == 20);
+    assert!(core::mem::size_of::<FloorHop>() == 44);
     assert!(TC_BENCH_FLOOR.len() <= MAX_OBJ_NAME_LEN);
     assert!(BENCH_FLOOR_MAP.len() <= MAX_OBJ_NAME_LEN);
     assert!(TC_BENCH_VXMD.len() <= MAX_OBJ_NAME_LEN);

@@ -14,20 +14,25 @@
 use core::mem::{size_of, zeroed};
 
 use aya_ebpf::{
-    bindings::{BPF_F_ZERO_CSUM_TX, TC_ACT_OK, bpf_tunnel_key},
+    bindings::{BPF_F_ZERO_CSUM_TX, TC_ACT_OK, TC_ACT_SHOT, bpf_tunnel_key},
     btf_maps::{Array, HashMap},
     helpers::{bpf_redirect, bpf_redirect_peer, bpf_skb_set_tunnel_key},
     macros::btf_map,
     programs::TcContext,
 };
 use flannel_common::{
+    config::Config,
     programs::{BENCH_FLOOR_MAX_ENTRIES, FLOOR_PEER, FloorHop},
     route::RouteKind,
+    stats::Reason,
 };
 
 use crate::{
-    ipv4, maps,
-    parse::{self, ETH_HDR_LEN, ETH_P_IP, ptr_at, write_macs},
+    deliver,
+    encap::{self, VXLAN_INNER_L3, VXLAN_OVERHEAD},
+    ipv4::{self, Ipv4Info},
+    maps,
+    parse::{self, ETH_HDR_LEN, ETH_P_IP, proto, ptr_at, write_macs},
 };
 
 /// Index 0: the ifindex of the collect_md VXLAN device to redirect to.
@@ -91,31 +96,76 @@ pub fn vxlan_md(ctx: &TcContext) -> i32 {
 pub static FLANNEL_BENCHFL: HashMap<[u8; 4], FloorHop, { BENCH_FLOOR_MAX_ENTRIES as usize }> =
     HashMap::new();
 
-/// The body of `tc_bench_floor`: the least an eBPF host-gw forwarder does with a packet. An
-/// IPv4 frame without options and with TTL > 1 whose destination is in [`FLANNEL_BENCHFL`]
-/// gets the entry's MACs and its TTL decremented and is redirected (out of the entry's
-/// interface, or into its veth peer's namespace); everything else is passed. No parsing
-/// beyond that, no counters, no flow state: what the fast path does on top of this is its
-/// own cost.
+/// The body of `tc_bench_floor`: the least an eBPF forwarder does with a packet. An IPv4 frame
+/// without options and with TTL > 1 whose destination is in [`FLANNEL_BENCHFL`] gets its TTL
+/// decremented, is encapsulated in VXLAN when its hop says so (with the full path's own
+/// encapsulation and the configuration in `FLANNEL_CONFIG`), gets the hop's MACs and is
+/// redirected (out of the hop's interface, or into its veth peer's namespace). A UDP packet to
+/// our address and VXLAN port is decapsulated first (no VNI or VTEP check) and its inner
+/// packet forwarded so. Everything else is passed. No parsing beyond that, no counters, no
+/// flow state: what the fast path does on top of this is its own cost.
 #[inline(always)]
 pub fn floor(ctx: &TcContext) -> i32 {
-    // EtherType, version/IHL … destination: bytes 12..34.
-    let Some(hdr) = ptr_at::<TcContext, [u8; 22]>(ctx, 12) else {
+    let Some(ip) = floor_header(ctx, ETH_HDR_LEN) else {
         return TC_ACT_OK;
     };
+    if let Some(cfg) = maps::config()
+        && ip.dst == cfg.public_ip
+        && ip.proto == proto::UDP
+    {
+        return floor_vxlan_in(ctx, cfg);
+    }
+    floor_forward(ctx, &ip)
+}
+
+/// The fields of an IPv4 header without options and with TTL > 1 at `l3` that the floor
+/// needs, or `None`.
+#[inline(always)]
+fn floor_header(ctx: &TcContext, l3: usize) -> Option<Ipv4Info> {
+    // EtherType (just before `l3`), then the IPv4 header up to the destination.
+    let hdr = ptr_at::<TcContext, [u8; 22]>(ctx, l3 - 2)?;
     // SAFETY: ptr_at checked the 22 bytes are readable.
     let hdr = unsafe { hdr.read_unaligned() };
     let ttl = hdr[10];
     if u16::from_be_bytes([hdr[0], hdr[1]]) != ETH_P_IP || hdr[2] != 0x45 || ttl <= 1 {
-        return TC_ACT_OK;
+        return None;
     }
-    let dst = [hdr[18], hdr[19], hdr[20], hdr[21]];
-    let Some(hop) = FLANNEL_BENCHFL.get_ptr(dst) else {
+    Some(Ipv4Info {
+        l3,
+        l4: l3 + 20,
+        tos: hdr[3],
+        ttl,
+        proto: hdr[11],
+        check: u16::from_be_bytes([hdr[12], hdr[13]]),
+        src: [hdr[14], hdr[15], hdr[16], hdr[17]],
+        dst: [hdr[18], hdr[19], hdr[20], hdr[21]],
+        ..Ipv4Info::default()
+    })
+}
+
+/// Forwards the packet `ip` describes (at the Ethernet header's end) by its hop.
+#[inline(always)]
+fn floor_forward(ctx: &TcContext, ip: &Ipv4Info) -> i32 {
+    let Some(hop) = FLANNEL_BENCHFL.get_ptr(ip.dst) else {
         return TC_ACT_OK;
     };
     // SAFETY: the pointer comes from a successful lookup; the entry is read once.
     let hop = unsafe { hop.read() };
-    if write_macs(ctx, hop.dmac, hop.smac).is_none() || !ipv4::decrement_ttl(ctx, ETH_HDR_LEN) {
+    if hop.vxlan_peer.kind == RouteKind::Vxlan as u32 {
+        let Some(cfg) = maps::config() else {
+            return TC_ACT_OK;
+        };
+        match encap::vxlan_encapsulate(ctx, cfg, &hop.vxlan_peer, ip) {
+            Ok(()) => {}
+            Err(Reason::DropRewriteFailed) => return TC_ACT_SHOT,
+            Err(_) => return TC_ACT_OK,
+        }
+        if write_macs(ctx, hop.dmac, hop.smac).is_none() {
+            return TC_ACT_SHOT;
+        }
+    } else if write_macs(ctx, hop.dmac, hop.smac).is_none()
+        || !ipv4::decrement_ttl(ctx, ETH_HDR_LEN)
+    {
         return TC_ACT_OK;
     }
     // SAFETY: plain helper calls.
@@ -125,5 +175,35 @@ pub fn floor(ctx: &TcContext) -> i32 {
         } else {
             bpf_redirect(hop.ifindex, 0) as i32
         }
+    }
+}
+
+/// A UDP packet to our address: VXLAN to our port is decapsulated and its inner packet
+/// forwarded by its hop; anything else passes.
+#[inline(always)]
+fn floor_vxlan_in(ctx: &TcContext, cfg: &Config) -> i32 {
+    let Some(dport) = ptr_at::<TcContext, [u8; 2]>(ctx, ETH_HDR_LEN + 22) else {
+        return TC_ACT_OK;
+    };
+    // SAFETY: ptr_at checked the 2 bytes are readable.
+    if u16::from_be_bytes(unsafe { dport.read_unaligned() }) != cfg.vxlan_port {
+        return TC_ACT_OK;
+    }
+    let Some(inner) = floor_header(ctx, VXLAN_INNER_L3) else {
+        return TC_ACT_OK;
+    };
+    if FLANNEL_BENCHFL.get_ptr(inner.dst).is_none() || deliver::decap(ctx, VXLAN_OVERHEAD).is_err()
+    {
+        return TC_ACT_OK;
+    }
+    let inner = Ipv4Info {
+        l3: ETH_HDR_LEN,
+        l4: ETH_HDR_LEN + 20,
+        ..inner
+    };
+    match floor_forward(ctx, &inner) {
+        // Decapsulated: it cannot go back unchanged.
+        TC_ACT_OK => TC_ACT_SHOT,
+        action => action,
     }
 }

@@ -2303,21 +2303,32 @@ fn counters_are_readable_with_bpftool_as_typed_json() {
 // ---------------------------------------------------------------------------------------------
 // tc_bench_floor (measurement only)
 
-/// The floor program of the `floor-ebpf-host-gw` bench variant: a packet to a destination in
-/// its map leaves with the entry's MACs and TTL - 1 (checksum updated), redirected out of or
-/// into the entry's interface; a packet with options, TTL 1, another destination and a
-/// non-IPv4 frame pass unchanged.
+/// The floor program of the `floor-ebpf-*` bench variants: a packet to a destination in its
+/// map leaves with the entry's MACs and TTL - 1 (checksum updated), redirected out of or into
+/// the entry's interface; for a VXLAN entry it leaves encapsulated exactly as the fast path
+/// encapsulates (outer fields chosen at random aside), and VXLAN to our port comes in
+/// decapsulated; a packet with options, TTL 1, another destination, a non-IPv4 frame and UDP
+/// to another port of ours pass unchanged.
 #[test]
 fn floor_program_forwards_only_its_destinations() {
-    use flannel_common::programs::{
-        BENCH_FLOOR_MAP, FLOOR_EGRESS, FLOOR_PEER, FloorHop, TC_BENCH_FLOOR,
+    use flannel_common::{
+        programs::{BENCH_FLOOR_MAP, FLOOR_EGRESS, FLOOR_PEER, FloorHop, TC_BENCH_FLOOR},
+        route::{RemoteEntry, RouteKind},
     };
     let Some(rig) = Rig::node("fpfloor") else {
         return;
     };
     rig.ns
         .enter(|| {
+            let ifs = Ifaces::current();
             let mut ebpf = aya::Ebpf::load(flannel_agent::EBPF_OBJECT).expect("object");
+            let mut cfg: aya::maps::Array<_, flannel_common::config::Config> =
+                aya::maps::Array::try_from(
+                    ebpf.map_mut(flannel_common::maps::CONFIG).expect("map"),
+                )
+                .expect("array");
+            let entry = config(ifs.ext).to_entry().expect("config");
+            cfg.set(0, entry, 0).expect("config");
             let mut hops: aya::maps::HashMap<_, [u8; 4], FloorHop> =
                 aya::maps::HashMap::try_from(ebpf.map_mut(BENCH_FLOOR_MAP).expect("map"))
                     .expect("hash map");
@@ -2326,14 +2337,29 @@ fn floor_program_forwards_only_its_destinations() {
                 smac: EXT_MAC,
                 dmac: PEER2_MAC,
                 into_peer: FLOOR_EGRESS,
+                ..FloorHop::default()
             };
             let into_pod = FloorHop {
                 ifindex: 4243,
                 smac: BR_MAC,
                 dmac: POD_MAC,
                 into_peer: FLOOR_PEER,
+                ..FloorHop::default()
+            };
+            let vxlan_out = FloorHop {
+                dmac: PEER3_MAC,
+                vxlan_peer: RemoteEntry {
+                    kind: RouteKind::Vxlan as u32,
+                    public_ip: PUB3.octets(),
+                    vni: 1,
+                    vtep_mac: VTEP3,
+                    ..RemoteEntry::default()
+                },
+                ..out
             };
             hops.insert(HOSTGW_POD.octets(), out, 0).expect("insert");
+            hops.insert(VXLAN_POD.octets(), vxlan_out, 0)
+                .expect("insert");
             hops.insert(POD.octets(), into_pod, 0).expect("insert");
             let program: &mut aya::programs::SchedClassifier = ebpf
                 .program_mut(TC_BENCH_FLOOR)
@@ -2342,7 +2368,7 @@ fn floor_program_forwards_only_its_destinations() {
                 .expect("classifier");
             program.load().expect("load");
             let run = |frame: &[u8]| {
-                let mut out = vec![0u8; frame.len() + 64];
+                let mut out = vec![0u8; frame.len() + 128];
                 let r = program
                     .test_run(TestRunOptions {
                         data_in: Some(frame),
@@ -2367,13 +2393,19 @@ fn floor_program_forwards_only_its_destinations() {
                 ttl: 63,
                 ..Ipv4::new(HOSTGW_POD, POD, Udp::new(53, 40000).payload(b"floor"))
             };
-            let (verdict, delivered) = run(&underlay(PEER2_MAC, arriving.clone()));
+            let delivered = Ethernet::new(BR_MAC, POD_MAC, forwarded(&arriving)).encode();
+            let (verdict, out) = run(&underlay(PEER2_MAC, arriving.clone()));
             assert_eq!(verdict, TC_ACT_REDIRECT, "into the pod");
-            assert_bytes(
-                &delivered,
-                &Ethernet::new(BR_MAC, POD_MAC, forwarded(&arriving)).encode(),
-                "into the pod",
-            );
+            assert_bytes(&out, &delivered, "into the pod");
+
+            let to_vxlan_pod = from_pod(VXLAN_POD, tcp());
+            let (verdict, sent) = run(&pod_frame(&to_vxlan_pod));
+            assert_eq!(verdict, TC_ACT_REDIRECT, "to the VXLAN pod");
+            assert_bytes(&sent, &(VXLAN_TUNNEL.sent)(&to_vxlan_pod, &sent), "VXLAN");
+            packet::verify(&sent).expect("outer checksums");
+            let (verdict, out) = run(&(VXLAN_TUNNEL.received)(PUB3, &arriving));
+            assert_eq!(verdict, TC_ACT_REDIRECT, "decapsulated into the pod");
+            assert_bytes(&out, &delivered, "decapsulated into the pod");
 
             let passed = [
                 (
@@ -2390,14 +2422,15 @@ fn floor_program_forwards_only_its_destinations() {
                         ..to_remote.clone()
                     }),
                 ),
-                (
-                    "another destination",
-                    pod_frame(&from_pod(VXLAN_POD, tcp())),
-                ),
+                ("another destination", pod_frame(&from_pod(IPIP_POD, tcp()))),
                 (
                     "ARP",
                     Ethernet::new(POD_MAC, MAC_BROADCAST, Arp::request(POD_MAC, POD, GATEWAY))
                         .encode(),
+                ),
+                (
+                    "UDP to another port of ours",
+                    vxlan_frame(PUB3, 1, 4789, LOCAL_VTEP, &arriving),
                 ),
             ];
             for (what, frame) in passed {

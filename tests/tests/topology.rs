@@ -725,12 +725,13 @@ fn bench_reference_variants_carry_traffic() {
         cni_plugin: Some(cni_plugin()),
         agent: None,
     };
-    // floor-ebpf-host-gw: its nodes do not forward, so the minimal program carries it all.
+    // floor-ebpf-*: their nodes do not forward, so the minimal program carries it all.
     for name in [
         "ref-hostgw",
         "ref-vxlan",
         "pod-same-node",
         "floor-ebpf-host-gw",
+        "floor-ebpf-vxlan",
     ] {
         let v = variant::find(name).expect("variant");
         let mut bed = v.prepare(&ctx).expect("prepare");

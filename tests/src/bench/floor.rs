@@ -1,73 +1,101 @@
-//! The `floor-ebpf-host-gw` variant's programs: `tc_bench_floor` (see `flannel_ebpf::bench`)
-//! on the pod's veth and on `eth0` of both nodes of a `ref-hostgw` testbed, each with the two
-//! destinations it forwards. What this path costs above the underlay is what any eBPF host-gw
+//! The `floor-ebpf-host-gw` and `floor-ebpf-vxlan` variants' programs: `tc_bench_floor` (see
+//! `flannel_ebpf::bench`) on the pod's veth and on `eth0` of both nodes of a `ref-hostgw` or
+//! `ref-vxlan` testbed, each with the two destinations it forwards (and, for VXLAN, the
+//! node's VXLAN configuration). What this path costs above the underlay is what any eBPF
 //! forwarder between veth pods costs here (the pod's own veth crossing, the redirects, a
-//! program entry per hop); what the agent's fast path costs above it is its own.
+//! program entry per hop, for VXLAN the encapsulation and decapsulation); what the agent's
+//! fast path costs above it is its own.
+
+use std::net::Ipv4Addr;
 
 use anyhow::{Context as _, Result};
 use aya::{
     Ebpf,
-    maps::HashMap,
+    maps::{Array, HashMap},
     programs::{SchedClassifier, TcAttachType},
 };
-use flannel_common::programs::{
-    BENCH_FLOOR_MAP, FLOOR_EGRESS, FLOOR_PEER, FloorHop, TC_BENCH_FLOOR,
+use flannel_agent::bpf::{LocalConfig, VxlanLocal};
+use flannel_common::{
+    config::Config,
+    maps::CONFIG,
+    programs::{BENCH_FLOOR_MAP, FLOOR_EGRESS, FLOOR_PEER, FloorHop, TC_BENCH_FLOOR},
+    route::{RemoteEntry, RouteKind},
 };
 
-use super::variant::link_mac;
+use super::variant::{cluster_network, link_mac, node_subnet};
 use crate::topology::Topology;
 
-/// The pod's veth on its node (the one pod a `ref-hostgw` node has).
+/// The pod's veth on its node (the one pod a `ref-*` node has).
 const POD_VETH: &str = "vp1";
 
-/// Loads and attaches the floor program on both nodes of `t` (two nodes, one pod each). The
+/// The VNI and port of `ref-vxlan`'s `flannel.1` devices.
+const VNI: u32 = 1;
+const VXLAN_PORT: u16 = 8472;
+
+/// Loads and attaches the floor program on both nodes of `t` (two nodes, one pod each;
+/// `vxlan`: encapsulating to the peer with the VTEP MACs of the nodes' `flannel.1`). The
 /// programs stay attached as long as the returned objects live.
-pub fn attach(t: &Topology) -> Result<Vec<Ebpf>> {
+pub fn attach(t: &Topology, vxlan: bool) -> Result<Vec<Ebpf>> {
     (1..=2)
-        .map(|n| attach_node(t, n, 3 - n).with_context(|| format!("floor program on node {n}")))
+        .map(|n| {
+            attach_node(t, n, 3 - n, vxlan).with_context(|| format!("floor program on node {n}"))
+        })
         .collect()
 }
 
-fn attach_node(t: &Topology, n: usize, peer: usize) -> Result<Ebpf> {
+fn attach_node(t: &Topology, n: usize, peer: usize, vxlan: bool) -> Result<Ebpf> {
     let node = t.node(n);
+    let peer_node = t.node(peer);
     let local = t.first_pod_on(n)?;
     let remote = t.first_pod_on(peer)?;
     let into_pod = FloorHop {
         smac: mac(&link_mac(node.ns(), "cni0")?)?,
         dmac: mac(&link_mac(local.ns(), "eth0")?)?,
         into_peer: FLOOR_PEER,
-        ifindex: 0,
+        ..FloorHop::default()
     };
-    let to_peer = FloorHop {
+    let mut to_peer = FloorHop {
         smac: mac(&link_mac(node.ns(), "eth0")?)?,
-        dmac: mac(&link_mac(t.node(peer).ns(), "eth0")?)?,
+        dmac: mac(&link_mac(peer_node.ns(), "eth0")?)?,
         into_peer: FLOOR_EGRESS,
-        ifindex: 0,
+        ..FloorHop::default()
     };
-    let (local_ip, remote_ip) = (local.ip().octets(), remote.ip().octets());
+    let vtep = if vxlan {
+        to_peer.vxlan_peer = RemoteEntry {
+            kind: RouteKind::Vxlan as u32,
+            public_ip: peer_node.addr().octets(),
+            vni: VNI,
+            vtep_mac: mac(&link_mac(peer_node.ns(), "flannel.1")?)?,
+            ..RemoteEntry::default()
+        };
+        Some(mac(&link_mac(node.ns(), "flannel.1")?)?)
+    } else {
+        None
+    };
+    let (public_ip, local_ip, remote_ip) = (node.addr(), local.ip(), remote.ip());
     node.ns().enter(move || -> Result<Ebpf> {
         let index = |name: &str| {
             nix::net::if_::if_nametoindex(name).with_context(|| format!("no interface {name}"))
         };
         let mut ebpf = Ebpf::load(flannel_agent::EBPF_OBJECT).context("loading the object")?;
+        if let Some(vtep_mac) = vtep {
+            let config = config(public_ip, index("eth0")?, n, vtep_mac)?;
+            let mut map: Array<_, Config> =
+                Array::try_from(ebpf.map_mut(CONFIG).context("no config map")?)?;
+            map.set(0, config, 0)?;
+        }
         let mut hops: HashMap<_, [u8; 4], FloorHop> =
             HashMap::try_from(ebpf.map_mut(BENCH_FLOOR_MAP).context("no floor map")?)?;
-        hops.insert(
-            local_ip,
-            FloorHop {
-                ifindex: index(POD_VETH)?,
-                ..into_pod
-            },
-            0,
-        )?;
-        hops.insert(
-            remote_ip,
-            FloorHop {
-                ifindex: index("eth0")?,
-                ..to_peer
-            },
-            0,
-        )?;
+        let local_hop = FloorHop {
+            ifindex: index(POD_VETH)?,
+            ..into_pod
+        };
+        let remote_hop = FloorHop {
+            ifindex: index("eth0")?,
+            ..to_peer
+        };
+        hops.insert(local_ip.octets(), local_hop, 0)?;
+        hops.insert(remote_ip.octets(), remote_hop, 0)?;
         let program: &mut SchedClassifier = ebpf
             .program_mut(TC_BENCH_FLOOR)
             .context("no floor program")?
@@ -80,6 +108,19 @@ fn attach_node(t: &Topology, n: usize, peer: usize) -> Result<Ebpf> {
         }
         Ok(ebpf)
     })?
+}
+
+/// Node `n`'s VXLAN configuration (as the agent would write it for `ref-vxlan`'s devices).
+fn config(public_ip: Ipv4Addr, ext_ifindex: u32, n: usize, vtep_mac: [u8; 6]) -> Result<Config> {
+    let local = LocalConfig {
+        vxlan: Some(VxlanLocal {
+            vni: VNI,
+            port: VXLAN_PORT,
+            vtep_mac,
+        }),
+        ..LocalConfig::new(public_ip, ext_ifindex, node_subnet(n), cluster_network())
+    };
+    Ok(local.to_entry()?)
 }
 
 /// `aa:bb:…` as bytes.

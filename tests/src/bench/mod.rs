@@ -4,7 +4,7 @@
 //! | module | job |
 //! |---|---|
 //! | [`variant`] | named setups (topology + setup function) yielding client and server |
-//! | [`floor`] | the `floor-ebpf-host-gw` variant's minimal forwarding program |
+//! | [`floor`] | the `floor-ebpf-*` variants' minimal forwarding program |
 //! | [`measure`] | iperf3 throughput with /proc/stat CPU, sockperf ping-pong latency |
 //! | [`progtime`] | the agent's BPF programs' run time over a measurement (`BPF_ENABLE_STATS`) |
 //! | [`stats`] | median/min/max and ratios |

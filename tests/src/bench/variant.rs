@@ -9,7 +9,7 @@
 //! | `pod-same-node` | pod → cni0 → pod on one node, pods made by the flannel CNI plugin |
 //! | `ref-hostgw` | pod → cni0 → node1 → static route via node2 → cni0 → pod (by hand) |
 //! | `ref-vxlan` | the same through hand-made `flannel.1` VXLAN devices with static FDB/neighbour/routes |
-//! | `floor-ebpf-host-gw` | `ref-hostgw`'s pods forwarded by a minimal TC program ([`super::floor`]): the least any eBPF host-gw costs on this path |
+//! | `floor-ebpf-host-gw`, `floor-ebpf-vxlan` | `ref-hostgw`'s / `ref-vxlan`'s pods forwarded by a minimal TC program ([`super::floor`]), the nodes forwarding nothing: the least any eBPF host-gw / VXLAN costs on this path |
 //! | `agent-host-gw`, `agent-vxlan` | pods on two nodes of a cluster run by flannel-agent, kernel dataplane |
 //! | `agent-udp` | the same with the udp backend's TUN path (`flannel0`, user-space forwarder) |
 //! | `agent-host-gw-bare`, `agent-vxlan-bare` | the same without netfilter rules (`--iptables-forward-rules=false`, CNI `ipMasq: false`): only what the agent programs, comparable with `ref-*` |
@@ -242,24 +242,16 @@ pub fn all() -> Vec<Variant> {
             needs_agent: false,
             setup: Box::new(|t, _| ref_setup(t, false)),
         },
-        Variant {
-            name: "floor-ebpf-host-gw",
-            description: "ref-hostgw's pods forwarded by a minimal TC program (destination lookup, MACs, TTL, redirect): the least any eBPF host-gw costs here",
-            topology: two_nodes.clone(),
-            needs_cni: false,
-            needs_agent: false,
-            setup: Box::new(|t, _| {
-                let mut bed = ref_setup(t, false)?;
-                bed.programs = super::floor::attach(bed.topology())?;
-                // The kernel forwards nothing: every pod packet crosses by the program.
-                for n in 1..=2 {
-                    bed.topology()
-                        .node(n)
-                        .run(&["sysctl", "-qw", "net.ipv4.ip_forward=0"])?;
-                }
-                Ok(bed)
-            }),
-        },
+        floor_variant(
+            "floor-ebpf-host-gw",
+            "ref-hostgw's pods forwarded by a minimal TC program (destination lookup, MACs, TTL, redirect): the least any eBPF host-gw costs here",
+            false,
+        ),
+        floor_variant(
+            "floor-ebpf-vxlan",
+            "ref-vxlan's pods forwarded by a minimal TC program (destination lookup, the fast path's VXLAN encapsulation, decapsulation, redirect): the least any eBPF VXLAN costs here",
+            true,
+        ),
         Variant {
             name: "ref-vxlan",
             description: "pod to pod across nodes through hand-made flannel.1 VXLAN devices (static FDB, neighbour, routes)",
@@ -348,6 +340,28 @@ pub fn all() -> Vec<Variant> {
         });
     }
     out
+}
+
+/// A `ref-hostgw` (`ref-vxlan` with `vxlan`) testbed whose nodes forward nothing: a minimal
+/// TC program ([`super::floor`]) carries every pod packet.
+fn floor_variant(name: &'static str, description: &'static str, vxlan: bool) -> Variant {
+    Variant {
+        name,
+        description,
+        topology: TopologySpec::new(2, Underlay::L2),
+        needs_cni: false,
+        needs_agent: false,
+        setup: Box::new(move |t, _| {
+            let mut bed = ref_setup(t, vxlan)?;
+            bed.programs = super::floor::attach(bed.topology(), vxlan)?;
+            for n in 1..=2 {
+                bed.topology()
+                    .node(n)
+                    .run(&["sysctl", "-qw", "net.ipv4.ip_forward=0"])?;
+            }
+            Ok(bed)
+        }),
+    }
 }
 
 /// Looks a variant up by name.
