@@ -11,8 +11,9 @@
 //!   VXLAN over IPv6 exactly as `flannel-v6.<VNI>` would ([`vxlan`]) — GSO packets excepted,
 //!   they take `flannel-v6.<VNI>`;
 //! - `tc_from_netdev`: VXLAN over IPv6 from a known peer and plain packets from remote pods are
-//!   delivered to the pod bridge (bypassing conntrack both ways, see [`crate::deliver`]); the
-//!   NAT guard learns remote pods that talk to host addresses;
+//!   delivered into the pod's namespace when its MAC and bridge port are known
+//!   ([`crate::pods`]), to the pod bridge otherwise (bypassing conntrack both ways, see
+//!   [`crate::deliver`]); the NAT guard learns remote pods that talk to host addresses;
 //! - `tc_to_netdev`: local pod → remote pod flows the kernel sends (plain, or inside
 //!   `flannel-v6.<VNI>`'s VXLAN) are recorded so their replies take the stack too.
 //!
