@@ -1,8 +1,8 @@
 //! Measurement only, never attached by the agent: the collect_md alternative to
 //! [`crate::encap`], so that the throughput comparison can put numbers on the choice
-//! (`bpf_dataplane::throughput_comparison`), and the floor of an eBPF host-gw forwarder, so
-//! that the dataplane bench can tell the fast path's own cost from what any program on this
-//! path costs (`floor-ebpf-host-gw`).
+//! (`bpf_dataplane::throughput_comparison`), and the floor of an eBPF host-gw or VXLAN
+//! forwarder, so that the dataplane bench can tell the fast path's own cost from what any
+//! program on this path costs (`floor-ebpf-host-gw`, `floor-ebpf-vxlan`).
 //!
 //! `tc_bench_vxmd` (TC ingress of the pod bridge) sends a pod's packet to a VXLAN peer the
 //! Cilium/Calico way: inner MACs rewritten (our VTEP MAC → the peer's), TTL decremented,
@@ -115,7 +115,19 @@ pub fn floor(ctx: &TcContext) -> i32 {
     {
         return floor_vxlan_in(ctx, cfg);
     }
-    floor_forward(ctx, &ip)
+    match floor_hop(ip.dst) {
+        Some(hop) => floor_forward(ctx, &ip, &hop),
+        None => TC_ACT_OK,
+    }
+}
+
+/// The hop of destination `dst`, if it has one.
+#[inline(always)]
+fn floor_hop(dst: [u8; 4]) -> Option<FloorHop> {
+    // SAFETY: the pointer comes from a successful lookup; the entry is read once.
+    FLANNEL_BENCHFL
+        .get_ptr(dst)
+        .map(|hop| unsafe { hop.read() })
 }
 
 /// The fields of an IPv4 header without options and with TTL > 1 at `l3` that the floor
@@ -143,14 +155,9 @@ fn floor_header(ctx: &TcContext, l3: usize) -> Option<Ipv4Info> {
     })
 }
 
-/// Forwards the packet `ip` describes (at the Ethernet header's end) by its hop.
+/// Forwards the packet `ip` describes (at the Ethernet header's end) by `hop`.
 #[inline(always)]
-fn floor_forward(ctx: &TcContext, ip: &Ipv4Info) -> i32 {
-    let Some(hop) = FLANNEL_BENCHFL.get_ptr(ip.dst) else {
-        return TC_ACT_OK;
-    };
-    // SAFETY: the pointer comes from a successful lookup; the entry is read once.
-    let hop = unsafe { hop.read() };
+fn floor_forward(ctx: &TcContext, ip: &Ipv4Info, hop: &FloorHop) -> i32 {
     if hop.vxlan_peer.kind == RouteKind::Vxlan as u32 {
         let Some(cfg) = maps::config() else {
             return TC_ACT_OK;
@@ -192,8 +199,10 @@ fn floor_vxlan_in(ctx: &TcContext, cfg: &Config) -> i32 {
     let Some(inner) = floor_header(ctx, VXLAN_INNER_L3) else {
         return TC_ACT_OK;
     };
-    if FLANNEL_BENCHFL.get_ptr(inner.dst).is_none() || deliver::decap(ctx, VXLAN_OVERHEAD).is_err()
-    {
+    let Some(hop) = floor_hop(inner.dst) else {
+        return TC_ACT_OK;
+    };
+    if deliver::decap(ctx, VXLAN_OVERHEAD).is_err() {
         return TC_ACT_OK;
     }
     let inner = Ipv4Info {
@@ -201,7 +210,7 @@ fn floor_vxlan_in(ctx: &TcContext, cfg: &Config) -> i32 {
         l4: ETH_HDR_LEN + 20,
         ..inner
     };
-    match floor_forward(ctx, &inner) {
+    match floor_forward(ctx, &inner, &hop) {
         // Decapsulated: it cannot go back unchanged.
         TC_ACT_OK => TC_ACT_SHOT,
         action => action,

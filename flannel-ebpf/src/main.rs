@@ -9,7 +9,7 @@
 //! | `xdp_from_netdev` | XDP (native mode) of the external interface |
 //! | `tc_classify`, `xdp_classify` | anywhere: classification counters only |
 //! | `tc_bench_vxmd` | measurement only (never attached by the agent): collect_md transmit |
-//! | `tc_bench_floor` | measurement only (never attached by the agent): the least a host-gw forwarder does |
+//! | `tc_bench_floor` | measurement only (never attached by the agent): the least a host-gw or VXLAN forwarder does |
 //!
 //! IPv6 frames go to `flannel_ebpf::v6` (its own subprograms), everything else to the IPv4
 //! bodies.
@@ -149,7 +149,7 @@ pub fn tc_bench_vxmd(ctx: TcContext) -> i32 {
     bench::vxlan_md(&ctx)
 }
 
-/// Measurement only: the floor of an eBPF host-gw forwarder, see `flannel_ebpf::bench`.
+/// Measurement only: the floor of an eBPF host-gw or VXLAN forwarder, see `flannel_ebpf::bench`.
 #[classifier]
 pub fn tc_bench_floor(ctx: TcContext) -> i32 {
     bench::floor(&ctx)

@@ -226,7 +226,7 @@ fn latency(p50s: &[f64]) -> Vec<(usize, f64)> {
 
 /// The [`METRICS`] entries of the programs' time over `round_trips` round trips: the fast
 /// path's when its transmit program ran for every round trip, the floor program's alone when
-/// it did (`floor-ebpf-host-gw`), none otherwise (a kernel-path variant: what the other
+/// it did (the `floor-ebpf-*` variants), none otherwise (a kernel-path variant: what the other
 /// testbeds' programs run meanwhile, for their agents' own traffic, is not this variant's).
 fn program_time(usage: &progtime::Usage, round_trips: u64) -> Vec<(usize, f64)> {
     let ran = |program| round_trips > 0 && usage.runs(program) >= round_trips;

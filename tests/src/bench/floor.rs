@@ -22,15 +22,11 @@ use flannel_common::{
     route::{RemoteEntry, RouteKind},
 };
 
-use super::variant::{cluster_network, link_mac, node_subnet};
+use super::variant::{REF_VNI, REF_VXLAN_PORT, cluster_network, link_mac, node_subnet};
 use crate::topology::Topology;
 
 /// The pod's veth on its node (the one pod a `ref-*` node has).
 const POD_VETH: &str = "vp1";
-
-/// The VNI and port of `ref-vxlan`'s `flannel.1` devices.
-const VNI: u32 = 1;
-const VXLAN_PORT: u16 = 8472;
 
 /// Loads and attaches the floor program on both nodes of `t` (two nodes, one pod each;
 /// `vxlan`: encapsulating to the peer with the VTEP MACs of the nodes' `flannel.1`). The
@@ -64,7 +60,7 @@ fn attach_node(t: &Topology, n: usize, peer: usize, vxlan: bool) -> Result<Ebpf>
         to_peer.vxlan_peer = RemoteEntry {
             kind: RouteKind::Vxlan as u32,
             public_ip: peer_node.addr().octets(),
-            vni: VNI,
+            vni: REF_VNI,
             vtep_mac: mac(&link_mac(peer_node.ns(), "flannel.1")?)?,
             ..RemoteEntry::default()
         };
@@ -114,8 +110,8 @@ fn attach_node(t: &Topology, n: usize, peer: usize, vxlan: bool) -> Result<Ebpf>
 fn config(public_ip: Ipv4Addr, ext_ifindex: u32, n: usize, vtep_mac: [u8; 6]) -> Result<Config> {
     let local = LocalConfig {
         vxlan: Some(VxlanLocal {
-            vni: VNI,
-            port: VXLAN_PORT,
+            vni: REF_VNI,
+            port: REF_VXLAN_PORT,
             vtep_mac,
         }),
         ..LocalConfig::new(public_ip, ext_ifindex, node_subnet(n), cluster_network())

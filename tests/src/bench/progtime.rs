@@ -13,7 +13,7 @@ use flannel_common::programs::{
 };
 
 /// The programs whose time is counted (every node's copy of each, summed by name): the
-/// agent's, and the floor the `floor-ebpf-host-gw` variant runs instead.
+/// agent's, and the floor the `floor-ebpf-*` variants run instead.
 pub const PROGRAMS: [&str; 5] = [
     TC_FROM_BRIDGE,
     TC_FROM_NETDEV,

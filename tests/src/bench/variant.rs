@@ -369,6 +369,11 @@ pub fn find(name: &str) -> Option<Variant> {
     all().into_iter().find(|v| v.name == name)
 }
 
+/// The VNI of `ref-vxlan`'s `flannel.1` devices.
+pub const REF_VNI: u32 = 1;
+/// The UDP port of `ref-vxlan`'s `flannel.1` devices.
+pub const REF_VXLAN_PORT: u16 = 8472;
+
 /// Two nodes with one hand-made pod each (10.244.n.2 behind cni0 10.244.n.1), connected by
 /// static routes over the underlay (`vxlan = false`) or through `flannel.1` VXLAN devices
 /// configured the way upstream's kernel path does (`vxlan = true`).
@@ -387,6 +392,7 @@ fn ref_setup(mut t: Topology, vxlan: bool) -> Result<Testbed> {
     }
     if vxlan {
         let mut macs = Vec::new();
+        let (vni, port) = (REF_VNI.to_string(), REF_VXLAN_PORT.to_string());
         for n in 1..=2 {
             let node = t.node(n);
             let local = node.addr().to_string();
@@ -398,13 +404,13 @@ fn ref_setup(mut t: Topology, vxlan: bool) -> Result<Testbed> {
                 "type",
                 "vxlan",
                 "id",
-                "1",
+                &vni,
                 "local",
                 &local,
                 "dev",
                 "eth0",
                 "dstport",
-                "8472",
+                &port,
                 "nolearning",
             ])?;
             node.run(&[
