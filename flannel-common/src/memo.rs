@@ -7,7 +7,13 @@
 //! next-hop and port lookups. What the packet itself says is still checked on every packet
 //! (IPv4 TCP/UDP, no fragment or options, a sane header, TTL > 1, the length against the MTU;
 //! for a tunnel the outer header as the full checks want it, and that it comes from the peer
-//! the memo was made for); IPv6, ICMP, udp and NAT never use a memo.
+//! the memo was made for); ICMP, udp and NAT never use a memo.
+//!
+//! IPv6 has its own map, [`MEMO6`] ([`MemoKey6`] → [`FlowMemo6`]), for host-gw and VXLAN
+//! over IPv6 (its only fast-path tunnel), under the same rules and the same generation: the
+//! IPv6 learners move it on too, and so does the agent's IPv6 route, node and configuration
+//! sync. There a memo replaces the route, NAT-guard, kernel-flow and node lookups and the
+//! `bpf_fib_lookup` (IPv6 has no remembered next hops) of every packet.
 //!
 //! A memo is used only while everything the decision rested on is unchanged:
 //! - at most a second old ([`crate::hops::HOP_TTL_NS`], as for a remembered next hop: a changed
@@ -21,7 +27,7 @@
 //!   emits a non-fetching atomic add without that ordering: there a check racing a learner
 //!   within the same instant may keep a decision for up to its second.)
 
-use crate::{flow::FlowKey, maps::MAX_OBJ_NAME_LEN};
+use crate::{flow::FlowKey, maps::MAX_OBJ_NAME_LEN, v6::FlowKey6};
 
 /// LRU hash of flows → the decision taken for them ([`MemoKey`] → [`FlowMemo`]). Not pinned:
 /// a cache the programs fill, which a restarted agent starts afresh.
@@ -42,8 +48,16 @@ pub const MEMO_ROUTES: u32 = 2;
 /// Slots of [`MEMO_GEN`].
 pub const MEMO_GEN_SLOTS: u32 = 3;
 
+/// [`MEMO4`]'s IPv6 twin: LRU hash of IPv6 flows → the decision taken for them
+/// ([`MemoKey6`] → [`FlowMemo6`]). Not pinned.
+pub const MEMO6: &str = "FLANNEL_MEMO6";
+/// Most IPv6 flows [`MEMO6`] remembers (about 5 MiB of kernel memory, allocated up front as
+/// for every LRU map; a flow it no longer holds takes the full checks).
+pub const MEMO6_MAX_ENTRIES: u32 = 32768;
+
 const _: () = {
     assert!(MEMO4.len() <= MAX_OBJ_NAME_LEN);
+    assert!(MEMO6.len() <= MAX_OBJ_NAME_LEN);
     assert!(MEMO_GEN.len() <= MAX_OBJ_NAME_LEN);
 };
 
@@ -142,6 +156,102 @@ const _: () = {
     assert!(core::mem::size_of::<FlowMemo>() == 56);
 };
 
+/// [`MEMO6`]'s key: an IPv6 flow seen from this node, local side first (as
+/// [`crate::v6::FlowKey6`]), and the direction. 40 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct MemoKey6 {
+    /// The local pod's address.
+    pub local_addr: [u8; 16],
+    /// The remote pod's address.
+    pub remote_addr: [u8; 16],
+    /// The local port (network order).
+    pub local_port: [u8; 2],
+    /// The remote port (network order).
+    pub remote_port: [u8; 2],
+    /// IP protocol (6 or 17).
+    pub proto: u8,
+    /// [`DIR_IN`] or [`DIR_OUT`].
+    pub dir: u8,
+    /// Explicit padding; always zero.
+    pub _pad: [u8; 2],
+}
+
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for MemoKey6 {}
+
+impl MemoKey6 {
+    /// The key of `flow` in direction `dir`.
+    #[inline(always)]
+    pub fn new(flow: &FlowKey6, dir: u8) -> MemoKey6 {
+        MemoKey6 {
+            local_addr: flow.local_addr,
+            remote_addr: flow.remote_addr,
+            local_port: flow.local_port,
+            remote_port: flow.remote_port,
+            proto: flow.proto,
+            dir,
+            _pad: [0; 2],
+        }
+    }
+}
+
+/// [`MEMO6`]'s value: [`FlowMemo`] with an IPv6 peer. 64 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FlowMemo6 {
+    /// Where the packet went: the pod's veth port (`bpf_redirect_peer`, [`DIR_IN`]) or the
+    /// external interface (`bpf_redirect`, [`DIR_OUT`]).
+    pub ifindex: u32,
+    /// The largest IPv6 packet (header included; each segment, for GSO packets) the decision
+    /// holds for: the route's MTU, less the tunnel's overhead for packets encapsulated.
+    pub mtu: u16,
+    /// [`TUNNEL_NONE`] or [`TUNNEL_VXLAN`].
+    pub tunnel: u8,
+    /// Explicit padding; always zero.
+    pub _pad: u8,
+    /// Source MAC written into the packet (the outer one, for packets encapsulated).
+    pub smac: [u8; 6],
+    /// Destination MAC written into the packet (the outer one, for packets encapsulated).
+    pub dmac: [u8; 6],
+    /// Through a tunnel: the peer's public IPv6, the outer destination of the packets
+    /// encapsulated, the outer source the packets decapsulated must come from.
+    pub peer: [u8; 16],
+    /// VXLAN, [`DIR_OUT`]: the peer's VNI (host order).
+    pub vni: u32,
+    /// VXLAN, [`DIR_OUT`]: the peer's VTEP MAC (inner destination).
+    pub vtep_mac: [u8; 6],
+    /// Explicit padding; always zero.
+    pub _pad2: [u8; 2],
+    /// The [generation](MEMO_GEN) the checks were made at.
+    pub generation: u64,
+    /// When the checks were made (`bpf_ktime_get_coarse_ns`).
+    pub checked_ns: u64,
+}
+
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for FlowMemo6 {}
+
+const _: () = {
+    assert!(core::mem::size_of::<MemoKey6>() == 40);
+    assert!(core::mem::size_of::<FlowMemo6>() == 64);
+};
+
+impl FlowMemo6 {
+    /// [`FlowMemo::usable`] for an IPv6 packet of `len` bytes, header included.
+    #[inline(always)]
+    pub fn usable(&self, now_ns: u64, generation: u64, len: u16) -> bool {
+        self.generation == generation
+            && crate::hops::fresh_and_fits(self.checked_ns, self.mtu, now_ns, len)
+    }
+
+    /// [`FlowMemo::came_through`] for an IPv6 peer.
+    #[inline(always)]
+    pub fn came_through(&self, tunnel: u8, peer: &[u8; 16]) -> bool {
+        self.tunnel == tunnel && (tunnel == TUNNEL_NONE || self.peer == *peer)
+    }
+}
+
 /// The generation from the two counters of [`MEMO_GEN`].
 #[inline(always)]
 pub fn generation(programs: u64, agent: u64) -> u64 {
@@ -222,6 +332,46 @@ mod tests {
         assert!(
             !vxlan.came_through(TUNNEL_NONE, peer),
             "the same flow, not tunnelled"
+        );
+    }
+
+    #[test]
+    fn an_ipv6_memo_follows_the_same_rules() {
+        let peer = [0xfd, 0, 0, 0x77, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2];
+        let memo = FlowMemo6 {
+            mtu: 1500,
+            tunnel: TUNNEL_VXLAN,
+            peer,
+            generation: 9,
+            checked_ns: 10 * HOP_TTL_NS,
+            ..FlowMemo6::default()
+        };
+        let now = 10 * HOP_TTL_NS;
+        assert!(memo.usable(now, 9, 1500));
+        assert!(!memo.usable(now, 10, 100), "another generation");
+        assert!(!memo.usable(now + HOP_TTL_NS + 1, 9, 100), "stale");
+        assert!(!memo.usable(now, 9, 1501), "longer than the MTU");
+        assert!(memo.came_through(TUNNEL_VXLAN, &peer));
+        let mut other = peer;
+        other[15] = 3;
+        assert!(
+            !memo.came_through(TUNNEL_VXLAN, &other),
+            "from another node"
+        );
+        assert!(!memo.came_through(TUNNEL_NONE, &peer), "not tunnelled");
+        let flow = FlowKey6 {
+            local_addr: [1; 16],
+            remote_addr: [2; 16],
+            local_port: [0, 80],
+            remote_port: [0x9c, 0x40],
+            proto: 17,
+            _pad: [0; 3],
+        };
+        let (a, b) = (MemoKey6::new(&flow, DIR_IN), MemoKey6::new(&flow, DIR_OUT));
+        assert_ne!(a, b);
+        assert_eq!(
+            (a.local_addr, a.remote_port, a.proto),
+            ([1; 16], [0x9c, 0x40], 17)
         );
     }
 

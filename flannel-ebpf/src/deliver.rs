@@ -160,7 +160,7 @@ pub fn learn_nat_guard(cfg: &Config, info: &Ipv4Info) -> bool {
 /// After a flow-table insert: a new entry retires the remembered decisions
 /// ([`crate::memo`]), which skipped the flow tables.
 #[inline(always)]
-fn learnt(added: bool) -> bool {
+pub(crate) fn learnt(added: bool) -> bool {
     if added {
         crate::memo::retire_all();
     }

@@ -59,7 +59,7 @@ pub fn xdp_classify(ctx: XdpContext) -> u32 {
 pub fn tc_from_bridge(ctx: TcContext) -> i32 {
     let bytes = ctx.packet_len() as u64;
     // A remembered flow first: its headers are already linear (or it is not taken).
-    let out = if let Some(out) = memo::transmit(&ctx) {
+    let out = if let Some(out) = memo::transmit(&ctx).or_else(|| v6::memo::transmit(&ctx)) {
         out
     } else {
         ctx.pull_headers(PULL_LEN);
@@ -84,7 +84,7 @@ pub fn tc_from_bridge(ctx: TcContext) -> i32 {
 pub fn tc_from_netdev(ctx: TcContext) -> i32 {
     let bytes = ctx.packet_len() as u64;
     // A remembered flow first: its headers are already linear (or it is not taken).
-    let (out, learnt) = if let Some(out) = memo::deliver(&ctx) {
+    let (out, learnt) = if let Some(out) = memo::deliver(&ctx).or_else(|| v6::memo::deliver(&ctx)) {
         (out, netdev::Learnt::default())
     } else {
         ctx.pull_headers(PULL_LEN);

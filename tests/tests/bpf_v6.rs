@@ -19,7 +19,11 @@ use std::{
 use flannel_agent::bpf::{
     FastPath, Hook, LocalConfig, LocalConfig6, Remote, Remote6, Via, VxlanLocal,
 };
-use flannel_common::{config::FASTPATH_MARK, stats::Reason};
+use flannel_common::{
+    config::FASTPATH_MARK,
+    pods::{PodPort, PortKey},
+    stats::Reason,
+};
 use flannel_tests::packet::{
     self, Ethernet, Icmp, Ipv4, Ipv6, Ipv6Ext, ParsedL3, Tcp, Transport, Udp, hexdump,
 };
@@ -674,5 +678,368 @@ fn ipv6_only_and_dual_stack_configurations() {
             &[Reason::Ipv4Tcp, Reason::FastHostGw],
             "v4 on a dual node",
         );
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Remembered decisions (`flannel_common::memo::MEMO6`).
+
+/// Tells the fast path the local pod's bridge port (veth 4242 on br0): delivery then goes
+/// into the pod's namespace, the delivery a memo remembers.
+fn know_pod_port(fp: &mut FastPath, ifs: &Ifaces) {
+    let port = PodPort {
+        ifindex: 4242,
+        bridge: ifs.br,
+    };
+    fp.sync_ports(&BTreeMap::from([(PortKey::new(POD_MAC), port)]))
+        .expect("sync ports");
+}
+
+/// Removes the remote IPv6 subnet `subnet` from the route map behind the agent's back (no
+/// generation change), so that only a remembered decision can still carry its flows. The
+/// IPv6 maps are not pinned: the map is the one `tc_from_bridge` of this fast path uses.
+fn remove_route6_behind_the_agents_back(fp: &mut FastPath, subnet: Ipv6Net) {
+    let name = flannel_common::v6::ROUTES6;
+    let ids = fp
+        .program_mut(Hook::FromBridge)
+        .expect("program")
+        .info()
+        .expect("program info")
+        .map_ids()
+        .expect("map ids")
+        .expect("the kernel lists the maps");
+    let id = ids
+        .into_iter()
+        .find(|id| {
+            aya::maps::MapInfo::from_id(*id).is_ok_and(|info| info.name_as_str() == Some(name))
+        })
+        .unwrap_or_else(|| panic!("tc_from_bridge uses no {name}"));
+    let data = aya::maps::MapData::from_id(id).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let map = aya::maps::Map::from_map_data(data).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let mut trie: aya::maps::LpmTrie<_, [u8; 16], flannel_common::route::RemoteEntry6> =
+        aya::maps::LpmTrie::try_from(map).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let key = aya::maps::lpm_trie::Key::new(u32::from(subnet.prefix_len()), subnet.addr().octets());
+    trie.remove(&key)
+        .unwrap_or_else(|e| panic!("removing {subnet} from {name}: {e}"));
+}
+
+/// Whether `r` is the full checks' or a memo's fast verdict `fast`: redirected, exactly the
+/// class and `fast` counted (and for deliveries the peer delivery), `want` out.
+fn assert_fast(r: &bpf_support::Run, class: Reason, fast: &[Reason], want: &[u8], what: &str) {
+    assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}: {:?}", r.counted);
+    assert_bytes(&r.out, want, what);
+    let mut reasons = vec![class];
+    reasons.extend_from_slice(fast);
+    assert_counted(r, &reasons, what);
+}
+
+/// Whether `r` left `frame` to the kernel unchanged, with `class` and `pass` counted.
+fn assert_passed(r: &bpf_support::Run, frame: &[u8], class: Reason, pass: Reason, what: &str) {
+    assert_eq!(r.verdict, TC_ACT_OK, "{what}: {:?}", r.counted);
+    assert_bytes(&r.out, frame, what);
+    assert_counted(r, &[class, pass], what);
+}
+
+/// An IPv6 host-gw flow's decision is remembered as an IPv4 one is: with the route removed
+/// behind the agent's back the flow's next packets are still sent / delivered exactly as the
+/// full checks did, and only that flow's; hop limit 1 never takes a memo. Every change the
+/// decision rests on retires it: an IPv6 NAT-guard or kernel-flow entry the programs learn,
+/// the agent's IPv6 route sync and configuration writes.
+#[test]
+fn ipv6_flows_are_remembered_until_what_decided_them_changes() {
+    let Some(rig) = Rig::new("f6memo") else {
+        return;
+    };
+    let hostgw = net6("fd00:10:244:2::/64");
+    rig.with_fast_path(false, move |fp, ifs| {
+        know_pod_port(fp, ifs);
+        let skb = Skb::on(ifs.ext);
+
+        // Transmit: flow C.
+        let out = |sport: u16, hop_limit: u8| Ipv6 {
+            hop_limit,
+            ..Ipv6::new(pod(), hostgw_pod(), Tcp::new(sport, 8080).payload(b"memo6"))
+        };
+        let send = |fp: &mut FastPath, ip: &Ipv6| {
+            let frame = pod_frame(ip);
+            (run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br)), frame)
+        };
+        let c = out(40001, 64);
+        let sent = Ethernet::new(EXT_MAC, PEER2_MAC, hop(&c)).encode();
+        let fast_out = [Reason::FastHostGw6];
+        let (r, _) = send(fp, &c);
+        assert_fast(&r, Reason::Ipv6Tcp, &fast_out, &sent, "C, full checks");
+        assert_eq!(r.mark_after, FASTPATH_MARK);
+        remove_route6_behind_the_agents_back(fp, hostgw);
+        let (r, _) = send(fp, &c);
+        assert_fast(&r, Reason::Ipv6Tcp, &fast_out, &sent, "C, remembered");
+        assert_eq!(r.mark_after, FASTPATH_MARK, "C, remembered: marked");
+        let (r, frame) = send(fp, &out(40009, 64));
+        assert_passed(
+            &r,
+            &frame,
+            Reason::Ipv6Tcp,
+            Reason::PassNoRoute,
+            "another flow",
+        );
+        let (r, frame) = send(fp, &out(40001, 1));
+        assert_passed(
+            &r,
+            &frame,
+            Reason::Ipv6Tcp,
+            Reason::PassNoRoute,
+            "hop limit 1",
+        );
+        // A UDP flow is remembered too.
+        let u = Ipv6::new(pod(), hostgw_pod(), Udp::new(5353, 53).payload(b"q"));
+        let u_sent = Ethernet::new(EXT_MAC, PEER2_MAC, hop(&u)).encode();
+        assert_eq!(fp.sync6(&remotes6()).expect("sync6").added, 1);
+        let (r, _) = send(fp, &u);
+        assert_fast(&r, Reason::Ipv6Udp, &fast_out, &u_sent, "UDP, full checks");
+        remove_route6_behind_the_agents_back(fp, hostgw);
+        let (r, _) = send(fp, &u);
+        assert_fast(&r, Reason::Ipv6Udp, &fast_out, &u_sent, "UDP, remembered");
+        // The agent's sync puts the route back and retires; C is decided afresh.
+        let generation = fp.memo_generation().expect("generation");
+        assert_eq!(fp.sync6(&remotes6()).expect("sync6").added, 1);
+        assert_eq!(fp.memo_generation().expect("generation"), generation + 1);
+        let (r, _) = send(fp, &c);
+        assert_fast(&r, Reason::Ipv6Tcp, &fast_out, &sent, "C after the sync");
+        // The remote pod reaches a host address: the IPv6 NAT guard learns it, which retires C.
+        let to_host = underlay(
+            PEER2_MAC,
+            Ipv6::new(hostgw_pod(), pub1(), Tcp::new(8080, 30080)),
+        );
+        let generation = fp.memo_generation().expect("generation");
+        let r = run(fp, Hook::FromNetdev, &to_host, skb);
+        assert!(
+            r.counted
+                .iter()
+                .any(|(reason, _, _)| *reason == Reason::LearnNatGuard),
+            "{:?}",
+            r.counted
+        );
+        assert_eq!(fp.memo_generation().expect("generation"), generation + 1);
+        let (r, frame) = send(fp, &c);
+        assert_passed(
+            &r,
+            &frame,
+            Reason::Ipv6Tcp,
+            Reason::PassNatReply,
+            "C, NAT-guarded",
+        );
+
+        // Delivery: flow A, into the pod's namespace.
+        let incoming = |sport: u16, hop_limit: u8| Ipv6 {
+            hop_limit,
+            ..Ipv6::new(
+                hostgw_pod(),
+                pod(),
+                Tcp::new(sport, 40000).payload(b"memo6"),
+            )
+        };
+        let receive = |fp: &mut FastPath, ip: &Ipv6| {
+            let frame = underlay(PEER2_MAC, ip.clone());
+            (run(fp, Hook::FromNetdev, &frame, skb), frame)
+        };
+        let fast_in = [Reason::FastDeliver6, Reason::DeliverPeer];
+        let a = incoming(81, 63);
+        let delivered = Ethernet::new(BR_MAC, POD_MAC, hop(&a)).encode();
+        let (r, _) = receive(fp, &a);
+        assert_fast(&r, Reason::Ipv6Tcp, &fast_in, &delivered, "A, full checks");
+        remove_route6_behind_the_agents_back(fp, hostgw);
+        let (r, _) = receive(fp, &a);
+        assert_fast(&r, Reason::Ipv6Tcp, &fast_in, &delivered, "A, remembered");
+        let (r, frame) = receive(fp, &incoming(82, 63));
+        assert_passed(
+            &r,
+            &frame,
+            Reason::Ipv6Tcp,
+            Reason::PassForeignSource,
+            "another flow",
+        );
+        let (r, frame) = receive(fp, &incoming(81, 1));
+        assert_passed(
+            &r,
+            &frame,
+            Reason::Ipv6Tcp,
+            Reason::PassForeignSource,
+            "hop limit 1",
+        );
+        // The kernel carried a packet of flow A out: the learner retires the memo.
+        let kernel_out = Ethernet::new(
+            EXT_MAC,
+            PEER2_MAC,
+            Ipv6::new(pod(), hostgw_pod(), Tcp::new(40000, 81)),
+        )
+        .encode();
+        let generation = fp.memo_generation().expect("generation");
+        let r = run(fp, Hook::ToNetdev, &kernel_out, Skb::egress(ifs.ext));
+        assert!(
+            r.counted
+                .iter()
+                .any(|(reason, _, _)| *reason == Reason::LearnKernelFlow),
+            "{:?}",
+            r.counted
+        );
+        assert_eq!(fp.memo_generation().expect("generation"), generation + 1);
+        let (r, frame) = receive(fp, &a);
+        assert_passed(
+            &r,
+            &frame,
+            Reason::Ipv6Tcp,
+            Reason::PassForeignSource,
+            "A, retired",
+        );
+
+        // Flow B, remembered; the agent's IPv6 configuration write retires it.
+        assert_eq!(fp.sync6(&remotes6()).expect("sync6").added, 1);
+        let b = incoming(83, 63);
+        let b_delivered = Ethernet::new(BR_MAC, POD_MAC, hop(&b)).encode();
+        let (r, _) = receive(fp, &b);
+        assert_fast(
+            &r,
+            Reason::Ipv6Tcp,
+            &fast_in,
+            &b_delivered,
+            "B, full checks",
+        );
+        remove_route6_behind_the_agents_back(fp, hostgw);
+        let (r, _) = receive(fp, &b);
+        assert_fast(&r, Reason::Ipv6Tcp, &fast_in, &b_delivered, "B, remembered");
+        fp.set_config6(Some(&config6(ifs.ext))).expect("config6");
+        let (r, frame) = receive(fp, &b);
+        assert_passed(
+            &r,
+            &frame,
+            Reason::Ipv6Tcp,
+            Reason::PassForeignSource,
+            "B, retired",
+        );
+    });
+}
+
+/// VXLAN over IPv6 flows are remembered for their peer only. Sent: with the route gone behind
+/// the agent's back the flow is still encapsulated byte for byte as the full checks did, a
+/// packet longer than the tunnel's room or with hop limit 1 is not, nor a GSO packet. Delivered:
+/// decapsulated into the pod the same way, but only from the node it was remembered for, not
+/// from another VXLAN peer, not plain.
+#[test]
+fn ipv6_vxlan_flows_are_remembered_for_their_peer_only() {
+    let Some(rig) = Rig::new("f6memovx") else {
+        return;
+    };
+    let subnet = net6("fd00:10:244:3::/64");
+    rig.with_fast_path(false, move |fp, ifs| {
+        know_pod_port(fp, ifs);
+
+        // Transmit.
+        let to_remote = |payload: &[u8], hop_limit: u8| Ipv6 {
+            hop_limit,
+            ..Ipv6::new(pod(), vxlan_pod(), Tcp::new(40002, 8080).payload(payload))
+        };
+        let send = |fp: &mut FastPath, ip: &Ipv6, skb: Skb| {
+            let frame = pod_frame(ip);
+            (run(fp, Hook::FromBridge, &frame, skb), frame)
+        };
+        let br = Skb::on(ifs.br);
+        let ip = to_remote(b"memo6", 64);
+        let (full, _) = send(fp, &ip, br);
+        assert_eq!(full.verdict, TC_ACT_REDIRECT, "{:?}", full.counted);
+        assert_counted(&full, &[Reason::Ipv6Tcp, Reason::FastVxlan6], "full checks");
+        packet::verify(&full.out).expect("outer checksums");
+        remove_route6_behind_the_agents_back(fp, subnet);
+        let (r, _) = send(fp, &ip, br);
+        assert_fast(
+            &r,
+            Reason::Ipv6Tcp,
+            &[Reason::FastVxlan6],
+            &full.out,
+            "remembered",
+        );
+        assert_eq!(r.mark_after, FASTPATH_MARK);
+        // The room: the external MTU (1500) less 70 outer bytes, for the inner IPv6 packet.
+        let fits = 1430 - 40 - 20;
+        let (r, _) = send(fp, &to_remote(&vec![7; fits], 64), br);
+        assert_eq!(
+            r.verdict, TC_ACT_REDIRECT,
+            "as long as the room: {:?}",
+            r.counted
+        );
+        assert_counted(
+            &r,
+            &[Reason::Ipv6Tcp, Reason::FastVxlan6],
+            "as long as the room",
+        );
+        packet::verify(&r.out).expect("outer checksums");
+        for (what, ip, skb) in [
+            ("a byte longer", to_remote(&vec![7; fits + 1], 64), br),
+            ("hop limit 1", to_remote(b"memo6", 1), br),
+            (
+                "GSO",
+                to_remote(&[7; 1200], 64),
+                Skb {
+                    gso_size: 600,
+                    gso_segs: 2,
+                    ..br
+                },
+            ),
+        ] {
+            let (r, frame) = send(fp, &ip, skb);
+            assert_passed(&r, &frame, Reason::Ipv6Tcp, Reason::PassNoRoute, what);
+        }
+        assert_eq!(fp.sync6(&remotes6()).expect("sync6").added, 1);
+
+        // Delivery.
+        let inner = Ipv6 {
+            hop_limit: 63,
+            ..Ipv6::new(vxlan_pod(), pod(), Tcp::new(8080, 40002).payload(b"memo6"))
+        };
+        let delivered = Ethernet::new(BR_MAC, POD_MAC, hop(&inner)).encode();
+        let ext = Skb::on(ifs.ext);
+        let from_peer = vxlan6_frame("fd00:77::3", 1, LOCAL_VTEP6, &inner);
+        let fast_in = [Reason::FastDeliverVxlan6, Reason::DeliverPeer];
+        let r = run(fp, Hook::FromNetdev, &from_peer, ext);
+        assert_fast(&r, Reason::Ipv6Udp, &fast_in, &delivered, "full checks");
+        remove_route6_behind_the_agents_back(fp, subnet);
+        let r = run(fp, Hook::FromNetdev, &from_peer, ext);
+        assert_fast(&r, Reason::Ipv6Udp, &fast_in, &delivered, "remembered");
+        let not_fast = |r: &bpf_support::Run, frame: &[u8], what: &str| {
+            assert_eq!(r.verdict, TC_ACT_OK, "{what}: {:?}", r.counted);
+            assert_bytes(&r.out, frame, what);
+            assert!(
+                r.counted
+                    .iter()
+                    .all(|(reason, _, _)| !fast_in.contains(reason)),
+                "{what}: {:?}",
+                r.counted
+            );
+        };
+        let from_other = vxlan6_frame("fd00:77::6", 1, LOCAL_VTEP6, &inner);
+        let r = run(fp, Hook::FromNetdev, &from_other, ext);
+        not_fast(&r, &from_other, "the same flow from another VXLAN peer");
+        let plain = underlay(PEER3_MAC, inner.clone());
+        let r = run(fp, Hook::FromNetdev, &plain, ext);
+        not_fast(&r, &plain, "the same flow, plain");
+        let hop1 = vxlan6_frame(
+            "fd00:77::3",
+            1,
+            LOCAL_VTEP6,
+            &Ipv6 {
+                hop_limit: 1,
+                ..inner.clone()
+            },
+        );
+        let r = run(fp, Hook::FromNetdev, &hop1, ext);
+        not_fast(&r, &hop1, "hop limit 1");
+        let r = run(fp, Hook::FromNetdev, &from_peer, ext);
+        assert_fast(
+            &r,
+            Reason::Ipv6Udp,
+            &fast_in,
+            &delivered,
+            "remembered, still",
+        );
+        assert_eq!(fp.sync6(&remotes6()).expect("sync6").added, 1);
     });
 }

@@ -203,7 +203,8 @@ impl FastPath {
             Array::try_from(map).map_err(|e| BpfError::map(name, e))?;
         array
             .set(0, flannel_common::config::Config::default(), 0)
-            .map_err(|e| BpfError::map(name, e))
+            .map_err(|e| BpfError::map(name, e))?;
+        self.retire_memos()
     }
 
     /// Writes the IPv6 configuration (`Some`) or disables the IPv6 side (`None`: IPv6 frames
@@ -221,7 +222,8 @@ impl FastPath {
             Array::try_from(map).map_err(|e| BpfError::map(CONFIG6, e))?;
         array
             .set(0, entry, 0)
-            .map_err(|e| BpfError::map(CONFIG6, e))
+            .map_err(|e| BpfError::map(CONFIG6, e))?;
+        self.retire_memos()
     }
 
     /// The IPv6 configuration entry as the programs see it.
@@ -288,6 +290,15 @@ impl FastPath {
             for addr in &node_deletes {
                 remove_ignoring_missing(hash.remove(&addr.octets()), NODES6)?;
             }
+        }
+        let changed = !(node_upserts.is_empty()
+            && node_deletes.is_empty()
+            && route_upserts.is_empty()
+            && route_deletes.is_empty()
+            && invalid.is_empty());
+        if changed {
+            // The IPv6 memos rest on these maps as the IPv4 ones on theirs.
+            self.retire_memos()?;
         }
         Ok(stats)
     }

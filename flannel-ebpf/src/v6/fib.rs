@@ -63,24 +63,27 @@ impl Fib6 {
     }
 }
 
-/// Looks up the route for `info`'s destination as if the packet arrived on `ifindex`.
-/// `tot_len` (the whole IPv6 packet) is checked against the output MTU; 0 leaves the check
-/// to the kernel (GSO packets). A BPF subprogram of its own (the lookup structure stays off
-/// the callers' frames).
+/// Looks up the route for `info`'s destination as if the packet arrived on `ifindex`. `len`
+/// holds on entry the length of the whole IPv6 packet to check against the output MTU (0
+/// leaves the check to the kernel: GSO packets), and on return the route's MTU when it
+/// resolved (as [`crate::fib::lookup`] stores it; one argument for both, as a BPF function
+/// takes five at most and the returned enum is one). A BPF subprogram of its own (the lookup
+/// structure stays off the callers' frames).
 #[inline(never)]
-pub fn lookup(ctx: &TcContext, ifindex: u32, info: &Ipv6Info, tot_len: u16) -> Fib6 {
+pub fn lookup(ctx: &TcContext, ifindex: u32, info: &Ipv6Info, len: &mut u16) -> Fib6 {
     let mut slot = core::mem::MaybeUninit::uninit();
     let params = crate::fib::zeroed_params(&mut slot);
     params.family = AF_INET6;
     params.l4_protocol = info.next_hdr;
     params.sport = u16::from_ne_bytes(info.sport);
     params.dport = u16::from_ne_bytes(info.dport);
-    params.__bindgen_anon_1.tot_len = tot_len;
+    params.__bindgen_anon_1.tot_len = *len;
+    *len = 0;
     params.ifindex = ifindex;
     params.__bindgen_anon_2.flowinfo = (u32::from(info.tclass) << 20).to_be();
     params.__bindgen_anon_3.ipv6_src = words(&info.src);
     params.__bindgen_anon_4.ipv6_dst = words(&info.dst);
-    run(ctx, params, 0)
+    run(ctx, params, 0, len)
 }
 
 /// Looks up the route of an outer (tunnel) packet from `src` to `dst` leaving through `oif`.
@@ -92,11 +95,11 @@ pub fn lookup_output(ctx: &TcContext, oif: u32, src: &[u8; 16], dst: &[u8; 16]) 
     params.ifindex = oif;
     params.__bindgen_anon_3.ipv6_src = words(src);
     params.__bindgen_anon_4.ipv6_dst = words(dst);
-    run(ctx, params, BPF_FIB_LOOKUP_OUTPUT)
+    run(ctx, params, BPF_FIB_LOOKUP_OUTPUT, &mut 0)
 }
 
 #[inline(always)]
-fn run(ctx: &TcContext, params: &mut FibParams, flags: u32) -> Fib6 {
+fn run(ctx: &TcContext, params: &mut FibParams, flags: u32, mtu: &mut u16) -> Fib6 {
     // SAFETY: the helper reads and writes `params` (of the size given) only.
     let rc = unsafe {
         bpf_fib_lookup(
@@ -107,6 +110,8 @@ fn run(ctx: &TcContext, params: &mut FibParams, flags: u32) -> Fib6 {
         )
     };
     if rc == BPF_FIB_LKUP_RET_SUCCESS as i64 {
+        // SAFETY: on success the kernel leaves the route's MTU in this member.
+        *mtu = unsafe { params.__bindgen_anon_1.mtu_result };
         Fib6::Resolved {
             ifindex: params.ifindex,
             smac: params.smac,

@@ -17,6 +17,8 @@
 //! - `tc_to_netdev`: local pod → remote pod flows the kernel sends (plain, or inside
 //!   `flannel-v6.<VNI>`'s VXLAN) are recorded so their replies take the stack too.
 //!
+//! A TCP or UDP flow's decision to send or deliver is remembered ([`memo`]), as for IPv4.
+//!
 //! Neighbour discovery, ICMPv6 errors, extension headers, hop limit 1 and everything else
 //! goes to the kernel unchanged with its reason counted. Without an enabled IPv6
 //! configuration, IPv6 frames are passed as [`Reason::PassNotIpv4`] (as before IPv6 support).
@@ -26,11 +28,13 @@
 //! | [`info`] | the IPv6 fields decided on |
 //! | [`decide`] | the decisions, as pure functions |
 //! | [`fib`] | `bpf_fib_lookup` for IPv6, redirects |
+//! | [`memo`] | remembered per-flow decisions: the short paths the entry points try first |
 //! | [`vxlan`] | VXLAN over IPv6: headers, checksum, encapsulation, decapsulation |
 
 pub mod decide;
 pub mod fib;
 pub mod info;
+pub mod memo;
 pub mod vxlan;
 
 use aya_ebpf::{
@@ -41,6 +45,7 @@ use aya_ebpf::{
 };
 use flannel_common::{
     config::FASTPATH_MARK,
+    memo::FlowMemo6,
     route::{NODE_F_VXLAN, NodeEntry, RemoteEntry6},
     stats::Reason,
     v6::{
@@ -52,6 +57,7 @@ use flannel_common::{
 use self::{decide::BridgeAction6, fib::Fib6, info::Ipv6Info};
 use crate::{
     bridge::Outcome,
+    deliver::learnt,
     fib::{gso_size, ingress_ifindex},
     netdev::Learnt,
     parse::{
@@ -101,8 +107,12 @@ pub struct Scratch6 {
     pub inner_hdr: [u8; 40],
     /// The outer headers being written.
     pub headers: [u8; VXLAN6_OVERHEAD],
-    /// Explicit padding.
-    pub _pad: [u8; 2],
+    /// The room inner packets have in VXLAN over IPv6 ([`vxlan::room`]).
+    pub room: u16,
+    /// The memos' generation read before the checks ([`memo`]).
+    pub generation: u64,
+    /// The remembered decision being used ([`memo`]).
+    pub memo: FlowMemo6,
 }
 
 /// [`Scratch6`], one per CPU.
@@ -162,14 +172,14 @@ fn learn_nat_guard(cfg: &Config6, info: &Ipv6Info) -> bool {
     if FLANNEL_NATGRD6.get_ptr(key).is_some() {
         return false;
     }
-    FLANNEL_NATGRD6.insert(key, 1u32, 0).is_ok()
+    learnt(FLANNEL_NATGRD6.insert(key, 1u32, 0).is_ok())
 }
 
 /// Hands the flow of a packet arriving for a local pod to the kernel.
 #[inline(always)]
 fn hand_to_kernel(info: &Ipv6Info) -> bool {
     let key = decide::flow_key_incoming(info);
-    FLANNEL_KFLOWS6.insert(key, 1u32, 0).is_ok()
+    learnt(FLANNEL_KFLOWS6.insert(key, 1u32, 0).is_ok())
 }
 
 /// Records the flow of a local pod's packet that leaves through the kernel.
@@ -182,7 +192,7 @@ fn learn_kernel_flow(cfg: &Config6, info: &Ipv6Info) -> bool {
     if FLANNEL_KFLOWS6.get_ptr(key).is_some() {
         return false;
     }
-    FLANNEL_KFLOWS6.insert(key, 1u32, 0).is_ok()
+    learnt(FLANNEL_KFLOWS6.insert(key, 1u32, 0).is_ok())
 }
 
 /// A TC action with the verdict to count.
@@ -311,18 +321,22 @@ pub fn from_bridge(ctx: &TcContext) -> Outcome {
     if let Some(reason) = refused {
         return Verdict::pass(reason).outcome(class);
     }
+    // Read before the checks: a change while they run retires what they decide.
+    s.generation = crate::memo::current();
     let verdict = match decide_bridge(cfg, &s.outer, &mut s.peer) {
         BridgeStep::Pass(reason) => Verdict::pass(reason),
-        BridgeStep::HostGw => host_gw(ctx, &s.outer),
+        BridgeStep::HostGw => host_gw(ctx, &s.outer, s.generation),
         BridgeStep::Vxlan => vxlan_out(ctx, cfg, s),
     };
     verdict.outcome(class)
 }
 
-/// Host-gw: route by the kernel FIB, decrement the hop limit, redirect.
+/// Host-gw: route by the kernel FIB, decrement the hop limit, redirect; the decision
+/// remembered for the flow ([`memo`]).
 #[inline(never)]
-fn host_gw(ctx: &TcContext, info: &Ipv6Info) -> Verdict {
-    let route = fib::lookup(ctx, crate::pods::routing_iif(ctx), info, 0);
+fn host_gw(ctx: &TcContext, info: &Ipv6Info, generation: u64) -> Verdict {
+    let mut mtu = 0;
+    let route = fib::lookup(ctx, crate::pods::routing_iif(ctx), info, &mut mtu);
     if route == Fib6::Failed {
         return Verdict::pass(Reason::PassFibFailed);
     }
@@ -331,6 +345,7 @@ fn host_gw(ctx: &TcContext, info: &Ipv6Info) -> Verdict {
     if let Err(reason) = decrement_hop_limit(ctx, ETH_HDR_LEN, info.hop_limit) {
         return Verdict::pass(reason);
     }
+    memo::remember_transmit(info, &route, mtu, generation, None);
     match send(ctx, route) {
         Ok(action) => Verdict {
             action,
@@ -340,19 +355,30 @@ fn host_gw(ctx: &TcContext, info: &Ipv6Info) -> Verdict {
     }
 }
 
-/// VXLAN over IPv6 to the peer in `s`.
+/// VXLAN over IPv6 to the peer in `s` (with the generation read before the checks); the
+/// decision remembered for the flow ([`memo`]).
 #[inline(never)]
 fn vxlan_out(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6) -> Verdict {
-    let sent = vxlan::encap(
+    match vxlan::encap(
         ctx,
         cfg,
         &s.peer,
         &s.outer,
         &mut s.inner_hdr,
         &mut s.headers,
-    )
-    .and_then(|route| send(ctx, route));
-    match sent {
+        &mut s.room,
+    ) {
+        Ok(route) => vxlan_send(ctx, s, &route),
+        Err(reason) => Verdict::failed(reason),
+    }
+}
+
+/// Remembers and sends a packet [`vxlan_out`] encapsulated. A BPF subprogram of its own:
+/// its frame is not on the stack while the headers are built (the deepest call chain).
+#[inline(never)]
+fn vxlan_send(ctx: &TcContext, s: &Scratch6, route: &Fib6) -> Verdict {
+    memo::remember_transmit(&s.outer, route, s.room, s.generation, Some(&s.peer));
+    match send(ctx, *route) {
         Ok(action) => Verdict {
             action,
             reason: Reason::FastVxlan6,
@@ -374,15 +400,16 @@ fn decrement_hop_limit(ctx: &TcContext, l3: usize, hop_limit: u8) -> Result<(), 
 }
 
 /// The route to a local pod for a received packet (the IPv6 length checked against the
-/// bridge's MTU, except for GSO packets whose segments the kernel checks).
+/// bridge's MTU, except for GSO packets whose segments the kernel checks), with the route's
+/// MTU in `mtu`.
 #[inline(always)]
-fn route_to_pod(ctx: &TcContext, info: &Ipv6Info) -> Fib6 {
-    let tot_len = if gso_size(ctx) == 0 {
+fn route_to_pod(ctx: &TcContext, info: &Ipv6Info, mtu: &mut u16) -> Fib6 {
+    *mtu = if gso_size(ctx) == 0 {
         (IPV6_HDR_LEN as u16).wrapping_add(info.payload_len)
     } else {
         0
     };
-    fib::lookup(ctx, ingress_ifindex(ctx), info, tot_len)
+    fib::lookup(ctx, ingress_ifindex(ctx), info, mtu)
 }
 
 /// Delivers a packet whose IPv6 header is right after the Ethernet header.
@@ -436,22 +463,28 @@ pub fn from_netdev(ctx: &TcContext) -> (Outcome, Learnt) {
 /// A plain packet: maybe a host-gw packet from a remote pod for a local pod.
 #[inline(never)]
 fn plain_in(ctx: &TcContext, cfg: &Config6, info: &Ipv6Info, learnt: &mut Learnt) -> Verdict {
+    // Read before the checks: a change while they run retires what they decide.
+    let generation = crate::memo::current();
     if let Some(reason) = decide_receive(cfg, info, &mut learnt.nat_guard) {
         return Verdict::pass(reason);
     }
     if cfg.flags & CFG6_ROUTED_RX == 0 {
         return Verdict::pass(Reason::PassRoutedRxOff);
     }
-    let route = route_to_pod(ctx, info);
+    let mut mtu = 0;
+    let route = route_to_pod(ctx, info, &mut mtu);
     if route == Fib6::Failed {
         return Verdict::pass(Reason::PassFibFailed);
     }
+    memo::remember_delivery(info, &route, mtu, generation, None);
     deliver(ctx, info, route, Reason::FastDeliver6)
 }
 
 /// VXLAN over IPv6 to our public IPv6 and port (the outer packet in `s.outer`).
 #[inline(never)]
 fn vxlan_in(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6, learnt: &mut Learnt) -> Verdict {
+    // Read before the checks: a change while they run retires what they decide.
+    let generation = crate::memo::current();
     if s.outer.l4 != ETH_HDR_LEN + IPV6_HDR_LEN || !vxlan::is_ours(ctx, cfg) {
         return Verdict::pass(Reason::PassVxlanMismatch);
     }
@@ -469,7 +502,8 @@ fn vxlan_in(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6, learnt: &mut Learn
     if let Some(reason) = refused {
         return Verdict::pass(reason);
     }
-    let route = route_to_pod(ctx, info);
+    let mut mtu = 0;
+    let route = route_to_pod(ctx, info, &mut mtu);
     if gso_size(ctx) != 0 && !route.reaches_pod_port() {
         // As for IPv4: unless it goes straight into the pod, the kernel's VXLAN receive
         // handles a GSO packet properly.
@@ -482,6 +516,7 @@ fn vxlan_in(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6, learnt: &mut Learn
     if let Err(reason) = vxlan::decap(ctx) {
         return Verdict::pass(reason);
     }
+    memo::remember_delivery(info, &route, mtu, generation, Some(&s.outer.src));
     deliver(ctx, info, route, Reason::FastDeliverVxlan6)
 }
 

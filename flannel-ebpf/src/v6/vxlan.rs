@@ -161,19 +161,38 @@ pub fn write_headers(
     h[46..48].copy_from_slice(&check.to_be_bytes());
 }
 
-/// Whether a (non-GSO) packet still fits the external interface's MTU with `overhead` more
-/// bytes.
+/// The room a (non-GSO) packet has in VXLAN over IPv6: the largest inner IPv6 packet the
+/// external interface's MTU carries with the 70 outer bytes, if this packet fits it.
 #[inline(always)]
-pub fn fits(ctx: &TcContext, cfg: &Config6, overhead: usize) -> bool {
+pub fn room(ctx: &TcContext, cfg: &Config6) -> Option<u16> {
     let mut mtu: u32 = 0;
     // SAFETY: the helper writes one u32 to `mtu` (with mtu_len 0 it only reports the MTU).
     let rc = unsafe { bpf_check_mtu(ctx.skb.skb.cast(), cfg.ext_ifindex, &mut mtu, 0, 0) };
-    rc >= 0 && mtu != 0 && skb_len(ctx) - ETH_HDR_LEN as u32 + overhead as u32 <= mtu
+    if rc < 0 || mtu <= VXLAN6_OVERHEAD as u32 {
+        return None;
+    }
+    let room = mtu - VXLAN6_OVERHEAD as u32;
+    (skb_len(ctx) - ETH_HDR_LEN as u32 <= room).then(|| u16::try_from(room).unwrap_or(u16::MAX))
 }
 
-/// Encapsulates a local pod's IPv6 packet for `peer` and returns the underlay route; `inner`
-/// and `outer` are scratch space (in a per-CPU map, off the stack). On `Err` the packet is
-/// unchanged, except for [`Reason::DropRewriteFailed`].
+/// Whether a local pod's IPv6 packet may be encapsulated here at all: not a GSO packet (see
+/// the module doc), and nothing after the datagram (it would end up in the UDP payload,
+/// outside the checksum).
+#[inline(always)]
+pub fn encapsulable(ctx: &TcContext, info: &Ipv6Info) -> Result<(), Reason> {
+    if gso_size(ctx) != 0 {
+        return Err(Reason::PassGso);
+    }
+    if skb_len(ctx) != (ETH_HDR_LEN + IPV6_HDR_LEN) as u32 + u32::from(info.payload_len) {
+        return Err(Reason::PassMalformed);
+    }
+    Ok(())
+}
+
+/// Encapsulates a local pod's IPv6 packet for `peer` and returns the underlay route, with
+/// the room inner packets have on it in `room`; `inner` and `outer` are scratch space (in a
+/// per-CPU map, off the stack). On `Err` the packet is unchanged, except for
+/// [`Reason::DropRewriteFailed`].
 #[inline(always)]
 pub fn encap(
     ctx: &TcContext,
@@ -182,21 +201,30 @@ pub fn encap(
     info: &Ipv6Info,
     inner: &mut [u8; 40],
     outer: &mut [u8; VXLAN6_OVERHEAD],
+    room: &mut u16,
 ) -> Result<Fib6, Reason> {
-    if gso_size(ctx) != 0 {
-        return Err(Reason::PassGso);
-    }
-    if skb_len(ctx) != (ETH_HDR_LEN + IPV6_HDR_LEN) as u32 + u32::from(info.payload_len) {
-        // Bytes after the datagram would end up in the UDP payload, outside the checksum.
-        return Err(Reason::PassMalformed);
-    }
-    if !fits(ctx, cfg, VXLAN6_OVERHEAD) {
-        return Err(Reason::PassTooBig);
-    }
+    encapsulable(ctx, info)?;
+    *room = self::room(ctx, cfg).ok_or(Reason::PassTooBig)?;
     let route = match fib::lookup_output(ctx, cfg.ext_ifindex, &cfg.public_ip, &peer.public_ip) {
         Fib6::Failed => return Err(Reason::PassFibFailed),
         route => route,
     };
+    push(ctx, cfg, peer, info.hop_limit, inner, outer)?;
+    Ok(route)
+}
+
+/// Puts the VXLAN-over-IPv6 headers for `peer` in front of an [`encapsulable`] packet whose
+/// hop limit is `hop_limit` (decremented in the inner header). On `Err` the packet is
+/// unchanged, except for [`Reason::DropRewriteFailed`].
+#[inline(always)]
+pub fn push(
+    ctx: &TcContext,
+    cfg: &Config6,
+    peer: &RemoteEntry6,
+    hop_limit: u8,
+    inner: &mut [u8; 40],
+    outer: &mut [u8; VXLAN6_OVERHEAD],
+) -> Result<(), Reason> {
     // SAFETY: the helper writes exactly 40 bytes to `inner`, which has 40.
     let loaded = unsafe {
         bpf_skb_load_bytes(
@@ -209,7 +237,7 @@ pub fn encap(
     if loaded != 0 {
         return Err(Reason::PassMalformed);
     }
-    inner[7] = info.hop_limit.wrapping_sub(1);
+    inner[7] = hop_limit.wrapping_sub(1);
     // SAFETY: plain helper call on the program's own skb.
     let hash = unsafe { bpf_get_hash_recalc(ctx.skb.skb.cast()) };
     let src_port = csum::vxlan_source_port(hash, cfg.src_port_min, cfg.src_port_max);
@@ -218,8 +246,7 @@ pub fn encap(
         .map_err(|_| Reason::PassAdjustFailed)?;
     ctx.store(ETH_HDR_LEN, outer, 0)
         .and_then(|()| ctx.store(INNER_L3 + 7, &[inner[7]], 0))
-        .map_err(|_| Reason::DropRewriteFailed)?;
-    Ok(route)
+        .map_err(|_| Reason::DropRewriteFailed)
 }
 
 /// Whether the VXLAN header and inner Ethernet header of a received packet are ours: flags
