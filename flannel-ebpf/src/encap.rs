@@ -191,8 +191,10 @@ pub fn vxlan_headers(
     h[20..22].copy_from_slice(&src_port.to_be_bytes());
     h[22..24].copy_from_slice(&cfg.vxlan_port.to_be_bytes());
     h[24..26].copy_from_slice(&((l3_len + VXLAN_OVERHEAD as u32 - 20) as u16).to_be_bytes());
-    // h[26..28]: UDP checksum 0.
-    h[28] = VXLAN_FLAG_I;
+    // h[26..28]: UDP checksum 0. The VXLAN header's reserved bytes are written with its
+    // flags: left to the initialisation, LLVM zeroes those three with a call to the object's
+    // byte-by-byte `memset` on every packet.
+    h[28..32].copy_from_slice(&[VXLAN_FLAG_I, 0, 0, 0]);
     h[32..36].copy_from_slice(&(peer.vni << 8).to_be_bytes());
     h[36..42].copy_from_slice(&peer.vtep_mac);
     h[42..48].copy_from_slice(&cfg.vtep_mac);
