@@ -18,6 +18,7 @@
 //! | [`NAT_REV4`] | LRU hash | [`crate::nat::NatKey`] (reply) → [`crate::nat::NatRevEntry`] | `tc_to_netdev` |
 //! | [`NAT_FRAG4`] | LRU hash | [`crate::nat::FragKey`] → [`crate::nat::FragEntry`] | `tc_from_netdev` |
 //! | [`NO_MASQ4`] | LPM trie | destination prefix → `u32` | agent |
+//! | the IPv6 maps of [`crate::v6`] but the memos | | | pinned like their IPv4 twins |
 //! | [`crate::pods::PORTS`] (not pinned) | hash | [`crate::pods::PortKey`] (pod MAC) → [`crate::pods::PodPort`] | agent (bridge FDB mirror) |
 //! | [`crate::hops::HOPS4`] (not pinned) | LRU hash | [`crate::hops::HopKey`] → [`crate::hops::Hop`] | `tc_from_netdev`, `tc_from_bridge` (remembered route lookups) |
 //! | [`crate::memo::MEMO4`] (not pinned) | LRU hash | [`crate::memo::MemoKey`] → [`crate::memo::FlowMemo`] | `tc_from_netdev`, `tc_from_bridge` (remembered per-flow decisions) |
@@ -99,7 +100,7 @@ pub const TC_STATS: &str = "FLANNEL_TC_CNT";
 pub const XDP_STATS: &str = "FLANNEL_XDP_CNT";
 
 /// The maps the agent pins (and adopts after a restart).
-pub const PINNED: [&str; 14] = [
+pub const PINNED: [&str; 19] = [
     ROUTES4,
     NODES4,
     CONFIG,
@@ -114,6 +115,11 @@ pub const PINNED: [&str; 14] = [
     NAT_REV4,
     NAT_FRAG4,
     NO_MASQ4,
+    crate::v6::CONFIG6,
+    crate::v6::ROUTES6,
+    crate::v6::NODES6,
+    crate::v6::NAT_GUARD6,
+    crate::v6::KERNEL_FLOWS6,
 ];
 
 /// Longest name the kernel keeps for a map or program.

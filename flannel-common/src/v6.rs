@@ -13,7 +13,8 @@
 //! | [`KERNEL_FLOWS6`] | LRU hash | [`FlowKey6`] → `u32` | `tc_to_netdev` |
 //!
 //! What each does is what its IPv4 twin does (`flannel_ebpf::deliver` explains the flow
-//! tables). Addresses are network-order bytes.
+//! tables), and they are pinned as their twins are ([`crate::maps::PINNED`]), so a restarted
+//! agent keeps the IPv6 flow tables too. Addresses are network-order bytes.
 
 use crate::maps::MAX_OBJ_NAME_LEN;
 

@@ -28,8 +28,9 @@ use flannel_common::{
     flow::{FlowKey, PeerKey},
     maps as names,
     nat::{FragEntry, FragKey, NatConfig, NatEntry, NatKey, NatRevEntry},
-    route::{NodeEntry, RemoteEntry},
+    route::{NodeEntry, RemoteEntry, RemoteEntry6},
     stats::{COUNTER_SLOTS, Counter},
+    v6::{self, Config6, FlowKey6, PeerKey6},
 };
 
 use super::BpfError;
@@ -59,7 +60,7 @@ pub struct MapSpec {
 
 /// Every pinned map of this layout version. The NAT maps' sizes are set at load time
 /// ([`super::LoadOptions::nat_max_entries`]); their specs here hold the object's default.
-pub const MAP_SPECS: [MapSpec; 14] = [
+pub const MAP_SPECS: [MapSpec; 19] = [
     MapSpec {
         name: names::ROUTES4,
         map_type: MapType::LpmTrie,
@@ -143,6 +144,46 @@ pub const MAP_SPECS: [MapSpec; 14] = [
         value_size: 4,
         max_entries: names::NO_MASQ4_MAX_ENTRIES,
         flags: BPF_F_NO_PREALLOC,
+    },
+    MapSpec {
+        name: v6::CONFIG6,
+        map_type: MapType::Array,
+        key_size: 4,
+        value_size: size_of::<Config6>() as u32,
+        max_entries: 1,
+        flags: 0,
+    },
+    MapSpec {
+        name: v6::ROUTES6,
+        map_type: MapType::LpmTrie,
+        key_size: 4 + 16,
+        value_size: size_of::<RemoteEntry6>() as u32,
+        max_entries: v6::ROUTES6_MAX_ENTRIES,
+        flags: BPF_F_NO_PREALLOC,
+    },
+    MapSpec {
+        name: v6::NODES6,
+        map_type: MapType::Hash,
+        key_size: 16,
+        value_size: size_of::<NodeEntry>() as u32,
+        max_entries: v6::NODES6_MAX_ENTRIES,
+        flags: 0,
+    },
+    MapSpec {
+        name: v6::NAT_GUARD6,
+        map_type: MapType::LruHash,
+        key_size: size_of::<PeerKey6>() as u32,
+        value_size: 4,
+        max_entries: v6::NAT_GUARD6_MAX_ENTRIES,
+        flags: 0,
+    },
+    MapSpec {
+        name: v6::KERNEL_FLOWS6,
+        map_type: MapType::LruHash,
+        key_size: size_of::<FlowKey6>() as u32,
+        value_size: 4,
+        max_entries: v6::KERNEL_FLOWS6_MAX_ENTRIES,
+        flags: 0,
     },
 ];
 
