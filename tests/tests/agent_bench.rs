@@ -1,8 +1,11 @@
 //! The agent-driven benchmark setups work: each `agent-*` kernel variant of `flannel-lab bench
 //! dataplane` carries iperf3 and sockperf traffic through the path it names, and `bench
 //! control` converges on a few hundred fake leases with its counters filled in; the eBPF
-//! variants' program run time is read. No timing is asserted (the numbers are the benchmarks'
-//! job); the paths and counts are.
+//! variants' program run time is read. The IPv6 variants (`underlay-v6`,
+//! `agent-ebpf-host-gw-v6`) carry iperf3 and `flannel-lab rr` traffic to the server's IPv6
+//! address, received by the server's IPv6 stack (and, on the fast path, forwarded by its IPv6
+//! side). No timing is asserted (the numbers are the benchmarks' job); the paths and counts
+//! are.
 //!
 //! Run: `cargo test -p flannel-tests --test agent_bench` (as root; skipped otherwise).
 
@@ -12,10 +15,16 @@ use flannel_common::programs::{TC_FROM_BRIDGE, TC_FROM_NETDEV};
 use flannel_tests::{
     bench::{
         control::{self, ControlOptions},
-        dataplane, measure, progtime,
+        dataplane,
+        measure::{self, Latency, RrTool},
+        progtime,
         variant::{self, SetupCtx, Testbed},
     },
-    lab::{agent::Dataplane, bins},
+    lab::{
+        agent::{DEFAULT_HEALTHZ_PORT, Dataplane},
+        bins, fastpath,
+    },
+    netns::NetNs,
     require_root,
 };
 
@@ -133,6 +142,124 @@ fn ebpf_variant_reports_its_programs_run_time() {
     assert!(
         usage.runs(TC_FROM_BRIDGE) >= 2 * rr.round_trips,
         "{usage:?} for {} round trips",
+        rr.round_trips
+    );
+}
+
+/// `Ip6InReceives` of `ns` (/proc/net/snmp6 as seen from inside it).
+fn ip6_in_receives(ns: &NetNs) -> u64 {
+    let snmp6 = ns
+        .run(&["cat", "/proc/net/snmp6"])
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    snmp6
+        .lines()
+        .find_map(|l| l.strip_prefix("Ip6InReceives"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no Ip6InReceives in {snmp6}"))
+}
+
+/// Prepares the IPv6 variant `name` with its servers and checks the bench's view of it: the
+/// server address is IPv6, measured by `flannel-lab rr`; node 1 sends to it out of `eth0`
+/// (through `gateway`, `None` on the link); a second of iperf3 and of `flannel-lab rr` moves
+/// more than 10 MB out of node 1's `eth0`. Returns the testbed.
+fn v6_bed(name: &str, gateway: impl Fn(&Testbed) -> Option<IpAddr>) -> Testbed {
+    let v = variant::find(name).expect("variant");
+    assert!(v.topology.ipv6, "{name}: an IPv6 topology");
+    let mut bed = v
+        .prepare(&ctx())
+        .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    assert!(bed.server_ip.is_ipv6(), "{name}: {}", bed.server_ip);
+    assert_eq!(RrTool::for_server(bed.server_ip), RrTool::LabRr);
+    dataplane::start_servers(&mut bed, Some(0)).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    let route = bed
+        .topology()
+        .node(1)
+        .route_get(bed.server_ip)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(route.dev.as_deref(), Some("eth0"), "{name}: {route:?}");
+    assert_eq!(route.gateway, gateway(&bed), "{name}: {route:?}");
+    let before = tx_bytes(&bed, 1, "eth0");
+    let (gbps, p50) = dataplane::smoke(&bed, bed.server_ip).unwrap_or_else(|e| panic!("{e:#}"));
+    eprintln!("{name}: {gbps:.2} Gbit/s, RR p50 {p50:.1} µs (1 s each, not a measurement)");
+    assert!(gbps > 0.0 && p50 > 0.0, "{name}: {gbps} Gbit/s, {p50} µs");
+    let sent = tx_bytes(&bed, 1, "eth0") - before;
+    assert!(sent > 10_000_000, "{name}: eth0 sent only {sent} bytes");
+    bed
+}
+
+/// A pinned request/response run of the bench's own kind (`measure::rr`) against the
+/// testbed: positive latencies, hundreds of round trips, each one's request received by the
+/// server namespace's IPv6 stack.
+fn v6_rr(bed: &Testbed, name: &str, duration: Duration) -> Latency {
+    let server_rx = ip6_in_receives(bed.server_ns().unwrap_or_else(|e| panic!("{e:#}")));
+    let client = bed.client_ns().unwrap_or_else(|e| panic!("{e:#}"));
+    let rr = measure::rr(client, bed.server_ip, duration, Some(0))
+        .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    eprintln!("{name}: {rr:?}");
+    assert!(rr.p50_us > 0.0 && rr.p50_us <= rr.p99_us, "{name}: {rr:?}");
+    assert!(rr.avg_us > 0.0, "{name}: {rr:?}");
+    assert!(rr.round_trips > 100, "{name}: {rr:?}");
+    assert!(
+        rr.observations > 0 && rr.observations < rr.round_trips,
+        "{name}: the warm-up is left out: {rr:?}"
+    );
+    let received = ip6_in_receives(bed.server_ns().unwrap_or_else(|e| panic!("{e:#}"))) - server_rx;
+    assert!(
+        received >= rr.round_trips,
+        "{name}: the server received {received} IPv6 packets for {} round trips",
+        rr.round_trips
+    );
+    rr
+}
+
+/// The IPv6 baseline: node 1 to node 2's underlay IPv6 address, on the link.
+#[test]
+fn underlay_v6_variant_carries_ipv6_traffic() {
+    require_root!();
+    let bed = v6_bed("underlay-v6", |_| None);
+    assert_eq!(
+        bed.server_ip,
+        IpAddr::V6(bed.topology().node(2).addr6().expect("node2 IPv6"))
+    );
+    v6_rr(&bed, "underlay-v6", Duration::from_secs(1));
+}
+
+/// `agent-ebpf-host-gw-v6`: pod IPv6 to pod IPv6 through node 2's IPv6 address; a
+/// request/response run with statistics on is forwarded by the fast path's IPv6 host-gw
+/// (node 1's `fast_host_gw6` counts every request), and both programs' run time is read.
+#[test]
+fn ebpf_v6_variant_carries_ipv6_traffic_and_reports_its_programs_run_time() {
+    require_root!();
+    let name = "agent-ebpf-host-gw-v6";
+    let bed = v6_bed(name, |bed| bed.topology().node(2).addr6().map(IpAddr::V6));
+    let server = bed.topology().pods_on(2)[0];
+    assert_eq!(bed.server_ip, IpAddr::V6(server.ip6().expect("pod IPv6")));
+    let node1 = bed.topology().node(1).ns();
+    fastpath::expect_path(node1, DEFAULT_HEALTHZ_PORT, "ebpf").unwrap_or_else(|e| panic!("{e:#}"));
+    let forwarded = || {
+        fastpath::packets(node1, DEFAULT_HEALTHZ_PORT, "fast_host_gw6")
+            .unwrap_or_else(|e| panic!("{e:#}"))
+    };
+    let forwarded_before = forwarded();
+    let _stats = progtime::Stats::enable().unwrap_or_else(|e| panic!("{e:#}"));
+    let before = progtime::Snapshot::take();
+    let rr = v6_rr(&bed, name, Duration::from_secs(2));
+    let usage = before.until(&progtime::Snapshot::take());
+    eprintln!("{name}: {usage:?} over {} round trips", rr.round_trips);
+    for program in [TC_FROM_BRIDGE, TC_FROM_NETDEV] {
+        let ns = usage.ns_per_run(program);
+        assert!(ns.is_some_and(|ns| ns > 0.0), "{program}: {usage:?}");
+    }
+    // Both directions run the transmit program once per round trip.
+    assert!(
+        usage.runs(TC_FROM_BRIDGE) >= 2 * rr.round_trips,
+        "{usage:?} for {} round trips",
+        rr.round_trips
+    );
+    let forwarded = forwarded() - forwarded_before;
+    assert!(
+        forwarded >= rr.round_trips as f64,
+        "{name}: node 1's fast path forwarded {forwarded} IPv6 packets for {} round trips",
         rr.round_trips
     );
 }

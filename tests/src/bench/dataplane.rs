@@ -11,7 +11,7 @@ use serde_json::json;
 use flannel_common::programs::{TC_BENCH_FLOOR, TC_FROM_BRIDGE, TC_FROM_NETDEV};
 
 use super::{
-    measure::{self, IPERF_PORT, SOCKPERF_PORT},
+    measure::{self, IPERF_PORT},
     progtime,
     report::Report,
     rounds::{self, Bench, Metric, Plan},
@@ -19,7 +19,7 @@ use super::{
     variant::{self, SetupCtx, Testbed, Variant},
 };
 use crate::lab::{
-    probe,
+    bins, probe,
     process::{Output, Process, wait_tcp_listen},
 };
 
@@ -106,29 +106,31 @@ pub const METRICS: [Metric; 9] = [
     ("from_netdev_ns", "tc_from_netdev per run (RR)", "ns", false),
 ];
 
-/// Starts the iperf3 and sockperf servers (the latter pinned to `rr_cpu`) in the testbed's
-/// server namespace and checks the client reaches the server address.
+/// Starts the iperf3 server and the request/response server in the testbed's server
+/// namespace and checks the client reaches the server address. The latter is sockperf for an
+/// IPv4 server address and `flannel-lab rr` for an IPv6 one ([`measure::RrTool`]), pinned to
+/// `rr_cpu` either way.
 pub fn start_servers(bed: &mut Testbed, rr_cpu: Option<usize>) -> Result<()> {
-    let ip = bed.server_ip.to_string();
+    let tool = measure::RrTool::for_server(bed.server_ip);
+    let lab = match tool {
+        measure::RrTool::LabRr => bins::lab_tool()?.to_string_lossy().into_owned(),
+        measure::RrTool::Sockperf => String::new(),
+    };
+    let rr_server = tool.server_argv(bed.server_ip, &lab);
     let cpu = rr_cpu.map(|c| c.to_string());
-    let mut sockperf_argv = measure::pin_prefix(&cpu);
-    let port = SOCKPERF_PORT.to_string();
-    sockperf_argv.extend(["sockperf", "server", "--tcp", "-i", &ip, "-p", &port]);
-    let (iperf, sockperf) = {
+    let mut rr_argv = measure::pin_prefix(&cpu);
+    rr_argv.extend(rr_server.iter().map(String::as_str));
+    let (iperf, rr) = {
         let server = bed.server_ns()?;
+        // iperf3 listens on every address of both families.
         let mut iperf = Process::spawn(
             server,
             &["iperf3", "-s", "-p", &IPERF_PORT.to_string()],
             Output::Null,
         )?;
         wait_tcp_listen(server, IPERF_PORT, &mut iperf, Duration::from_secs(10))?;
-        let mut sockperf = Process::spawn(server, &sockperf_argv, Output::Null)?;
-        wait_tcp_listen(
-            server,
-            SOCKPERF_PORT,
-            &mut sockperf,
-            Duration::from_secs(10),
-        )?;
+        let mut rr = Process::spawn(server, &rr_argv, Output::Null)?;
+        wait_tcp_listen(server, tool.port(), &mut rr, Duration::from_secs(10))?;
         probe::tcp_reaches(
             bed.client_ns()?,
             server,
@@ -136,10 +138,10 @@ pub fn start_servers(bed: &mut Testbed, rr_cpu: Option<usize>) -> Result<()> {
             Duration::from_secs(5),
         )
         .with_context(|| format!("the client cannot reach {}", bed.server_ip))?;
-        (iperf, sockperf)
+        (iperf, rr)
     };
     bed.keep(iperf);
-    bed.keep(sockperf);
+    bed.keep(rr);
     Ok(())
 }
 
@@ -199,8 +201,7 @@ impl Bench for Dataplane<'_> {
                 let each = (opts.rr_duration / RR_CONNECTIONS).max(Duration::from_secs(1));
                 let p50s = (0..RR_CONNECTIONS)
                     .map(|_| {
-                        measure::sockperf_rr(client, bed.server_ip, each, opts.rr_cpu)
-                            .map(|rr| rr.p50_us)
+                        measure::rr(client, bed.server_ip, each, opts.rr_cpu).map(|rr| rr.p50_us)
                     })
                     .collect::<Result<Vec<_>>>()?;
                 latency(&p50s)
@@ -208,7 +209,7 @@ impl Bench for Dataplane<'_> {
             _ => {
                 let _stats = progtime::Stats::enable()?;
                 let before = progtime::Snapshot::take();
-                let rr = measure::sockperf_rr(client, bed.server_ip, PROG_TIME_RR, opts.rr_cpu)?;
+                let rr = measure::rr(client, bed.server_ip, PROG_TIME_RR, opts.rr_cpu)?;
                 let usage = before.until(&progtime::Snapshot::take());
                 program_time(&usage, rr.round_trips)
             }
@@ -252,7 +253,7 @@ pub fn run(
     cancelled: &dyn Fn() -> bool,
 ) -> Result<Report> {
     let plan = Plan::new(&opts.name, &opts.variants, &opts.baseline, opts.reps);
-    let settings = json!({
+    let mut settings = json!({
         "reps": opts.reps,
         "throughput_seconds": opts.duration.as_secs(),
         "rr_seconds": opts.rr_duration.as_secs(),
@@ -263,15 +264,39 @@ pub fn run(
         "cpu": "machine-wide busy time from /proc/stat during each iperf3 run / Gbit received",
         "ebpf_time": "BPF_ENABLE_STATS run time of tc_from_bridge, tc_from_netdev, tc_to_netdev and xdp_from_netdev (every node; tc_bench_floor for the floor variant) during a separate 2 s sockperf run, per round trip and per run",
     });
+    if let (Some(note), Some(obj)) = (ipv6_rr_note(&opts.variants), settings.as_object_mut()) {
+        obj.insert("tools_ipv6".to_owned(), note.into());
+    }
     rounds::run(&Dataplane { opts, ctx }, plan, settings, log, cancelled)
 }
 
-/// A quick single-pair check used by tests: 1 s of iperf3 and sockperf against `ip` from
-/// `bed`'s client; returns (Gbit/s, RR p50 µs).
+/// The report's note on how the IPv6 variants among `names` measure request/response
+/// latency, `None` without IPv6 variants.
+fn ipv6_rr_note(names: &[String]) -> Option<String> {
+    let v6: Vec<&str> = names
+        .iter()
+        .filter(|name| variant::find(name).is_some_and(|v| v.topology.ipv6))
+        .map(String::as_str)
+        .collect();
+    (!v6.is_empty()).then(|| {
+        format!(
+            "TCP RR and eBPF time of the IPv6 variants ({}) by flannel-lab rr (one connection, \
+             TCP_NODELAY, 64-byte request echoed, every round trip timed, {} ms warm-up, same \
+             pinning and connections), not sockperf, which rejects IPv6 addresses: compare \
+             their RR with underlay-v6's, not with the sockperf rows",
+            v6.join(", "),
+            super::rr::WARMUP.as_millis()
+        )
+    })
+}
+
+/// A quick single-pair check used by tests: 1 s of iperf3 and of the request/response tool
+/// ([`measure::rr`]: sockperf for IPv4, `flannel-lab rr` for IPv6) against `ip` from `bed`'s
+/// client; returns (Gbit/s, RR p50 µs).
 pub fn smoke(bed: &Testbed, ip: IpAddr) -> Result<(f64, f64)> {
     let client = bed.client_ns()?;
     let t = measure::iperf3_tcp(client, ip, 1, Duration::from_secs(1), None)?;
-    let rr = measure::sockperf_rr(client, ip, Duration::from_secs(1), None)?;
+    let rr = measure::rr(client, ip, Duration::from_secs(1), None)?;
     Ok((t.gbps, rr.p50_us))
 }
 
@@ -301,6 +326,26 @@ mod tests {
             (TC_FROM_NETDEV, 11_000, 2),
         ]);
         assert_eq!(program_time(&before.until(&floor), 1_000), vec![(6, 0.4)]);
+    }
+
+    #[test]
+    fn the_report_names_the_ipv6_rr_tool_when_ipv6_variants_run() {
+        let names = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        assert_eq!(
+            ipv6_rr_note(&names(&["underlay", "agent-ebpf-host-gw"])),
+            None
+        );
+        let note = ipv6_rr_note(&names(&[
+            "underlay-v6",
+            "underlay",
+            "agent-ebpf-host-gw-v6",
+        ]))
+        .expect("a note");
+        assert!(
+            note.contains("(underlay-v6, agent-ebpf-host-gw-v6)"),
+            "{note}"
+        );
+        assert!(note.contains("flannel-lab rr"), "{note}");
     }
 
     #[test]

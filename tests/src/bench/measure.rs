@@ -1,20 +1,26 @@
 //! One measurement each: iperf3 TCP throughput (with the machine's CPU busy time during the
-//! run, from /proc/stat) and sockperf TCP ping-pong latency.
+//! run, from /proc/stat) and TCP ping-pong latency: sockperf for IPv4, `flannel-lab rr`
+//! ([`super::rr`]) for IPv6, which the installed sockperf (3.7) rejects ([`rr`] picks).
 //!
 //! Everything runs on this one machine, so the whole machine's CPU time is the cost of moving
 //! the bytes through both ends.
 
-use std::{net::IpAddr, time::Duration};
+use std::{
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
 
 use anyhow::{Context as _, Result, bail};
 use serde_json::Value;
 
-use crate::netns::NetNs;
+use crate::{lab::bins, netns::NetNs};
 
 /// Port of the iperf3 servers.
 pub const IPERF_PORT: u16 = 5201;
 /// Port of the sockperf servers.
 pub const SOCKPERF_PORT: u16 = 11111;
+/// Port of the `flannel-lab rr` servers.
+pub const RR_PORT: u16 = 11112;
 
 /// Aggregate CPU counters from the first line of /proc/stat, in clock ticks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -301,9 +307,145 @@ pub fn sockperf_rr(
     })
 }
 
+/// The request/response tool for a server address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RrTool {
+    /// `sockperf ping-pong --tcp` ([`sockperf_rr`]), on [`SOCKPERF_PORT`].
+    Sockperf,
+    /// `flannel-lab rr` ([`lab_rr`], [`super::rr`]), on [`RR_PORT`].
+    LabRr,
+}
+
+impl RrTool {
+    /// sockperf for IPv4 (the method of every IPv4 number so far), `flannel-lab rr` for IPv6.
+    pub fn for_server(server: IpAddr) -> RrTool {
+        match server {
+            IpAddr::V4(_) => RrTool::Sockperf,
+            IpAddr::V6(_) => RrTool::LabRr,
+        }
+    }
+
+    /// The port its server listens on.
+    pub fn port(self) -> u16 {
+        match self {
+            RrTool::Sockperf => SOCKPERF_PORT,
+            RrTool::LabRr => RR_PORT,
+        }
+    }
+
+    /// The server's argv (after any [`pin_prefix`]) for listening on `server`; `lab` is the
+    /// `flannel-lab` binary.
+    pub fn server_argv(self, server: IpAddr, lab: &str) -> Vec<String> {
+        let port = self.port();
+        match self {
+            RrTool::Sockperf => ["sockperf", "server", "--tcp", "-i"]
+                .into_iter()
+                .map(str::to_owned)
+                .chain([server.to_string(), "-p".to_owned(), port.to_string()])
+                .collect(),
+            RrTool::LabRr => vec![
+                lab.to_owned(),
+                "rr".to_owned(),
+                "server".to_owned(),
+                "--listen".to_owned(),
+                SocketAddr::new(server, port).to_string(),
+            ],
+        }
+    }
+}
+
+/// A request/response run from `client` to `server` with the tool [`RrTool::for_server`]
+/// picks: [`sockperf_rr`] or [`lab_rr`], same duration, same pinning.
+pub fn rr(
+    client: &NetNs,
+    server: IpAddr,
+    duration: Duration,
+    cpu: Option<usize>,
+) -> Result<Latency> {
+    match RrTool::for_server(server) {
+        RrTool::Sockperf => sockperf_rr(client, server, duration, cpu),
+        RrTool::LabRr => lab_rr(client, server, duration, cpu),
+    }
+}
+
+/// Runs `flannel-lab rr client` (one connection, 64-byte requests echoed, every round trip
+/// timed; see [`super::rr`]) from `client` to a `flannel-lab rr server` at `server:RR_PORT`
+/// for `duration`, pinned to `cpu` if given, as [`sockperf_rr`] runs sockperf.
+pub fn lab_rr(
+    client: &NetNs,
+    server: IpAddr,
+    duration: Duration,
+    cpu: Option<usize>,
+) -> Result<Latency> {
+    let lab = bins::lab_tool()?;
+    let lab = lab.to_str().context("flannel-lab path is not UTF-8")?;
+    let secs = duration.as_secs_f64().max(0.1).to_string();
+    let server_arg = SocketAddr::new(server, RR_PORT).to_string();
+    let cpu = cpu.map(|c| c.to_string());
+    let mut argv = pin_prefix(&cpu);
+    argv.extend([
+        lab,
+        "rr",
+        "client",
+        "--server",
+        &server_arg,
+        "--seconds",
+        &secs,
+    ]);
+    let out = client.output(&argv)?;
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        bail!(
+            "flannel-lab rr client to {server_arg} from {} ({}): {}",
+            client.name(),
+            out.status,
+            text.trim()
+        );
+    }
+    super::rr::parse_summary(&text).with_context(|| {
+        format!(
+            "flannel-lab rr client to {server_arg} from {}: {}",
+            client.name(),
+            text.trim()
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ipv4_keeps_sockperf_ipv6_gets_the_lab_tool() {
+        let v4: IpAddr = "10.244.2.2".parse().expect("v4");
+        let v6: IpAddr = "fd00:244:0:2::2".parse().expect("v6");
+        assert_eq!(RrTool::for_server(v4), RrTool::Sockperf);
+        assert_eq!(RrTool::for_server(v6), RrTool::LabRr);
+        assert_eq!(
+            RrTool::Sockperf.server_argv(v4, "/x/flannel-lab"),
+            [
+                "sockperf",
+                "server",
+                "--tcp",
+                "-i",
+                "10.244.2.2",
+                "-p",
+                "11111"
+            ]
+        );
+        // The listen address is bracketed, as a socket address.
+        assert_eq!(
+            RrTool::LabRr.server_argv(v6, "/x/flannel-lab"),
+            [
+                "/x/flannel-lab",
+                "rr",
+                "server",
+                "--listen",
+                "[fd00:244:0:2::2]:11112"
+            ]
+        );
+    }
 
     #[test]
     fn tcp_cpus_parse_as_client_comma_server() {

@@ -5,7 +5,7 @@
 //! |---|---|
 //! | [`variant`] | named setups (topology + setup function) yielding client and server |
 //! | [`floor`] | the `floor-ebpf-*` variants' minimal forwarding program |
-//! | [`measure`] | iperf3 throughput with /proc/stat CPU, sockperf ping-pong latency |
+//! | [`measure`] | iperf3 throughput with /proc/stat CPU, ping-pong latency (sockperf; [`rr`] for IPv6) |
 //! | [`progtime`] | the agent's BPF programs' run time over a measurement (`BPF_ENABLE_STATS`) |
 //! | [`stats`] | median/min/max and ratios |
 //! | [`rounds`] | the interleaved runner: set up every variant, measure round-robin, compare with the baseline |
@@ -13,6 +13,7 @@
 //! | [`control`] | `bench control`: N fake leases → time until the kernel holds them |
 //! | [`masq`] | `bench masq`: pod → outside through eBPF SNAT, iptables MASQUERADE, no NAT |
 //! | [`crr`] | the TCP connection-rate tool `bench masq` uses (`flannel-lab crr`) |
+//! | [`rr`] | the TCP ping-pong latency tool `bench dataplane` uses for IPv6 (`flannel-lab rr`) |
 //! | [`report`] | Markdown, JSON and SVG output with the machine header |
 
 pub mod control;
@@ -24,5 +25,6 @@ pub mod measure;
 pub mod progtime;
 pub mod report;
 pub mod rounds;
+pub mod rr;
 pub mod stats;
 pub mod variant;

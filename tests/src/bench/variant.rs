@@ -15,12 +15,18 @@
 //! | `agent-host-gw-bare`, `agent-vxlan-bare` | the same without netfilter rules (`--iptables-forward-rules=false`, CNI `ipMasq: false`): only what the agent programs, comparable with `ref-*` |
 //! | `agent-ebpf-host-gw`, `agent-ebpf-vxlan` | the same with `--dataplane=ebpf` |
 //! | `agent-ebpf-udp` | the udp backend with `--dataplane=ebpf`: encapsulation in TC, `flannel0` for the rest |
+//! | `underlay-v6` | `underlay` between the nodes' IPv6 addresses (the IPv6 baseline) |
+//! | `agent-host-gw-v6`, `agent-vxlan-v6` | `agent-host-gw`, `agent-vxlan` in a dual-stack cluster ([`cluster_network_v6`]), pod IPv6 to pod IPv6 |
+//! | `agent-ebpf-host-gw-v6`, `agent-ebpf-vxlan-v6` | the same with `--dataplane=ebpf` |
+//!
+//! Request/response latency to an IPv6 server address is measured by `flannel-lab rr`
+//! ([`super::rr`]) instead of sockperf ([`super::measure::RrTool`]).
 
 use std::{net::IpAddr, path::PathBuf};
 
 use anyhow::{Context as _, Result, bail};
-use ipnet::Ipv4Net;
-use std::net::Ipv4Addr;
+use ipnet::{Ipv4Net, Ipv6Net};
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use crate::{
     lab::{
@@ -181,6 +187,12 @@ pub fn cluster_network() -> Ipv4Net {
     Ipv4Net::new(Ipv4Addr::new(10, 244, 0, 0), 16).unwrap_or_default()
 }
 
+/// The IPv6 cluster network of the dual-stack variants: fd00:244::/48 (as the dual-stack
+/// fast-path tests use).
+pub fn cluster_network_v6() -> Ipv6Net {
+    Ipv6Net::new(Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 0), 48).unwrap_or_default()
+}
+
 /// Node `n`'s pod subnet in the hand-made variants: 10.244.n.0/24.
 pub fn node_subnet(n: usize) -> Ipv4Net {
     Ipv4Net::new(Ipv4Addr::new(10, 244, n as u8, 0), 24).unwrap_or_default()
@@ -201,6 +213,22 @@ pub fn all() -> Vec<Variant> {
             needs_agent: false,
             setup: Box::new(|t, _| {
                 let ip = IpAddr::V4(t.node(2).addr());
+                Ok(Testbed::new(
+                    Owner::Topology(t),
+                    Place::Node(1),
+                    Place::Node(2),
+                    ip,
+                ))
+            }),
+        },
+        Variant {
+            name: "underlay-v6",
+            description: "node1 eth0 to node2 eth0 over the underlay bridge, IPv6 (the IPv6 baseline)",
+            topology: two_nodes.clone().ipv6(true),
+            needs_cni: false,
+            needs_agent: false,
+            setup: Box::new(|t, _| {
+                let ip = IpAddr::V6(t.node(2).addr6().context("node2 has no IPv6 address")?);
                 Ok(Testbed::new(
                     Owner::Topology(t),
                     Place::Node(1),
@@ -261,12 +289,13 @@ pub fn all() -> Vec<Variant> {
             setup: Box::new(|t, _| ref_setup(t, true)),
         },
     ];
-    for (name, description, backend, dataplane, bare) in [
+    for (name, description, backend, dataplane, bare, ipv6) in [
         (
             "agent-host-gw",
             "pod to pod across nodes, flannel-agent host-gw, kernel dataplane",
             "host-gw",
             Dataplane::Kernel,
+            false,
             false,
         ),
         (
@@ -275,6 +304,7 @@ pub fn all() -> Vec<Variant> {
             "vxlan",
             Dataplane::Kernel,
             false,
+            false,
         ),
         (
             "agent-host-gw-bare",
@@ -282,6 +312,7 @@ pub fn all() -> Vec<Variant> {
             "host-gw",
             Dataplane::Kernel,
             true,
+            false,
         ),
         (
             "agent-vxlan-bare",
@@ -289,12 +320,14 @@ pub fn all() -> Vec<Variant> {
             "vxlan",
             Dataplane::Kernel,
             true,
+            false,
         ),
         (
             "agent-udp",
             "pod to pod across nodes, flannel-agent udp (flannel0 TUN + user-space forwarder)",
             "udp",
             Dataplane::Kernel,
+            false,
             false,
         ),
         (
@@ -303,12 +336,14 @@ pub fn all() -> Vec<Variant> {
             "host-gw",
             Dataplane::Ebpf,
             false,
+            false,
         ),
         (
             "agent-ebpf-vxlan",
             "pod to pod across nodes, flannel-agent vxlan, eBPF dataplane",
             "vxlan",
             Dataplane::Ebpf,
+            false,
             false,
         ),
         (
@@ -317,6 +352,7 @@ pub fn all() -> Vec<Variant> {
             "udp",
             Dataplane::Ebpf,
             false,
+            false,
         ),
         (
             "agent-ebpf-ipip",
@@ -324,19 +360,53 @@ pub fn all() -> Vec<Variant> {
             "ipip",
             Dataplane::Ebpf,
             false,
+            false,
+        ),
+        (
+            "agent-host-gw-v6",
+            "pod IPv6 to pod IPv6 across nodes, dual-stack cluster, flannel-agent host-gw, kernel dataplane",
+            "host-gw",
+            Dataplane::Kernel,
+            false,
+            true,
+        ),
+        (
+            "agent-vxlan-v6",
+            "pod IPv6 to pod IPv6 across nodes, dual-stack cluster, flannel-agent vxlan (flannel-v6.1), kernel dataplane",
+            "vxlan",
+            Dataplane::Kernel,
+            false,
+            true,
+        ),
+        (
+            "agent-ebpf-host-gw-v6",
+            "pod IPv6 to pod IPv6 across nodes, dual-stack cluster, flannel-agent host-gw, eBPF dataplane",
+            "host-gw",
+            Dataplane::Ebpf,
+            false,
+            true,
+        ),
+        (
+            "agent-ebpf-vxlan-v6",
+            "pod IPv6 to pod IPv6 across nodes, dual-stack cluster, flannel-agent vxlan (VXLAN over IPv6), eBPF dataplane",
+            "vxlan",
+            Dataplane::Ebpf,
+            false,
+            true,
         ),
     ] {
-        let mut topology = two_nodes.clone();
+        let mut topology = two_nodes.clone().ipv6(ipv6);
         if bare {
             topology = topology.cni_ip_masq(false);
         }
+        let family = if ipv6 { Family::V6 } else { Family::V4 };
         out.push(Variant {
             name,
             description,
             topology,
             needs_cni: true,
             needs_agent: true,
-            setup: Box::new(move |t, ctx| agent_setup(t, ctx, backend, dataplane, bare)),
+            setup: Box::new(move |t, ctx| agent_setup(t, ctx, backend, dataplane, bare, family)),
         });
     }
     out
@@ -502,19 +572,34 @@ pub fn link_mac(ns: &NetNs, link: &str) -> Result<String> {
         .with_context(|| format!("{link} has no address: {out}"))
 }
 
+/// The address family a variant measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// IPv4 (an IPv4-only cluster).
+    V4,
+    /// IPv6 between the pods of a dual-stack cluster ([`cluster_network_v6`]).
+    V6,
+}
+
 /// A two-node cluster run by the agent with one CNI pod per node; `bare`: without the
-/// agent's forward rules (the topology's CNI delegate is set not to masquerade).
+/// agent's forward rules (the topology's CNI delegate is set not to masquerade). With
+/// [`Family::V6`] the cluster is dual-stack (the topology must have IPv6) and the server
+/// address is the server pod's IPv6 address.
 fn agent_setup(
     t: Topology,
     ctx: &SetupCtx,
     backend: &str,
     dataplane: Dataplane,
     bare: bool,
+    family: Family,
 ) -> Result<Testbed> {
     let agent = ctx.agent.clone().context("no flannel-agent")?;
     let mut spec = ClusterSpec::new(t.spec().clone(), backend, agent);
     spec.dataplane = dataplane;
     spec.pods_per_node = 1;
+    if family == Family::V6 {
+        spec.ipv6_network = Some(cluster_network_v6());
+    }
     if bare {
         spec.agent_args = vec!["--iptables-forward-rules=false".to_owned()];
     }
@@ -523,7 +608,15 @@ fn agent_setup(
     cluster.wait_ready(std::time::Duration::from_secs(60))?;
     let client = cluster.topology().pods_on(1)[0].name().to_owned();
     let server = cluster.topology().pods_on(2)[0];
-    let (server, ip) = (server.name().to_owned(), IpAddr::V4(server.ip()));
+    let ip = match family {
+        Family::V4 => IpAddr::V4(server.ip()),
+        Family::V6 => IpAddr::V6(
+            server
+                .ip6()
+                .with_context(|| format!("pod {} has no IPv6 address", server.name()))?,
+        ),
+    };
+    let server = server.name().to_owned();
     Ok(Testbed::new(
         Owner::Cluster(Box::new(cluster)),
         Place::Pod(client),

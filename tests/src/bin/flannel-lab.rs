@@ -7,6 +7,7 @@
 //! * `host -- <flags>`: runs one agent on the real host with the given flags (exec).
 //! * `bench dataplane` / `bench control` / `bench masq`: see `flannel_tests::bench`.
 //! * `crr`: the connection-rate tool of `bench masq`, by hand (server or client).
+//! * `rr`: the TCP ping-pong latency tool `bench dataplane` uses for IPv6 (server or client).
 //! * `variants`: lists the benchmark variants.
 
 use std::{
@@ -26,7 +27,7 @@ use flannel_tests::{
         crr,
         dataplane::{self, DataplaneOptions},
         masq::{self, MasqOptions},
-        report,
+        report, rr,
         variant::{self, SetupCtx},
     },
     lab::{
@@ -75,6 +76,33 @@ enum Command {
     /// The TCP connection-rate tool of `bench masq`: a server (`--listen`) or clients
     /// (`--server`); run it in a namespace with nsenter.
     Crr(CrrArgs),
+    /// The TCP ping-pong latency tool `bench dataplane` uses for IPv6 (sockperf 3.7 rejects
+    /// IPv6 addresses); run it in a namespace with nsenter.
+    #[command(subcommand)]
+    Rr(RrCommand),
+}
+
+#[derive(Subcommand)]
+enum RrCommand {
+    /// Echo every 64-byte request on every connection until killed.
+    Server {
+        /// Address to listen on, e.g. `[fd00:244:0:2::2]:11112`.
+        #[arg(long)]
+        listen: std::net::SocketAddr,
+    },
+    /// One connection with TCP_NODELAY: 64-byte requests echoed back to back, each round
+    /// trip timed; prints `rr: round_trips=N observations=N p50_us=X p99_us=X avg_us=X`.
+    Client {
+        /// The server.
+        #[arg(long)]
+        server: std::net::SocketAddr,
+        /// Seconds to run, warm-up included.
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        /// Milliseconds of warm-up left out of the statistics (at most half the run).
+        #[arg(long, default_value_t = rr::WARMUP.as_millis() as u64)]
+        warmup_ms: u64,
+    },
 }
 
 #[derive(Args)]
@@ -284,7 +312,7 @@ fn main() -> Result<()> {
     }
     if let Command::Variants = cli.command {
         for v in variant::all() {
-            println!("{:<20} {}", v.name, v.description);
+            println!("{:<22} {}", v.name, v.description);
         }
         return Ok(());
     }
@@ -293,6 +321,9 @@ fn main() -> Result<()> {
     }
     if let Command::Crr(args) = &cli.command {
         return crr_tool(args);
+    }
+    if let Command::Rr(cmd) = &cli.command {
+        return rr_tool(cmd);
     }
     if !flannel_tests::is_root() {
         bail!("flannel-lab needs root (network namespaces, netlink, BPF)");
@@ -303,9 +334,11 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Dataplane(args)) => bench_dataplane(args),
         Command::Bench(BenchCommand::Control(args)) => bench_control(args),
         Command::Bench(BenchCommand::Masq(args)) => bench_masq(args),
-        Command::Host { .. } | Command::Variants | Command::Render { .. } | Command::Crr(_) => {
-            Ok(())
-        }
+        Command::Host { .. }
+        | Command::Variants
+        | Command::Render { .. }
+        | Command::Crr(_)
+        | Command::Rr(_) => Ok(()),
     }
 }
 
@@ -486,6 +519,38 @@ fn crr_tool(args: &CrrArgs) -> Result<()> {
             Ok(())
         }
         (None, None) => bail!("give --listen ADDR (server) or --server ADDR (clients)"),
+    }
+}
+
+fn rr_tool(cmd: &RrCommand) -> Result<()> {
+    match cmd {
+        RrCommand::Server { listen } => {
+            install_signal_handlers()?;
+            let listener =
+                std::net::TcpListener::bind(listen).with_context(|| format!("binding {listen}"))?;
+            let server = rr::RrServer::start(listener)?;
+            eprintln!("==> serving on {}, Ctrl-C to stop", server.addr());
+            while !stopped() {
+                thread::sleep(Duration::from_millis(100));
+            }
+            Ok(())
+        }
+        RrCommand::Client {
+            server,
+            seconds,
+            warmup_ms,
+        } => {
+            if !(seconds.is_finite() && *seconds > 0.0 && *seconds <= 86_400.0) {
+                bail!("--seconds {seconds}: want a positive number of seconds");
+            }
+            let line = rr::client(
+                *server,
+                Duration::from_secs_f64(*seconds),
+                Duration::from_millis(*warmup_ms),
+            )?;
+            println!("{line}");
+            Ok(())
+        }
     }
 }
 

@@ -17,6 +17,9 @@ use anyhow::{Context as _, Result, bail};
 pub const CNI_PLUGIN: &str = "flannel";
 /// The agent's binary name (package `flannel-agent`).
 pub const AGENT: &str = "flannel-agent";
+/// The lab's binary name (package `flannel-tests`), which also carries the benchmarks' own
+/// tools (`flannel-lab rr`, `flannel-lab crr`).
+pub const LAB: &str = "flannel-lab";
 /// Where Debian's containernetworking-plugins live (`bridge`, `host-local`, `loopback`).
 pub const CNI_BIN_DIR: &str = "/usr/lib/cni";
 
@@ -145,6 +148,20 @@ pub fn test_agent() -> Result<PathBuf> {
 pub fn test_cni_plugin() -> Result<PathBuf> {
     static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     built_once(&BIN, "flannel-cni", CNI_PLUGIN, "FLANNEL_CNI_BIN")
+}
+
+/// `flannel-lab` for running its tools in namespaces: the running executable when it is
+/// `flannel-lab`, else (tests) built once per process like [`test_agent`] (`FLANNEL_LAB_BIN`
+/// overrides).
+pub fn lab_tool() -> Result<PathBuf> {
+    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    if let Ok(exe) = std::env::current_exe()
+        && exe.file_name().is_some_and(|n| n == LAB)
+        && std::env::var_os("FLANNEL_LAB_BIN").is_none()
+    {
+        return Ok(exe);
+    }
+    built_once(&BIN, "flannel-tests", LAB, "FLANNEL_LAB_BIN")
 }
 
 /// Resolves a binary for the lab: the explicit path if given, else the one next to the running
