@@ -242,11 +242,16 @@ pub enum Reason {
     /// namespace (`bpf_redirect_peer` into its veth, see [`crate::pods`]) instead of through
     /// the pod bridge (counted in addition to the verdict).
     DeliverPeer = 81,
+    /// `tc_from_bridge`: a pod's GSO IPv6 packet for a VXLAN peer, its inner MACs and hop
+    /// limit set and redirected straight to `flannel-v6.<VNI>`, which encapsulates and
+    /// segments it (the fast path cannot give every segment its outer checksum): no routing
+    /// and no netfilter, as for the flow's other packets.
+    FastVxlan6Device = 82,
 }
 
 impl Reason {
     /// Number of reasons: the `max_entries` of the stats maps.
-    pub const COUNT: usize = 82;
+    pub const COUNT: usize = 83;
 
     /// Every reason, in index order.
     pub const ALL: [Reason; Reason::COUNT] = [
@@ -332,6 +337,7 @@ impl Reason {
         Reason::LearnSnatFlow,
         Reason::LearnSnatRemap,
         Reason::DeliverPeer,
+        Reason::FastVxlan6Device,
     ];
 
     /// The map index of this reason.
@@ -420,6 +426,7 @@ impl Reason {
             Reason::FastVxlan6 => "fast_vxlan6",
             Reason::FastDeliver6 => "fast_deliver6",
             Reason::FastDeliverVxlan6 => "fast_deliver_vxlan6",
+            Reason::FastVxlan6Device => "fast_vxlan6_device",
             Reason::PassIpv6ExtHeader => "pass_ipv6_ext_header",
             Reason::FastSnat => "fast_snat",
             Reason::FastSnatReply => "fast_snat_reply",
@@ -480,6 +487,7 @@ impl Reason {
             | Reason::FastVxlan6
             | Reason::FastDeliver6
             | Reason::FastDeliverVxlan6
+            | Reason::FastVxlan6Device
             | Reason::FastSnat
             | Reason::FastSnatReply
             | Reason::FastSnatIcmpError

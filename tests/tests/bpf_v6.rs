@@ -399,11 +399,8 @@ fn ipv6_the_fast_path_does_not_take_goes_to_the_kernel() {
         assert_eq!(r.out.len(), 14 + 1500);
         packet::verify(&r.out).expect("checksum of a full-size packet");
         // GSO packets cannot get per-segment outer checksums: flannel-v6 sends them.
-        let big = pod_frame(&Ipv6::new(
-            pod(),
-            vxlan_pod(),
-            Tcp::new(1, 2).payload(&[1; 3000]),
-        ));
+        let big_ip = Ipv6::new(pod(), vxlan_pod(), Tcp::new(1, 2).payload(&[1; 3000]));
+        let big = pod_frame(&big_ip);
         let gso = Skb {
             gso_size: 1000,
             gso_segs: 3,
@@ -413,6 +410,28 @@ fn ipv6_the_fast_path_does_not_take_goes_to_the_kernel() {
         assert_eq!(r.verdict, TC_ACT_OK);
         assert_bytes(&r.out, &big, "GSO");
         assert_counted(&r, &[Reason::Ipv6Tcp, Reason::PassGso], "GSO");
+        // With flannel-v6.1's index known, a GSO packet for a VXLAN peer goes to the device
+        // as the kernel's route would send it there (inner MACs, hop limit), marked. (The
+        // flow's next small packets still take the fast path's own encapsulation.)
+        let with_device = LocalConfig6 {
+            vxlan_ifindex: 4243,
+            ..config6(ifs.ext)
+        };
+        fp.set_config6(Some(&with_device)).expect("config6");
+        let r = run(fp, Hook::FromBridge, &big, gso);
+        assert_eq!(r.verdict, TC_ACT_REDIRECT, "{:?}", r.counted);
+        assert_eq!(r.mark_after, FASTPATH_MARK);
+        assert_bytes(
+            &r.out,
+            &Ethernet::new(LOCAL_VTEP6, VTEP3, hop(&big_ip)).encode(),
+            "GSO to the device",
+        );
+        assert_counted(
+            &r,
+            &[Reason::Ipv6Tcp, Reason::FastVxlan6Device],
+            "GSO to the device",
+        );
+        fp.set_config6(Some(&config6(ifs.ext))).expect("config6");
         // Host-gw takes GSO packets (no encapsulation).
         let big = pod_frame(&Ipv6::new(
             pod(),

@@ -9,7 +9,7 @@
 //!   `bpf_fib_lookup` (`AF_INET6`, the kernel's `<subnet> via <peer> dev <ext>` route) and
 //!   redirected with the hop limit decremented (host-gw, DirectRouting), or encapsulated in
 //!   VXLAN over IPv6 exactly as `flannel-v6.<VNI>` would ([`vxlan`]) — GSO packets excepted,
-//!   they take `flannel-v6.<VNI>`;
+//!   they are redirected to `flannel-v6.<VNI>` itself (past the stack, see `vxlan_device`);
 //! - `tc_from_netdev`: VXLAN over IPv6 from a known peer and plain packets from remote pods are
 //!   delivered into the pod's namespace when its MAC and bridge port are known
 //!   ([`crate::pods`]), to the pod bridge otherwise (bypassing conntrack both ways, see
@@ -359,6 +359,9 @@ fn host_gw(ctx: &TcContext, info: &Ipv6Info, generation: u64) -> Verdict {
 /// decision remembered for the flow ([`memo`]).
 #[inline(never)]
 fn vxlan_out(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6) -> Verdict {
+    if gso_size(ctx) != 0 && cfg.vxlan_ifindex != 0 {
+        return vxlan_device(ctx, cfg, s);
+    }
     match vxlan::encap(
         ctx,
         cfg,
@@ -370,6 +373,27 @@ fn vxlan_out(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6) -> Verdict {
     ) {
         Ok(route) => vxlan_send(ctx, s, &route),
         Err(reason) => Verdict::failed(reason),
+    }
+}
+
+/// A GSO packet for a VXLAN peer: its inner MACs (our v6 VTEP MAC → the peer's) and hop
+/// limit written, redirected to `flannel-v6.<VNI>`, which encapsulates it (its FDB has the
+/// peer) and segments it with an outer checksum per segment. Straight to the device, not
+/// through the stack: the flow's other packets skip routing and netfilter too, so a masquerade
+/// rule for pod traffic (the CNI bridge's `ipMasq`) cannot rewrite some of its packets and
+/// not others. Marked, so `tc_to_netdev` does not take it for a kernel flow.
+#[inline(never)]
+fn vxlan_device(ctx: &TcContext, cfg: &Config6, s: &Scratch6) -> Verdict {
+    if decrement_hop_limit(ctx, ETH_HDR_LEN, s.outer.hop_limit).is_err()
+        || parse::write_macs(ctx, s.peer.vtep_mac, cfg.vtep_mac).is_none()
+    {
+        return Verdict::pass(Reason::PassMalformed);
+    }
+    ctx.set_mark(FASTPATH_MARK);
+    Verdict {
+        // SAFETY: plain helper call.
+        action: unsafe { aya_ebpf::helpers::bpf_redirect(cfg.vxlan_ifindex, 0) } as i32,
+        reason: Reason::FastVxlan6Device,
     }
 }
 
