@@ -242,10 +242,10 @@ pub enum Reason {
     /// namespace (`bpf_redirect_peer` into its veth, see [`crate::pods`]) instead of through
     /// the pod bridge (counted in addition to the verdict).
     DeliverPeer = 81,
-    /// `tc_from_bridge`: a pod's GSO IPv6 packet for a VXLAN peer, its inner MACs and hop
-    /// limit set and redirected straight to `flannel-v6.<VNI>`, which encapsulates and
-    /// segments it (the fast path cannot give every segment its outer checksum): no routing
-    /// and no netfilter, as for the flow's other packets.
+    /// `tc_from_bridge`: a pod's GSO IPv6 packet for a VXLAN peer, routed by `bpf_fib_lookup`
+    /// to `flannel-v6.<VNI>` (MACs and hop limit set) and redirected straight to it, which
+    /// encapsulates and segments it (the fast path cannot give every segment its outer
+    /// checksum): no netfilter, as for the flow's other packets.
     FastVxlan6Device = 82,
 }
 

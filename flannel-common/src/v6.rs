@@ -48,7 +48,7 @@ pub const CFG6_ROUTED_RX: u32 = 1 << 2;
 /// inner Ethernet 14.
 pub const VXLAN6_OVERHEAD: usize = 70;
 
-/// The local node's IPv6 configuration: the single entry of [`CONFIG6`]. 88 bytes.
+/// The local node's IPv6 configuration: the single entry of [`CONFIG6`]. 84 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Config6 {
@@ -84,9 +84,6 @@ pub struct Config6 {
     pub vtep_mac: [u8; 6],
     /// Explicit padding; always zero.
     pub _pad1: [u8; 2],
-    /// `flannel-v6.<VNI>`'s interface index (0: none), where GSO packets for a VXLAN peer are
-    /// redirected to be encapsulated and segmented by the kernel.
-    pub vxlan_ifindex: u32,
 }
 
 #[cfg(feature = "user")]
@@ -197,7 +194,7 @@ pub struct FlowKey6 {
 unsafe impl aya::Pod for FlowKey6 {}
 
 const _: () = {
-    assert!(core::mem::size_of::<Config6>() == 88);
+    assert!(core::mem::size_of::<Config6>() == 84);
     assert!(core::mem::size_of::<PeerKey6>() == 20);
     assert!(core::mem::size_of::<FlowKey6>() == 40);
     assert!(CONFIG6.len() <= MAX_OBJ_NAME_LEN);

@@ -37,9 +37,6 @@ pub struct LocalConfig6 {
     pub network: Ipv6Net,
     /// `flannel-v6.<VNI>`, when the backend is vxlan (its MAC is the lease's v6 VtepMAC).
     pub vxlan: Option<VxlanLocal>,
-    /// `flannel-v6.<VNI>`'s interface index, where GSO packets for VXLAN peers are redirected
-    /// (the kernel encapsulates and segments them); 0 leaves them to the stack.
-    pub vxlan_ifindex: u32,
     /// VXLAN UDP source ports (`[min, max)`, the kernel's `ip_local_port_range`).
     pub source_ports: (u16, u16),
     /// Hop limit of outer IPv6 headers (the external interface's `hop_limit`, 64 by default).
@@ -60,7 +57,6 @@ impl LocalConfig6 {
             subnet,
             network,
             vxlan: None,
-            vxlan_ifindex: 0,
             source_ports: kernel_source_ports().unwrap_or((32768, 60999)),
             hop_limit: kernel_hop_limit(None).unwrap_or(64),
             vxlan_rx: true,
@@ -111,7 +107,6 @@ impl LocalConfig6 {
             entry.vni = vxlan.vni;
             entry.vxlan_port = vxlan.port;
             entry.vtep_mac = vxlan.vtep_mac;
-            entry.vxlan_ifindex = self.vxlan_ifindex;
         }
         Ok(entry)
     }

@@ -198,11 +198,6 @@ fn local_configs(
         (Some(public_ip), Some(subnet), Some(network), true) => {
             let mut config = LocalConfig6::new(public_ip, local.ext.index, subnet, network);
             config.vxlan = vxlan(local.vtep_macs.v6);
-            if let (BackendOptions::Vxlan(o), Some(_)) = (&local.backend, config.vxlan) {
-                // GSO packets go to the device (see `bpf::v6::LocalConfig6::vxlan_ifindex`).
-                config.vxlan_ifindex =
-                    nix::net::if_::if_nametoindex(o.v6_device_name().as_str()).unwrap_or(0);
-            }
             if let Some(hop_limit) = bpf::v6::kernel_hop_limit(Some(&local.ext.name)) {
                 config.hop_limit = hop_limit;
             }

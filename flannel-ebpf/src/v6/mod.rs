@@ -359,8 +359,8 @@ fn host_gw(ctx: &TcContext, info: &Ipv6Info, generation: u64) -> Verdict {
 /// decision remembered for the flow ([`memo`]).
 #[inline(never)]
 fn vxlan_out(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6) -> Verdict {
-    if gso_size(ctx) != 0 && cfg.vxlan_ifindex != 0 {
-        return vxlan_device(ctx, cfg, s);
+    if gso_size(ctx) != 0 {
+        return vxlan_device(ctx, &s.outer);
     }
     match vxlan::encap(
         ctx,
@@ -376,24 +376,31 @@ fn vxlan_out(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6) -> Verdict {
     }
 }
 
-/// A GSO packet for a VXLAN peer: its inner MACs (our v6 VTEP MAC → the peer's) and hop
-/// limit written, redirected to `flannel-v6.<VNI>`, which encapsulates it (its FDB has the
-/// peer) and segments it with an outer checksum per segment. Straight to the device, not
-/// through the stack: the flow's other packets skip routing and netfilter too, so a masquerade
-/// rule for pod traffic (the CNI bridge's `ipMasq`) cannot rewrite some of its packets and
-/// not others. Marked, so `tc_to_netdev` does not take it for a kernel flow.
+/// A GSO packet for a VXLAN peer, sent where the kernel's route for its destination says
+/// (`<subnet> via <peer's VTEP address> dev flannel-v6.<VNI> onlink`, the VTEP's MAC in the
+/// neighbour entry): its MACs set as the kernel would set them and its hop limit decremented,
+/// redirected to `flannel-v6.<VNI>`, which encapsulates it (its FDB has the peer) and segments
+/// it with an outer checksum per segment. Straight to the device, not through the stack: the
+/// flow's other packets skip routing and netfilter too, so a masquerade rule for pod traffic
+/// (the CNI bridge's `ipMasq`) cannot rewrite some of its packets and not others. Marked, so
+/// `tc_to_netdev` does not take it for a kernel flow. Without such a route (or its neighbour)
+/// it is passed to the stack.
 #[inline(never)]
-fn vxlan_device(ctx: &TcContext, cfg: &Config6, s: &Scratch6) -> Verdict {
-    if decrement_hop_limit(ctx, ETH_HDR_LEN, s.outer.hop_limit).is_err()
-        || parse::write_macs(ctx, s.peer.vtep_mac, cfg.vtep_mac).is_none()
-    {
+fn vxlan_device(ctx: &TcContext, info: &Ipv6Info) -> Verdict {
+    let route = fib::lookup(ctx, crate::pods::routing_iif(ctx), info, &mut 0);
+    if !matches!(route, Fib6::Resolved { .. }) {
+        return Verdict::pass(Reason::PassGso);
+    }
+    if decrement_hop_limit(ctx, ETH_HDR_LEN, info.hop_limit).is_err() {
         return Verdict::pass(Reason::PassMalformed);
     }
-    ctx.set_mark(FASTPATH_MARK);
-    Verdict {
-        // SAFETY: plain helper call.
-        action: unsafe { aya_ebpf::helpers::bpf_redirect(cfg.vxlan_ifindex, 0) } as i32,
-        reason: Reason::FastVxlan6Device,
+    // `send` writes the lookup's MACs (before the hop limit, so writable too) and marks it.
+    match send(ctx, route) {
+        Ok(action) => Verdict {
+            action,
+            reason: Reason::FastVxlan6Device,
+        },
+        Err(reason) => Verdict::failed(reason),
     }
 }
 

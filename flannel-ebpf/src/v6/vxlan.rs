@@ -22,9 +22,9 @@
 //!
 //! GSO packets are not encapsulated here: `bpf_skb_adjust_room` marks them
 //! `SKB_GSO_UDP_TUNNEL` without `_CSUM`, so segmentation would keep one outer checksum for
-//! every segment. They are redirected to `flannel-v6.<VNI>` with their inner MACs and hop
-//! limit set, and the kernel's VXLAN device encapsulates and segments them; when its index is
-//! not configured they are passed to the stack (which routes them there too).
+//! every segment. They are redirected to `flannel-v6.<VNI>` as the kernel's route says, with
+//! the route's MACs and the hop limit set, and the kernel's VXLAN device encapsulates and
+//! segments them (without the route they are passed to the stack).
 
 use aya_ebpf::{
     bindings::{

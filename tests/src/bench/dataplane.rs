@@ -8,7 +8,10 @@ use std::{net::IpAddr, time::Duration};
 use anyhow::{Context as _, Result};
 use serde_json::json;
 
-use flannel_common::programs::{TC_BENCH_FLOOR, TC_FROM_BRIDGE, TC_FROM_NETDEV};
+use flannel_common::{
+    programs::{TC_BENCH_FLOOR, TC_FROM_BRIDGE, TC_FROM_NETDEV},
+    stats::{Reason, ReasonKind},
+};
 
 use super::{
     measure::{self, IPERF_PORT},
@@ -18,9 +21,15 @@ use super::{
     stats::Summary,
     variant::{self, SetupCtx, Testbed, Variant},
 };
-use crate::lab::{
-    bins, probe,
-    process::{Output, Process, wait_tcp_listen},
+use crate::{
+    lab::{
+        agent::DEFAULT_HEALTHZ_PORT,
+        bins,
+        fastpath::{self, Counts},
+        probe,
+        process::{Output, Process, wait_tcp_listen},
+    },
+    netns::NetNs,
 };
 
 /// Settings of a run.
@@ -75,11 +84,14 @@ const PROG_TIME_RR: Duration = Duration::from_secs(2);
 /// had the same luck).
 pub const RR_CONNECTIONS: u32 = 5;
 
-/// The metrics, in report order: key, label, unit, higher is better. The last three are the
+/// The metrics, in report order: key, label, unit, higher is better. Entries 6 to 8 are the
 /// fast path's own time ([`progtime`]) in a request/response run of their own, for the
 /// variants whose traffic runs the agent's programs (the kernel clock reads that statistics
-/// add to every run are included).
-pub const METRICS: [Metric; 9] = [
+/// add to every run are included). The last is the share of the packets the agents'
+/// `tc_from_bridge` and `tc_from_netdev` saw during the one-stream transfer that the fast path
+/// carried (the rest were handed to the kernel or dropped): a variant that says eBPF is only
+/// measured as such when this is near 100 % ([`fast_share`]).
+pub const METRICS: [Metric; 10] = [
     ("tcp1_gbps", "TCP 1 stream", "Gbit/s", true),
     ("tcp2_gbps", "TCP 2 streams", "Gbit/s", true),
     ("rr_p50_us", "TCP RR latency p50", "µs", false),
@@ -104,6 +116,12 @@ pub const METRICS: [Metric; 9] = [
     ("bpf_rr_us", "eBPF time per round trip", "µs", false),
     ("from_bridge_ns", "tc_from_bridge per run (RR)", "ns", false),
     ("from_netdev_ns", "tc_from_netdev per run (RR)", "ns", false),
+    (
+        "fast_share_pct",
+        "fast-path share of pod packets, 1 stream",
+        "%",
+        true,
+    ),
 ];
 
 /// Starts the iperf3 server and the request/response server in the testbed's server
@@ -188,6 +206,12 @@ impl Bench for Dataplane<'_> {
         Ok(match step {
             0 | 1 => {
                 let streams = if step == 0 { 1 } else { 2 };
+                let nodes = if step == 0 {
+                    bed.fast_path_nodes()
+                } else {
+                    Vec::new()
+                };
+                let before = verdict_counts(&nodes)?;
                 let t = measure::iperf3_tcp(
                     client,
                     bed.server_ip,
@@ -195,7 +219,11 @@ impl Bench for Dataplane<'_> {
                     opts.duration,
                     opts.tcp_cpus,
                 )?;
-                vec![(step, t.gbps), (4 + step, t.cpu_per_gbit())]
+                let mut values = vec![(step, t.gbps), (4 + step, t.cpu_per_gbit())];
+                if !nodes.is_empty() {
+                    values.extend(fast_share(&before, &verdict_counts(&nodes)?).map(|p| (9, p)));
+                }
+                values
             }
             2 => {
                 let each = (opts.rr_duration / RR_CONNECTIONS).max(Duration::from_secs(1));
@@ -215,6 +243,39 @@ impl Bench for Dataplane<'_> {
             }
         })
     }
+}
+
+/// The fast-path packet counters of the agents in `nodes`, summed by `(program, reason)`.
+fn verdict_counts(nodes: &[&NetNs]) -> Result<Counts> {
+    let mut sum = Counts::new();
+    for ns in nodes {
+        let counters = fastpath::counters(ns, DEFAULT_HEALTHZ_PORT)
+            .with_context(|| format!("the fast-path counters of {}", ns.name()))?;
+        for (key, n) in counters.packets {
+            *sum.entry(key).or_default() += n;
+        }
+    }
+    Ok(sum)
+}
+
+/// Of the verdicts `tc_from_bridge` and `tc_from_netdev` counted between `before` and `after`,
+/// the percentage that were the fast path's ([`ReasonKind::Fast`]) rather than handed to the
+/// kernel or dropped; `None` when they counted none.
+fn fast_share(before: &Counts, after: &Counts) -> Option<f64> {
+    let (mut fast, mut all) = (0u64, 0u64);
+    for program in [TC_FROM_BRIDGE, TC_FROM_NETDEV] {
+        for reason in Reason::ALL {
+            let kind = reason.kind();
+            if matches!(kind, ReasonKind::Fast | ReasonKind::Pass | ReasonKind::Drop) {
+                let n = fastpath::grown(before, after, program, reason.name());
+                all += n;
+                if kind == ReasonKind::Fast {
+                    fast += n;
+                }
+            }
+        }
+    }
+    (all > 0).then(|| 100.0 * fast as f64 / all as f64)
 }
 
 /// The [`METRICS`] entries of [`RR_CONNECTIONS`] connections' p50 latencies: their median
@@ -262,6 +323,7 @@ pub fn run(
         "tools": "iperf3 -J (TCP, 1 and 2 streams), sockperf ping-pong --tcp -m 64 --full-rtt",
         "rr_connections": RR_CONNECTIONS,
         "cpu": "machine-wide busy time from /proc/stat during each iperf3 run / Gbit received",
+        "fast_share": "of the verdicts the agents' tc_from_bridge and tc_from_netdev counted during each 1-stream iperf3 run (every node on the eBPF path), the share that were the fast path's (not handed to the kernel or dropped)",
         "ebpf_time": "BPF_ENABLE_STATS run time of tc_from_bridge, tc_from_netdev, tc_to_netdev and xdp_from_netdev (every node; tc_bench_floor for the floor variant) during a separate 2 s sockperf run, per round trip and per run",
     });
     if let (Some(note), Some(obj)) = (ipv6_rr_note(&opts.variants), settings.as_object_mut()) {
@@ -303,6 +365,31 @@ pub fn smoke(bed: &Testbed, ip: IpAddr) -> Result<(f64, f64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fast_share_counts_verdicts_of_the_pod_programs_only() {
+        let counts = |pairs: &[(&str, Reason, u64)]| -> Counts {
+            pairs
+                .iter()
+                .map(|(p, r, n)| (((*p).to_owned(), r.name().to_owned()), *n))
+                .collect()
+        };
+        let before = counts(&[(TC_FROM_BRIDGE, Reason::FastVxlan6, 10)]);
+        let after = counts(&[
+            (TC_FROM_BRIDGE, Reason::FastVxlan6, 100),
+            (TC_FROM_BRIDGE, Reason::Ipv6Tcp, 1000),
+            (TC_FROM_BRIDGE, Reason::PassGso, 10),
+            (TC_FROM_NETDEV, Reason::FastDeliverVxlan6, 100),
+            (TC_FROM_NETDEV, Reason::DeliverPeer, 100),
+            (TC_FROM_NETDEV, Reason::PassKernelFlow, 80),
+            ("tc_to_netdev", Reason::PassNoRoute, 5000),
+        ]);
+        // 90 + 100 fast of 90 + 10 + 100 + 80 verdicts; classes, events and other programs
+        // aside.
+        let share = fast_share(&before, &after).expect("verdicts");
+        assert!((share - 100.0 * 190.0 / 280.0).abs() < 1e-9, "{share}");
+        assert_eq!(fast_share(&after, &after), None, "nothing counted");
+    }
 
     #[test]
     fn program_time_belongs_to_variants_whose_traffic_ran_the_programs() {

@@ -117,6 +117,29 @@ impl Testbed {
         }
     }
 
+    /// The namespaces of the nodes whose agents run the eBPF fast path (none for the
+    /// variants without agents or on the kernel path).
+    pub fn fast_path_nodes(&self) -> Vec<&NetNs> {
+        let Owner::Cluster(cluster) = &self.owner else {
+            return Vec::new();
+        };
+        let spec = cluster.spec();
+        cluster
+            .topology()
+            .nodes()
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| {
+                spec.node_dataplanes
+                    .get(*i)
+                    .copied()
+                    .unwrap_or(spec.dataplane)
+                    == Dataplane::Ebpf
+            })
+            .map(|(_, node)| node.ns())
+            .collect()
+    }
+
     /// The client's namespace.
     pub fn client_ns(&self) -> Result<&NetNs> {
         self.ns(&self.client)
