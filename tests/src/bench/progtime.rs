@@ -34,49 +34,62 @@ impl Stats {
     }
 }
 
-/// Accumulated run time (ns) and run count per program name.
+/// Accumulated run time (ns) and run count per loaded program: its name and kernel id.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Snapshot(BTreeMap<String, (u64, u64)>);
+pub struct Snapshot(BTreeMap<(String, u32), (u64, u64)>);
 
 impl Snapshot {
-    /// The current totals of the [`PROGRAMS`] loaded on the machine. Programs that go away
-    /// while they are listed are skipped.
+    /// The current totals of the [`PROGRAMS`] loaded on the machine, each copy (every node's,
+    /// every testbed's) apart. Programs that go away while they are listed are skipped.
     pub fn take() -> Snapshot {
         let mut totals = BTreeMap::new();
         for info in aya::programs::loaded_programs().flatten() {
             let Some(name) = info.name_as_str().filter(|n| PROGRAMS.contains(n)) else {
                 continue;
             };
-            let entry: &mut (u64, u64) = totals.entry(name.to_owned()).or_default();
-            entry.0 += info.run_time().as_nanos() as u64;
-            entry.1 += info.run_count();
+            totals.insert(
+                (name.to_owned(), info.id()),
+                (info.run_time().as_nanos() as u64, info.run_count()),
+            );
         }
         Snapshot(totals)
     }
 
-    /// From (name, run time ns, run count) triples (tests).
+    /// From (name, run time ns, run count) triples, one program of each name (tests).
     pub fn from_totals(totals: &[(&str, u64, u64)]) -> Snapshot {
-        Snapshot(
-            totals
+        Self::from_programs(
+            &totals
                 .iter()
-                .map(|(name, ns, runs)| ((*name).to_owned(), (*ns, *runs)))
+                .map(|&(name, ns, runs)| (name, 0, ns, runs))
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    /// From (name, id, run time ns, run count) quadruples (tests).
+    pub fn from_programs(programs: &[(&str, u32, u64, u64)]) -> Snapshot {
+        Snapshot(
+            programs
+                .iter()
+                .map(|&(name, id, ns, runs)| ((name.to_owned(), id), (ns, runs)))
                 .collect(),
         )
     }
 
-    /// What ran between `self` and `later`: per program, time and runs.
+    /// What ran between `self` and `later`, summed by name over the programs loaded at
+    /// `later`: a program loaded in between counts from zero, one unloaded in between (another
+    /// testbed torn down) not at all, so neither can hide what the others ran.
     pub fn until(&self, later: &Snapshot) -> Usage {
-        Usage(
-            later
-                .0
-                .iter()
-                .filter_map(|(name, &(ns, runs))| {
-                    let (ns0, runs0) = self.0.get(name).copied().unwrap_or_default();
-                    let runs = runs.checked_sub(runs0)?;
-                    (runs > 0).then(|| (name.clone(), (ns.saturating_sub(ns0), runs)))
-                })
-                .collect(),
-        )
+        let mut usage: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+        for (key, &(ns, runs)) in &later.0 {
+            let (ns0, runs0) = self.0.get(key).copied().unwrap_or_default();
+            let Some(runs) = runs.checked_sub(runs0).filter(|&r| r > 0) else {
+                continue;
+            };
+            let entry = usage.entry(key.0.clone()).or_default();
+            entry.0 += ns.saturating_sub(ns0);
+            entry.1 += runs;
+        }
+        Usage(usage)
     }
 }
 
@@ -142,5 +155,24 @@ mod tests {
         let before = Snapshot::from_totals(&[(TC_FROM_BRIDGE, 9_000, 90)]);
         let after = Snapshot::from_totals(&[(TC_FROM_BRIDGE, 100, 2)]);
         assert!(before.until(&after).is_empty());
+    }
+
+    #[test]
+    fn programs_that_come_and_go_do_not_hide_the_others() {
+        // Two copies (two nodes) ran; a third, another testbed's, was unloaded in between
+        // (its totals would have made the sum by name shrink); a fourth was loaded.
+        let before = Snapshot::from_programs(&[
+            (TC_FROM_BRIDGE, 1, 1_000, 10),
+            (TC_FROM_BRIDGE, 2, 2_000, 20),
+            (TC_FROM_BRIDGE, 3, 90_000, 900),
+        ]);
+        let after = Snapshot::from_programs(&[
+            (TC_FROM_BRIDGE, 1, 1_600, 12),
+            (TC_FROM_BRIDGE, 2, 2_400, 22),
+            (TC_FROM_BRIDGE, 4, 300, 1),
+        ]);
+        let usage = before.until(&after);
+        assert_eq!(usage.runs(TC_FROM_BRIDGE), 5);
+        assert_eq!(usage.ns(TC_FROM_BRIDGE), 1_300);
     }
 }
