@@ -11,6 +11,11 @@
 //!   node 2's kernel path (whose `flannel-v6.1` accepts only valid UDP checksums).
 //! * `ipv6_only_kube_mode_on_the_fast_path`: an IPv6-only network (kube mode, fake API server)
 //!   on the fast path.
+//! * `vxlan_v6_bulk_transfer_keeps_one_path_under_cni_masquerade`: with the CNI bridge plugin
+//!   masquerading, bulk IPv6 transfers over VXLAN arrive (their GSO packets go to
+//!   `flannel-v6.1` past netfilter, not masqueraded unlike the flow's first packets).
+//! * `ipv6_traffic_crosses_an_agent_restart`: ICMPv6 echoes and a TCP ping-pong over IPv6
+//!   lose nothing while node 1's agent is down and restarts.
 //!
 //! Run: `cargo test -p flannel-tests --test bpf_v6_cluster -- --nocapture` (as root; skipped
 //! otherwise and without the eBPF object).
@@ -84,13 +89,23 @@ fn on_fast_path(ns: &NetNs) -> Result<()> {
 /// `count` ICMPv6 echo requests from `ns` to `dst` with identifier `id` (the kernel computes
 /// the ICMPv6 checksum of a raw socket's messages in software); how many were answered.
 fn ping6(ns: &NetNs, dst: Ipv6Addr, id: u16, count: u16) -> Result<u16> {
-    let fd = ns.enter(|| -> Result<OwnedFd> {
+    Ok(echoes(&icmp6_socket(ns)?, dst, id, count, Duration::ZERO))
+}
+
+/// A raw ICMPv6 socket in `ns` (usable from any thread).
+fn icmp6_socket(ns: &NetNs) -> Result<OwnedFd> {
+    ns.enter(|| -> Result<OwnedFd> {
         // SAFETY: plain socket(2); the descriptor is owned right away.
         let raw = unsafe { libc::socket(libc::AF_INET6, libc::SOCK_RAW, libc::IPPROTO_ICMPV6) };
         ensure!(raw >= 0, "socket: {}", std::io::Error::last_os_error());
         // SAFETY: `raw` is a fresh descriptor nobody else owns.
         Ok(unsafe { OwnedFd::from_raw_fd(raw) })
-    })??;
+    })?
+}
+
+/// `count` ICMPv6 echo requests through `fd` to `dst` with identifier `id`, `interval` apart,
+/// each waited for up to 500 ms; how many were answered.
+fn echoes(fd: &OwnedFd, dst: Ipv6Addr, id: u16, count: u16, interval: Duration) -> u16 {
     let timeout = libc::timeval {
         tv_sec: 0,
         tv_usec: 300_000,
@@ -141,8 +156,9 @@ fn ping6(ns: &NetNs, dst: Ipv6Addr, id: u16, count: u16) -> Result<u16> {
                 break;
             }
         }
+        std::thread::sleep(interval);
     }
-    Ok(answered.len() as u16)
+    answered.len() as u16
 }
 
 /// The VXLAN-over-IPv6 frame on a captured underlay whose inner packet is an ICMPv6 echo
@@ -252,6 +268,118 @@ fn vxlan_v6_bulk_under_cni_masquerade() -> Result<()> {
     ensure!(
         fast(node1, "pass_nat_reply")? == nat_before,
         "pod 2 answered a masqueraded source: node 1 sent part of the flow through the stack"
+    );
+    Ok(())
+}
+
+/// An agent restart on the fast path leaves IPv6 pod traffic alone: the programs stay attached
+/// while the agent is down and the restarted agent adopts the pinned IPv6 maps, so ICMPv6
+/// echoes 10 ms apart and a TCP ping-pong over IPv6, both running across the 2 s the agent is
+/// down and its restart, lose nothing (and node 1's programs counted them on the fast path).
+#[test]
+fn ipv6_traffic_crosses_an_agent_restart() {
+    require_root!();
+    require_ebpf_object!();
+    check(ipv6_restart());
+}
+
+fn ipv6_restart() -> Result<()> {
+    let mut cluster = dual_stack_cluster(2, "host-gw", Underlay::L2, Dataplane::Ebpf)?;
+    let (p1, p2_path, dst) = {
+        let topo = cluster.topology();
+        let (p1, p2) = (topo.first_pod_on(1)?, topo.first_pod_on(2)?);
+        (p1.name().to_owned(), p2.ns().path(), p2.ip6_required()?)
+    };
+    let lab = bins::lab_tool()?;
+    let server = std::net::SocketAddr::new(IpAddr::V6(dst), 11113).to_string();
+    let mut rr_server = std::process::Command::new("nsenter")
+        .arg(format!("--net={}", p2_path.display()))
+        .arg("--")
+        .arg(&lab)
+        .args(["rr", "server", "--listen", &server])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("flannel-lab rr server")?;
+    let outcome = restart_under_ipv6_traffic(&mut cluster, &p1, &lab, &server, dst);
+    let _ = rr_server.kill();
+    let _ = rr_server.wait();
+    outcome
+}
+
+fn restart_under_ipv6_traffic(
+    cluster: &mut Cluster,
+    p1: &str,
+    lab: &std::path::Path,
+    server: &str,
+    dst: Ipv6Addr,
+) -> Result<()> {
+    let lab = lab.to_str().context("flannel-lab path")?;
+    let (fd, p1_path, fast_before) = {
+        let topo = cluster.topology();
+        let pod = topo.pod(p1).context("pod 1")?;
+        wait::until_ok(Duration::from_secs(10), "the rr server", || {
+            pod.ns()
+                .run(&[lab, "rr", "client", "--server", server, "--seconds", "0.2"])
+                .map(drop)
+        })?;
+        (
+            icmp6_socket(pod.ns())?,
+            pod.ns().path(),
+            fast(topo.node(1).ns(), "fast_host_gw6")?,
+        )
+    };
+    const ECHOES: u16 = 500;
+    let pinger =
+        std::thread::spawn(move || echoes(&fd, dst, 0x6b01, ECHOES, Duration::from_millis(10)));
+    let pingpong = std::process::Command::new("nsenter")
+        .arg(format!("--net={}", p1_path.display()))
+        .arg("--")
+        .args([lab, "rr", "client", "--server", server, "--seconds", "6"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("flannel-lab rr client")?;
+    std::thread::sleep(Duration::from_secs(1));
+    let agent = cluster.agent_mut(1).context("node 1's agent")?;
+    let status = agent.stop(Duration::from_secs(10))?;
+    ensure!(
+        status.success(),
+        "node 1's agent exited with {status} on SIGTERM"
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    cluster.agent_mut(1).context("node 1's agent")?.restart()?;
+    let node1 = cluster.topology().node(1).ns();
+    wait::until_ok(
+        Duration::from_secs(30),
+        "node 1's agent on the fast path",
+        || on_fast_path(node1),
+    )?;
+    let answered = pinger
+        .join()
+        .map_err(|_| anyhow::anyhow!("the pinger panicked"))?;
+    ensure!(
+        answered == ECHOES,
+        "{answered} of {ECHOES} ICMPv6 echoes answered across the restart"
+    );
+    let out = pingpong
+        .wait_with_output()
+        .context("flannel-lab rr client")?;
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        out.status.success(),
+        "the TCP ping-pong across the restart: {}",
+        text.trim()
+    );
+    let carried = fast(node1, "fast_host_gw6")? - fast_before;
+    ensure!(
+        carried >= f64::from(ECHOES),
+        "node 1's programs carried {carried} IPv6 packets for {ECHOES} echoes and the ping-pong"
+    );
+    eprintln!(
+        "across the restart: {answered} echoes answered, {}",
+        text.trim()
     );
     Ok(())
 }

@@ -394,7 +394,7 @@ fn vxlan_device(ctx: &TcContext, info: &Ipv6Info) -> Verdict {
     if decrement_hop_limit(ctx, ETH_HDR_LEN, info.hop_limit).is_err() {
         return Verdict::pass(Reason::PassMalformed);
     }
-    // `send` writes the lookup's MACs (before the hop limit, so writable too) and marks it.
+    // `send` marks it and writes the lookup's MACs (they lie before the hop limit: writable).
     match send(ctx, route) {
         Ok(action) => Verdict {
             action,
