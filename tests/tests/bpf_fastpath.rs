@@ -37,7 +37,7 @@ mod bpf_support;
 
 use bpf_support::{
     BR_MAC, EXT_MAC, Ifaces, Mac, POD_MAC, Rig, Run, Skb, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT,
-    assert_bytes, counted_between, mac_str, net, run,
+    assert_bytes, counted_between, know_pod_port, mac_str, net, run,
 };
 
 const PEER2_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x02];
@@ -827,17 +827,6 @@ fn netdev_delivers_into_a_known_pods_namespace() {
         assert_eq!((cleared.removed, cleared.total), (1, 0));
         assert!(fp.ports().expect("read ports").is_empty());
     });
-}
-
-/// Tells the fast path the local pod's bridge port (veth 4242 on the rig's bridge): delivery
-/// then goes into the pod's namespace, the delivery a memo remembers.
-fn know_pod_port(fp: &mut FastPath, ifs: &Ifaces) {
-    let port = PodPort {
-        ifindex: 4242,
-        bridge: ifs.br,
-    };
-    fp.sync_ports(&BTreeMap::from([(PortKey::new(POD_MAC), port)]))
-        .expect("sync ports");
 }
 
 /// Removes the remote subnet `net` from the pinned route map behind the agent's back (no

@@ -19,11 +19,7 @@ use std::{
 use flannel_agent::bpf::{
     FastPath, Hook, LocalConfig, LocalConfig6, Remote, Remote6, Via, VxlanLocal,
 };
-use flannel_common::{
-    config::FASTPATH_MARK,
-    pods::{PodPort, PortKey},
-    stats::Reason,
-};
+use flannel_common::{config::FASTPATH_MARK, stats::Reason};
 use flannel_tests::packet::{
     self, Ethernet, Icmp, Ipv4, Ipv6, Ipv6Ext, ParsedL3, Tcp, Transport, Udp, hexdump,
 };
@@ -33,7 +29,7 @@ mod bpf_support;
 
 use bpf_support::{
     BR_MAC, EXT_MAC, Ifaces, Mac, POD_MAC, Rig, Skb, TC_ACT_OK, TC_ACT_REDIRECT, assert_bytes,
-    assert_counted, mac_str, net, run,
+    assert_counted, know_pod_port, mac_str, net, run,
 };
 
 const PEER2_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x02];
@@ -713,17 +709,6 @@ fn ipv6_only_and_dual_stack_configurations() {
 
 // ---------------------------------------------------------------------------------------------
 // Remembered decisions (`flannel_common::memo::MEMO6`).
-
-/// Tells the fast path the local pod's bridge port (veth 4242 on br0): delivery then goes
-/// into the pod's namespace, the delivery a memo remembers.
-fn know_pod_port(fp: &mut FastPath, ifs: &Ifaces) {
-    let port = PodPort {
-        ifindex: 4242,
-        bridge: ifs.br,
-    };
-    fp.sync_ports(&BTreeMap::from([(PortKey::new(POD_MAC), port)]))
-        .expect("sync ports");
-}
 
 /// Removes the remote IPv6 subnet `subnet` from the route map behind the agent's back (no
 /// generation change), so that only a remembered decision can still carry its flows. The

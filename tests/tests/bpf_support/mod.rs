@@ -222,6 +222,18 @@ pub fn run(fp: &mut FastPath, hook: Hook, frame: &[u8], skb: Skb) -> Run {
     }
 }
 
+/// Tells the fast path the local pod's bridge port (veth 4242 on the rig's bridge): delivery
+/// then goes into the pod's namespace, the delivery a memo remembers.
+pub fn know_pod_port(fp: &mut FastPath, ifs: &Ifaces) {
+    let port = flannel_common::pods::PodPort {
+        ifindex: 4242,
+        bridge: ifs.br,
+    };
+    let key = flannel_common::pods::PortKey::new(POD_MAC);
+    fp.sync_ports(&std::collections::BTreeMap::from([(key, port)]))
+        .expect("sync ports");
+}
+
 /// Asserts the run counted exactly `reasons`, one packet each.
 pub fn assert_counted(run: &Run, reasons: &[Reason], what: &str) {
     let mut want: Vec<(Reason, u64)> = reasons.iter().map(|r| (*r, 1)).collect();
