@@ -28,6 +28,14 @@ pub const CFG_IPIP_KERNEL_RX: u32 = 1 << 3;
 /// (tunnel next hops are resolved explicitly) and redirected packets meet no netfilter hook.
 pub const FASTPATH_MARK: u32 = 0x0f1a_fa57;
 
+/// The `skb->tc_index` with which `tc_from_bridge` tags the packets it hands to a tunnel
+/// device (GSO packets to `flannel-v6.<VNI>`), so that `tc_to_netdev` recognises their outer
+/// packets as the fast path's (not a kernel flow), lets them through and clears it. Not the
+/// mark: the device's outer packets pass the OUTPUT and POSTROUTING hooks, where mark bits
+/// mean something to others (kubelet's and kube-proxy's drop mark 0x8000 and masquerade mark
+/// 0x4000, both set in [`FASTPATH_MARK`]); `tc_index` is only read by TC classifiers.
+pub const FASTPATH_TC_INDEX: u32 = 0xfa57;
+
 /// Local node configuration shared by every program.
 ///
 /// Addresses are network-order bytes; numbers are host order. 48 bytes, no implicit padding.

@@ -13,7 +13,8 @@
 //!   on the fast path.
 //! * `vxlan_v6_bulk_transfer_keeps_one_path_under_cni_masquerade`: with the CNI bridge plugin
 //!   masquerading, bulk IPv6 transfers over VXLAN arrive (their GSO packets go to
-//!   `flannel-v6.1` past netfilter, not masqueraded unlike the flow's first packets).
+//!   `flannel-v6.1` past netfilter, not masqueraded unlike the flow's first packets), also
+//!   with a kubelet-style rule dropping locally sent packets marked 0x8000.
 //! * `ipv6_traffic_crosses_an_agent_restart`: ICMPv6 echoes and a TCP ping-pong over IPv6
 //!   lose nothing while node 1's agent is down and restarts.
 //!
@@ -251,7 +252,21 @@ fn vxlan_v6_bulk_under_cni_masquerade() -> Result<()> {
     let topo = cluster.topology();
     let (p1, p2) = (topo.first_pod_on(1)?, topo.first_pod_on(2)?);
     let node1 = topo.node(1).ns();
+    // Older kubelets drop locally sent packets with mark bit 0x8000 (KUBE-FIREWALL): the
+    // outer packets flannel-v6.1 sends for the fast path must not carry it.
+    node1.run(&[
+        "ip6tables",
+        "-A",
+        "OUTPUT",
+        "-m",
+        "mark",
+        "--mark",
+        "0x8000/0x8000",
+        "-j",
+        "DROP",
+    ])?;
     let nat_before = fast(node1, "pass_nat_reply")?;
+    let learnt_before = fast(node1, "learn_kernel_flow")?;
     for round in 1..=3 {
         let mbit = probe::transfer_mbit(p1.ns(), p2.ns(), IpAddr::V6(p2.ip6_required()?), 16 << 20)
             .with_context(|| format!("transfer {round}"))?;
@@ -268,6 +283,10 @@ fn vxlan_v6_bulk_under_cni_masquerade() -> Result<()> {
     ensure!(
         fast(node1, "pass_nat_reply")? == nat_before,
         "pod 2 answered a masqueraded source: node 1 sent part of the flow through the stack"
+    );
+    ensure!(
+        fast(node1, "learn_kernel_flow")? == learnt_before,
+        "node 1 took the outer packets of flannel-v6.1 for a kernel flow's"
     );
     Ok(())
 }

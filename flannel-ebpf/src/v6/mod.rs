@@ -44,7 +44,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use flannel_common::{
-    config::FASTPATH_MARK,
+    config::{FASTPATH_MARK, FASTPATH_TC_INDEX},
     memo::FlowMemo6,
     route::{NODE_F_VXLAN, NodeEntry, RemoteEntry6},
     stats::Reason,
@@ -382,9 +382,9 @@ fn vxlan_out(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6) -> Verdict {
 /// redirected to `flannel-v6.<VNI>`, which encapsulates it (its FDB has the peer) and segments
 /// it with an outer checksum per segment. Straight to the device, not through the stack: the
 /// flow's other packets skip routing and netfilter too, so a masquerade rule for pod traffic
-/// (the CNI bridge's `ipMasq`) cannot rewrite some of its packets and not others. Marked, so
-/// `tc_to_netdev` does not take it for a kernel flow. Without such a route (or its neighbour)
-/// it is passed to the stack.
+/// (the CNI bridge's `ipMasq`) cannot rewrite some of its packets and not others. Tagged, so
+/// `tc_to_netdev` does not take its outer packet for a kernel flow's. Without such a route (or
+/// its neighbour) it is passed to the stack.
 #[inline(never)]
 fn vxlan_device(ctx: &TcContext, info: &Ipv6Info) -> Verdict {
     let route = fib::lookup(ctx, crate::pods::routing_iif(ctx), info, &mut 0);
@@ -394,13 +394,16 @@ fn vxlan_device(ctx: &TcContext, info: &Ipv6Info) -> Verdict {
     if decrement_hop_limit(ctx, ETH_HDR_LEN, info.hop_limit).is_err() {
         return Verdict::pass(Reason::PassMalformed);
     }
-    // `send` marks it and writes the lookup's MACs (they lie before the hop limit: writable).
-    match send(ctx, route) {
-        Ok(action) => Verdict {
+    // Tagged by `tc_index`, not the mark (see FASTPATH_TC_INDEX): its outer packet meets
+    // netfilter. The lookup's MACs lie before the hop limit, so they are writable too.
+    // SAFETY: writing a field of the __sk_buff the kernel passed (writable for classifiers).
+    unsafe { (*ctx.skb.skb).tc_index = FASTPATH_TC_INDEX };
+    match fib::redirect(ctx, route) {
+        Some(action) => Verdict {
             action,
             reason: Reason::FastVxlan6Device,
         },
-        Err(reason) => Verdict::failed(reason),
+        None => Verdict::failed(Reason::DropRewriteFailed),
     }
 }
 
@@ -551,8 +554,8 @@ fn vxlan_in(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6, learnt: &mut Learn
     deliver(ctx, info, route, Reason::FastDeliverVxlan6)
 }
 
-/// `tc_to_netdev` for an IPv6 frame: `None` for the fast path's own packets (mark cleared,
-/// not counted); otherwise records kernel flows (plain, or inside `flannel-v6.<VNI>`'s VXLAN)
+/// `tc_to_netdev` for an IPv6 frame: `None` for the fast path's own packets (mark or
+/// `tc_index` cleared, not counted); otherwise records kernel flows (plain, or inside `flannel-v6.<VNI>`'s VXLAN)
 /// and says whether one was learnt.
 #[inline(never)]
 pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, bool)> {
@@ -560,6 +563,14 @@ pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, bool)> {
     if unsafe { (*ctx.skb.skb).mark } == FASTPATH_MARK {
         ctx.set_mark(0);
         return None;
+    }
+    // SAFETY: reading and writing a field of the __sk_buff the kernel passed.
+    unsafe {
+        if (*ctx.skb.skb).tc_index == FASTPATH_TC_INDEX {
+            // The outer packet of one `vxlan_device` handed to flannel-v6.<VNI>.
+            (*ctx.skb.skb).tc_index = 0;
+            return None;
+        }
     }
     ctx.pull_headers(PULL_LEN);
     let Some(s) = scratch() else {
