@@ -316,3 +316,34 @@ fn control_bench_converges_and_counts() {
         }
     }
 }
+
+/// The bench's fast-path share, measured as `bench dataplane` measures it, on the variant where
+/// a silent fallback to the kernel once went unnoticed: a bulk IPv6 transfer over VXLAN between
+/// the eBPF nodes is carried by the fast path (GSO packets included, through `flannel-v6.1`).
+#[test]
+fn ebpf_vxlan_v6_variant_keeps_its_bulk_traffic_on_the_fast_path() {
+    require_root!();
+    let name = "agent-ebpf-vxlan-v6";
+    let v = variant::find(name).expect("variant");
+    let mut bed = v
+        .prepare(&ctx())
+        .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    dataplane::start_servers(&mut bed, Some(0)).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    let nodes = bed.fast_path_nodes();
+    assert_eq!(nodes.len(), 2, "{name}: both nodes on the eBPF path");
+    let client = bed.client_ns().unwrap_or_else(|e| panic!("{e:#}"));
+    let counts = || dataplane::verdict_counts(&nodes).unwrap_or_else(|e| panic!("{e:#}"));
+    let before = counts();
+    let t = measure::iperf3_tcp(client, bed.server_ip, 1, Duration::from_secs(3), None)
+        .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    let after = counts();
+    let device = fastpath::grown(&before, &after, TC_FROM_BRIDGE, "fast_vxlan6_device");
+    let share = dataplane::fast_share(&before, &after).expect("the programs counted verdicts");
+    eprintln!(
+        "{name}: {:.2} Gbit/s, fast-path share {share:.3} %, {device} GSO packets to flannel-v6.1",
+        t.gbps
+    );
+    assert!(t.gbps > 0.1, "{name}: {} Gbit/s", t.gbps);
+    assert!(share > 99.0, "{name}: fast-path share {share} %");
+    assert!(device > 0, "{name}: no GSO packet went to flannel-v6.1");
+}

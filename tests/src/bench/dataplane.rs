@@ -246,7 +246,7 @@ impl Bench for Dataplane<'_> {
 }
 
 /// The fast-path packet counters of the agents in `nodes`, summed by `(program, reason)`.
-fn verdict_counts(nodes: &[&NetNs]) -> Result<Counts> {
+pub fn verdict_counts(nodes: &[&NetNs]) -> Result<Counts> {
     let mut sum = Counts::new();
     for ns in nodes {
         let counters = fastpath::counters(ns, DEFAULT_HEALTHZ_PORT)
@@ -261,7 +261,7 @@ fn verdict_counts(nodes: &[&NetNs]) -> Result<Counts> {
 /// Of the verdicts `tc_from_bridge` and `tc_from_netdev` counted between `before` and `after`,
 /// the percentage that were the fast path's ([`ReasonKind::Fast`]) rather than handed to the
 /// kernel or dropped; `None` when they counted none.
-fn fast_share(before: &Counts, after: &Counts) -> Option<f64> {
+pub fn fast_share(before: &Counts, after: &Counts) -> Option<f64> {
     let (mut fast, mut all) = (0u64, 0u64);
     for program in [TC_FROM_BRIDGE, TC_FROM_NETDEV] {
         for reason in Reason::ALL {
