@@ -52,12 +52,31 @@ fn key(info: &Ipv6Info, dir: u8) -> MemoKey6 {
     MemoKey6::new(&flow, dir)
 }
 
-/// A memo: packets go to `ifindex` with these MACs while they fit `mtu`; `generation` is the
-/// one read before the checks that decided so.
+/// The memo of a decision taken at `generation` to send `info`'s flow by `route` out of the
+/// interface `out` gives for the route's output interface and next-hop MAC, while packets fit
+/// `mtu`; `None` unless the flow is TCP or UDP, the route resolved the next hop and gave an
+/// MTU, and `out` knows the interface.
 #[inline(always)]
-fn memo(ifindex: u32, smac: [u8; 6], dmac: [u8; 6], mtu: u16, generation: u64) -> FlowMemo6 {
-    FlowMemo6 {
+fn resolved(
+    info: &Ipv6Info,
+    route: &Fib6,
+    mtu: u16,
+    generation: u64,
+    out: impl FnOnce(u32, [u8; 6]) -> Option<u32>,
+) -> Option<FlowMemo6> {
+    let Fib6::Resolved {
         ifindex,
+        smac,
+        dmac,
+    } = *route
+    else {
+        return None;
+    };
+    if !info.has_ports() || mtu == 0 {
+        return None;
+    }
+    Some(FlowMemo6 {
+        ifindex: out(ifindex, dmac)?,
         mtu,
         tunnel: TUNNEL_NONE,
         _pad: 0,
@@ -69,7 +88,7 @@ fn memo(ifindex: u32, smac: [u8; 6], dmac: [u8; 6], mtu: u16, generation: u64) -
         _pad2: [0; 2],
         generation,
         checked_ns: crate::now_ns(),
-    }
+    })
 }
 
 /// Remembers that `tc_from_bridge` sent `info`'s flow by `route` (when it resolved the next
@@ -84,16 +103,7 @@ pub fn remember_transmit(
     generation: u64,
     vxlan: Option<&RemoteEntry6>,
 ) {
-    if !info.has_ports() || mtu == 0 {
-        return;
-    }
-    if let Fib6::Resolved {
-        ifindex,
-        smac,
-        dmac,
-    } = *route
-    {
-        let mut memo = memo(ifindex, smac, dmac, mtu, generation);
+    if let Some(mut memo) = resolved(info, route, mtu, generation, |ifindex, _| Some(ifindex)) {
         if let Some(peer) = vxlan {
             memo.tunnel = TUNNEL_VXLAN;
             memo.peer = peer.public_ip;
@@ -116,17 +126,7 @@ pub fn remember_delivery(
     generation: u64,
     vxlan_from: Option<&[u8; 16]>,
 ) {
-    if !info.has_ports() || mtu == 0 {
-        return;
-    }
-    if let Fib6::Resolved {
-        ifindex,
-        smac,
-        dmac,
-    } = *route
-        && let Some(port) = crate::pods::port(ifindex, dmac)
-    {
-        let mut memo = memo(port, smac, dmac, mtu, generation);
+    if let Some(mut memo) = resolved(info, route, mtu, generation, crate::pods::port) {
         if let Some(peer) = vxlan_from {
             memo.tunnel = TUNNEL_VXLAN;
             memo.peer = *peer;

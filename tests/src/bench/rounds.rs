@@ -32,6 +32,11 @@ pub trait Bench {
     fn all() -> Vec<Self::Variant>;
     /// A variant's name and one-line description.
     fn label(v: &Self::Variant) -> (&'static str, &'static str);
+    /// The variant `v`'s ratios are taken to instead of the run's baseline when both run
+    /// (another address family's own underlay, measured with its own tools).
+    fn own_baseline(_v: &Self::Variant) -> Option<&'static str> {
+        None
+    }
     /// Sets a variant up; `log` gets progress lines.
     fn set_up(&self, v: &Self::Variant, log: &dyn Fn(&str)) -> Result<Self::Bed>;
     /// How many measurements a repetition takes. Each is taken for every variant back to
@@ -99,6 +104,8 @@ pub fn run<B: Bench>(
     let Some(base) = labels.iter().position(|(name, _)| *name == plan.baseline) else {
         bail!("the baseline {:?} is not among the variants", plan.baseline);
     };
+    let own: Vec<Option<&str>> = variants.iter().map(B::own_baseline).collect();
+    let bases = baselines(&labels, &own, base);
     let mut beds = Vec::new();
     for (v, (name, description)) in variants.iter().zip(&labels) {
         if cancelled() {
@@ -158,7 +165,9 @@ pub fn run<B: Bench>(
                 .enumerate()
                 .filter_map(|(m, (key, label, unit, higher))| {
                     let summary = summaries[i][m].clone()?;
-                    let baseline = summaries[base][m].as_ref().map_or(f64::NAN, |s| s.median);
+                    let baseline = summaries[bases[i]][m]
+                        .as_ref()
+                        .map_or(f64::NAN, |s| s.median);
                     Some(MetricResult {
                         key: (*key).to_owned(),
                         label: (*label).to_owned(),
@@ -181,6 +190,18 @@ pub fn run<B: Bench>(
     })
 }
 
+/// For each variant, the index of the variant its ratios are taken to: its own baseline
+/// (`own`) when that runs too, the run's (`base`) otherwise.
+fn baselines(labels: &[(&str, &str)], own: &[Option<&str>], base: usize) -> Vec<usize> {
+    own.iter()
+        .map(|wanted| {
+            wanted
+                .and_then(|w| labels.iter().position(|(name, _)| *name == w))
+                .unwrap_or(base)
+        })
+        .collect()
+}
+
 /// The variants of these names, in this order; an unknown name is an error listing the known.
 fn resolve<B: Bench>(names: &[String]) -> Result<Vec<B::Variant>> {
     names
@@ -195,4 +216,27 @@ fn resolve<B: Bench>(names: &[String]) -> Result<Vec<B::Variant>> {
                 })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_variant_with_its_own_baseline_is_compared_with_it_when_it_runs() {
+        let labels = [
+            ("underlay", ""),
+            ("a", ""),
+            ("underlay-v6", ""),
+            ("b-v6", ""),
+        ];
+        let own = [None, None, Some("underlay-v6"), Some("underlay-v6")];
+        assert_eq!(baselines(&labels, &own, 0), vec![0, 0, 2, 2]);
+        // Its own baseline not in the run: the run's.
+        let labels = [("underlay", ""), ("b-v6", "")];
+        assert_eq!(
+            baselines(&labels, &[None, Some("underlay-v6")], 0),
+            vec![0, 0]
+        );
+    }
 }

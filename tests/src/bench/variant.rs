@@ -245,7 +245,7 @@ pub fn all() -> Vec<Variant> {
             }),
         },
         Variant {
-            name: "underlay-v6",
+            name: UNDERLAY_V6,
             description: "node1 eth0 to node2 eth0 over the underlay bridge, IPv6 (the IPv6 baseline)",
             topology: two_nodes.clone().ipv6(true),
             needs_cni: false,
@@ -461,6 +461,9 @@ fn floor_variant(name: &'static str, description: &'static str, vxlan: bool) -> 
 pub fn find(name: &str) -> Option<Variant> {
     all().into_iter().find(|v| v.name == name)
 }
+
+/// The IPv6 underlay variant: the baseline of the IPv6 variants when it runs.
+pub const UNDERLAY_V6: &str = "underlay-v6";
 
 /// The VNI of `ref-vxlan`'s `flannel.1` devices.
 pub const REF_VNI: u32 = 1;
