@@ -29,6 +29,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, ensure};
+use flannel_common::{programs, stats::Reason};
 use flannel_tests::{
     check,
     lab::{
@@ -294,7 +295,8 @@ fn vxlan_v6_bulk_under_cni_masquerade() -> Result<()> {
 /// An agent restart on the fast path leaves IPv6 pod traffic alone: the programs stay attached
 /// while the agent is down and the restarted agent adopts the pinned IPv6 maps, so ICMPv6
 /// echoes 10 ms apart and a TCP ping-pong over IPv6, both running across the 2 s the agent is
-/// down and its restart, lose nothing (and node 1's programs counted them on the fast path).
+/// down and its restart, lose nothing; node 1's pinned counters show its programs carrying
+/// them on the fast path while no agent ran.
 #[test]
 fn ipv6_traffic_crosses_an_agent_restart() {
     require_root!();
@@ -366,7 +368,29 @@ fn restart_under_ipv6_traffic(
         status.success(),
         "node 1's agent exited with {status} on SIGTERM"
     );
+    let pins = cluster.topology().node(1).bpf_pin_path().to_owned();
+    let at_stop = fastpath::pinned_counters(&pins)?;
     std::thread::sleep(Duration::from_secs(2));
+    // No agent ran for 2 s: 200 echoes and their answers, plus the ping-pong, crossed node 1,
+    // and its programs (still attached) counted them on the fast path.
+    let while_down = fastpath::pinned_counters(&pins)?;
+    for (program, reason) in [
+        (programs::TC_FROM_BRIDGE, Reason::FastHostGw6),
+        (programs::TC_FROM_NETDEV, Reason::FastDeliver6),
+    ] {
+        let grew = fastpath::grown(
+            &at_stop.packets,
+            &while_down.packets,
+            program,
+            reason.name(),
+        );
+        ensure!(
+            grew >= u64::from(ECHOES) / 5,
+            "node 1's {program} counted {grew} {} packets while the agent was down: {}",
+            reason.name(),
+            fastpath::growth_text(&at_stop.packets, &while_down.packets)
+        );
+    }
     cluster.agent_mut(1).context("node 1's agent")?.restart()?;
     let node1 = cluster.topology().node(1).ns();
     wait::until_ok(

@@ -109,6 +109,21 @@ pub fn fast_counters(cluster: &Cluster) -> Result<BTreeMap<usize, Counters>> {
         .collect()
 }
 
+/// The counters of every fast-path node, read from its pinned counter maps (readable while
+/// its agent is down).
+pub fn pinned_fast_counters(cluster: &Cluster) -> Result<BTreeMap<usize, Counters>> {
+    all_nodes(cluster)
+        .into_iter()
+        .filter(|&n| on_fast_path(cluster, n))
+        .map(|n| {
+            let pins = cluster.topology().node(n).bpf_pin_path();
+            let counters = fastpath::pinned_counters(pins)
+                .with_context(|| format!("node{n}'s pinned fast-path counters"))?;
+            Ok((n, counters))
+        })
+        .collect()
+}
+
 /// What a fast path must have counted between two scrapes.
 #[derive(Debug, Default)]
 pub struct Expect {
@@ -348,13 +363,18 @@ fn fast_path_state(
     Ok((fastpath::pin_ids(pins)?, fastpath::routes(pins)?))
 }
 
+/// Packets each way [`restart_is_hitless`] wants the fast path to count while the agent is
+/// down for 2 s (a request every [`STREAM_INTERVAL`] and its answer: 200 each way).
+const DOWN_PACKETS: u64 = 100;
+
 /// Node `n`'s agent is stopped (SIGTERM) and started again while [`Undisturbed`] traffic
 /// runs between its pod and node `peer`'s: the agent exits 0; nothing is lost; the
 /// restarted agent adopts the dataplane without a single write (same `flannel.1`, identical
 /// kernel entries, no duplicates; "dataplane reconciled" never logged). On the fast path the
 /// programs and maps stay attached while the agent is down (same map and link ids, same
-/// route map), the new agent swaps its programs in behind the pinned links, and the counters
-/// show every byte of the transfer went through the programs.
+/// route map, and the pinned counters count both directions of the traffic meanwhile), the
+/// new agent swaps its programs in behind the pinned links, and the counters show every byte
+/// of the transfer went through the programs.
 pub fn restart_is_hitless(
     cluster: &mut Cluster,
     path: PathFn<'_>,
@@ -395,6 +415,7 @@ pub fn restart_is_hitless(
     let first_run_len = std::fs::read_to_string(&log_path)?.len();
     // Down for 2 s: 200 requests and 4 MiB cross the node meanwhile.
     let down = Instant::now();
+    let pinned_at_stop = pinned_fast_counters(cluster)?;
     if let Some((ids, routes)) = &pins_before {
         let (ids_now, routes_now) =
             fast_path_state(cluster, n).context("the fast path's pins while the agent is down")?;
@@ -404,6 +425,14 @@ pub fn restart_is_hitless(
         );
     }
     thread::sleep(Duration::from_secs(2).saturating_sub(down.elapsed()));
+    // The programs went on forwarding without their agent: both directions of the traffic
+    // were counted on the fast path while it was down (half of the 200 requests at least).
+    let mut while_down = Expect::default();
+    while_down.sent(cluster, path, (peer, n), DOWN_PACKETS, 0);
+    while_down.sent(cluster, path, (n, peer), DOWN_PACKETS, 0);
+    while_down
+        .check(&pinned_at_stop, &pinned_fast_counters(cluster)?)
+        .with_context(|| format!("while node{n}'s agent was down"))?;
     cluster.agent_mut(n).context("agent")?.restart()?;
     wait::until_ok(
         Duration::from_secs(30),
