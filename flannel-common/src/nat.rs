@@ -434,7 +434,9 @@ impl NatKey {
             sport,
             dport,
             proto,
-            _pad: [0; 3],
+            // Three zero bytes, not `[0; 3]`: in the eBPF object that becomes a call to a
+            // byte-loop `memset` (see `flannel_ebpf::zeroed`) on every NAT lookup.
+            _pad: [0, 0, 0],
         }
     }
 

@@ -11,7 +11,7 @@
 //! driver builds the outer headers and sends them through the routing and netfilter output
 //! path. Everything else is passed.
 
-use core::mem::{size_of, zeroed};
+use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::{BPF_F_ZERO_CSUM_TX, TC_ACT_OK, TC_ACT_SHOT, bpf_tunnel_key},
@@ -69,8 +69,7 @@ pub fn vxlan_md(ctx: &TcContext) -> i32 {
     if !ipv4::decrement_ttl(ctx, info.l3) {
         return TC_ACT_OK;
     }
-    // SAFETY: a plain C struct; all-zero is valid.
-    let mut key: bpf_tunnel_key = unsafe { zeroed() };
+    let mut key: bpf_tunnel_key = crate::zeroed();
     key.tunnel_id = peer.vni;
     key.__bindgen_anon_1.remote_ipv4 = u32::from_be_bytes(peer.public_ip);
     key.tunnel_ttl = cfg.outer_ttl;

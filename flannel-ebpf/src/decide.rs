@@ -59,7 +59,7 @@ pub fn flow_key_outgoing(info: &Ipv4Info) -> FlowKey {
         local_port: info.sport,
         remote_port: info.dport,
         proto: info.proto,
-        _pad: [0; 3],
+        _pad: crate::zeroed(),
     }
 }
 
@@ -72,7 +72,7 @@ pub fn flow_key_incoming(info: &Ipv4Info) -> FlowKey {
         local_port: info.dport,
         remote_port: info.sport,
         proto: info.proto,
-        _pad: [0; 3],
+        _pad: crate::zeroed(),
     }
 }
 

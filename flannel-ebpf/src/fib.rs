@@ -7,7 +7,7 @@
 //! The lookup needs forwarding enabled on the ingress device (`net.ipv4.ip_forward=1`, which
 //! flannel requires anyway); otherwise it fails with `FWD_DISABLED` and the packet is passed.
 
-use core::mem::{MaybeUninit, size_of, zeroed};
+use core::mem::{MaybeUninit, size_of};
 
 use aya_ebpf::{
     bindings::{
@@ -183,8 +183,7 @@ fn send(ctx: &TcContext, fib: Fib, to_pod: bool) -> Option<i32> {
             Some(unsafe { bpf_redirect(ifindex, 0) } as i32)
         }
         Fib::NoNeigh { ifindex, nexthop } => {
-            // SAFETY: bpf_redir_neigh is a plain C struct.
-            let mut nh: bpf_redir_neigh = unsafe { zeroed() };
+            let mut nh: bpf_redir_neigh = crate::zeroed();
             nh.nh_family = u32::from(AF_INET);
             nh.__bindgen_anon_1.ipv4_nh = nexthop;
             // SAFETY: the helper reads `nh` of the size given.

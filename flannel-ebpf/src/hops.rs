@@ -39,7 +39,7 @@ pub fn route(key: HopKey, len: u16, mtu: &mut u16, lookup: impl FnOnce(&mut u16)
             smac,
             dmac,
             mtu: *mtu,
-            _pad: [0; 6],
+            _pad: crate::zeroed(),
             checked_ns: now,
         };
         let _ = FLANNEL_HOPS4.insert(key, hop, 0);

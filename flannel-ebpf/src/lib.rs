@@ -56,6 +56,49 @@ pub fn now_ns() -> u64 {
     unsafe { aya_ebpf::helpers::bpf_ktime_get_coarse_ns() }
 }
 
+/// Plain data, all-zero bytes of which are a valid value: byte arrays (map keys' padding) and
+/// the helpers' parameter blocks.
+///
+/// # Safety
+/// All-zero bytes must be a valid value of the type, and its alignment at most 8.
+pub unsafe trait Plain: Copy {}
+
+// SAFETY: byte arrays.
+unsafe impl<const N: usize> Plain for [u8; N] {}
+// SAFETY: C structs and unions of integers.
+unsafe impl Plain for aya_ebpf::bindings::bpf_redir_neigh {}
+// SAFETY: as above.
+unsafe impl Plain for aya_ebpf::bindings::bpf_tunnel_key {}
+
+/// An all-zero `T`, built from a zero the compiler cannot see through.
+///
+/// `[0; N]`, `mem::zeroed()` and runs of constant zero stores become `llvm.memset`, which the
+/// BPF backend of this toolchain never expands inline: each is a call to the object's
+/// `memset`, a byte loop of its own (its calls showed in every full-check path). Zeros read
+/// back from the stack with a volatile load are not constants to LLVM, so the stores stay
+/// plain word stores. Map keys take their padding from here (`_pad: zeroed()`): the kernel
+/// hashes and compares keys byte by byte, so every byte of a key must be written.
+#[inline(always)]
+pub fn zeroed<T: Plain>() -> T {
+    /// `T` on an 8-byte boundary, its size rounded up to whole words.
+    #[repr(C, align(8))]
+    struct Words<T>(core::mem::MaybeUninit<T>);
+    let zero = 0u64;
+    // SAFETY: reading a local; volatile so that LLVM does not know the value.
+    let zero = unsafe { (&raw const zero).read_volatile() };
+    let mut slot = Words(core::mem::MaybeUninit::<T>::uninit());
+    let words = size_of::<Words<T>>() / 8;
+    let to = (&raw mut slot).cast::<u64>();
+    let mut i = 0;
+    while i < words {
+        // SAFETY: `slot` is 8-byte aligned and covers `words` words.
+        unsafe { to.add(i).write(zero) };
+        i += 1;
+    }
+    // SAFETY: every byte was written, and all-zero is a valid `T` (`Plain`).
+    unsafe { slot.0.assume_init() }
+}
+
 /// `*dst = src.read()` for plain data whose size is a multiple of 8, a word at a time: an
 /// assignment of a large value through a pointer becomes a call to the object's `memmove`,
 /// which copies byte by byte (eight instructions a byte, 500 for a 64-byte memo).
@@ -78,5 +121,23 @@ pub unsafe fn copy_words<T: Copy>(dst: &mut T, src: *const T) {
         // LLVM does not fold the loop back into a `memmove` call.
         unsafe { to.add(i).write_volatile(from.add(i).read_volatile()) };
         i += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use aya_ebpf::bindings::bpf_redir_neigh;
+
+    use super::*;
+
+    #[test]
+    fn zeroed_writes_every_byte() {
+        assert_eq!(zeroed::<[u8; 3]>(), [0; 3]);
+        assert_eq!(zeroed::<[u8; 6]>(), [0; 6]);
+        assert_eq!(zeroed::<[u8; 16]>(), [0; 16]);
+        let nh: bpf_redir_neigh = zeroed();
+        // SAFETY: a C struct of integers, viewed as its bytes.
+        let bytes: [u8; size_of::<bpf_redir_neigh>()] = unsafe { core::mem::transmute(nh) };
+        assert_eq!(bytes, [0; size_of::<bpf_redir_neigh>()]);
     }
 }

@@ -116,8 +116,8 @@ pub fn memo(ifindex: u32, smac: [u8; 6], dmac: [u8; 6], mtu: u16, generation: u6
         dmac,
         peer: [0; 4],
         vni: 0,
-        vtep_mac: [0; 6],
-        _pad2: [0; 6],
+        vtep_mac: crate::zeroed(),
+        _pad2: crate::zeroed(),
         generation,
         checked_ns: crate::now_ns(),
     }

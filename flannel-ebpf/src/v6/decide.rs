@@ -52,7 +52,7 @@ pub fn flow_key_outgoing(info: &Ipv6Info) -> FlowKey6 {
         local_port: info.sport,
         remote_port: info.dport,
         proto: info.next_hdr,
-        _pad: [0; 3],
+        _pad: crate::zeroed(),
     }
 }
 
@@ -65,7 +65,7 @@ pub fn flow_key_incoming(info: &Ipv6Info) -> FlowKey6 {
         local_port: info.dport,
         remote_port: info.sport,
         proto: info.next_hdr,
-        _pad: [0; 3],
+        _pad: crate::zeroed(),
     }
 }
 

@@ -3,7 +3,7 @@
 //! node with IPv6 pods has anyway) or the lookup fails with `FWD_DISABLED` and the packet is
 //! passed.
 
-use core::mem::{size_of, zeroed};
+use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::{
@@ -161,8 +161,7 @@ fn send(ctx: &TcContext, fib: Fib6, to_pod: bool) -> Option<i32> {
             Some(unsafe { bpf_redirect(ifindex, 0) } as i32)
         }
         Fib6::NoNeigh { ifindex, nexthop } => {
-            // SAFETY: bpf_redir_neigh is a plain C struct.
-            let mut nh: bpf_redir_neigh = unsafe { zeroed() };
+            let mut nh: bpf_redir_neigh = crate::zeroed();
             nh.nh_family = u32::from(AF_INET6);
             nh.__bindgen_anon_1.ipv6_nh = nexthop;
             // SAFETY: the helper reads `nh` of the size given.
