@@ -198,6 +198,53 @@ pub fn cleanup(pin_path: &Path) -> Result<usize, BpfError> {
 mod tests {
     use super::*;
 
+    /// The calls of `object` (an eBPF ELF object) to the compiler's memory builtins, as
+    /// `builtin from function+offset`.
+    fn memory_builtin_calls(object: &[u8]) -> Vec<String> {
+        use object::{Object as _, ObjectSection as _, ObjectSymbol as _, RelocationTarget};
+        let file = object::File::parse(object).expect("the eBPF object parses");
+        let mut calls = Vec::new();
+        for section in file.sections() {
+            for (offset, reloc) in section.relocations() {
+                let RelocationTarget::Symbol(index) = reloc.target() else {
+                    continue;
+                };
+                let name = file.symbol_by_index(index).and_then(|s| s.name());
+                let Ok(builtin @ ("memset" | "memcpy" | "memmove" | "memcmp")) = name else {
+                    continue;
+                };
+                let caller = file
+                    .symbols()
+                    .filter(|s| s.section_index() == Some(section.index()) && s.size() > 0)
+                    .find(|s| (s.address()..s.address() + s.size()).contains(&offset))
+                    .and_then(|s| Some((s.name().ok()?.to_owned(), offset - s.address())))
+                    .unwrap_or_else(|| (section.name().unwrap_or("?").to_owned(), offset));
+                calls.push(format!("{builtin} from {}+{:#x}", caller.0, caller.1));
+            }
+        }
+        calls
+    }
+
+    /// LLVM's BPF backend in this toolchain expands no zero-fill or copy inline: `[0; N]`,
+    /// `mem::zeroed()`, a key's zero padding or a large assignment each become a call to the
+    /// object's own `memset`/`memmove`, a byte loop (eight instructions a byte) run on every
+    /// packet. The programs avoid them (`flannel_ebpf::zeroed`, `copy_words`); this keeps it
+    /// so.
+    #[test]
+    fn the_ebpf_object_calls_no_byte_wise_memory_builtins() {
+        if crate::EBPF_OBJECT.is_empty() {
+            eprintln!("skipped: built with AYA_BUILD_SKIP=1");
+            return;
+        }
+        let calls = memory_builtin_calls(crate::EBPF_OBJECT);
+        assert!(
+            calls.is_empty(),
+            "{} calls to memory builtins (find the zero-fill or copy in each caller):\n{}",
+            calls.len(),
+            calls.join("\n")
+        );
+    }
+
     #[test]
     fn modes_parse_and_print() {
         for mode in [
