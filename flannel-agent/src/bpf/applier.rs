@@ -277,12 +277,7 @@ impl CounterSource for FastPathCounters {
             return Vec::new();
         };
         let mut out = Vec::new();
-        for (program, per_reason) in [
-            ("tc_from_bridge", &counters.from_bridge),
-            ("tc_from_netdev", &counters.from_netdev),
-            ("tc_to_netdev", &counters.to_netdev),
-            ("xdp_from_netdev", &counters.xdp_from_netdev),
-        ] {
+        for (program, per_reason) in counters.by_program() {
             for (reason, c) in per_reason.nonzero() {
                 out.push(FastPathCount {
                     program,

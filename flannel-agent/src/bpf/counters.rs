@@ -1,17 +1,17 @@
 //! Reading the programs' per-CPU counters: packets and bytes per [`Reason`], summed over CPUs.
 
-use std::fmt;
+use std::{borrow::Borrow, fmt, path::Path};
 
 use aya::{
     Ebpf,
-    maps::{MapData, PerCpuArray},
+    maps::{Map, MapData, PerCpuArray},
 };
 use flannel_common::{
-    maps as names,
+    maps as names, programs,
     stats::{Counter, Reason, ReasonKind},
 };
 
-use super::BpfError;
+use super::{BpfError, PinLayout};
 
 /// One program's counters, indexed by [`Reason`].
 #[derive(Clone, PartialEq, Eq)]
@@ -75,22 +75,57 @@ pub struct Counters {
 
 impl Counters {
     pub(crate) fn read(ebpf: &Ebpf) -> Result<Counters, BpfError> {
+        Counters::read_each(|name| {
+            let map = ebpf.map(name).ok_or_else(|| BpfError::BadMap {
+                name,
+                reason: "not in the eBPF object".into(),
+            })?;
+            let array: PerCpuArray<&MapData, Counter> =
+                PerCpuArray::try_from(map).map_err(|e| BpfError::map(name, e))?;
+            sum_by_reason(&array, name)
+        })
+    }
+
+    /// The counters in the maps pinned under `pin_path` (`--bpf-pin-path`): readable by
+    /// anyone, also while no agent runs (the programs go on counting meanwhile).
+    pub fn read_pinned(pin_path: &Path) -> Result<Counters, BpfError> {
+        let layout = PinLayout::new(pin_path);
+        Counters::read_each(|name| {
+            let data = MapData::from_pin(layout.map(name)).map_err(|e| BpfError::map(name, e))?;
+            let array: PerCpuArray<MapData, Counter> =
+                PerCpuArray::try_from(Map::PerCpuArray(data))
+                    .map_err(|e| BpfError::map(name, e))?;
+            sum_by_reason(&array, name)
+        })
+    }
+
+    /// Each program's name ([`flannel_common::programs`]) and counters.
+    pub fn by_program(&self) -> [(&'static str, &ReasonCounters); 4] {
+        [
+            (programs::TC_FROM_BRIDGE, &self.from_bridge),
+            (programs::TC_FROM_NETDEV, &self.from_netdev),
+            (programs::TC_TO_NETDEV, &self.to_netdev),
+            (programs::XDP_FROM_NETDEV, &self.xdp_from_netdev),
+        ]
+    }
+
+    fn read_each(
+        read: impl Fn(&'static str) -> Result<ReasonCounters, BpfError>,
+    ) -> Result<Counters, BpfError> {
         Ok(Counters {
-            from_bridge: read_map(ebpf, names::CNT_FROM_BRIDGE)?,
-            from_netdev: read_map(ebpf, names::CNT_FROM_NETDEV)?,
-            to_netdev: read_map(ebpf, names::CNT_TO_NETDEV)?,
-            xdp_from_netdev: read_map(ebpf, names::CNT_XDP_NETDEV)?,
+            from_bridge: read(names::CNT_FROM_BRIDGE)?,
+            from_netdev: read(names::CNT_FROM_NETDEV)?,
+            to_netdev: read(names::CNT_TO_NETDEV)?,
+            xdp_from_netdev: read(names::CNT_XDP_NETDEV)?,
         })
     }
 }
 
-fn read_map(ebpf: &Ebpf, name: &'static str) -> Result<ReasonCounters, BpfError> {
-    let map = ebpf.map(name).ok_or_else(|| BpfError::BadMap {
-        name,
-        reason: "not in the eBPF object".into(),
-    })?;
-    let array: PerCpuArray<&MapData, Counter> =
-        PerCpuArray::try_from(map).map_err(|e| BpfError::map(name, e))?;
+/// Every reason's counter of the counter map `array` (named `name`), summed over the CPUs.
+fn sum_by_reason<T: Borrow<MapData>>(
+    array: &PerCpuArray<T, Counter>,
+    name: &'static str,
+) -> Result<ReasonCounters, BpfError> {
     let mut out = Vec::with_capacity(Reason::COUNT);
     for reason in Reason::ALL {
         let values = array

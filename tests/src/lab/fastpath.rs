@@ -15,13 +15,13 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use aya::{
-    maps::{Map, MapData, MapInfo, PerCpuArray, lpm_trie::Key, lpm_trie::LpmTrie},
+    maps::{Map, MapData, MapInfo, lpm_trie::Key, lpm_trie::LpmTrie},
     programs::links::{FdLink, PinnedLink},
 };
 use flannel_common::{
     maps as names, programs,
     route::{NodeEntry, RemoteEntry, RouteKind},
-    stats::{Counter, Reason},
+    stats::Reason,
 };
 use ipnet::Ipv4Net;
 
@@ -309,31 +309,14 @@ pub fn expect_pod_ports(ns: &NetNs, port: u16, pods: usize) -> Result<()> {
 /// `(program, reason)` keys as [`counters`]): readable while no agent runs, so a test can
 /// see the programs go on counting, i.e. stay attached, while the agent is down.
 pub fn pinned_counters(pin_path: &Path) -> Result<Counters> {
+    let read = flannel_agent::bpf::Counters::read_pinned(pin_path)
+        .with_context(|| format!("the counters pinned under {}", pin_path.display()))?;
     let mut out = Counters::default();
-    for (program, map) in [
-        (programs::TC_FROM_BRIDGE, names::CNT_FROM_BRIDGE),
-        (programs::TC_FROM_NETDEV, names::CNT_FROM_NETDEV),
-        (programs::TC_TO_NETDEV, names::CNT_TO_NETDEV),
-        (programs::XDP_FROM_NETDEV, names::CNT_XDP_NETDEV),
-    ] {
-        let path = pin_path.join(names::PIN_LAYOUT_VERSION).join(map);
-        let data =
-            MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
-        let array: PerCpuArray<MapData, Counter> =
-            PerCpuArray::try_from(Map::PerCpuArray(data)).context("counter map value size")?;
-        for reason in Reason::ALL {
-            let per_cpu = array
-                .get(&reason.index(), 0)
-                .with_context(|| format!("{map}[{}]", reason.name()))?;
-            let mut sum = Counter::default();
-            for c in per_cpu.iter() {
-                sum.add(c);
-            }
-            if sum.packets != 0 {
-                let key = (program.to_owned(), reason.name().to_owned());
-                out.packets.insert(key.clone(), sum.packets);
-                out.bytes.insert(key, sum.bytes);
-            }
+    for (program, per_reason) in read.by_program() {
+        for (reason, c) in per_reason.nonzero() {
+            let key = (program.to_owned(), reason.name().to_owned());
+            out.packets.insert(key.clone(), c.packets);
+            out.bytes.insert(key, c.bytes);
         }
     }
     Ok(out)

@@ -100,27 +100,29 @@ pub fn converged(cluster: &Cluster, path: PathFn<'_>) -> Result<()> {
     converged_on(cluster, &all_nodes(cluster), &leases, path)
 }
 
-/// The counters of every fast-path node.
+/// The counters of every fast-path node, from its agent's `/metrics`.
 pub fn fast_counters(cluster: &Cluster) -> Result<BTreeMap<usize, Counters>> {
-    all_nodes(cluster)
-        .into_iter()
-        .filter(|&n| on_fast_path(cluster, n))
-        .map(|n| Ok((n, counters(cluster, n)?)))
-        .collect()
+    per_fast_node(cluster, |n| counters(cluster, n))
 }
 
 /// The counters of every fast-path node, read from its pinned counter maps (readable while
 /// its agent is down).
 pub fn pinned_fast_counters(cluster: &Cluster) -> Result<BTreeMap<usize, Counters>> {
+    per_fast_node(cluster, |n| {
+        fastpath::pinned_counters(cluster.topology().node(n).bpf_pin_path())
+            .with_context(|| format!("node{n}'s pinned fast-path counters"))
+    })
+}
+
+/// `read(n)` for every fast-path node `n`.
+fn per_fast_node(
+    cluster: &Cluster,
+    read: impl Fn(usize) -> Result<Counters>,
+) -> Result<BTreeMap<usize, Counters>> {
     all_nodes(cluster)
         .into_iter()
         .filter(|&n| on_fast_path(cluster, n))
-        .map(|n| {
-            let pins = cluster.topology().node(n).bpf_pin_path();
-            let counters = fastpath::pinned_counters(pins)
-                .with_context(|| format!("node{n}'s pinned fast-path counters"))?;
-            Ok((n, counters))
-        })
+        .map(|n| Ok((n, read(n)?)))
         .collect()
 }
 
