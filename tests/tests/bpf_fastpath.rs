@@ -990,6 +990,120 @@ fn flows_are_remembered_until_what_decided_them_changes() {
     });
 }
 
+/// A remembered flow's packets that the memo must not decide: IP options, a first fragment
+/// (same ports, more-fragments set), a total length beyond the frame and a TCP header cut by
+/// the end of the frame go to the full checks in both directions, and come out unchanged with
+/// the full checks' class and pass reason. The route of the flow is removed behind the agent's
+/// back first, so a packet the memo took would be forwarded, and the flow's plain packets
+/// before and after each odd one still are (the memo stayed in place).
+#[test]
+fn a_remembered_flows_odd_packets_take_the_full_checks() {
+    let Some(rig) = Rig::new("fpmemoodd") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    let hostgw = net("10.244.2.0/24");
+    rig.with_fast_path(move |fp, ifs| {
+        know_pod_port(fp, ifs);
+        // The odd variants of a flow's packet `ip` inside `frame_of(ip)`.
+        // How a packet of one direction is framed.
+        type FrameOf<'a> = &'a dyn Fn(&Ipv4) -> Vec<u8>;
+        let odd = |ip: &Ipv4, frame_of: FrameOf| {
+            let ip_at = 14;
+            let cut_tcp = {
+                let mut f = frame_of(ip);
+                f.truncate(ip_at + 20 + 10);
+                f[ip_at + 2..ip_at + 4].copy_from_slice(&30u16.to_be_bytes());
+                f
+            };
+            let too_long_total = {
+                let mut f = frame_of(ip);
+                f[ip_at + 2..ip_at + 4].copy_from_slice(&2000u16.to_be_bytes());
+                f
+            };
+            vec![
+                (
+                    "IP options",
+                    frame_of(&Ipv4 {
+                        options: vec![0x94, 0x04, 0, 0],
+                        ..ip.clone()
+                    }),
+                    Reason::Ipv4Options,
+                    Reason::PassIpOptions,
+                ),
+                (
+                    "first fragment",
+                    frame_of(&Ipv4 {
+                        dont_fragment: false,
+                        more_fragments: true,
+                        ..ip.clone()
+                    }),
+                    Reason::Ipv4Fragment,
+                    Reason::PassFragment,
+                ),
+                (
+                    "total length beyond the frame",
+                    too_long_total,
+                    Reason::Ipv4BadLength,
+                    Reason::PassMalformed,
+                ),
+                (
+                    "TCP header cut by the end of the frame",
+                    cut_tcp,
+                    Reason::L4Truncated,
+                    Reason::PassMalformed,
+                ),
+            ]
+        };
+
+        // Delivery into the pod.
+        let incoming = Ipv4 {
+            ttl: 63,
+            ..Ipv4::new(HOSTGW_POD, POD, Tcp::new(80, 40000).payload(b"memo"))
+        };
+        let in_frame = |ip: &Ipv4| underlay(PEER2_MAC, ip.clone());
+        let deliver_fast = |fp: &mut FastPath, what: &str| {
+            let r = run(fp, Hook::FromNetdev, &in_frame(&incoming), Skb::on(ifs.ext));
+            assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
+            assert_counted(
+                &r,
+                &in_frame(&incoming),
+                &[Reason::Ipv4Tcp, Reason::FastDeliver, Reason::DeliverPeer],
+                what,
+            );
+        };
+        // Transmit to the host-gw peer.
+        let outgoing = from_pod(HOSTGW_POD, Tcp::new(40001, 8080).payload(b"memo"));
+        let send_fast = |fp: &mut FastPath, what: &str| {
+            let frame = pod_frame(&outgoing);
+            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+            assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
+            assert_counted(&r, &frame, &[Reason::Ipv4Tcp, Reason::FastHostGw], what);
+        };
+        deliver_fast(fp, "delivery, full checks");
+        send_fast(fp, "transmit, full checks");
+        remove_route_behind_the_agents_back(&pin, hostgw);
+        deliver_fast(fp, "delivery, remembered");
+        send_fast(fp, "transmit, remembered");
+
+        let directions: [(Hook, Skb, &Ipv4, FrameOf); 2] = [
+            (Hook::FromNetdev, Skb::on(ifs.ext), &incoming, &in_frame),
+            (Hook::FromBridge, Skb::on(ifs.br), &outgoing, &pod_frame),
+        ];
+        for (hook, skb, ip, frame_of) in directions {
+            for (name, frame, class, verdict) in odd(ip, frame_of) {
+                let what = format!("{hook:?}: {name}");
+                let r = run(fp, hook, &frame, skb);
+                assert_eq!(r.verdict, TC_ACT_OK, "{what}");
+                assert_bytes(&r.out, &frame, &what);
+                assert_counted(&r, &frame, &[class, verdict], &what);
+                deliver_fast(fp, &format!("delivery still remembered after {what}"));
+                send_fast(fp, &format!("transmit still remembered after {what}"));
+            }
+        }
+    });
+}
+
 /// A tunnel of [`tunnel_flows_are_remembered_for_their_peer_only`]: its remote subnet and
 /// pod, the largest inner packet it carries, the frame the full checks send for a pod's packet
 /// (given what came out, for the outer fields chosen at random), and a frame from a node.

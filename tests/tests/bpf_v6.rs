@@ -936,6 +936,106 @@ fn ipv6_flows_are_remembered_until_what_decided_them_changes() {
     });
 }
 
+/// A remembered IPv6 flow's packets that the memo must not decide: a hop-by-hop header, a
+/// fragment header (a first fragment, same ports), a payload length beyond the frame and a TCP
+/// header cut by the end of the frame go to the full checks in both directions and come out
+/// unchanged with the full checks' class and pass reason, while the flow's plain packets before
+/// and after each are still sent / delivered from the memo (the route is gone behind the
+/// agent's back, so only the memo can take them).
+#[test]
+fn a_remembered_ipv6_flows_odd_packets_take_the_full_checks() {
+    let Some(rig) = Rig::new("f6memoodd") else {
+        return;
+    };
+    let hostgw = net6("fd00:10:244:2::/64");
+    rig.with_fast_path(false, move |fp, ifs| {
+        know_pod_port(fp, ifs);
+        // How a packet of one direction is framed.
+        type FrameOf<'a> = &'a dyn Fn(&Ipv6) -> Vec<u8>;
+        let odd = |ip: &Ipv6, frame_of: FrameOf| {
+            let (plen_at, l4_at) = (14 + 4, 14 + 40);
+            let cut_tcp = {
+                let mut f = frame_of(ip);
+                f.truncate(l4_at + 10);
+                f[plen_at..plen_at + 2].copy_from_slice(&10u16.to_be_bytes());
+                f
+            };
+            vec![
+                (
+                    "hop-by-hop header",
+                    frame_of(&Ipv6 {
+                        extensions: vec![Ipv6Ext::hop_by_hop_padding()],
+                        ..ip.clone()
+                    }),
+                    Reason::Ipv6ExtHeader,
+                    Reason::PassIpv6ExtHeader,
+                ),
+                (
+                    "first fragment",
+                    frame_of(&Ipv6 {
+                        extensions: vec![Ipv6Ext::fragment(0, true, 7)],
+                        ..ip.clone()
+                    }),
+                    Reason::Ipv6ExtHeader,
+                    Reason::PassIpv6ExtHeader,
+                ),
+                (
+                    "payload length beyond the frame",
+                    frame_of(&Ipv6 {
+                        payload_length: Some(2000),
+                        ..ip.clone()
+                    }),
+                    Reason::Ipv6BadLength,
+                    Reason::PassMalformed,
+                ),
+                (
+                    "TCP header cut by the end of the frame",
+                    cut_tcp,
+                    Reason::L4Truncated,
+                    Reason::PassMalformed,
+                ),
+            ]
+        };
+
+        let outgoing = Ipv6::new(pod(), hostgw_pod(), Tcp::new(40001, 8080).payload(b"memo6"));
+        let sent = Ethernet::new(EXT_MAC, PEER2_MAC, hop(&outgoing)).encode();
+        let send_fast = |fp: &mut FastPath, what: &str| {
+            let r = run(fp, Hook::FromBridge, &pod_frame(&outgoing), Skb::on(ifs.br));
+            assert_fast(&r, Reason::Ipv6Tcp, &[Reason::FastHostGw6], &sent, what);
+        };
+        let incoming = Ipv6 {
+            hop_limit: 63,
+            ..Ipv6::new(hostgw_pod(), pod(), Tcp::new(81, 40000).payload(b"memo6"))
+        };
+        let in_frame = |ip: &Ipv6| underlay(PEER2_MAC, ip.clone());
+        let delivered = Ethernet::new(BR_MAC, POD_MAC, hop(&incoming)).encode();
+        let deliver_fast = |fp: &mut FastPath, what: &str| {
+            let r = run(fp, Hook::FromNetdev, &in_frame(&incoming), Skb::on(ifs.ext));
+            let fast = [Reason::FastDeliver6, Reason::DeliverPeer];
+            assert_fast(&r, Reason::Ipv6Tcp, &fast, &delivered, what);
+        };
+        send_fast(fp, "transmit, full checks");
+        deliver_fast(fp, "delivery, full checks");
+        remove_route6_behind_the_agents_back(fp, hostgw);
+        send_fast(fp, "transmit, remembered");
+        deliver_fast(fp, "delivery, remembered");
+
+        let directions: [(Hook, Skb, &Ipv6, FrameOf); 2] = [
+            (Hook::FromBridge, Skb::on(ifs.br), &outgoing, &pod_frame),
+            (Hook::FromNetdev, Skb::on(ifs.ext), &incoming, &in_frame),
+        ];
+        for (hook, skb, ip, frame_of) in directions {
+            for (name, frame, class, pass) in odd(ip, frame_of) {
+                let what = format!("{hook:?}: {name}");
+                let r = run(fp, hook, &frame, skb);
+                assert_passed(&r, &frame, class, pass, &what);
+                send_fast(fp, &format!("transmit still remembered after {what}"));
+                deliver_fast(fp, &format!("delivery still remembered after {what}"));
+            }
+        }
+    });
+}
+
 /// VXLAN over IPv6 flows are remembered for their peer only. Sent: with the route gone behind
 /// the agent's back the flow is still encapsulated byte for byte as the full checks did, a
 /// packet longer than the tunnel's room or with hop limit 1 is not, nor a GSO packet. Delivered:
