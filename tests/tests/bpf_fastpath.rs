@@ -195,6 +195,23 @@ fn forwarded(ip: &Ipv4) -> Ipv4 {
     }
 }
 
+/// An IPv4 router alert option (RFC 2113), as an `Ipv4::options` value.
+const ROUTER_ALERT: [u8; 4] = [0x94, 0x04, 0, 0];
+
+/// `frame` (Ethernet + IPv4 without options + TCP) cut after 10 bytes of its TCP header, with
+/// its total length saying so: a TCP header cut by the end of the frame.
+fn tcp_header_cut(mut frame: Vec<u8>) -> Vec<u8> {
+    frame.truncate(14 + 20 + 10);
+    frame[16..18].copy_from_slice(&30u16.to_be_bytes());
+    frame
+}
+
+/// `frame` (Ethernet + IPv4) with a total length of 2000, beyond the frame's end.
+fn total_length_beyond_the_frame(mut frame: Vec<u8>) -> Vec<u8> {
+    frame[16..18].copy_from_slice(&2000u16.to_be_bytes());
+    frame
+}
+
 /// The outer IPv4 header and UDP source port of a VXLAN frame.
 fn outer_fields(frame: &[u8]) -> (u16, u16) {
     let parsed = packet::verify(frame).expect("valid outer headers");
@@ -438,17 +455,6 @@ fn bridge_passes_everything_else_unchanged() {
             ..from_pod(VXLAN_POD, Udp::new(1, 2).payload(&[7; 64]))
         }
         .fragments(32);
-        let bad_length = {
-            let mut f = pod_frame(&from_pod(VXLAN_POD, tcp()));
-            f.truncate(14 + 20 + 10); // TCP header cut by the end of the frame
-            f[16..18].copy_from_slice(&30u16.to_be_bytes());
-            f
-        };
-        let too_long_total = {
-            let mut f = pod_frame(&from_pod(VXLAN_POD, tcp()));
-            f[16..18].copy_from_slice(&2000u16.to_be_bytes());
-            f
-        };
         let cases: Vec<(&str, Vec<u8>, Reason, Reason)> = vec![
             (
                 "ARP",
@@ -487,7 +493,7 @@ fn bridge_passes_everything_else_unchanged() {
             (
                 "IP options",
                 v4(Ipv4 {
-                    options: vec![0x94, 0x04, 0, 0],
+                    options: ROUTER_ALERT.to_vec(),
                     ..from_pod(VXLAN_POD, tcp())
                 }),
                 Reason::Ipv4Options,
@@ -577,13 +583,13 @@ fn bridge_passes_everything_else_unchanged() {
             ),
             (
                 "truncated TCP header",
-                bad_length,
+                tcp_header_cut(pod_frame(&from_pod(VXLAN_POD, tcp()))),
                 Reason::L4Truncated,
                 Reason::PassMalformed,
             ),
             (
                 "total length beyond the frame",
-                too_long_total,
+                total_length_beyond_the_frame(pod_frame(&from_pod(VXLAN_POD, tcp()))),
                 Reason::Ipv4BadLength,
                 Reason::PassMalformed,
             ),
@@ -1005,27 +1011,15 @@ fn a_remembered_flows_odd_packets_take_the_full_checks() {
     let hostgw = net("10.244.2.0/24");
     rig.with_fast_path(move |fp, ifs| {
         know_pod_port(fp, ifs);
-        // The odd variants of a flow's packet `ip` inside `frame_of(ip)`.
         // How a packet of one direction is framed.
         type FrameOf<'a> = &'a dyn Fn(&Ipv4) -> Vec<u8>;
+        // The odd variants of a flow's packet `ip` inside `frame_of(ip)`.
         let odd = |ip: &Ipv4, frame_of: FrameOf| {
-            let ip_at = 14;
-            let cut_tcp = {
-                let mut f = frame_of(ip);
-                f.truncate(ip_at + 20 + 10);
-                f[ip_at + 2..ip_at + 4].copy_from_slice(&30u16.to_be_bytes());
-                f
-            };
-            let too_long_total = {
-                let mut f = frame_of(ip);
-                f[ip_at + 2..ip_at + 4].copy_from_slice(&2000u16.to_be_bytes());
-                f
-            };
             vec![
                 (
                     "IP options",
                     frame_of(&Ipv4 {
-                        options: vec![0x94, 0x04, 0, 0],
+                        options: ROUTER_ALERT.to_vec(),
                         ..ip.clone()
                     }),
                     Reason::Ipv4Options,
@@ -1043,13 +1037,13 @@ fn a_remembered_flows_odd_packets_take_the_full_checks() {
                 ),
                 (
                     "total length beyond the frame",
-                    too_long_total,
+                    total_length_beyond_the_frame(frame_of(ip)),
                     Reason::Ipv4BadLength,
                     Reason::PassMalformed,
                 ),
                 (
                     "TCP header cut by the end of the frame",
-                    cut_tcp,
+                    tcp_header_cut(frame_of(ip)),
                     Reason::L4Truncated,
                     Reason::PassMalformed,
                 ),
@@ -1579,7 +1573,7 @@ fn netdev_leaves_foreign_vxlan_to_the_kernel() {
         let options = underlay(
             PEER2_MAC,
             Ipv4 {
-                options: vec![0x94, 4, 0, 0],
+                options: ROUTER_ALERT.to_vec(),
                 ..Ipv4::new(HOSTGW_POD, POD, tcp())
             },
         );

@@ -952,6 +952,7 @@ fn a_remembered_ipv6_flows_odd_packets_take_the_full_checks() {
         know_pod_port(fp, ifs);
         // How a packet of one direction is framed.
         type FrameOf<'a> = &'a dyn Fn(&Ipv6) -> Vec<u8>;
+        // The odd variants of a flow's packet `ip` inside `frame_of(ip)`.
         let odd = |ip: &Ipv6, frame_of: FrameOf| {
             let (plen_at, l4_at) = (14 + 4, 14 + 40);
             let cut_tcp = {
