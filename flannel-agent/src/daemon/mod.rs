@@ -294,6 +294,11 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             why: format!("falling back to the kernel path: {err}"),
         };
     }
+    // The counters first: a scrape that shows the eBPF path also shows its counters (the
+    // pinned ones a restarted agent adopts), never a gap while the rest of the start-up runs.
+    if let Some(fp) = active.fast_path() {
+        metrics.set_counter_source(Arc::new(crate::bpf::FastPathCounters(fp.clone())));
+    }
     metrics.set_dataplane(active.name(), backend_type.name());
     match &active {
         fastpath::ActivePath::Ebpf { .. } => info!("dataplane: eBPF fast path active"),
@@ -365,7 +370,6 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             crate::bpf::BpfApplier::new(fp.clone(), fastpath::vxlan_vni(&backend))
                 .with_entries_gauge(metrics.bpf_entries.clone()),
         ));
-        metrics.set_counter_source(Arc::new(crate::bpf::FastPathCounters(fp.clone())));
     }
     appliers.push(Box::new(dataplane::kernel::KernelApplier::new(nl.clone())));
     let mut reconciler = Reconciler::with_appliers(
