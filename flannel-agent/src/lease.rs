@@ -640,7 +640,7 @@ mod tests {
     #[test]
     fn never_panics_on_random_input() {
         let (mut accepted_keys, mut accepted_values) = (0u32, 0u32);
-        use rand::{Rng, SeedableRng, rngs::StdRng};
+        use rand::{SeedableRng, rngs::StdRng};
         let key_seeds = [
             "255.255.255.255-32",
             "10.5.1.0-24&fc00::-64",
@@ -660,17 +660,7 @@ mod tests {
                 .collect();
         let mut rng = StdRng::seed_from_u64(0x1ea5e);
         let mutate = |seed: &str, rng: &mut StdRng| -> String {
-            let mut s: Vec<char> = seed.chars().collect();
-            for _ in 0..rng.random_range(0..5) {
-                let pos = rng.random_range(0..=s.len());
-                let c = alphabet[rng.random_range(0..alphabet.len())];
-                if pos < s.len() && rng.random_bool(0.5) {
-                    s[pos] = c;
-                } else {
-                    s.insert(pos, c);
-                }
-            }
-            s.into_iter().collect()
+            crate::test_fuzz::mutate(rng, seed, &alphabet, 5)
         };
         for i in 0..4000 {
             let key = mutate(key_seeds[i % key_seeds.len()], &mut rng);

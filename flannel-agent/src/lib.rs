@@ -5,6 +5,7 @@
 //! | module | job |
 //! |---|---|
 //! | [`daemon`] | start-up order and the long-running tasks |
+//! | [`child_mount`] | a helper process's own mount (charon's `/run`, wireguard-go's sockets) |
 //! | [`cli`] | the command line (upstream's flags and `FLANNELD_*` variables) |
 //! | [`health`] | `/healthz`, `/readyz` and `/metrics` |
 //! | [`metrics`] | Prometheus metrics, including the fast path's counters |
@@ -29,6 +30,7 @@
 pub mod alloc;
 pub mod backend;
 pub mod bpf;
+pub mod child_mount;
 pub mod cli;
 pub mod daemon;
 pub mod dataplane;
@@ -45,6 +47,8 @@ pub mod netlink;
 pub mod subnet;
 pub mod subnet_env;
 pub mod telemetry;
+#[cfg(test)]
+mod test_fuzz;
 pub mod traffic;
 pub mod udp;
 pub mod wireguard;

@@ -530,24 +530,14 @@ mod tests {
     #[test]
     fn never_panics_on_random_input() {
         let mut accepted = 0u32;
-        use rand::{Rng, SeedableRng, rngs::StdRng};
+        use rand::{SeedableRng, rngs::StdRng};
         let seed = "FLANNEL_NETWORK=10.42.0.0/16\nFLANNEL_SUBNET=10.42.0.1/24\nFLANNEL_IPV6_SUBNET=fd00::1/64\nexport X='y'\n";
         let alphabet: Vec<char> = "=:#'\"\\\n \t,./0123456789abcdefFLANNEL_xé"
             .chars()
             .collect();
         let mut rng = StdRng::seed_from_u64(0xe17);
         for _ in 0..3000 {
-            let mut s: Vec<char> = seed.chars().collect();
-            for _ in 0..rng.random_range(0..8) {
-                let pos = rng.random_range(0..=s.len());
-                let c = alphabet[rng.random_range(0..alphabet.len())];
-                if pos < s.len() && rng.random_bool(0.5) {
-                    s[pos] = c;
-                } else {
-                    s.insert(pos, c);
-                }
-            }
-            let text: String = s.into_iter().collect();
+            let text = crate::test_fuzz::mutate(&mut rng, seed, &alphabet, 8);
             if let Ok(env) = EnvFile::parse(&text) {
                 accepted += 1;
                 for (_, v) in env.vars() {

@@ -348,7 +348,6 @@ mod tests {
     #[test]
     fn never_panics_on_random_input() {
         let (mut accepted_vxlan, mut accepted_wireguard) = (0u32, 0u32);
-        use rand::Rng;
         let seeds = [
             r#"{"VNI":1,"VtepMAC":"aa:bb:cc:dd:ee:ff"}"#,
             r#"{"PublicKey":"MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=","Port":51820}"#,
@@ -359,17 +358,7 @@ mod tests {
             .collect();
         let mut rng = StdRng::seed_from_u64(0xda7a);
         for i in 0..3000 {
-            let mut s: Vec<char> = seeds[i % seeds.len()].chars().collect();
-            for _ in 0..rng.random_range(0..4) {
-                let pos = rng.random_range(0..=s.len());
-                let c = alphabet[rng.random_range(0..alphabet.len())];
-                if pos < s.len() && rng.random_bool(0.5) {
-                    s[pos] = c;
-                } else {
-                    s.insert(pos, c);
-                }
-            }
-            let text: String = s.into_iter().collect();
+            let text = crate::test_fuzz::mutate(&mut rng, seeds[i % seeds.len()], &alphabet, 4);
             if let Ok(m) = text.parse::<MacAddr>() {
                 assert_eq!(m.to_string().parse::<MacAddr>().unwrap(), m);
             }

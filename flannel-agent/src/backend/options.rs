@@ -679,7 +679,7 @@ mod tests {
     #[test]
     fn never_panics_on_random_input() {
         let mut accepted = 0u32;
-        use rand::{Rng, SeedableRng, rngs::StdRng};
+        use rand::{SeedableRng, rngs::StdRng};
         let seeds = [
             r#"{"VNI":1,"Port":8472}"#,
             r#"{"MTU":1400,"GBP":true,"DirectRouting":true}"#,
@@ -691,17 +691,7 @@ mod tests {
             .collect();
         let mut rng = StdRng::seed_from_u64(0xbac);
         for i in 0..4000 {
-            let mut s: Vec<char> = seeds[i % seeds.len()].chars().collect();
-            for _ in 0..rng.random_range(0..5) {
-                let pos = rng.random_range(0..=s.len());
-                let c = alphabet[rng.random_range(0..alphabet.len())];
-                if pos < s.len() && rng.random_bool(0.5) {
-                    s[pos] = c;
-                } else {
-                    s.insert(pos, c);
-                }
-            }
-            let text: String = s.into_iter().collect();
+            let text = crate::test_fuzz::mutate(&mut rng, seeds[i % seeds.len()], &alphabet, 5);
             let Ok(raw) = RawJson::from_json(&text) else {
                 continue;
             };

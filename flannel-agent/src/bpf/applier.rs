@@ -1,9 +1,11 @@
 //! The eBPF applier: the reconciler's desired model ([`Desired`]) written into the fast path's
-//! route map through [`FastPath::sync`] — the second of the "one reconciler, two appliers".
+//! route maps through [`FastPath::sync`] and [`FastPath::sync6`] — the second of the "one
+//! reconciler, two appliers".
 //!
-//! Every IPv4 peer path becomes one [`Remote`]: host-gw and DirectRouting peers are followed
-//! through the kernel FIB, vxlan peers are encapsulated in the program (when the VXLAN fast
-//! path is enabled: not with GBP), ipip peers too. IPv6 paths stay on the kernel path.
+//! Every peer path becomes one [`Remote`] (IPv4) or [`Remote6`]: host-gw and DirectRouting
+//! peers are followed through the kernel FIB, vxlan peers are encapsulated in the program (when
+//! the VXLAN fast path is enabled: not with GBP), ipip and udp peers (IPv4 only) too. A path
+//! whose peer address is of the other family than its pod subnet stays on the kernel path.
 
 use std::{
     collections::BTreeMap,
@@ -15,10 +17,10 @@ use futures::future::BoxFuture;
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use prometheus_client::metrics::{family::Family, gauge::Gauge};
 
-use super::{FastPath, Remote, Remote6, Via};
+use super::{BpfError, FastPath, Remote, Remote6, SyncStats, Via};
 use crate::{
     backend::BackendOptions,
-    dataplane::{Applier, ApplyError, ApplyReport, ApplyStats, Desired, Local, Reach, SyncMode},
+    dataplane::{Applier, ApplyReport, ApplyStats, Desired, Local, Reach, SyncMode},
     metrics::{CounterSource, FastPathCount, KindLabel},
 };
 
@@ -32,52 +34,12 @@ pub fn remotes(
     desired: &Desired,
     vxlan_vni: Option<u32>,
 ) -> BTreeMap<Ipv4Net, Remote> {
-    let host_gw = matches!(local.backend, BackendOptions::HostGw);
-    let mut out = BTreeMap::new();
-    for (_, path) in desired.paths() {
-        let IpNet::V4(subnet) = path.subnet else {
-            continue;
-        };
-        let remote = match path.reach {
-            Reach::Direct {
-                gateway: IpAddr::V4(gateway),
-                ..
-            } => Remote {
-                public_ip: gateway,
-                via: if host_gw {
-                    Via::HostGw
-                } else {
-                    Via::DirectRouting
-                },
-            },
-            Reach::Vxlan {
-                vtep_mac,
-                public_ip: IpAddr::V4(public_ip),
-                ..
-            } => match vxlan_vni {
-                Some(vni) => Remote {
-                    public_ip,
-                    via: Via::Vxlan {
-                        vtep_mac: vtep_mac.octets(),
-                        vni,
-                    },
-                },
-                None => continue,
-            },
-            Reach::Ipip { public_ip, .. } => Remote {
-                public_ip,
-                via: Via::Ipip,
-            },
-            // The port is this node's own (`UdpLocal`), as upstream sends to every peer.
-            Reach::Udp { public_ip, .. } => Remote {
-                public_ip,
-                via: Via::Udp,
-            },
-            _ => continue,
-        };
-        out.insert(subnet, remote);
-    }
-    out
+    entries(local, desired, vxlan_vni)
+        .filter_map(|(subnet, public_ip, via)| match (subnet, public_ip) {
+            (IpNet::V4(subnet), IpAddr::V4(public_ip)) => Some((subnet, Remote { public_ip, via })),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The IPv6 route-map entries for `desired`: host-gw and DirectRouting peers through the
@@ -88,43 +50,52 @@ pub fn remotes6(
     desired: &Desired,
     vxlan_vni: Option<u32>,
 ) -> BTreeMap<Ipv6Net, Remote6> {
+    entries(local, desired, vxlan_vni)
+        .filter_map(|(subnet, public_ip, via)| match (subnet, public_ip) {
+            (IpNet::V6(subnet), IpAddr::V6(public_ip)) => {
+                Some((subnet, Remote6 { public_ip, via }))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// Every desired path the programs can carry, as (pod subnet, the peer's public IP, how): a
+/// path whose public IP is of the other family than its subnet is left to the kernel path.
+fn entries<'a>(
+    local: &Local,
+    desired: &'a Desired,
+    vxlan_vni: Option<u32>,
+) -> impl Iterator<Item = (IpNet, IpAddr, Via)> + 'a {
     let host_gw = matches!(local.backend, BackendOptions::HostGw);
-    let mut out = BTreeMap::new();
-    for (_, path) in desired.paths() {
-        let IpNet::V6(subnet) = path.subnet else {
-            continue;
-        };
-        let remote = match path.reach {
-            Reach::Direct {
-                gateway: IpAddr::V6(gateway),
-                ..
-            } => Remote6 {
-                public_ip: gateway,
-                via: if host_gw {
+    desired.paths().filter_map(move |(_, path)| {
+        let (public_ip, via) = match path.reach {
+            Reach::Direct { gateway, .. } => (
+                gateway,
+                if host_gw {
                     Via::HostGw
                 } else {
                     Via::DirectRouting
                 },
-            },
+            ),
             Reach::Vxlan {
                 vtep_mac,
-                public_ip: IpAddr::V6(public_ip),
+                public_ip,
                 ..
-            } => match vxlan_vni {
-                Some(vni) => Remote6 {
-                    public_ip,
-                    via: Via::Vxlan {
-                        vtep_mac: vtep_mac.octets(),
-                        vni,
-                    },
+            } => (
+                public_ip,
+                Via::Vxlan {
+                    vtep_mac: vtep_mac.octets(),
+                    vni: vxlan_vni?,
                 },
-                None => continue,
-            },
-            _ => continue,
+            ),
+            Reach::Ipip { public_ip, .. } => (IpAddr::V4(public_ip), Via::Ipip),
+            // The port is this node's own (`UdpLocal`), as upstream sends to every peer.
+            Reach::Udp { public_ip, .. } => (IpAddr::V4(public_ip), Via::Udp),
+            _ => return None,
         };
-        out.insert(subnet, remote);
-    }
-    out
+        Some((path.subnet, public_ip, via))
+    })
 }
 
 /// Keeps the fast path's maps equal to the desired model.
@@ -151,7 +122,7 @@ impl BpfApplier {
     }
 
     /// Sets the `kind` gauge to the entries a successful sync left.
-    fn report_entries(&self, kind: &str, s: &super::SyncStats) {
+    fn report_entries(&self, kind: &str, s: &SyncStats) {
         if let Some(entries) = &self.entries {
             entries
                 .get_or_create(&KindLabel { kind: kind.into() })
@@ -160,85 +131,92 @@ impl BpfApplier {
     }
 
     fn apply(&self, local: &Local, desired: &Desired, mode: SyncMode) -> ApplyReport {
-        let mut want = remotes(local, desired, self.vxlan_vni);
         let mut report = ApplyReport::default();
         let Ok(mut fp) = self.fast_path.lock() else {
-            report.errors.push(ApplyError {
-                kind: "bpf:lock".into(),
-                message: "the fast-path handle is poisoned".into(),
-            });
-            report.stats.errors += 1;
+            report.fail("bpf:lock", "the fast-path handle is poisoned");
             return report;
         };
+        if self.sync_family(
+            &mut report,
+            mode,
+            remotes(local, desired, self.vxlan_vni),
+            &V4,
+            &mut fp,
+        ) {
+            let want6 = remotes6(local, desired, self.vxlan_vni);
+            self.sync_family(&mut report, mode, want6, &V6, &mut fp);
+        }
+        report
+    }
+
+    /// Writes one family's route map to `want` (after a first complete listing; before it,
+    /// `mode` keeps what the map holds, e.g. entries adopted from the previous run's pins).
+    /// `false` if the map could not be read, so that nothing else is written this round.
+    fn sync_family<N: Ord, R>(
+        &self,
+        report: &mut ApplyReport,
+        mode: SyncMode,
+        mut want: BTreeMap<N, R>,
+        family: &RouteMaps<N, R>,
+        fp: &mut FastPath,
+    ) -> bool {
         if mode == SyncMode::AddOnly {
-            // Before the first complete listing nothing may be deleted: keep what the maps
-            // hold (e.g. entries adopted from the previous run's pins).
-            match fp.remotes() {
+            match (family.current)(fp) {
                 Ok(current) => {
                     for (subnet, remote) in current {
                         want.entry(subnet).or_insert(remote);
                     }
                 }
                 Err(err) => {
-                    report.errors.push(ApplyError {
-                        kind: "bpf:read".into(),
-                        message: format!("reading the route map: {err}"),
-                    });
-                    report.stats.errors += 1;
-                    return report;
+                    let what = family.name;
+                    report.fail("bpf:read", format!("reading the {what} route map: {err}"));
+                    return false;
                 }
             }
         }
-        match fp.sync(&want) {
+        match (family.sync)(fp, &want) {
             Ok(s) => {
                 add_stats(&mut report.stats, &s);
-                self.report_entries("routes4", &s);
+                self.report_entries(family.entries, &s);
             }
             Err(err) => {
-                report.errors.push(ApplyError {
-                    kind: "bpf:sync".into(),
-                    message: format!("syncing the fast-path maps: {err}"),
-                });
-                report.stats.errors += 1;
+                let what = family.name;
+                report.fail(
+                    "bpf:sync",
+                    format!("syncing the fast-path {what} maps: {err}"),
+                );
             }
         }
-        let mut want6 = remotes6(local, desired, self.vxlan_vni);
-        if mode == SyncMode::AddOnly {
-            match fp.remotes6() {
-                Ok(current) => {
-                    for (subnet, remote) in current {
-                        want6.entry(subnet).or_insert(remote);
-                    }
-                }
-                Err(err) => {
-                    report.errors.push(ApplyError {
-                        kind: "bpf:read".into(),
-                        message: format!("reading the IPv6 route map: {err}"),
-                    });
-                    report.stats.errors += 1;
-                    return report;
-                }
-            }
-        }
-        match fp.sync6(&want6) {
-            Ok(s) => {
-                add_stats(&mut report.stats, &s);
-                self.report_entries("routes6", &s);
-            }
-            Err(err) => {
-                report.errors.push(ApplyError {
-                    kind: "bpf:sync".into(),
-                    message: format!("syncing the fast-path IPv6 maps: {err}"),
-                });
-                report.stats.errors += 1;
-            }
-        }
-        report
+        true
     }
 }
 
+/// One address family's route maps, as the applier reads and writes them.
+struct RouteMaps<N, R> {
+    /// The family, for messages.
+    name: &'static str,
+    /// The `flannel_bpf_map_entries` kind.
+    entries: &'static str,
+    current: fn(&FastPath) -> Result<BTreeMap<N, R>, BpfError>,
+    sync: fn(&mut FastPath, &BTreeMap<N, R>) -> Result<SyncStats, BpfError>,
+}
+
+const V4: RouteMaps<Ipv4Net, Remote> = RouteMaps {
+    name: "IPv4",
+    entries: "routes4",
+    current: FastPath::remotes,
+    sync: FastPath::sync,
+};
+
+const V6: RouteMaps<Ipv6Net, Remote6> = RouteMaps {
+    name: "IPv6",
+    entries: "routes6",
+    current: FastPath::remotes6,
+    sync: FastPath::sync6,
+};
+
 /// Adds one map family's sync counts to the applier's statistics.
-fn add_stats(stats: &mut ApplyStats, s: &super::SyncStats) {
+fn add_stats(stats: &mut ApplyStats, s: &SyncStats) {
     stats.added += s.added as u64;
     stats.replaced += s.updated as u64;
     stats.deleted += s.removed as u64;
@@ -288,5 +266,203 @@ impl CounterSource for FastPathCounters {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
+    use super::*;
+    use crate::{
+        dataplane::{
+            Peer, PeerPath,
+            desired::tests::{local, mac, vxlan},
+        },
+        ip::IpStack,
+    };
+
+    fn path(subnet: &str, reach: Reach) -> Option<PeerPath> {
+        Some(PeerPath {
+            subnet: subnet.parse().unwrap(),
+            reach,
+        })
+    }
+
+    fn desired(peers: Vec<(Option<PeerPath>, Option<PeerPath>)>) -> Desired {
+        Desired {
+            peers: peers
+                .into_iter()
+                .enumerate()
+                .map(|(i, (v4, v6))| Peer {
+                    id: format!("lease-{i}"),
+                    v4,
+                    v6,
+                })
+                .collect(),
+            notes: Vec::new(),
+        }
+    }
+
+    const PEER4: Ipv4Addr = Ipv4Addr::new(192, 168, 10, 2);
+    const PEER6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 2);
+
+    #[test]
+    fn each_path_becomes_the_entry_of_its_family() {
+        let want = desired(vec![
+            (
+                path(
+                    "10.244.2.0/24",
+                    Reach::Vxlan {
+                        vtep_mac: mac(2),
+                        vni: 1,
+                        public_ip: PEER4.into(),
+                    },
+                ),
+                path(
+                    "fd00:244:2::/64",
+                    Reach::Vxlan {
+                        vtep_mac: mac(0x62),
+                        vni: 1,
+                        public_ip: PEER6.into(),
+                    },
+                ),
+            ),
+            (
+                path(
+                    "10.244.3.0/24",
+                    Reach::Direct {
+                        gateway: PEER4.into(),
+                        oif: 2,
+                    },
+                ),
+                path(
+                    "fd00:244:3::/64",
+                    Reach::Direct {
+                        gateway: PEER6.into(),
+                        oif: 2,
+                    },
+                ),
+            ),
+            // An IPv6 pod subnet behind an IPv4 VTEP: not the programs' to carry.
+            (
+                None,
+                path(
+                    "fd00:244:4::/64",
+                    Reach::Vxlan {
+                        vtep_mac: mac(0x64),
+                        vni: 1,
+                        public_ip: PEER4.into(),
+                    },
+                ),
+            ),
+        ]);
+        let local = local(vxlan(true), IpStack::Dual);
+        let v4 = remotes(&local, &want, Some(7));
+        assert_eq!(
+            v4.into_iter().collect::<Vec<_>>(),
+            vec![
+                (
+                    "10.244.2.0/24".parse().unwrap(),
+                    Remote {
+                        public_ip: PEER4,
+                        via: Via::Vxlan {
+                            vtep_mac: mac(2).octets(),
+                            vni: 7
+                        }
+                    }
+                ),
+                (
+                    "10.244.3.0/24".parse().unwrap(),
+                    Remote {
+                        public_ip: PEER4,
+                        via: Via::DirectRouting
+                    }
+                ),
+            ]
+        );
+        let v6 = remotes6(&local, &want, Some(7));
+        assert_eq!(
+            v6.into_iter().collect::<Vec<_>>(),
+            vec![
+                (
+                    "fd00:244:2::/64".parse().unwrap(),
+                    Remote6 {
+                        public_ip: PEER6,
+                        via: Via::Vxlan {
+                            vtep_mac: mac(0x62).octets(),
+                            vni: 7
+                        }
+                    }
+                ),
+                (
+                    "fd00:244:3::/64".parse().unwrap(),
+                    Remote6 {
+                        public_ip: PEER6,
+                        via: Via::DirectRouting
+                    }
+                ),
+            ]
+        );
+        // Without the VXLAN fast path the tunnelled peers stay on flannel.<VNI>.
+        assert_eq!(remotes(&local, &want, None).len(), 1);
+        assert_eq!(remotes6(&local, &want, None).len(), 1);
+    }
+
+    #[test]
+    fn host_gw_ipip_and_udp_paths() {
+        let want = desired(vec![
+            (
+                path(
+                    "10.244.2.0/24",
+                    Reach::Direct {
+                        gateway: PEER4.into(),
+                        oif: 2,
+                    },
+                ),
+                path(
+                    "fd00:244:2::/64",
+                    Reach::Direct {
+                        gateway: PEER6.into(),
+                        oif: 2,
+                    },
+                ),
+            ),
+            (
+                path(
+                    "10.244.3.0/24",
+                    Reach::Ipip {
+                        public_ip: PEER4,
+                        next_hop: None,
+                    },
+                ),
+                None,
+            ),
+            (
+                path(
+                    "10.244.4.0/24",
+                    Reach::Udp {
+                        public_ip: PEER4,
+                        port: 8285,
+                    },
+                ),
+                None,
+            ),
+            (
+                path("10.244.5.0/24", Reach::Ipsec { public_ip: PEER4 }),
+                None,
+            ),
+        ]);
+        let local = local(BackendOptions::HostGw, IpStack::Dual);
+        let v4: Vec<Via> = remotes(&local, &want, None)
+            .into_values()
+            .map(|r| r.via)
+            .collect();
+        assert_eq!(v4, vec![Via::HostGw, Via::Ipip, Via::Udp]);
+        let v6: Vec<Via> = remotes6(&local, &want, None)
+            .into_values()
+            .map(|r| r.via)
+            .collect();
+        assert_eq!(v6, vec![Via::HostGw]);
     }
 }

@@ -108,6 +108,15 @@ pub struct ApplyReport {
 }
 
 impl ApplyReport {
+    /// Records one failure: counted in `stats.errors` and kept with its message.
+    pub fn fail(&mut self, kind: impl Into<String>, message: impl Into<String>) {
+        self.stats.errors += 1;
+        self.errors.push(ApplyError {
+            kind: kind.into(),
+            message: message.into(),
+        });
+    }
+
     /// Error counts by kind.
     pub fn errors_by_kind(&self) -> BTreeMap<String, u64> {
         let mut out = BTreeMap::new();

@@ -38,7 +38,7 @@ use crate::netlink::{
 };
 
 use super::{
-    applier::{Applier, ApplyError, ApplyReport, SyncMode},
+    applier::{Applier, ApplyReport, SyncMode},
     model::{Desired, Local, Reach, subnet_address},
 };
 
@@ -396,11 +396,7 @@ impl KernelApplier {
         let observed = match Observed::read(&self.nl, local).await {
             Ok(o) => o,
             Err(e) => {
-                report.stats.errors += 1;
-                report.errors.push(ApplyError {
-                    kind: error_kind("list", &e),
-                    message: e.to_string(),
-                });
+                report.fail(error_kind("list", &e), e.to_string());
                 return report;
             }
         };
@@ -418,11 +414,7 @@ impl KernelApplier {
                 (Action::Delete, Ok(())) => report.stats.deleted += 1,
                 (Action::Delete, Err(e)) if e.is_not_found() => report.stats.deleted += 1,
                 (_, Err(e)) => {
-                    report.stats.errors += 1;
-                    report.errors.push(ApplyError {
-                        kind: error_kind(object, &e),
-                        message: e.to_string(),
-                    });
+                    report.fail(error_kind(object, &e), e.to_string());
                 }
             }
         }

@@ -12,13 +12,13 @@
 //! (`charon.plugins.vici.socket` in the `strongswan.conf` named by `STRONGSWAN_CONF`).
 
 use std::{
-    ffi::CString,
     path::{Path, PathBuf},
     process::Stdio,
     time::{Duration, Instant},
 };
 
 use super::client::ViciClient;
+use crate::child_mount::ChildMount;
 
 /// Upstream's VICI socket.
 pub const DEFAULT_VICI_SOCKET: &str = "/var/run/charon.vici";
@@ -155,7 +155,12 @@ impl Charon {
             cmd.env("STRONGSWAN_CONF", conf);
         }
         let private = if options.private_run {
-            Some(PrivateRun::new())
+            Some(
+                ChildMount::tmpfs(Path::new("/run")).map_err(|source| CharonError::Spawn {
+                    program: program.clone(),
+                    source,
+                })?,
+            )
         } else {
             None
         };
@@ -255,53 +260,6 @@ impl Drop for Charon {
                 libc::kill(pid, libc::SIGTERM);
             }
         }
-    }
-}
-
-/// A private mount namespace with a tmpfs on `/run`, set up in the child.
-struct PrivateRun {
-    root: CString,
-    run: CString,
-    tmpfs: CString,
-}
-
-impl PrivateRun {
-    fn new() -> Self {
-        PrivateRun {
-            root: c"/".to_owned(),
-            run: c"/run".to_owned(),
-            tmpfs: c"tmpfs".to_owned(),
-        }
-    }
-
-    fn apply(&self) -> std::io::Result<()> {
-        // SAFETY: plain system calls with valid NUL-terminated strings.
-        unsafe {
-            if libc::unshare(libc::CLONE_NEWNS) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::mount(
-                std::ptr::null(),
-                self.root.as_ptr(),
-                std::ptr::null(),
-                libc::MS_REC | libc::MS_PRIVATE,
-                std::ptr::null(),
-            ) < 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::mount(
-                self.tmpfs.as_ptr(),
-                self.run.as_ptr(),
-                self.tmpfs.as_ptr(),
-                0,
-                std::ptr::null(),
-            ) < 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-        }
-        Ok(())
     }
 }
 

@@ -44,7 +44,7 @@ pub use xfrm::{EspUnavailable, Policy, Xfrm, XfrmError};
 
 use crate::{
     backend::IpsecOptions,
-    dataplane::{Applier, ApplyError, ApplyReport, Desired, Local, Reach, SyncMode},
+    dataplane::{Applier, ApplyReport, Desired, Local, Reach, SyncMode},
     iface::ExternalInterface,
 };
 
@@ -303,22 +303,14 @@ impl IpsecApplier {
         let mut report = ApplyReport::default();
         let want = self.desired_conns(desired);
         if let Err(e) = self.sync_policies(&want, mode, &mut report).await {
-            report.stats.errors += 1;
-            report.errors.push(ApplyError {
-                kind: "ipsec:xfrm".into(),
-                message: e.to_string(),
-            });
+            report.fail("ipsec:xfrm", e.to_string());
         }
         match self.sync_vici(&want, mode, &mut report).await {
             Ok(()) => self.first = false,
             Err(e) => {
                 // Reconnect next time (charon may have restarted).
                 self.client = None;
-                report.stats.errors += 1;
-                report.errors.push(ApplyError {
-                    kind: "ipsec:vici".into(),
-                    message: e.to_string(),
-                });
+                report.fail("ipsec:vici", e.to_string());
             }
         }
         report

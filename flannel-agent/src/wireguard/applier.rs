@@ -27,7 +27,7 @@ use super::{
 };
 use crate::{
     backend::{BackendOptions, WgKey, WireguardMode, WireguardOptions},
-    dataplane::{Applier, ApplyError, ApplyReport, Desired, Local, Reach, SyncMode},
+    dataplane::{Applier, ApplyReport, Desired, Local, Reach, SyncMode},
     netlink::{IpFamily, Netlink, Route, RouteScope},
 };
 
@@ -277,15 +277,8 @@ impl WireguardApplier {
         mode: SyncMode,
     ) -> ApplyReport {
         let mut report = ApplyReport::default();
-        let fail = |report: &mut ApplyReport, kind: &str, message: String| {
-            report.stats.errors += 1;
-            report.errors.push(ApplyError {
-                kind: kind.to_owned(),
-                message,
-            });
-        };
         if let Err(e) = self.ensure_devices(local).await {
-            fail(&mut report, "wireguard:device", e.to_string());
+            report.fail("wireguard:device", e.to_string());
             return report;
         }
         for (name, families) in device_names(self.options.mode, local.stack) {
@@ -296,7 +289,7 @@ impl WireguardApplier {
             let have = match device.get().await {
                 Ok(h) => h,
                 Err(e) => {
-                    fail(&mut report, "wireguard:get", e.to_string());
+                    report.fail("wireguard:get", e.to_string());
                     continue;
                 }
             };
@@ -319,7 +312,7 @@ impl WireguardApplier {
                         "WireGuard peers updated"
                     );
                 }
-                Err(e) => fail(&mut report, "wireguard:set", e.to_string()),
+                Err(e) => report.fail("wireguard:set", e.to_string()),
             }
         }
         report

@@ -19,7 +19,7 @@
 //! bind-mounted over `/run/wireguard`; the socket then appears in the chosen directory.
 
 use std::{
-    ffi::{CString, OsString},
+    ffi::OsString,
     os::unix::{ffi::OsStrExt as _, fs::DirBuilderExt as _},
     path::{Path, PathBuf},
     process::Stdio,
@@ -27,6 +27,7 @@ use std::{
 };
 
 use super::uapi::UapiClient;
+use crate::child_mount::ChildMount;
 
 /// Where wireguard-go and wg-tools keep UAPI sockets.
 pub const STANDARD_SOCKET_DIR: &str = "/var/run/wireguard";
@@ -242,7 +243,7 @@ impl Userspace {
                 .map_err(dir_err(target))?;
             let source =
                 std::fs::canonicalize(&self.socket_dir).map_err(dir_err(&self.socket_dir))?;
-            Some(BindMount::new(&source, target).map_err(dir_err(&source))?)
+            Some(ChildMount::bind(&source, target).map_err(dir_err(&source))?)
         };
 
         let mut cmd = tokio::process::Command::new(&self.program);
@@ -297,60 +298,6 @@ impl Userspace {
                 status: output.status.to_string(),
                 stderr: text.join("; "),
             });
-        }
-        Ok(())
-    }
-}
-
-/// A bind mount of a directory over `/run/wireguard`, done in the child's own mount
-/// namespace. The strings are prepared before the fork.
-struct BindMount {
-    source: CString,
-    target: CString,
-    root: CString,
-}
-
-impl BindMount {
-    fn new(source: &Path, target: &Path) -> std::io::Result<Self> {
-        let c = |p: &Path| {
-            CString::new(p.as_os_str().as_bytes())
-                .map_err(|_| std::io::Error::other("path with a NUL byte"))
-        };
-        Ok(BindMount {
-            source: c(source)?,
-            target: c(target)?,
-            root: c(Path::new("/"))?,
-        })
-    }
-
-    /// `unshare(CLONE_NEWNS)`, make every mount private (nothing leaks back to the host),
-    /// bind the source over the target.
-    fn apply(&self) -> std::io::Result<()> {
-        // SAFETY: plain system calls with valid NUL-terminated strings.
-        unsafe {
-            if libc::unshare(libc::CLONE_NEWNS) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::mount(
-                std::ptr::null(),
-                self.root.as_ptr(),
-                std::ptr::null(),
-                libc::MS_REC | libc::MS_PRIVATE,
-                std::ptr::null(),
-            ) < 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::mount(
-                self.source.as_ptr(),
-                self.target.as_ptr(),
-                std::ptr::null(),
-                libc::MS_BIND,
-                std::ptr::null(),
-            ) < 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
         }
         Ok(())
     }
