@@ -282,6 +282,9 @@ mod tests {
         ip::IpStack,
     };
 
+    const PEER4: Ipv4Addr = Ipv4Addr::new(192, 168, 10, 2);
+    const PEER6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 2);
+
     fn path(subnet: &str, reach: Reach) -> Option<PeerPath> {
         Some(PeerPath {
             subnet: subnet.parse().unwrap(),
@@ -289,11 +292,27 @@ mod tests {
         })
     }
 
+    fn direct(subnet: &str, gateway: IpAddr) -> Option<PeerPath> {
+        path(subnet, Reach::Direct { gateway, oif: 2 })
+    }
+
+    fn vxlan_to(subnet: &str, last: u8, public_ip: IpAddr) -> Option<PeerPath> {
+        let vtep_mac = mac(last);
+        path(
+            subnet,
+            Reach::Vxlan {
+                vtep_mac,
+                vni: 1,
+                public_ip,
+            },
+        )
+    }
+
+    /// One peer per `(v4, v6)` pair.
     fn desired(peers: Vec<(Option<PeerPath>, Option<PeerPath>)>) -> Desired {
+        let peers = peers.into_iter().enumerate();
         Desired {
             peers: peers
-                .into_iter()
-                .enumerate()
                 .map(|(i, (v4, v6))| Peer {
                     id: format!("lease-{i}"),
                     v4,
@@ -304,129 +323,69 @@ mod tests {
         }
     }
 
-    const PEER4: Ipv4Addr = Ipv4Addr::new(192, 168, 10, 2);
-    const PEER6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 2);
+    fn vias4(want: &Desired, backend: BackendOptions, vni: Option<u32>) -> Vec<(String, Via)> {
+        let local = local(backend, IpStack::Dual);
+        let out = remotes(&local, want, vni).into_iter();
+        out.map(|(n, r)| (format!("{n} via {}", r.public_ip), r.via))
+            .collect()
+    }
+
+    fn vias6(want: &Desired, backend: BackendOptions, vni: Option<u32>) -> Vec<(String, Via)> {
+        let local = local(backend, IpStack::Dual);
+        let out = remotes6(&local, want, vni).into_iter();
+        out.map(|(n, r)| (format!("{n} via {}", r.public_ip), r.via))
+            .collect()
+    }
 
     #[test]
     fn each_path_becomes_the_entry_of_its_family() {
         let want = desired(vec![
             (
-                path(
-                    "10.244.2.0/24",
-                    Reach::Vxlan {
-                        vtep_mac: mac(2),
-                        vni: 1,
-                        public_ip: PEER4.into(),
-                    },
-                ),
-                path(
-                    "fd00:244:2::/64",
-                    Reach::Vxlan {
-                        vtep_mac: mac(0x62),
-                        vni: 1,
-                        public_ip: PEER6.into(),
-                    },
-                ),
+                vxlan_to("10.244.2.0/24", 2, PEER4.into()),
+                vxlan_to("fd00:244:2::/64", 0x62, PEER6.into()),
             ),
             (
-                path(
-                    "10.244.3.0/24",
-                    Reach::Direct {
-                        gateway: PEER4.into(),
-                        oif: 2,
-                    },
-                ),
-                path(
-                    "fd00:244:3::/64",
-                    Reach::Direct {
-                        gateway: PEER6.into(),
-                        oif: 2,
-                    },
-                ),
+                direct("10.244.3.0/24", PEER4.into()),
+                direct("fd00:244:3::/64", PEER6.into()),
             ),
             // An IPv6 pod subnet behind an IPv4 VTEP: not the programs' to carry.
-            (
-                None,
-                path(
-                    "fd00:244:4::/64",
-                    Reach::Vxlan {
-                        vtep_mac: mac(0x64),
-                        vni: 1,
-                        public_ip: PEER4.into(),
-                    },
-                ),
-            ),
+            (None, vxlan_to("fd00:244:4::/64", 0x64, PEER4.into())),
         ]);
-        let local = local(vxlan(true), IpStack::Dual);
-        let v4 = remotes(&local, &want, Some(7));
+        let vx = |last: u8| Via::Vxlan {
+            vtep_mac: mac(last).octets(),
+            vni: 7,
+        };
         assert_eq!(
-            v4.into_iter().collect::<Vec<_>>(),
-            vec![
+            vias4(&want, vxlan(true), Some(7)),
+            [
+                ("10.244.2.0/24 via 192.168.10.2".to_owned(), vx(2)),
                 (
-                    "10.244.2.0/24".parse().unwrap(),
-                    Remote {
-                        public_ip: PEER4,
-                        via: Via::Vxlan {
-                            vtep_mac: mac(2).octets(),
-                            vni: 7
-                        }
-                    }
-                ),
-                (
-                    "10.244.3.0/24".parse().unwrap(),
-                    Remote {
-                        public_ip: PEER4,
-                        via: Via::DirectRouting
-                    }
+                    "10.244.3.0/24 via 192.168.10.2".to_owned(),
+                    Via::DirectRouting
                 ),
             ]
         );
-        let v6 = remotes6(&local, &want, Some(7));
         assert_eq!(
-            v6.into_iter().collect::<Vec<_>>(),
-            vec![
+            vias6(&want, vxlan(true), Some(7)),
+            [
+                ("fd00:244:2::/64 via fd00:10::2".to_owned(), vx(0x62)),
                 (
-                    "fd00:244:2::/64".parse().unwrap(),
-                    Remote6 {
-                        public_ip: PEER6,
-                        via: Via::Vxlan {
-                            vtep_mac: mac(0x62).octets(),
-                            vni: 7
-                        }
-                    }
-                ),
-                (
-                    "fd00:244:3::/64".parse().unwrap(),
-                    Remote6 {
-                        public_ip: PEER6,
-                        via: Via::DirectRouting
-                    }
+                    "fd00:244:3::/64 via fd00:10::2".to_owned(),
+                    Via::DirectRouting
                 ),
             ]
         );
         // Without the VXLAN fast path the tunnelled peers stay on flannel.<VNI>.
-        assert_eq!(remotes(&local, &want, None).len(), 1);
-        assert_eq!(remotes6(&local, &want, None).len(), 1);
+        assert_eq!(vias4(&want, vxlan(true), None).len(), 1);
+        assert_eq!(vias6(&want, vxlan(true), None).len(), 1);
     }
 
     #[test]
     fn host_gw_ipip_and_udp_paths() {
         let want = desired(vec![
             (
-                path(
-                    "10.244.2.0/24",
-                    Reach::Direct {
-                        gateway: PEER4.into(),
-                        oif: 2,
-                    },
-                ),
-                path(
-                    "fd00:244:2::/64",
-                    Reach::Direct {
-                        gateway: PEER6.into(),
-                        oif: 2,
-                    },
-                ),
+                direct("10.244.2.0/24", PEER4.into()),
+                direct("fd00:244:2::/64", PEER6.into()),
             ),
             (
                 path(
@@ -453,16 +412,14 @@ mod tests {
                 None,
             ),
         ]);
-        let local = local(BackendOptions::HostGw, IpStack::Dual);
-        let v4: Vec<Via> = remotes(&local, &want, None)
-            .into_values()
-            .map(|r| r.via)
-            .collect();
-        assert_eq!(v4, vec![Via::HostGw, Via::Ipip, Via::Udp]);
-        let v6: Vec<Via> = remotes6(&local, &want, None)
-            .into_values()
-            .map(|r| r.via)
-            .collect();
-        assert_eq!(v6, vec![Via::HostGw]);
+        let vias = |v: Vec<(String, Via)>| v.into_iter().map(|(_, via)| via).collect::<Vec<_>>();
+        assert_eq!(
+            vias(vias4(&want, BackendOptions::HostGw, None)),
+            [Via::HostGw, Via::Ipip, Via::Udp]
+        );
+        assert_eq!(
+            vias(vias6(&want, BackendOptions::HostGw, None)),
+            [Via::HostGw]
+        );
     }
 }
