@@ -246,15 +246,7 @@ impl ViciClient {
         let (events, _) = self
             .streamed("list-conns", "list-conn", Message::new())
             .await?;
-        let mut out = Vec::new();
-        for e in events {
-            for (name, value) in e.entries() {
-                if let super::vici::Value::Section(m) = value {
-                    out.push((name.clone(), m.clone()));
-                }
-            }
-        }
-        Ok(out)
+        Ok(named_sections(&events))
     }
 
     /// `list-sas`: the IKE SAs with their children, as (name, section).
@@ -262,15 +254,7 @@ impl ViciClient {
         let (events, _) = self
             .streamed("list-sas", "list-sa", Message::new().kv("noblock", "yes"))
             .await?;
-        let mut out = Vec::new();
-        for e in events {
-            for (name, value) in e.entries() {
-                if let super::vici::Value::Section(m) = value {
-                    out.push((name.clone(), m.clone()));
-                }
-            }
-        }
-        Ok(out)
+        Ok(named_sections(&events))
     }
 
     /// `load-shared`: a shared secret (`type`, `data`, `owners`, and an `id` to unload it by).
@@ -290,6 +274,19 @@ impl ViciClient {
         let response = self.request("get-shared", Message::new()).await?;
         Ok(response.get_list("keys").unwrap_or_default())
     }
+}
+
+/// The sections of streamed `events` (one per connection or SA), as (name, section).
+fn named_sections(events: &[Message]) -> Vec<(String, Message)> {
+    let mut out = Vec::new();
+    for e in events {
+        for (name, value) in e.entries() {
+            if let super::vici::Value::Section(m) = value {
+                out.push((name.clone(), m.clone()));
+            }
+        }
+    }
+    out
 }
 
 /// `success = yes`, else [`ViciError::Failed`] with `errmsg`.
