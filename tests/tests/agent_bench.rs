@@ -334,8 +334,14 @@ fn ebpf_vxlan_v6_variant_keeps_its_bulk_traffic_on_the_fast_path() {
     let client = bed.client_ns().unwrap_or_else(|e| panic!("{e:#}"));
     let counts = || dataplane::verdict_counts(&nodes).unwrap_or_else(|e| panic!("{e:#}"));
     let before = counts();
-    let t = measure::iperf3_tcp(client, bed.server_ip, 1, Duration::from_secs(3), None)
-        .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    let t = measure::iperf3_tcp(
+        client,
+        bed.server_ip,
+        1,
+        Duration::from_secs(3),
+        &measure::TcpTuning::default(),
+    )
+    .unwrap_or_else(|e| panic!("{name}: {e:#}"));
     let after = counts();
     let device = fastpath::grown(&before, &after, TC_FROM_BRIDGE, "fast_vxlan6_device");
     let share = dataplane::fast_share(&before, &after).expect("the programs counted verdicts");

@@ -48,8 +48,8 @@ pub struct DataplaneOptions {
     /// CPU both ends of the request/response test are pinned to (`None`: unpinned); see
     /// [`measure::sockperf_rr`].
     pub rr_cpu: Option<usize>,
-    /// CPUs the throughput runs pin the iperf3 client and server to (`None`: unpinned).
-    pub tcp_cpus: Option<measure::TcpCpus>,
+    /// The throughput runs' pinned CPUs and fixed window (default: neither).
+    pub tcp: measure::TcpTuning,
     /// Report name (file names and title).
     pub name: String,
 }
@@ -66,7 +66,7 @@ impl Default for DataplaneOptions {
             duration: Duration::from_secs(5),
             rr_duration: Duration::from_secs(5),
             rr_cpu: Some(0),
-            tcp_cpus: None,
+            tcp: measure::TcpTuning::default(),
             name: "dataplane".to_owned(),
         }
     }
@@ -218,13 +218,8 @@ impl Bench for Dataplane<'_> {
                     Vec::new()
                 };
                 let before = verdict_counts(&nodes)?;
-                let t = measure::iperf3_tcp(
-                    client,
-                    bed.server_ip,
-                    streams,
-                    opts.duration,
-                    opts.tcp_cpus,
-                )?;
+                let t =
+                    measure::iperf3_tcp(client, bed.server_ip, streams, opts.duration, &opts.tcp)?;
                 let mut values = vec![(step, t.gbps), (4 + step, t.cpu_per_gbit())];
                 if !nodes.is_empty() {
                     values.extend(fast_share(&before, &verdict_counts(&nodes)?).map(|p| (9, p)));
@@ -325,7 +320,8 @@ pub fn run(
         "throughput_seconds": opts.duration.as_secs(),
         "rr_seconds": opts.rr_duration.as_secs(),
         "rr_pinned_cpu": opts.rr_cpu,
-        "tcp_pinned_cpus": opts.tcp_cpus.map(|c| format!("client {}, server {}", c.client, c.server)),
+        "tcp_pinned_cpus": opts.tcp.cpus.map(|c| format!("client {}, server {}", c.client, c.server)),
+        "tcp_window": opts.tcp.window.as_ref().map(|w| w.to_string()),
         "tools": "iperf3 -J (TCP, 1 and 2 streams), sockperf ping-pong --tcp -m 64 --full-rtt",
         "rr_connections": RR_CONNECTIONS,
         "cpu": "machine-wide busy time from /proc/stat during each iperf3 run / Gbit received",
@@ -363,7 +359,13 @@ fn ipv6_rr_note(names: &[String]) -> Option<String> {
 /// client; returns (Gbit/s, RR p50 µs).
 pub fn smoke(bed: &Testbed, ip: IpAddr) -> Result<(f64, f64)> {
     let client = bed.client_ns()?;
-    let t = measure::iperf3_tcp(client, ip, 1, Duration::from_secs(1), None)?;
+    let t = measure::iperf3_tcp(
+        client,
+        ip,
+        1,
+        Duration::from_secs(1),
+        &measure::TcpTuning::default(),
+    )?;
     let rr = measure::rr(client, ip, Duration::from_secs(1), None)?;
     Ok((t.gbps, rr.p50_us))
 }

@@ -350,7 +350,13 @@ pub fn measure_step(bed: &MasqBed, opts: &MasqOptions, step: Step) -> Result<Vec
     let d = opts.crr_duration;
     Ok(match step {
         Step::Throughput => {
-            let t1 = measure::iperf3_tcp(client, bed.server_ip, 1, opts.duration, None)?;
+            let t1 = measure::iperf3_tcp(
+                client,
+                bed.server_ip,
+                1,
+                opts.duration,
+                &measure::TcpTuning::default(),
+            )?;
             vec![(0, t1.gbps), (3, t1.cpu_per_gbit())]
         }
         Step::Crr1 => {

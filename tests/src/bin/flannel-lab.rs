@@ -27,6 +27,7 @@ use flannel_tests::{
         crr,
         dataplane::{self, DataplaneOptions},
         masq::{self, MasqOptions},
+        measure::TcpTuning,
         report, rr,
         variant::{self, SetupCtx},
     },
@@ -234,6 +235,10 @@ struct DataplaneArgs {
     /// results by ±15 % from run to run here).
     #[arg(long, default_value = "none")]
     tcp_cpus: String,
+    /// A fixed TCP window for the throughput runs (iperf3 `-w`, e.g. `512K`; `auto`, the
+    /// default, leaves it to autotuning).
+    #[arg(long, default_value = "auto")]
+    tcp_window: String,
     /// Comma-separated variants (`all` for every one; see `flannel-lab variants`).
     #[arg(long, value_delimiter = ',')]
     variants: Option<Vec<String>>,
@@ -473,9 +478,15 @@ fn bench_dataplane(args: DataplaneArgs) -> Result<()> {
                     .with_context(|| format!("--rr-cpu {cpu:?}: a CPU number or none"))?,
             ),
         },
-        tcp_cpus: match args.tcp_cpus.as_str() {
-            "none" => None,
-            cpus => Some(cpus.parse().context("--tcp-cpus")?),
+        tcp: TcpTuning {
+            cpus: match args.tcp_cpus.as_str() {
+                "none" => None,
+                cpus => Some(cpus.parse().context("--tcp-cpus")?),
+            },
+            window: match args.tcp_window.as_str() {
+                "auto" => None,
+                window => Some(window.parse().context("--tcp-window")?),
+            },
         },
         name: "dataplane".to_owned(),
     };
