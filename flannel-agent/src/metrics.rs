@@ -246,13 +246,6 @@ impl Metrics {
         }
     }
 
-    /// Sets where the fast-path counters are read from (once the eBPF path is active).
-    pub fn set_counter_source(&self, source: Arc<dyn CounterSource>) {
-        if let Ok(mut slot) = self.fast_path.source.lock() {
-            *slot = Some(source);
-        }
-    }
-
     /// Sets where the udp backend's forwarder counters are read from
     /// (`flannel_udp_packets_total{reason}`, `flannel_udp_bytes_total{reason}`).
     pub fn set_udp_counter_source(&self, source: Arc<dyn CounterSource>) {
@@ -261,8 +254,19 @@ impl Metrics {
         }
     }
 
-    /// Marks `path`/`backend` as the active dataplane (and clears any previous one).
-    pub fn set_dataplane(&self, path: &str, backend: &str) {
+    /// Marks `path`/`backend` as the active dataplane (and clears any previous one), with
+    /// `counters` as where its fast-path counters are read from (`None`: no fast path). The
+    /// counters are in place before the path is shown, so that no scrape shows the eBPF path
+    /// without them (after a restart they are the adopted pinned ones).
+    pub fn set_dataplane(
+        &self,
+        path: &str,
+        backend: &str,
+        counters: Option<Arc<dyn CounterSource>>,
+    ) {
+        if let Ok(mut slot) = self.fast_path.source.lock() {
+            *slot = counters;
+        }
         self.dataplane.clear();
         self.dataplane
             .get_or_create(&DataplaneLabels {
@@ -312,8 +316,8 @@ mod tests {
     fn renders_families_and_scrape_time_counters() {
         let m = Metrics::new();
         m.leases.set(3);
-        m.set_dataplane("kernel", "vxlan");
-        m.set_dataplane("ebpf", "vxlan");
+        m.set_dataplane("kernel", "vxlan", None);
+        m.set_dataplane("ebpf", "vxlan", None);
         m.error("netlink");
         m.reconcile_runs.inc();
         let text = m.render();
@@ -338,7 +342,7 @@ mod tests {
             "{text}"
         );
 
-        m.set_counter_source(Arc::new(Fixed));
+        m.set_dataplane("ebpf", "vxlan", Some(Arc::new(Fixed)));
         let text = m.render();
         assert!(
             text.lines()
@@ -363,5 +367,10 @@ mod tests {
                 .any(|l| l == "flannel_udp_bytes_total{program=\"tc_from_bridge\",reason=\"vxlan_encap\"} 700"),
             "{text}"
         );
+        // The kernel path has no fast-path counters: they go with the eBPF path.
+        m.set_dataplane("kernel", "vxlan", None);
+        let text = m.render();
+        assert!(!text.contains("flannel_fastpath_packets_total"), "{text}");
+        assert!(text.contains("flannel_udp_packets_total"), "{text}");
     }
 }

@@ -40,7 +40,7 @@ use crate::{
     ip::IpStack,
     ipsec,
     lease::{Lease, LeaseAttrs},
-    metrics::{KindLabel, Metrics},
+    metrics::{CounterSource, KindLabel, Metrics},
     netconf::ConfigError,
     netlink::{Netlink, NetlinkError, Route},
     subnet::{LeaseSnapshot, etcd::EtcdError, kube::KubeError, lease_channel},
@@ -294,12 +294,10 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             why: format!("falling back to the kernel path: {err}"),
         };
     }
-    // The counters first: a scrape that shows the eBPF path also shows its counters (the
-    // pinned ones a restarted agent adopts), never a gap while the rest of the start-up runs.
-    if let Some(fp) = active.fast_path() {
-        metrics.set_counter_source(Arc::new(crate::bpf::FastPathCounters(fp.clone())));
-    }
-    metrics.set_dataplane(active.name(), backend_type.name());
+    let counters = active
+        .fast_path()
+        .map(|fp| Arc::new(crate::bpf::FastPathCounters(fp.clone())) as Arc<dyn CounterSource>);
+    metrics.set_dataplane(active.name(), backend_type.name(), counters);
     match &active {
         fastpath::ActivePath::Ebpf { .. } => info!("dataplane: eBPF fast path active"),
         fastpath::ActivePath::Kernel { why } => info!("dataplane: kernel path ({why})"),
