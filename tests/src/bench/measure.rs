@@ -145,8 +145,9 @@ impl std::str::FromStr for TcpCpus {
 
 /// A TCP window for iperf3's `-w`: a number of bytes with an optional `K`, `M` or `G` suffix
 /// (e.g. `512K`). Fixing it keeps the receive queue short: with the autotuned window a
-/// receiver that falls behind can queue megabytes and then copy them out of cache (see the
-/// README's IPIP-against-VXLAN measurements), which moves single runs by 10-20 %.
+/// receiver that falls behind can queue megabytes and then copy them out of cache, which cost
+/// single-stream runs 10-20 % at some MTUs (see the README's IPIP-against-VXLAN measurements).
+/// It did not steady the two-stream runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TcpWindow(String);
 
