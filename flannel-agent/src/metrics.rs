@@ -3,9 +3,14 @@
 //! the fast path's (and the udp backend forwarder's) per-reason packet and byte counters.
 //!
 //! The daemon and the reconciler update the families directly; the fast-path counters come
-//! from a [`CounterSource`] that reads the BPF maps when `/metrics` is scraped.
+//! from a [`CounterSource`] that reads the BPF maps when `/metrics` is scraped. A read that
+//! fails is counted (`flannel_errors_total{kind="fastpath-counters"}`, shown from the next
+//! scrape on) and logged once until a read succeeds again; that scrape omits the series.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{
+    Arc, Mutex,
+    atomic::{AtomicBool, Ordering},
+};
 
 use prometheus_client::{
     collector::Collector,
@@ -47,7 +52,8 @@ pub struct FastPathCount {
 
 /// Reads the fast-path counters at scrape time.
 pub trait CounterSource: Send + Sync + 'static {
-    fn read(&self) -> Vec<FastPathCount>;
+    /// The counters, or why they could not be read.
+    fn read(&self) -> Result<Vec<FastPathCount>, String>;
 }
 
 /// Per-reason packet/byte counters read at scrape time from a [`CounterSource`], exported as
@@ -56,10 +62,16 @@ struct FastPathCollector {
     packets: (&'static str, &'static str),
     bytes: (&'static str, &'static str),
     source: Mutex<Option<Arc<dyn CounterSource>>>,
+    /// Where failed reads are counted, under `error_kind`.
+    errors: Family<KindLabel, Counter>,
+    error_kind: &'static str,
+    /// The last read failed (so the next failure is not logged again).
+    failing: AtomicBool,
 }
 
-impl Default for FastPathCollector {
-    fn default() -> Self {
+impl FastPathCollector {
+    /// The eBPF programs' counters.
+    fn fast_path(errors: Family<KindLabel, Counter>) -> Self {
         Self {
             packets: (
                 "fastpath_packets",
@@ -70,13 +82,14 @@ impl Default for FastPathCollector {
                 "Bytes seen by the eBPF programs, by reason",
             ),
             source: Mutex::new(None),
+            errors,
+            error_kind: "fastpath-counters",
+            failing: AtomicBool::new(false),
         }
     }
-}
 
-impl FastPathCollector {
     /// The udp backend's user-space forwarder (TUN path).
-    fn udp() -> Self {
+    fn udp(errors: Family<KindLabel, Counter>) -> Self {
         Self {
             packets: (
                 "udp_packets",
@@ -87,6 +100,36 @@ impl FastPathCollector {
                 "Bytes of inner packets handled by the udp backend's TUN forwarder, by reason",
             ),
             source: Mutex::new(None),
+            errors,
+            error_kind: "udp-counters",
+            failing: AtomicBool::new(false),
+        }
+    }
+
+    /// `source`'s counters; a failure is counted, logged when the previous read succeeded,
+    /// and gives no series.
+    fn read(&self, source: &dyn CounterSource) -> Vec<FastPathCount> {
+        match source.read() {
+            Ok(counts) => {
+                if self.failing.swap(false, Ordering::Relaxed) {
+                    tracing::info!(counters = self.error_kind, "counters readable again");
+                }
+                counts
+            }
+            Err(e) => {
+                self.errors
+                    .get_or_create(&KindLabel {
+                        kind: self.error_kind.to_owned(),
+                    })
+                    .inc();
+                if !self.failing.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        counters = self.error_kind,
+                        "reading the counters failed, /metrics omits them until a read succeeds: {e}"
+                    );
+                }
+                Vec::new()
+            }
         }
     }
 }
@@ -109,7 +152,7 @@ impl Collector for FastPathCollector {
         let Some(source) = source else {
             return Ok(());
         };
-        let counts = source.read();
+        let counts = self.read(source.as_ref());
         for ((name, help), pick) in [
             (
                 self.packets,
@@ -225,9 +268,9 @@ impl Metrics {
             "Times the masquerade/forward rules were found changed and repaired",
             traffic_rule_repairs.clone(),
         );
-        let fast_path = Arc::new(FastPathCollector::default());
+        let fast_path = Arc::new(FastPathCollector::fast_path(errors.clone()));
         registry.register_collector(Box::new(fast_path.clone()));
-        let udp = Arc::new(FastPathCollector::udp());
+        let udp = Arc::new(FastPathCollector::udp(errors.clone()));
         registry.register_collector(Box::new(udp.clone()));
         Metrics {
             registry,
@@ -302,13 +345,27 @@ mod tests {
 
     struct Fixed;
     impl CounterSource for Fixed {
-        fn read(&self) -> Vec<FastPathCount> {
-            vec![FastPathCount {
+        fn read(&self) -> Result<Vec<FastPathCount>, String> {
+            Ok(vec![FastPathCount {
                 program: "tc_from_bridge",
                 reason: "vxlan_encap",
                 packets: 7,
                 bytes: 700,
-            }]
+            }])
+        }
+    }
+
+    /// Fails while `failing` is set, then reads as [`Fixed`].
+    #[derive(Default)]
+    struct Flaky {
+        failing: AtomicBool,
+    }
+    impl CounterSource for Flaky {
+        fn read(&self) -> Result<Vec<FastPathCount>, String> {
+            if self.failing.load(Ordering::Relaxed) {
+                return Err("map gone".into());
+            }
+            Fixed.read()
         }
     }
 
@@ -372,5 +429,34 @@ mod tests {
         let text = m.render();
         assert!(!text.contains("flannel_fastpath_packets_total"), "{text}");
         assert!(text.contains("flannel_udp_packets_total"), "{text}");
+    }
+
+    /// A counter read that fails gives no series and is counted (from the next scrape on,
+    /// since the error family is encoded before the collectors); the next good read shows
+    /// the series again and counts nothing.
+    #[test]
+    fn failed_counter_reads_are_counted() {
+        let m = Metrics::new();
+        let source = Arc::new(Flaky::default());
+        source.failing.store(true, Ordering::Relaxed);
+        m.set_dataplane("ebpf", "vxlan", Some(source.clone()));
+        let errors = |text: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("flannel_errors_total{kind=\"fastpath-counters\"} "))
+                .map(|n| n.parse::<u64>().expect("a count"))
+        };
+        let text = m.render();
+        assert!(!text.contains("flannel_fastpath_packets_total{"), "{text}");
+        let text = m.render();
+        assert_eq!(errors(&text), Some(1), "{text}");
+        source.failing.store(false, Ordering::Relaxed);
+        let text = m.render();
+        assert_eq!(errors(&text), Some(2), "{text}");
+        assert!(
+            text.lines()
+                .any(|l| l == "flannel_fastpath_packets_total{program=\"tc_from_bridge\",reason=\"vxlan_encap\"} 7"),
+            "{text}"
+        );
+        assert_eq!(errors(&m.render()), Some(2), "no new error");
     }
 }

@@ -247,13 +247,12 @@ impl Applier for BpfApplier {
 pub struct FastPathCounters(pub SharedFastPath);
 
 impl CounterSource for FastPathCounters {
-    fn read(&self) -> Vec<FastPathCount> {
-        let Ok(fp) = self.0.lock() else {
-            return Vec::new();
-        };
-        let Ok(counters) = fp.counters() else {
-            return Vec::new();
-        };
+    fn read(&self) -> Result<Vec<FastPathCount>, String> {
+        let fp = self
+            .0
+            .lock()
+            .map_err(|_| "the fast path's lock is poisoned".to_owned())?;
+        let counters = fp.counters().map_err(|e| e.to_string())?;
         let mut out = Vec::new();
         for (program, per_reason) in counters.by_program() {
             for (reason, c) in per_reason.nonzero() {
@@ -265,7 +264,7 @@ impl CounterSource for FastPathCounters {
                 });
             }
         }
-        out
+        Ok(out)
     }
 }
 

@@ -123,8 +123,8 @@ impl UdpCounters {
 }
 
 impl CounterSource for UdpCounters {
-    fn read(&self) -> Vec<FastPathCount> {
-        Reason::ALL
+    fn read(&self) -> Result<Vec<FastPathCount>, String> {
+        Ok(Reason::ALL
             .iter()
             .map(|r| FastPathCount {
                 program: "udp-forwarder",
@@ -132,7 +132,7 @@ impl CounterSource for UdpCounters {
                 packets: self.packets(*r),
                 bytes: self.bytes(*r),
             })
-            .collect()
+            .collect())
     }
 }
 
@@ -157,7 +157,7 @@ mod tests {
             (1, 60)
         );
         assert_eq!(c.packets(Reason::Decap), 0);
-        let read = c.read();
+        let read = c.read().expect("in-memory counters");
         assert_eq!(read.len(), Reason::ALL.len());
         assert_eq!(read[0].reason, "udp_encap");
         assert_eq!((read[0].packets, read[0].bytes), (3, 151));
