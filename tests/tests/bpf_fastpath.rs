@@ -2538,3 +2538,135 @@ fn floor_program_forwards_only_its_destinations() {
         })
         .expect("namespace");
 }
+
+/// What a remembered flow's packet costs the programs, next to the floor program
+/// (`tc_bench_floor`, the least any forwarder on this path does) in the same namespace and
+/// run: `BPF_PROG_TEST_RUN` with `repeat` runs per call on a 64-byte TCP packet with TTL 255
+/// (each run decrements the TTL, so every run of a call stays on the path measured: the
+/// counters must show exactly `repeat` fast-path verdicts per call, with the route removed
+/// behind the agent's back so that only the memo can send or deliver), calls of the four
+/// cases interleaved, the median of the per-call means. A measuring tool for changes to the
+/// per-packet path, not a pass/fail check of speed:
+/// `cargo test --release -p flannel-tests --test bpf_fastpath program_cost -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement (about 20 s); run by hand with --ignored --nocapture"]
+fn program_cost_per_packet() {
+    use flannel_common::programs::{
+        BENCH_FLOOR_MAP, FLOOR_EGRESS, FLOOR_PEER, FloorHop, TC_BENCH_FLOOR,
+    };
+    const REPEAT: u32 = 200;
+    const CALLS: usize = 301;
+    let Some(rig) = Rig::new("fpcost") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    rig.with_fast_path(move |fp, ifs| {
+        know_pod_port(fp, ifs);
+        let mut floor = aya::Ebpf::load(flannel_agent::EBPF_OBJECT).expect("object");
+        let mut hops: aya::maps::HashMap<_, [u8; 4], FloorHop> =
+            aya::maps::HashMap::try_from(floor.map_mut(BENCH_FLOOR_MAP).expect("map"))
+                .expect("hash map");
+        let out = FloorHop {
+            ifindex: ifs.ext,
+            smac: EXT_MAC,
+            dmac: PEER2_MAC,
+            into_peer: FLOOR_EGRESS,
+            ..FloorHop::default()
+        };
+        let into_pod = FloorHop {
+            ifindex: 4242,
+            smac: BR_MAC,
+            dmac: POD_MAC,
+            into_peer: FLOOR_PEER,
+            ..FloorHop::default()
+        };
+        hops.insert(HOSTGW_POD.octets(), out, 0).expect("insert");
+        hops.insert(POD.octets(), into_pod, 0).expect("insert");
+        let floor_program: &mut aya::programs::SchedClassifier = floor
+            .program_mut(TC_BENCH_FLOOR)
+            .expect("program")
+            .try_into()
+            .expect("classifier");
+        floor_program.load().expect("load");
+
+        let payload = [0x5au8; 64];
+        let outgoing = pod_frame(&Ipv4 {
+            ttl: 255,
+            ..from_pod(HOSTGW_POD, Tcp::new(40001, 8080).payload(&payload))
+        });
+        let incoming = underlay(
+            PEER2_MAC,
+            Ipv4 {
+                ttl: 255,
+                ..Ipv4::new(HOSTGW_POD, POD, Tcp::new(8080, 40001).payload(&payload))
+            },
+        );
+        // Remember both directions, then take the route away: only the memos can decide.
+        let r = run(fp, Hook::FromBridge, &outgoing, Skb::on(ifs.br));
+        assert_counted(&r, &outgoing, &[Reason::Ipv4Tcp, Reason::FastHostGw], "out");
+        let r = run(fp, Hook::FromNetdev, &incoming, Skb::on(ifs.ext));
+        let fast_in = [Reason::Ipv4Tcp, Reason::FastDeliver, Reason::DeliverPeer];
+        assert_counted(&r, &incoming, &fast_in, "in");
+        remove_route_behind_the_agents_back(&pin, net("10.244.2.0/24"));
+
+        // One call of `repeat` runs: the mean time per run (ns) and the verdict.
+        let timed = |program: &mut aya::programs::SchedClassifier, frame: &[u8], skb: Skb| {
+            let ctx_in = skb.bytes();
+            let mut ctx_out = [0u8; 192];
+            let mut data_out = vec![0u8; frame.len() + 64];
+            let r = program
+                .test_run(TestRunOptions {
+                    data_in: Some(frame),
+                    data_out: Some(&mut data_out),
+                    ctx_in: Some(&ctx_in),
+                    ctx_out: Some(&mut ctx_out),
+                    repeat: REPEAT,
+                    ..TestRunOptions::default()
+                })
+                .expect("test_run");
+            assert_eq!(r.return_value, TC_ACT_REDIRECT);
+            r.duration.as_nanos() as f64
+        };
+        let fast_runs = |fp: &FastPath, hook: Hook, reason: Reason| {
+            bpf_support::counters_of(fp, hook).get(reason).packets
+        };
+        let names = [
+            "floor, to the remote pod",
+            "tc_from_bridge, remembered host-gw flow",
+            "floor, into the pod",
+            "tc_from_netdev, remembered delivery",
+        ];
+        let mut samples: [Vec<f64>; 4] = Default::default();
+        for _ in 0..CALLS {
+            samples[0].push(timed(floor_program, &outgoing, Skb::on(ifs.br)));
+            let before = fast_runs(fp, Hook::FromBridge, Reason::FastHostGw);
+            let program = fp.program_mut(Hook::FromBridge).expect("program");
+            samples[1].push(timed(program, &outgoing, Skb::on(ifs.br)));
+            let after = fast_runs(fp, Hook::FromBridge, Reason::FastHostGw);
+            assert_eq!(
+                after - before,
+                u64::from(REPEAT),
+                "every run sent by the memo"
+            );
+            samples[2].push(timed(floor_program, &incoming, Skb::on(ifs.ext)));
+            let before = fast_runs(fp, Hook::FromNetdev, Reason::FastDeliver);
+            let program = fp.program_mut(Hook::FromNetdev).expect("program");
+            samples[3].push(timed(program, &incoming, Skb::on(ifs.ext)));
+            let after = fast_runs(fp, Hook::FromNetdev, Reason::FastDeliver);
+            assert_eq!(
+                after - before,
+                u64::from(REPEAT),
+                "every run delivered by the memo"
+            );
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            (v[v.len() / 2], v[v.len() / 4], v[v.len() * 3 / 4])
+        };
+        println!("ns per run, median [quartiles] of {CALLS} calls of {REPEAT} runs:");
+        for (name, v) in names.iter().zip(samples.iter_mut()) {
+            let (m, q1, q3) = median(v);
+            println!("  {name:<42} {m:7.1} [{q1:.1}-{q3:.1}]");
+        }
+    });
+}
