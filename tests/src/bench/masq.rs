@@ -526,6 +526,7 @@ mod tests {
             higher_is_better: true,
             summary: Summary::of(&[median]).expect("summary"),
             ratio: None,
+            paired: None,
         };
         let record = |name: &str, gbps: f64, cps: f64| VariantRecord {
             variant: name.into(),

@@ -95,6 +95,11 @@ pub struct MetricResult {
     pub summary: Summary,
     /// Median divided by the baseline variant's median.
     pub ratio: Option<f64>,
+    /// Paired ratios: each repetition's value divided by the baseline's from the same
+    /// repetition (measured back to back, seconds apart), summarised over the repetitions.
+    /// `None` for a baseline itself and where no repetition has both values.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paired: Option<Summary>,
 }
 
 /// Everything measured for one variant.
@@ -232,6 +237,7 @@ impl Report {
             out += "\n";
         }
         out += "\n";
+        out += &self.paired_table(&columns);
         for v in &self.variants {
             let _ = writeln!(out, "- `{}`: {}", v.variant, v.description);
             for e in &v.errors {
@@ -239,6 +245,46 @@ impl Report {
             }
         }
         out
+    }
+
+    /// The table of paired ratios (see [`MetricResult::paired`]), one row per variant that
+    /// has any; empty when none has.
+    fn paired_table(&self, columns: &[&MetricResult]) -> String {
+        let rows: Vec<&VariantRecord> = self
+            .variants
+            .iter()
+            .filter(|v| v.metrics.iter().any(|m| m.paired.is_some()))
+            .collect();
+        if rows.is_empty() {
+            return String::new();
+        }
+        let mut out = "Paired ratios: each repetition's value divided by the baseline's from the \
+                       same repetition (the two measured back to back), median [min–max] over \
+                       the repetitions. Slow drifts of the machine between repetitions cancel \
+                       out; the range shows how steady the ratio is.\n\n"
+            .to_owned();
+        out += "| variant |";
+        for m in columns {
+            let _ = write!(out, " {} |", m.label);
+        }
+        out += "\n|---|";
+        for _ in columns {
+            out += "---|";
+        }
+        out += "\n";
+        for v in rows {
+            let _ = write!(out, "| {} |", v.variant);
+            for column in columns {
+                match v.metric(&column.key).and_then(|m| m.paired.as_ref()) {
+                    Some(p) => {
+                        let _ = write!(out, " **{:.2}×** [{:.2}–{:.2}] |", p.median, p.min, p.max);
+                    }
+                    None => out += " — |",
+                }
+            }
+            out += "\n";
+        }
+        out + "\n"
     }
 
     /// The JSON report.
@@ -458,6 +504,7 @@ mod tests {
             higher_is_better: true,
             summary: Summary::of(&[median]).expect("summary"),
             ratio,
+            paired: None,
         }
     }
 
@@ -526,6 +573,22 @@ mod tests {
         );
         assert!(svg.contains("Test CPU &lt;x&gt;"));
         assert!(svg.contains(">0.75<"));
+        assert!(!md.contains("Paired ratios"), "{md}");
+    }
+
+    #[test]
+    fn paired_ratios_get_their_own_table() {
+        let mut r = report();
+        r.variants[1].metrics[0].paired = Summary::of(&[0.7, 0.8, 0.76]);
+        let md = r.markdown();
+        assert!(md.contains("Paired ratios"), "{md}");
+        assert!(md.contains("| ref-vxlan | **0.76×** [0.70–0.80] |"), "{md}");
+        assert!(
+            !md.contains("| underlay | **"),
+            "the baseline has no row: {md}"
+        );
+        let back = Report::from_json(&r.json().expect("json")).expect("round trip");
+        assert_eq!(back.markdown(), md);
     }
 
     #[test]

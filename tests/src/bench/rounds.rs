@@ -2,7 +2,8 @@
 //! side by side, then measured in round-robin repetitions (rep 1: A B C, rep 2: B C A, …) so
 //! slow drifts of the machine spread over all variants; a repetition's measurements
 //! ([`Bench::steps`]) are each taken for every variant back to back; each metric's median is
-//! compared with the baseline variant's of the same run.
+//! compared with the baseline variant's of the same run, and each repetition's value with the
+//! baseline's of the same repetition (the paired ratios).
 
 use anyhow::{Context as _, Result, bail};
 use serde_json::Value;
@@ -115,7 +116,8 @@ pub fn run<B: Bench>(
         beds.push(bench.set_up(v, log)?);
     }
     let n = beds.len();
-    let mut samples = vec![vec![Vec::<f64>::new(); B::METRICS.len()]; n];
+    // Per variant and metric: (repetition, value).
+    let mut samples = vec![vec![Vec::<(usize, f64)>::new(); B::METRICS.len()]; n];
     let mut errors = vec![Vec::<String>::new(); n];
     let steps = bench.steps();
     for rep in 0..plan.reps {
@@ -137,7 +139,7 @@ pub fn run<B: Bench>(
                         log(&format!("{head}: {}", bench.progress(&values)));
                         for (m, v) in values {
                             if let Some(s) = samples[i].get_mut(m) {
-                                s.push(v);
+                                s.push((rep, v));
                             }
                         }
                     }
@@ -152,7 +154,11 @@ pub fn run<B: Bench>(
     drop(beds);
     let summaries: Vec<Vec<Option<Summary>>> = samples
         .iter()
-        .map(|per| per.iter().map(|s| Summary::of(s)).collect())
+        .map(|per| {
+            per.iter()
+                .map(|s| Summary::of(&s.iter().map(|(_, v)| *v).collect::<Vec<_>>()))
+                .collect()
+        })
         .collect();
     let records = labels
         .iter()
@@ -174,6 +180,9 @@ pub fn run<B: Bench>(
                         unit: (*unit).to_owned(),
                         higher_is_better: *higher,
                         ratio: ratio(summary.median, baseline),
+                        paired: (bases[i] != i)
+                            .then(|| Summary::of(&paired(&samples[i][m], &samples[bases[i]][m])))
+                            .flatten(),
                         summary,
                     })
                 })
@@ -188,6 +197,18 @@ pub fn run<B: Bench>(
         settings,
         variants: records,
     })
+}
+
+/// Each repetition's `value` divided by the `baseline` value of the same repetition, where
+/// both were measured (a failed measurement leaves its repetition out).
+fn paired(values: &[(usize, f64)], baseline: &[(usize, f64)]) -> Vec<f64> {
+    values
+        .iter()
+        .filter_map(|(rep, v)| {
+            let (_, b) = baseline.iter().find(|(r, _)| r == rep)?;
+            ratio(*v, *b)
+        })
+        .collect()
 }
 
 /// For each variant, the index of the variant its ratios are taken to: its own baseline
@@ -221,6 +242,15 @@ fn resolve<B: Bench>(names: &[String]) -> Result<Vec<B::Variant>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn paired_ratios_match_repetitions() {
+        // Repetition 1 of the variant failed, repetition 2 of the baseline did.
+        let values = [(0, 9.0), (2, 12.0), (3, 8.0)];
+        let baseline = [(0, 10.0), (1, 10.0), (3, 0.0)];
+        assert_eq!(paired(&values, &baseline), vec![0.9]);
+        assert_eq!(paired(&values, &[]), Vec::<f64>::new());
+    }
 
     #[test]
     fn a_variant_with_its_own_baseline_is_compared_with_it_when_it_runs() {
