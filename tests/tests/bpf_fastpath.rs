@@ -2400,6 +2400,69 @@ fn counters_are_readable_with_bpftool_as_typed_json() {
 // ---------------------------------------------------------------------------------------------
 // tc_bench_floor (measurement only)
 
+/// The eBPF object with `tc_bench_floor` loaded, configured as [`config`] says, and hops for
+/// the host-gw pod (out of `ext0` to .2), the VXLAN pod (encapsulated to .3) and the local pod
+/// (into its namespace).
+fn floor_object(ifs: &Ifaces) -> aya::Ebpf {
+    use flannel_common::{
+        programs::{BENCH_FLOOR_MAP, FLOOR_EGRESS, FLOOR_PEER, FloorHop, TC_BENCH_FLOOR},
+        route::{RemoteEntry, RouteKind},
+    };
+    let mut ebpf = aya::Ebpf::load(flannel_agent::EBPF_OBJECT).expect("object");
+    let mut cfg: aya::maps::Array<_, flannel_common::config::Config> =
+        aya::maps::Array::try_from(ebpf.map_mut(flannel_common::maps::CONFIG).expect("map"))
+            .expect("array");
+    let entry = config(ifs.ext).to_entry().expect("config");
+    cfg.set(0, entry, 0).expect("config");
+    let mut hops: aya::maps::HashMap<_, [u8; 4], FloorHop> =
+        aya::maps::HashMap::try_from(ebpf.map_mut(BENCH_FLOOR_MAP).expect("map"))
+            .expect("hash map");
+    let out = FloorHop {
+        ifindex: 4242,
+        smac: EXT_MAC,
+        dmac: PEER2_MAC,
+        into_peer: FLOOR_EGRESS,
+        ..FloorHop::default()
+    };
+    let into_pod = FloorHop {
+        ifindex: 4243,
+        smac: BR_MAC,
+        dmac: POD_MAC,
+        into_peer: FLOOR_PEER,
+        ..FloorHop::default()
+    };
+    let vxlan_out = FloorHop {
+        dmac: PEER3_MAC,
+        vxlan_peer: RemoteEntry {
+            kind: RouteKind::Vxlan as u32,
+            public_ip: PUB3.octets(),
+            vni: 1,
+            vtep_mac: VTEP3,
+            ..RemoteEntry::default()
+        },
+        ..out
+    };
+    hops.insert(HOSTGW_POD.octets(), out, 0).expect("insert");
+    hops.insert(VXLAN_POD.octets(), vxlan_out, 0)
+        .expect("insert");
+    hops.insert(POD.octets(), into_pod, 0).expect("insert");
+    let program: &mut aya::programs::SchedClassifier = ebpf
+        .program_mut(TC_BENCH_FLOOR)
+        .expect("program")
+        .try_into()
+        .expect("classifier");
+    program.load().expect("load");
+    ebpf
+}
+
+/// `tc_bench_floor` of an object from [`floor_object`].
+fn floor_program(ebpf: &mut aya::Ebpf) -> &mut aya::programs::SchedClassifier {
+    ebpf.program_mut(flannel_common::programs::TC_BENCH_FLOOR)
+        .expect("program")
+        .try_into()
+        .expect("classifier")
+}
+
 /// The floor program of the `floor-ebpf-*` bench variants: a packet to a destination in its
 /// map leaves with the entry's MACs and TTL - 1 (checksum updated), redirected out of or into
 /// the entry's interface; for a VXLAN entry it leaves encapsulated exactly as the fast path
@@ -2408,62 +2471,14 @@ fn counters_are_readable_with_bpftool_as_typed_json() {
 /// to another port of ours pass unchanged.
 #[test]
 fn floor_program_forwards_only_its_destinations() {
-    use flannel_common::{
-        programs::{BENCH_FLOOR_MAP, FLOOR_EGRESS, FLOOR_PEER, FloorHop, TC_BENCH_FLOOR},
-        route::{RemoteEntry, RouteKind},
-    };
     let Some(rig) = Rig::node("fpfloor") else {
         return;
     };
     rig.ns
         .enter(|| {
             let ifs = Ifaces::current();
-            let mut ebpf = aya::Ebpf::load(flannel_agent::EBPF_OBJECT).expect("object");
-            let mut cfg: aya::maps::Array<_, flannel_common::config::Config> =
-                aya::maps::Array::try_from(
-                    ebpf.map_mut(flannel_common::maps::CONFIG).expect("map"),
-                )
-                .expect("array");
-            let entry = config(ifs.ext).to_entry().expect("config");
-            cfg.set(0, entry, 0).expect("config");
-            let mut hops: aya::maps::HashMap<_, [u8; 4], FloorHop> =
-                aya::maps::HashMap::try_from(ebpf.map_mut(BENCH_FLOOR_MAP).expect("map"))
-                    .expect("hash map");
-            let out = FloorHop {
-                ifindex: 4242,
-                smac: EXT_MAC,
-                dmac: PEER2_MAC,
-                into_peer: FLOOR_EGRESS,
-                ..FloorHop::default()
-            };
-            let into_pod = FloorHop {
-                ifindex: 4243,
-                smac: BR_MAC,
-                dmac: POD_MAC,
-                into_peer: FLOOR_PEER,
-                ..FloorHop::default()
-            };
-            let vxlan_out = FloorHop {
-                dmac: PEER3_MAC,
-                vxlan_peer: RemoteEntry {
-                    kind: RouteKind::Vxlan as u32,
-                    public_ip: PUB3.octets(),
-                    vni: 1,
-                    vtep_mac: VTEP3,
-                    ..RemoteEntry::default()
-                },
-                ..out
-            };
-            hops.insert(HOSTGW_POD.octets(), out, 0).expect("insert");
-            hops.insert(VXLAN_POD.octets(), vxlan_out, 0)
-                .expect("insert");
-            hops.insert(POD.octets(), into_pod, 0).expect("insert");
-            let program: &mut aya::programs::SchedClassifier = ebpf
-                .program_mut(TC_BENCH_FLOOR)
-                .expect("program")
-                .try_into()
-                .expect("classifier");
-            program.load().expect("load");
+            let mut ebpf = floor_object(&ifs);
+            let program = floor_program(&mut ebpf);
             let run = |frame: &[u8]| {
                 let mut out = vec![0u8; frame.len() + 128];
                 let r = program
@@ -2551,9 +2566,6 @@ fn floor_program_forwards_only_its_destinations() {
 #[test]
 #[ignore = "a measurement (about 20 s); run by hand with --ignored --nocapture"]
 fn program_cost_per_packet() {
-    use flannel_common::programs::{
-        BENCH_FLOOR_MAP, FLOOR_EGRESS, FLOOR_PEER, FloorHop, TC_BENCH_FLOOR,
-    };
     const REPEAT: u32 = 200;
     const CALLS: usize = 301;
     let Some(rig) = Rig::new("fpcost") else {
@@ -2562,32 +2574,8 @@ fn program_cost_per_packet() {
     let pin = rig.pin.clone();
     rig.with_fast_path(move |fp, ifs| {
         know_pod_port(fp, ifs);
-        let mut floor = aya::Ebpf::load(flannel_agent::EBPF_OBJECT).expect("object");
-        let mut hops: aya::maps::HashMap<_, [u8; 4], FloorHop> =
-            aya::maps::HashMap::try_from(floor.map_mut(BENCH_FLOOR_MAP).expect("map"))
-                .expect("hash map");
-        let out = FloorHop {
-            ifindex: ifs.ext,
-            smac: EXT_MAC,
-            dmac: PEER2_MAC,
-            into_peer: FLOOR_EGRESS,
-            ..FloorHop::default()
-        };
-        let into_pod = FloorHop {
-            ifindex: 4242,
-            smac: BR_MAC,
-            dmac: POD_MAC,
-            into_peer: FLOOR_PEER,
-            ..FloorHop::default()
-        };
-        hops.insert(HOSTGW_POD.octets(), out, 0).expect("insert");
-        hops.insert(POD.octets(), into_pod, 0).expect("insert");
-        let floor_program: &mut aya::programs::SchedClassifier = floor
-            .program_mut(TC_BENCH_FLOOR)
-            .expect("program")
-            .try_into()
-            .expect("classifier");
-        floor_program.load().expect("load");
+        let mut floor = floor_object(ifs);
+        let floor_program = floor_program(&mut floor);
 
         let payload = [0x5au8; 64];
         let outgoing = pod_frame(&Ipv4 {
@@ -2627,37 +2615,44 @@ fn program_cost_per_packet() {
             assert_eq!(r.return_value, TC_ACT_REDIRECT);
             r.duration.as_nanos() as f64
         };
-        let fast_runs = |fp: &FastPath, hook: Hook, reason: Reason| {
-            bpf_support::counters_of(fp, hook).get(reason).packets
-        };
-        let names = [
-            "floor, to the remote pod",
-            "tc_from_bridge, remembered host-gw flow",
-            "floor, into the pod",
-            "tc_from_netdev, remembered delivery",
+        // (direction, the floor's name, the agent's, its hook, frame, context, its verdict).
+        let cases = [
+            (
+                "to the remote pod",
+                "tc_from_bridge, remembered host-gw flow",
+                Hook::FromBridge,
+                &outgoing,
+                Skb::on(ifs.br),
+                Reason::FastHostGw,
+            ),
+            (
+                "into the pod",
+                "tc_from_netdev, remembered delivery",
+                Hook::FromNetdev,
+                &incoming,
+                Skb::on(ifs.ext),
+                Reason::FastDeliver,
+            ),
         ];
-        let mut samples: [Vec<f64>; 4] = Default::default();
+        let mut names = Vec::new();
+        for (direction, agent, ..) in &cases {
+            names.push(format!("floor, {direction}"));
+            names.push((*agent).to_owned());
+        }
+        let mut samples = vec![Vec::new(); names.len()];
         for _ in 0..CALLS {
-            samples[0].push(timed(floor_program, &outgoing, Skb::on(ifs.br)));
-            let before = fast_runs(fp, Hook::FromBridge, Reason::FastHostGw);
-            let program = fp.program_mut(Hook::FromBridge).expect("program");
-            samples[1].push(timed(program, &outgoing, Skb::on(ifs.br)));
-            let after = fast_runs(fp, Hook::FromBridge, Reason::FastHostGw);
-            assert_eq!(
-                after - before,
-                u64::from(REPEAT),
-                "every run sent by the memo"
-            );
-            samples[2].push(timed(floor_program, &incoming, Skb::on(ifs.ext)));
-            let before = fast_runs(fp, Hook::FromNetdev, Reason::FastDeliver);
-            let program = fp.program_mut(Hook::FromNetdev).expect("program");
-            samples[3].push(timed(program, &incoming, Skb::on(ifs.ext)));
-            let after = fast_runs(fp, Hook::FromNetdev, Reason::FastDeliver);
-            assert_eq!(
-                after - before,
-                u64::from(REPEAT),
-                "every run delivered by the memo"
-            );
+            for (i, (_, _, hook, frame, skb, verdict)) in cases.iter().enumerate() {
+                samples[2 * i].push(timed(floor_program, frame, *skb));
+                let before = bpf_support::counters_of(fp, *hook).get(*verdict).packets;
+                let program = fp.program_mut(*hook).expect("program");
+                samples[2 * i + 1].push(timed(program, frame, *skb));
+                let after = bpf_support::counters_of(fp, *hook).get(*verdict).packets;
+                assert_eq!(
+                    after - before,
+                    u64::from(REPEAT),
+                    "every run of {hook:?} took the memo"
+                );
+            }
         }
         let median = |v: &mut Vec<f64>| {
             v.sort_by(f64::total_cmp);
