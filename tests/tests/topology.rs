@@ -736,8 +736,11 @@ fn bench_reference_variants_carry_traffic() {
         let v = variant::find(name).expect("variant");
         let mut bed = v.prepare(&ctx).expect("prepare");
         dataplane::start_servers(&mut bed, Some(0)).expect("servers");
-        let (gbps, p50) = dataplane::smoke(&bed, bed.server_ip).expect("smoke");
-        assert!(gbps > 0.0 && p50 > 0.0, "{name}: {gbps} Gbit/s, {p50} µs");
+        let smoke = dataplane::smoke(&bed, bed.server_ip).expect("smoke");
+        assert!(
+            smoke.gbps > 0.0 && smoke.p50_us > 0.0 && smoke.cps > 0.0,
+            "{name}: {smoke:?}"
+        );
         if name == "ref-vxlan" {
             // The bytes really went through the VXLAN device.
             let tx = bed

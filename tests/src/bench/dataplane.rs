@@ -3,7 +3,10 @@
 //! drifts of the machine spread over all variants; medians are compared with the baseline
 //! variant of the same run.
 
-use std::{net::IpAddr, time::Duration};
+use std::{
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
 
 use anyhow::{Context as _, Result};
 use serde_json::json;
@@ -14,7 +17,8 @@ use flannel_common::{
 };
 
 use super::{
-    measure::{self, IPERF_PORT},
+    crr,
+    measure::{self, CRR_PORT, IPERF_PORT},
     progtime,
     report::Report,
     rounds::{self, Bench, Metric, Plan},
@@ -50,6 +54,8 @@ pub struct DataplaneOptions {
     pub rr_cpu: Option<usize>,
     /// The throughput runs' pinned CPUs and fixed window (default: neither).
     pub tcp: measure::TcpTuning,
+    /// Length of each connection-rate run (one with 1 client, one with [`CRR_CLIENTS`]).
+    pub crr_duration: Duration,
     /// Report name (file names and title).
     pub name: String,
 }
@@ -67,6 +73,7 @@ impl Default for DataplaneOptions {
             rr_duration: Duration::from_secs(5),
             rr_cpu: Some(0),
             tcp: measure::TcpTuning::default(),
+            crr_duration: Duration::from_secs(3),
             name: "dataplane".to_owned(),
         }
     }
@@ -84,14 +91,22 @@ const PROG_TIME_RR: Duration = Duration::from_secs(2);
 /// had the same luck).
 pub const RR_CONNECTIONS: u32 = 5;
 
+/// Concurrent clients of the many-clients connection-rate run (and accepting threads of its
+/// server): two per CPU of these machines.
+pub const CRR_CLIENTS: usize = 4;
+
 /// The metrics, in report order: key, label, unit, higher is better. Entries 6 to 8 are the
 /// fast path's own time ([`progtime`]) in a request/response run of their own, for the
 /// variants whose traffic runs the agent's programs (the kernel clock reads that statistics
 /// add to every run are included). The last is the share of the packets the agents'
 /// `tc_from_bridge` and `tc_from_netdev` saw during the one-stream transfer that the fast path
 /// carried (the rest were handed to the kernel or dropped): a variant that says eBPF is only
-/// measured as such when this is near 100 % ([`fast_share`]).
-pub const METRICS: [Metric; 10] = [
+/// measured as such when this is near 100 % ([`fast_share`]). The last two are new TCP
+/// connections per second ([`crr`]: connect, 64-byte request, 128-byte response, close), with
+/// one client and with [`CRR_CLIENTS`]: every connection's first packets take the programs'
+/// full checks and leave a flow memo behind, which the other metrics' long-lived connections
+/// do not show.
+pub const METRICS: [Metric; 12] = [
     ("tcp1_gbps", "TCP 1 stream", "Gbit/s", true),
     ("tcp2_gbps", "TCP 2 streams", "Gbit/s", true),
     ("rr_p50_us", "TCP RR latency p50", "µs", false),
@@ -122,10 +137,13 @@ pub const METRICS: [Metric; 10] = [
         "%",
         true,
     ),
+    ("crr1_cps", "new TCP connections, 1 client", "conn/s", true),
+    ("crrn_cps", "new TCP connections, 4 clients", "conn/s", true),
 ];
 
-/// Starts the iperf3 server and the request/response server in the testbed's server
-/// namespace and checks the client reaches the server address. The latter is sockperf for an
+/// Starts the iperf3 server, the request/response server and the connection-rate server
+/// (`flannel-lab crr --listen`) in the testbed's server namespace and checks the client
+/// reaches the server address. The latter is sockperf for an
 /// IPv4 server address and `flannel-lab rr` for an IPv6 one ([`measure::RrTool`]), pinned to
 /// `rr_cpu` either way.
 pub fn start_servers(bed: &mut Testbed, rr_cpu: Option<usize>) -> Result<()> {
@@ -138,7 +156,18 @@ pub fn start_servers(bed: &mut Testbed, rr_cpu: Option<usize>) -> Result<()> {
     let cpu = rr_cpu.map(|c| c.to_string());
     let mut rr_argv = measure::pin_prefix(&cpu);
     rr_argv.extend(rr_server.iter().map(String::as_str));
-    let (iperf, rr) = {
+    let lab_tool = bins::lab_tool()?.to_string_lossy().into_owned();
+    let crr_listen = SocketAddr::new(bed.server_ip, CRR_PORT).to_string();
+    let crr_threads = CRR_CLIENTS.to_string();
+    let crr_argv = [
+        lab_tool.as_str(),
+        "crr",
+        "--listen",
+        &crr_listen,
+        "--clients",
+        &crr_threads,
+    ];
+    let (iperf, rr, crr) = {
         let server = bed.server_ns()?;
         // iperf3 listens on every address of both families.
         let mut iperf = Process::spawn(
@@ -149,6 +178,8 @@ pub fn start_servers(bed: &mut Testbed, rr_cpu: Option<usize>) -> Result<()> {
         wait_tcp_listen(server, IPERF_PORT, &mut iperf, Duration::from_secs(10))?;
         let mut rr = Process::spawn(server, &rr_argv, Output::Null)?;
         wait_tcp_listen(server, tool.port(), &mut rr, Duration::from_secs(10))?;
+        let mut crr = Process::spawn(server, &crr_argv, Output::Null)?;
+        wait_tcp_listen(server, CRR_PORT, &mut crr, Duration::from_secs(10))?;
         probe::tcp_reaches(
             bed.client_ns()?,
             server,
@@ -156,10 +187,11 @@ pub fn start_servers(bed: &mut Testbed, rr_cpu: Option<usize>) -> Result<()> {
             Duration::from_secs(5),
         )
         .with_context(|| format!("the client cannot reach {}", bed.server_ip))?;
-        (iperf, rr)
+        (iperf, rr, crr)
     };
     bed.keep(iperf);
     bed.keep(rr);
+    bed.keep(crr);
     Ok(())
 }
 
@@ -201,11 +233,12 @@ impl Bench for Dataplane<'_> {
     }
 
     fn steps(&self) -> usize {
-        4
+        5
     }
 
     /// Step 0: one stream (throughput, CPU); 1: two streams; 2: request/response; 3: the
-    /// programs' run time in a request/response run with BPF statistics on.
+    /// programs' run time in a request/response run with BPF statistics on; 4: connection
+    /// rate, 1 client then [`CRR_CLIENTS`].
     fn measure(&self, bed: &Testbed, step: usize) -> Result<Vec<(usize, f64)>> {
         let client = bed.client_ns()?;
         let opts = self.opts;
@@ -234,6 +267,13 @@ impl Bench for Dataplane<'_> {
                     })
                     .collect::<Result<Vec<_>>>()?;
                 latency(&p50s)
+            }
+            4 => {
+                let addr = SocketAddr::new(bed.server_ip, CRR_PORT);
+                let d = opts.crr_duration;
+                let one = client.enter(move || crr::run_clients(addr, 1, d))??;
+                let many = client.enter(move || crr::run_clients(addr, CRR_CLIENTS, d))??;
+                vec![(10, one.per_second()), (11, many.per_second())]
             }
             _ => {
                 let _stats = progtime::Stats::enable()?;
@@ -322,7 +362,8 @@ pub fn run(
         "rr_pinned_cpu": opts.rr_cpu,
         "tcp_pinned_cpus": opts.tcp.cpus.map(|c| format!("client {}, server {}", c.client, c.server)),
         "tcp_window": opts.tcp.window.as_ref().map(|w| w.to_string()),
-        "tools": "iperf3 -J (TCP, 1 and 2 streams), sockperf ping-pong --tcp -m 64 --full-rtt",
+        "tools": "iperf3 -J (TCP, 1 and 2 streams), sockperf ping-pong --tcp -m 64 --full-rtt, flannel-lab crr (connect, 64-byte request, 128-byte response, server closes)",
+        "crr_seconds": opts.crr_duration.as_secs(),
         "rr_connections": RR_CONNECTIONS,
         "cpu": "machine-wide busy time from /proc/stat during each iperf3 run / Gbit received",
         "fast_share": "of the verdicts the agents' tc_from_bridge and tc_from_netdev counted during each 1-stream iperf3 run (every node on the eBPF path), the share that were the fast path's (not handed to the kernel or dropped)",
@@ -354,10 +395,22 @@ fn ipv6_rr_note(names: &[String]) -> Option<String> {
     })
 }
 
-/// A quick single-pair check used by tests: 1 s of iperf3 and of the request/response tool
-/// ([`measure::rr`]: sockperf for IPv4, `flannel-lab rr` for IPv6) against `ip` from `bed`'s
-/// client; returns (Gbit/s, RR p50 µs).
-pub fn smoke(bed: &Testbed, ip: IpAddr) -> Result<(f64, f64)> {
+/// What [`smoke`] measured (1 s each, not a measurement to compare).
+#[derive(Debug, Clone, Copy)]
+pub struct Smoke {
+    /// One-stream iperf3 throughput.
+    pub gbps: f64,
+    /// Request/response p50.
+    pub p50_us: f64,
+    /// New connections per second, one client.
+    pub cps: f64,
+}
+
+/// A quick single-pair check used by tests: 1 s each of iperf3, of the request/response tool
+/// ([`measure::rr`]: sockperf for IPv4, `flannel-lab rr` for IPv6) and of the connection-rate
+/// client (one client, against the server [`start_servers`] started) against `ip` from `bed`'s
+/// client.
+pub fn smoke(bed: &Testbed, ip: IpAddr) -> Result<Smoke> {
     let client = bed.client_ns()?;
     let t = measure::iperf3_tcp(
         client,
@@ -367,7 +420,13 @@ pub fn smoke(bed: &Testbed, ip: IpAddr) -> Result<(f64, f64)> {
         &measure::TcpTuning::default(),
     )?;
     let rr = measure::rr(client, ip, Duration::from_secs(1), None)?;
-    Ok((t.gbps, rr.p50_us))
+    let addr = SocketAddr::new(ip, CRR_PORT);
+    let crr = client.enter(move || crr::run_clients(addr, 1, Duration::from_secs(1)))??;
+    Ok(Smoke {
+        gbps: t.gbps,
+        p50_us: rr.p50_us,
+        cps: crr.per_second(),
+    })
 }
 
 #[cfg(test)]

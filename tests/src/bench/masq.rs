@@ -45,7 +45,7 @@ use serde_json::json;
 
 use super::{
     crr::{self, CrrServer},
-    measure::{self, IPERF_PORT},
+    measure::{self, CRR_PORT, IPERF_PORT},
     report::Report,
     rounds::{self, Bench, Metric, Plan},
 };
@@ -58,8 +58,6 @@ use crate::{
     topology::{TopologySpec, Underlay},
 };
 
-/// Port of the connection-rate server in the hub.
-pub const CRR_PORT: u16 = 7201;
 /// Threads of the connection-rate server.
 const CRR_SERVER_THREADS: usize = 4;
 

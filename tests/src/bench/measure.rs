@@ -21,6 +21,8 @@ pub const IPERF_PORT: u16 = 5201;
 pub const SOCKPERF_PORT: u16 = 11111;
 /// Port of the `flannel-lab rr` servers.
 pub const RR_PORT: u16 = 11112;
+/// Port of the connection-rate servers ([`super::crr`]).
+pub const CRR_PORT: u16 = 7201;
 
 /// Aggregate CPU counters from the first line of /proc/stat, in clock ticks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

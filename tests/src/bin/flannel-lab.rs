@@ -227,6 +227,9 @@ struct DataplaneArgs {
     /// Seconds per request/response run.
     #[arg(long, default_value_t = 5)]
     rr_duration: u64,
+    /// Seconds per connection-rate run (two per repetition: 1 client, then 4).
+    #[arg(long, default_value_t = 3)]
+    crr_seconds: u64,
     /// CPU to pin both ends of the request/response test to (`none` to leave unpinned).
     #[arg(long, default_value = "0")]
     rr_cpu: String,
@@ -488,6 +491,7 @@ fn bench_dataplane(args: DataplaneArgs) -> Result<()> {
                 window => Some(window.parse().context("--tcp-window")?),
             },
         },
+        crr_duration: Duration::from_secs(args.crr_seconds),
         name: "dataplane".to_owned(),
     };
     let log = |msg: &str| {
