@@ -138,14 +138,15 @@ pub const METRICS: [Metric; 12] = [
         true,
     ),
     ("crr1_cps", "new TCP connections, 1 client", "conn/s", true),
+    // The label's count is CRR_CLIENTS.
     ("crrn_cps", "new TCP connections, 4 clients", "conn/s", true),
 ];
 
 /// Starts the iperf3 server, the request/response server and the connection-rate server
 /// (`flannel-lab crr --listen`) in the testbed's server namespace and checks the client
-/// reaches the server address. The latter is sockperf for an
-/// IPv4 server address and `flannel-lab rr` for an IPv6 one ([`measure::RrTool`]), pinned to
-/// `rr_cpu` either way.
+/// reaches the server address. The request/response server is sockperf for an IPv4 server
+/// address and `flannel-lab rr` for an IPv6 one ([`measure::RrTool`]), pinned to `rr_cpu`
+/// either way.
 pub fn start_servers(bed: &mut Testbed, rr_cpu: Option<usize>) -> Result<()> {
     let tool = measure::RrTool::for_server(bed.server_ip);
     let lab = match tool {
