@@ -2405,7 +2405,7 @@ fn counters_are_readable_with_bpftool_as_typed_json() {
 /// (into its namespace).
 fn floor_object(ifs: &Ifaces) -> aya::Ebpf {
     use flannel_common::{
-        programs::{BENCH_FLOOR_MAP, FLOOR_EGRESS, FLOOR_PEER, FloorHop, TC_BENCH_FLOOR},
+        programs::{BENCH_FLOOR_MAP, FLOOR_EGRESS, FLOOR_PEER, FloorHop},
         route::{RemoteEntry, RouteKind},
     };
     let mut ebpf = aya::Ebpf::load(flannel_agent::EBPF_OBJECT).expect("object");
@@ -2446,16 +2446,11 @@ fn floor_object(ifs: &Ifaces) -> aya::Ebpf {
     hops.insert(VXLAN_POD.octets(), vxlan_out, 0)
         .expect("insert");
     hops.insert(POD.octets(), into_pod, 0).expect("insert");
-    let program: &mut aya::programs::SchedClassifier = ebpf
-        .program_mut(TC_BENCH_FLOOR)
-        .expect("program")
-        .try_into()
-        .expect("classifier");
-    program.load().expect("load");
+    floor_program(&mut ebpf).load().expect("load");
     ebpf
 }
 
-/// `tc_bench_floor` of an object from [`floor_object`].
+/// The object's `tc_bench_floor` ([`floor_object`] loads it).
 fn floor_program(ebpf: &mut aya::Ebpf) -> &mut aya::programs::SchedClassifier {
     ebpf.program_mut(flannel_common::programs::TC_BENCH_FLOOR)
         .expect("program")
@@ -2597,7 +2592,7 @@ fn program_cost_per_packet() {
         assert_counted(&r, &incoming, &fast_in, "in");
         remove_route_behind_the_agents_back(&pin, net("10.244.2.0/24"));
 
-        // One call of `repeat` runs: the mean time per run (ns) and the verdict.
+        // One call of `REPEAT` runs, each redirecting: their mean time (ns).
         let timed = |program: &mut aya::programs::SchedClassifier, frame: &[u8], skb: Skb| {
             let ctx_in = skb.bytes();
             let mut ctx_out = [0u8; 192];

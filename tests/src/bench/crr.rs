@@ -5,8 +5,8 @@
 //! The server closes first, so its side holds `TIME_WAIT` and clients can reuse their ports
 //! at once (the server accepts a new SYN on a `TIME_WAIT` tuple with newer timestamps), the
 //! way short-lived HTTP/1.0 exchanges look. Sockets are created in the caller's network
-//! namespace: run [`CrrServer::start`] and [`run_clients`] inside `NetNs::enter`, or spawn
-//! `flannel-lab crr ...` through `nsenter`.
+//! namespace: run [`CrrServer::start`] inside `NetNs::enter` and the clients with
+//! [`run_clients_in`], or spawn `flannel-lab crr ...` through `nsenter`.
 
 use std::{
     io::{Read as _, Write as _},
@@ -21,6 +21,8 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use nix::sys::{socket::sockopt::ReceiveTimeout, time::TimeVal};
+
+use crate::netns::NetNs;
 
 /// The request a client sends.
 pub const REQUEST: [u8; 64] = [b'q'; 64];
@@ -124,6 +126,16 @@ fn one(server: SocketAddr) -> Result<()> {
         bail!("short response: {} bytes", got.len());
     }
     Ok(())
+}
+
+/// [`run_clients`] from inside the network namespace `ns`.
+pub fn run_clients_in(
+    ns: &NetNs,
+    server: SocketAddr,
+    clients: usize,
+    duration: Duration,
+) -> Result<CrrResult> {
+    ns.enter(move || run_clients(server, clients, duration))?
 }
 
 /// Runs `clients` clients against `server` for `duration`; fails if nothing completed.

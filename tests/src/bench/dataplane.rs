@@ -272,8 +272,8 @@ impl Bench for Dataplane<'_> {
             4 => {
                 let addr = SocketAddr::new(bed.server_ip, CRR_PORT);
                 let d = opts.crr_duration;
-                let one = client.enter(move || crr::run_clients(addr, 1, d))??;
-                let many = client.enter(move || crr::run_clients(addr, CRR_CLIENTS, d))??;
+                let one = crr::run_clients_in(client, addr, 1, d)?;
+                let many = crr::run_clients_in(client, addr, CRR_CLIENTS, d)?;
                 vec![(10, one.per_second()), (11, many.per_second())]
             }
             _ => {
@@ -422,7 +422,7 @@ pub fn smoke(bed: &Testbed, ip: IpAddr) -> Result<Smoke> {
     )?;
     let rr = measure::rr(client, ip, Duration::from_secs(1), None)?;
     let addr = SocketAddr::new(ip, CRR_PORT);
-    let crr = client.enter(move || crr::run_clients(addr, 1, Duration::from_secs(1)))??;
+    let crr = crr::run_clients_in(client, addr, 1, Duration::from_secs(1))?;
     Ok(Smoke {
         gbps: t.gbps,
         p50_us: rr.p50_us,

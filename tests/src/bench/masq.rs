@@ -276,8 +276,7 @@ pub fn setup(v: &MasqVariant, opts: &MasqOptions, log: &dyn Fn(&str)) -> Result<
     let pod = cluster.topology().pods_on(1)[0];
     let (client_pod, pod_ip) = (pod.name().to_owned(), pod.ip());
     let crr_addr = crr.addr();
-    pod.ns()
-        .enter(move || crr::run_clients(crr_addr, 1, Duration::from_millis(200)))?
+    crr::run_clients_in(pod.ns(), crr_addr, 1, Duration::from_millis(200))
         .with_context(|| format!("the pod cannot reach {server_ip}"))?;
     let seen = source_seen(hub, pod.ns(), server_ip)?;
     let want = if v.translated { node.addr() } else { pod_ip };
@@ -358,12 +357,11 @@ pub fn measure_step(bed: &MasqBed, opts: &MasqOptions, step: Step) -> Result<Vec
             vec![(0, t1.gbps), (3, t1.cpu_per_gbit())]
         }
         Step::Crr1 => {
-            let one = client.enter(move || crr::run_clients(addr, 1, d))??;
+            let one = crr::run_clients_in(client, addr, 1, d)?;
             vec![(1, one.per_second())]
         }
         Step::CrrN => {
-            let clients = opts.clients;
-            let many = client.enter(move || crr::run_clients(addr, clients, d))??;
+            let many = crr::run_clients_in(client, addr, opts.clients, d)?;
             vec![(2, many.per_second())]
         }
     })
