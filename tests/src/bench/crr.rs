@@ -5,8 +5,8 @@
 //! The server closes first, so its side holds `TIME_WAIT` and clients can reuse their ports
 //! at once (the server accepts a new SYN on a `TIME_WAIT` tuple with newer timestamps), the
 //! way short-lived HTTP/1.0 exchanges look. Sockets are created in the caller's network
-//! namespace: run [`CrrServer::start`] inside `NetNs::enter` and the clients with
-//! [`run_clients_in`], or spawn `flannel-lab crr ...` through `nsenter`.
+//! namespace: the benches start the server with [`spawn_server`] (`flannel-lab crr --listen`,
+//! which runs [`CrrServer`]) and the clients with [`run_clients_in`].
 
 use std::{
     io::{Read as _, Write as _},
@@ -22,7 +22,13 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use nix::sys::{socket::sockopt::ReceiveTimeout, time::TimeVal};
 
-use crate::netns::NetNs;
+use crate::{
+    lab::{
+        bins,
+        process::{Output, Process, wait_tcp_listen},
+    },
+    netns::NetNs,
+};
 
 /// The request a client sends.
 pub const REQUEST: [u8; 64] = [b'q'; 64];
@@ -126,6 +132,25 @@ fn one(server: SocketAddr) -> Result<()> {
         bail!("short response: {} bytes", got.len());
     }
     Ok(())
+}
+
+/// Starts a connection-rate server (`flannel-lab crr --listen`, `threads` accepting threads)
+/// on `addr` in `ns`, once it listens; it stops when the returned process is dropped.
+pub fn spawn_server(ns: &NetNs, addr: SocketAddr, threads: usize) -> Result<Process> {
+    let tool = bins::lab_tool()?.to_string_lossy().into_owned();
+    let listen = addr.to_string();
+    let threads = threads.to_string();
+    let argv = [
+        tool.as_str(),
+        "crr",
+        "--listen",
+        &listen,
+        "--clients",
+        &threads,
+    ];
+    let mut server = Process::spawn(ns, &argv, Output::Null)?;
+    wait_tcp_listen(ns, addr.port(), &mut server, Duration::from_secs(10))?;
+    Ok(server)
 }
 
 /// [`run_clients`] from inside the network namespace `ns`.

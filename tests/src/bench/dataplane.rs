@@ -157,17 +157,6 @@ pub fn start_servers(bed: &mut Testbed, rr_cpu: Option<usize>) -> Result<()> {
     let cpu = rr_cpu.map(|c| c.to_string());
     let mut rr_argv = measure::pin_prefix(&cpu);
     rr_argv.extend(rr_server.iter().map(String::as_str));
-    let lab_tool = bins::lab_tool()?.to_string_lossy().into_owned();
-    let crr_listen = SocketAddr::new(bed.server_ip, CRR_PORT).to_string();
-    let crr_threads = CRR_CLIENTS.to_string();
-    let crr_argv = [
-        lab_tool.as_str(),
-        "crr",
-        "--listen",
-        &crr_listen,
-        "--clients",
-        &crr_threads,
-    ];
     let (iperf, rr, crr) = {
         let server = bed.server_ns()?;
         // iperf3 listens on every address of both families.
@@ -179,8 +168,11 @@ pub fn start_servers(bed: &mut Testbed, rr_cpu: Option<usize>) -> Result<()> {
         wait_tcp_listen(server, IPERF_PORT, &mut iperf, Duration::from_secs(10))?;
         let mut rr = Process::spawn(server, &rr_argv, Output::Null)?;
         wait_tcp_listen(server, tool.port(), &mut rr, Duration::from_secs(10))?;
-        let mut crr = Process::spawn(server, &crr_argv, Output::Null)?;
-        wait_tcp_listen(server, CRR_PORT, &mut crr, Duration::from_secs(10))?;
+        let crr = crr::spawn_server(
+            server,
+            SocketAddr::new(bed.server_ip, CRR_PORT),
+            CRR_CLIENTS,
+        )?;
         probe::tcp_reaches(
             bed.client_ns()?,
             server,

@@ -35,7 +35,7 @@
 //! of several repetitions, not single values.
 
 use std::{
-    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, UdpSocket},
+    net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket},
     path::PathBuf,
     time::Duration,
 };
@@ -44,7 +44,7 @@ use anyhow::{Context as _, Result, bail};
 use serde_json::json;
 
 use super::{
-    crr::{self, CrrServer},
+    crr,
     measure::{self, CRR_PORT, IPERF_PORT},
     report::Report,
     rounds::{self, Bench, Metric, Plan},
@@ -202,7 +202,8 @@ pub const METRICS: [Metric; 4] = [
 /// A variant set up: its cluster, the servers in the hub and where the client runs.
 pub struct MasqBed {
     // Servers go before the cluster whose namespaces they run in.
-    crr: CrrServer,
+    _crr: Process,
+    crr_addr: SocketAddr,
     _iperf: Process,
     cluster: Cluster,
     client_pod: String,
@@ -230,7 +231,7 @@ impl MasqBed {
 
     /// The connection-rate server's address.
     pub fn crr_addr(&self) -> SocketAddr {
-        self.crr.addr()
+        self.crr_addr
     }
 
     /// The cluster.
@@ -269,13 +270,10 @@ pub fn setup(v: &MasqVariant, opts: &MasqOptions, log: &dyn Fn(&str)) -> Result<
         Output::Null,
     )?;
     wait_tcp_listen(hub, IPERF_PORT, &mut iperf, Duration::from_secs(10))?;
-    let listener = hub
-        .enter(move || TcpListener::bind(SocketAddr::new(server_ip, CRR_PORT)))?
-        .context("binding the connection-rate server in the hub")?;
-    let crr = CrrServer::start(listener, CRR_SERVER_THREADS)?;
+    let crr_addr = SocketAddr::new(server_ip, CRR_PORT);
+    let crr = crr::spawn_server(hub, crr_addr, CRR_SERVER_THREADS)?;
     let pod = cluster.topology().pods_on(1)[0];
     let (client_pod, pod_ip) = (pod.name().to_owned(), pod.ip());
-    let crr_addr = crr.addr();
     crr::run_clients_in(pod.ns(), crr_addr, 1, Duration::from_millis(200))
         .with_context(|| format!("the pod cannot reach {server_ip}"))?;
     let seen = source_seen(hub, pod.ns(), server_ip)?;
@@ -287,7 +285,8 @@ pub fn setup(v: &MasqVariant, opts: &MasqOptions, log: &dyn Fn(&str)) -> Result<
         );
     }
     Ok(MasqBed {
-        crr,
+        _crr: crr,
+        crr_addr,
         _iperf: iperf,
         cluster,
         client_pod,
