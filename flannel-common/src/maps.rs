@@ -23,7 +23,8 @@
 //! | [`crate::hops::HOPS4`] (not pinned) | LRU hash | [`crate::hops::HopKey`] → [`crate::hops::Hop`] | `tc_from_netdev`, `tc_from_bridge` (remembered route lookups) |
 //! | [`crate::memo::MEMO4`] (not pinned) | LRU hash | [`crate::memo::MemoKey`] → [`crate::memo::FlowMemo`] | `tc_from_netdev`, `tc_from_bridge` (remembered per-flow decisions) |
 //! | [`crate::memo::MEMO6`] (not pinned) | LRU hash | [`crate::memo::MemoKey6`] → [`crate::memo::FlowMemo6`] | `tc_from_netdev`, `tc_from_bridge` (IPv6 per-flow decisions) |
-//! | [`crate::memo::MEMO_GEN`] (not pinned) | array (3) | slot → `u64` | the programs' learners (slot 0), agent (slots 1, 2) |
+//! | [`crate::memo::MEMO_GEN`] (not pinned) | array (2) | slot → `u64` | the agent (generation, host-gw switch) |
+//! | [`crate::memo::LEARN_GEN`] (not pinned) | array (4096) | remote endpoint's learn slot → `u64` | the programs' learners |
 //! | [`CNT_FROM_BRIDGE`], [`CNT_FROM_NETDEV`], [`CNT_TO_NETDEV`], [`CNT_XDP_NETDEV`] | per-CPU array | [`crate::stats::Reason`] → [`crate::stats::Counter`] | the program of that name |
 //! | [`TC_STATS`], [`XDP_STATS`] | per-CPU array | [`crate::stats::Reason`] → [`crate::stats::Counter`] | the classifiers |
 

@@ -18,14 +18,22 @@
 //! A memo is used only while everything the decision rested on is unchanged:
 //! - at most a second old ([`crate::hops::HOP_TTL_NS`], as for a remembered next hop: a changed
 //!   neighbour is seen within a second);
-//! - taken at the current [generation](MEMO_GEN): any change of the route, node, port or
-//!   configuration maps by the agent, and any new NAT-guard or kernel-flow entry the programs
-//!   learn, moves the generation on, which retires every memo at once. The programs read the
-//!   generation *before* their checks, so a change that lands while a packet is being checked
-//!   leaves a memo that is already retired. (The learners count up with an atomic add after
-//!   their map update; on x86 that is a locked instruction, which orders the two. arm64's JIT
-//!   emits a non-fetching atomic add without that ordering: there a check racing a learner
-//!   within the same instant may keep a decision for up to its second.)
+//! - taken at the current generation of its flow: the sum of the agent's counter (slot
+//!   [`GEN_AGENT`] of [`MEMO_GEN`]), which any change of the route, node, port or configuration
+//!   maps moves on and so retires every memo at once, and the counter of the flow's slot in
+//!   [`LEARN_GEN`], which the programs move on when they learn a NAT-guard or kernel-flow
+//!   entry. The slot is a hash of the remote endpoint ([`learn_slot`]): every entry a decision
+//!   rests on (the flow's kernel-flow key, the NAT-guard key of its remote endpoint) names the
+//!   same remote endpoint as the memo's key, so a learnt entry retires the memos of the flows
+//!   it can change (and of the few others that share the slot), not every memo: a node whose
+//!   pods open Service connections or send DNS queries through kube-proxy learns a kernel
+//!   flow for each, and would otherwise send all of its flows through the full checks again
+//!   after every one. The programs read the generation *before* their checks, so a change
+//!   that lands while a packet is being checked leaves a memo that is already retired. (The
+//!   learners count up with an atomic add after their map update; on x86 that is a locked
+//!   instruction, which orders the two. arm64's JIT emits a non-fetching atomic add without
+//!   that ordering: there a check racing a learner within the same instant may keep a
+//!   decision for up to its second.)
 
 use crate::{flow::FlowKey, maps::MAX_OBJ_NAME_LEN, v6::FlowKey6};
 
@@ -34,19 +42,47 @@ use crate::{flow::FlowKey, maps::MAX_OBJ_NAME_LEN, v6::FlowKey6};
 pub const MEMO4: &str = "FLANNEL_MEMO4";
 /// Most flows [`MEMO4`] remembers.
 pub const MEMO4_MAX_ENTRIES: u32 = 65536;
-/// Array of `u64`: two counters whose sum is the memos' generation (slot [`GEN_PROGRAMS`]
-/// counted by the programs' learners, slot [`GEN_AGENT`] by the agent) and the agent's switch
-/// [`MEMO_ROUTES`]. Not pinned (it belongs with [`MEMO4`]).
+/// Array of `u64`: the agent's counter of the memos' generation (slot [`GEN_AGENT`]) and its
+/// switch [`MEMO_ROUTES`]. Not pinned (it belongs with [`MEMO4`]).
 pub const MEMO_GEN: &str = "FLANNEL_MEMOGEN";
-/// The slot of [`MEMO_GEN`] the programs count up.
-pub const GEN_PROGRAMS: u32 = 0;
-/// The slot of [`MEMO_GEN`] the agent counts up.
-pub const GEN_AGENT: u32 = 1;
+/// The slot of [`MEMO_GEN`] the agent counts up: a change of the maps every decision rests on.
+pub const GEN_AGENT: u32 = 0;
 /// The slot of [`MEMO_GEN`] that is nonzero while some remote subnet is reached host-gw, by
 /// VXLAN or by IPIP (only then does `tc_from_bridge` look for a memo: udp flows have none).
-pub const MEMO_ROUTES: u32 = 2;
+pub const MEMO_ROUTES: u32 = 1;
 /// Slots of [`MEMO_GEN`].
-pub const MEMO_GEN_SLOTS: u32 = 3;
+pub const MEMO_GEN_SLOTS: u32 = 2;
+/// Array of `u64`: per [`learn_slot`] of a remote endpoint, the programs' count of NAT-guard
+/// and kernel-flow entries learnt for it. Not pinned (it belongs with [`MEMO4`]).
+pub const LEARN_GEN: &str = "FLANNEL_LRNGEN";
+/// Slots of [`LEARN_GEN`] (a power of two): a learnt entry retires about this fraction of the
+/// memos besides its own flow's.
+pub const LEARN_GEN_SLOTS: u32 = 4096;
+
+/// The [`LEARN_GEN`] slot of the remote endpoint `addr`:`port` (network order) of protocol
+/// `proto`: a multiplicative hash of the three, folded to [`LEARN_GEN_SLOTS`].
+#[inline(always)]
+pub fn learn_slot(addr: [u8; 4], port: [u8; 2], proto: u8) -> u32 {
+    let endpoint = u32::from_ne_bytes(addr)
+        ^ u32::from(u16::from_ne_bytes(port)).rotate_left(16)
+        ^ u32::from(proto);
+    endpoint.wrapping_mul(0x9E37_79B1) >> (32 - LEARN_GEN_SLOTS.trailing_zeros())
+}
+
+/// [`learn_slot`] of an IPv6 remote endpoint: the address folded to 32 bits first, from the
+/// bytes where pod addresses differ (the node's subnet within a /48 or longer cluster
+/// network, bytes 4 to 8, and the low 32 bits of the interface identifier). Eight bytes, not
+/// sixteen: the fold runs in the programs' full checks, whose stack is at the limit.
+#[inline(always)]
+pub fn learn_slot6(addr: &[u8; 16], port: [u8; 2], proto: u8) -> u32 {
+    let folded = [
+        addr[4] ^ addr[12],
+        addr[5] ^ addr[13],
+        addr[6] ^ addr[14],
+        addr[7] ^ addr[15],
+    ];
+    learn_slot(folded, port, proto)
+}
 
 /// [`MEMO4`]'s IPv6 twin: LRU hash of IPv6 flows → the decision taken for them
 /// ([`MemoKey6`] → [`FlowMemo6`]). Not pinned.
@@ -56,6 +92,8 @@ pub const MEMO6: &str = "FLANNEL_MEMO6";
 pub const MEMO6_MAX_ENTRIES: u32 = 32768;
 
 const _: () = {
+    assert!(LEARN_GEN_SLOTS.is_power_of_two());
+    assert!(LEARN_GEN.len() <= MAX_OBJ_NAME_LEN);
     assert!(MEMO4.len() <= MAX_OBJ_NAME_LEN);
     assert!(MEMO6.len() <= MAX_OBJ_NAME_LEN);
     assert!(MEMO_GEN.len() <= MAX_OBJ_NAME_LEN);
@@ -103,6 +141,12 @@ impl MemoKey {
             dir,
             _pad: [0; 2],
         }
+    }
+
+    /// The [`LEARN_GEN`] slot of the flow's remote endpoint.
+    #[inline(always)]
+    pub fn learn_slot(&self) -> u32 {
+        learn_slot(self.remote_addr, self.remote_port, self.proto)
     }
 }
 
@@ -194,6 +238,12 @@ impl MemoKey6 {
             _pad: [0; 2],
         }
     }
+
+    /// The [`LEARN_GEN`] slot of the flow's remote endpoint.
+    #[inline(always)]
+    pub fn learn_slot(&self) -> u32 {
+        learn_slot6(&self.remote_addr, self.remote_port, self.proto)
+    }
 }
 
 /// [`MEMO6`]'s value: [`FlowMemo`] with an IPv6 peer. 64 bytes.
@@ -252,10 +302,10 @@ impl FlowMemo6 {
     }
 }
 
-/// The generation from the two counters of [`MEMO_GEN`].
+/// A flow's generation: the sum of its [`LEARN_GEN`] slot's counter and the agent's.
 #[inline(always)]
-pub fn generation(programs: u64, agent: u64) -> u64 {
-    programs.wrapping_add(agent)
+pub fn generation(learnt: u64, agent: u64) -> u64 {
+    learnt.wrapping_add(agent)
 }
 
 impl FlowMemo {
@@ -304,6 +354,90 @@ mod tests {
         assert!(!memo.usable(now - 1, 7, 100), "stamped later elsewhere");
         assert!(!memo.usable(now, 7, 1501), "longer than the MTU");
         assert_eq!(generation(u64::MAX, 2), 1, "wraps");
+    }
+
+    #[test]
+    fn every_key_of_a_flow_names_the_slot_of_its_remote_endpoint() {
+        use crate::{flow::PeerKey, v6::PeerKey6};
+        let flow = FlowKey {
+            local_addr: [10, 244, 1, 2],
+            remote_addr: [10, 244, 2, 3],
+            local_port: 40000u16.to_be_bytes(),
+            remote_port: 80u16.to_be_bytes(),
+            proto: 6,
+            _pad: [0; 3],
+        };
+        let slot = flow.learn_slot();
+        assert!(slot < LEARN_GEN_SLOTS);
+        assert_eq!(MemoKey::new(&flow, DIR_IN).learn_slot(), slot);
+        assert_eq!(MemoKey::new(&flow, DIR_OUT).learn_slot(), slot);
+        let peer = PeerKey {
+            addr: flow.remote_addr,
+            port: flow.remote_port,
+            proto: flow.proto,
+            _pad: 0,
+        };
+        assert_eq!(
+            peer.learn_slot(),
+            slot,
+            "the NAT guard of the remote endpoint"
+        );
+        let other_local = FlowKey {
+            local_addr: [10, 244, 1, 9],
+            local_port: 41000u16.to_be_bytes(),
+            ..flow
+        };
+        assert_eq!(
+            other_local.learn_slot(),
+            slot,
+            "only the remote side counts"
+        );
+
+        let mut addr6 = [0u8; 16];
+        addr6[..4].copy_from_slice(&[0xfd, 0, 2, 0x44]);
+        addr6[15] = 3;
+        let flow6 = FlowKey6 {
+            remote_addr: addr6,
+            remote_port: 80u16.to_be_bytes(),
+            proto: 6,
+            ..FlowKey6::default()
+        };
+        let peer6 = PeerKey6 {
+            addr: addr6,
+            port: flow6.remote_port,
+            proto: 6,
+            _pad: 0,
+        };
+        assert_eq!(
+            MemoKey6::new(&flow6, DIR_IN).learn_slot(),
+            flow6.learn_slot()
+        );
+        assert_eq!(peer6.learn_slot(), flow6.learn_slot());
+        assert!(flow6.learn_slot() < LEARN_GEN_SLOTS);
+    }
+
+    #[test]
+    fn remote_endpoints_spread_over_the_slots() {
+        // 4096 remote endpoints of one service (addresses of a /20, one port): a learnt entry
+        // must retire a small share of the memos, so the endpoints must not pile up in a few
+        // slots.
+        let mut used = vec![0u32; LEARN_GEN_SLOTS as usize];
+        for i in 0..4096u32 {
+            let [_, _, hi, lo] = i.to_be_bytes();
+            used[learn_slot([10, 244, hi, lo], 53u16.to_be_bytes(), 17) as usize] += 1;
+        }
+        let busiest = used.iter().copied().max().unwrap_or(0);
+        let empty = used.iter().filter(|&&n| n == 0).count();
+        assert!(busiest <= 8, "busiest slot holds {busiest} endpoints");
+        assert!(empty < 2048, "{empty} of 4096 slots unused");
+        // Ports of one address spread too (DNS queries from one pod to one server differ
+        // only in the pod's port, which is the local side; the remote port varies for
+        // clients talking to many servers' ephemeral ports).
+        let mut used = vec![0u32; LEARN_GEN_SLOTS as usize];
+        for port in 30000..34096u16 {
+            used[learn_slot([10, 244, 2, 3], port.to_be_bytes(), 6) as usize] += 1;
+        }
+        assert!(used.iter().copied().max().unwrap_or(0) <= 8);
     }
 
     #[test]

@@ -247,11 +247,15 @@ pub enum Reason {
     /// encapsulates and segments it (the fast path cannot give every segment its outer
     /// checksum): no netfilter, as for the flow's other packets.
     FastVxlan6Device = 82,
+    /// `tc_from_bridge`, `tc_from_netdev`: a packet of a remembered flow, sent or delivered
+    /// by its memo (see [`crate::memo`]) without the full checks (counted in addition to the
+    /// verdict).
+    MemoHit = 83,
 }
 
 impl Reason {
     /// Number of reasons: the `max_entries` of the stats maps.
-    pub const COUNT: usize = 83;
+    pub const COUNT: usize = 84;
 
     /// Every reason, in index order.
     pub const ALL: [Reason; Reason::COUNT] = [
@@ -338,6 +342,7 @@ impl Reason {
         Reason::LearnSnatRemap,
         Reason::DeliverPeer,
         Reason::FastVxlan6Device,
+        Reason::MemoHit,
     ];
 
     /// The map index of this reason.
@@ -441,6 +446,7 @@ impl Reason {
             Reason::LearnSnatFlow => "learn_snat_flow",
             Reason::LearnSnatRemap => "learn_snat_remap",
             Reason::DeliverPeer => "deliver_peer",
+            Reason::MemoHit => "memo_hit",
         }
     }
 
@@ -529,7 +535,8 @@ impl Reason {
             | Reason::LearnKernelFlow
             | Reason::LearnSnatFlow
             | Reason::LearnSnatRemap
-            | Reason::DeliverPeer => ReasonKind::Event,
+            | Reason::DeliverPeer
+            | Reason::MemoHit => ReasonKind::Event,
         }
     }
 }
@@ -591,8 +598,8 @@ mod tests {
                 ReasonKind::Fast => &["fast_"],
                 ReasonKind::Pass => &["pass_"],
                 ReasonKind::Drop => &["drop_"],
-                // Something learnt, or how a delivery was made.
-                ReasonKind::Event => &["learn_", "deliver_"],
+                // Something learnt, how a delivery was made, or that a memo decided.
+                ReasonKind::Event => &["learn_", "deliver_", "memo_"],
                 ReasonKind::Class | ReasonKind::Malformed => continue,
             };
             assert!(

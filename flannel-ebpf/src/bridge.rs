@@ -86,7 +86,7 @@ pub fn run(ctx: &TcContext) -> Outcome {
         return Outcome::pass(class, Reason::PassMalformed);
     };
     // Read before the checks: a change while they run retires what they decide.
-    let generation = memo::current();
+    let generation = memo::current_for(&info, DIR_OUT);
     let action = decide::from_bridge(
         cfg,
         &info,

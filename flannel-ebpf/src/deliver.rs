@@ -154,15 +154,18 @@ pub fn learn_nat_guard(cfg: &Config, info: &Ipv4Info) -> bool {
     if FLANNEL_NATGRD4.get_ptr(key).is_some() {
         return false;
     }
-    learnt(FLANNEL_NATGRD4.insert(key, 1u32, 0).is_ok())
+    // The slot first: the key need not outlive the insert.
+    let slot = key.learn_slot();
+    learnt(FLANNEL_NATGRD4.insert(key, 1u32, 0).is_ok(), slot)
 }
 
-/// After a flow-table insert: a new entry retires the remembered decisions
-/// ([`crate::memo`]), which skipped the flow tables.
+/// After a flow-table insert for a remote endpoint of learn slot `slot`: a new entry retires
+/// the remembered decisions ([`crate::memo`]) of the flows of that slot, which skipped the
+/// flow tables.
 #[inline(always)]
-pub(crate) fn learnt(added: bool) -> bool {
+pub(crate) fn learnt(added: bool, slot: u32) -> bool {
     if added {
-        crate::memo::retire_all();
+        crate::memo::retire(slot);
     }
     added
 }
@@ -172,7 +175,9 @@ pub(crate) fn learnt(added: bool) -> bool {
 #[inline(always)]
 pub fn hand_to_kernel(info: &Ipv4Info) -> bool {
     let key = decide::flow_key_incoming(info);
-    learnt(FLANNEL_KFLOWS4.insert(key, 1u32, 0).is_ok())
+    // The slot first: the key need not outlive the insert.
+    let slot = key.learn_slot();
+    learnt(FLANNEL_KFLOWS4.insert(key, 1u32, 0).is_ok(), slot)
 }
 
 /// Records the flow of a local pod's packet that leaves through the kernel, if it is a
@@ -186,5 +191,7 @@ pub fn learn_kernel_flow(cfg: &Config, info: &Ipv4Info) -> bool {
     if FLANNEL_KFLOWS4.get_ptr(key).is_some() {
         return false;
     }
-    learnt(FLANNEL_KFLOWS4.insert(key, 1u32, 0).is_ok())
+    // The slot first: the key need not outlive the insert.
+    let slot = key.learn_slot();
+    learnt(FLANNEL_KFLOWS4.insert(key, 1u32, 0).is_ok(), slot)
 }

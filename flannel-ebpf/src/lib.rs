@@ -24,7 +24,7 @@
 //! On the bpf target this is `no_std`; on the host it compiles with std so that clippy and the
 //! unit tests (`cargo test -p flannel-ebpf --lib`) cover the pure logic.
 #![cfg_attr(target_arch = "bpf", no_std)]
-// The atomic add of `memo::retire_all` (the bpf target has no atomic types).
+// The atomic add of `memo::retire` (the bpf target has no atomic types).
 #![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
 #![cfg_attr(target_arch = "bpf", allow(internal_features))]
 

@@ -60,6 +60,7 @@ pub fn tc_from_bridge(ctx: TcContext) -> i32 {
     let bytes = ctx.packet_len() as u64;
     // A remembered flow first: its headers are already linear (or it is not taken).
     let out = if let Some(out) = memo::transmit(&ctx).or_else(|| v6::memo::transmit(&ctx)) {
+        stats::count(&FLANNEL_CNT_FBR, Reason::MemoHit, bytes);
         out
     } else {
         ctx.pull_headers(PULL_LEN);
@@ -85,6 +86,7 @@ pub fn tc_from_netdev(ctx: TcContext) -> i32 {
     let bytes = ctx.packet_len() as u64;
     // A remembered flow first: its headers are already linear (or it is not taken).
     let (out, learnt) = if let Some(out) = memo::deliver(&ctx).or_else(|| v6::memo::deliver(&ctx)) {
+        stats::count(&FLANNEL_CNT_FND, Reason::MemoHit, bytes);
         (out, netdev::Learnt::default())
     } else {
         ctx.pull_headers(PULL_LEN);

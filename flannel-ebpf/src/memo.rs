@@ -26,8 +26,8 @@ use aya_ebpf::{
 use flannel_common::{
     config::{CFG_VXLAN_RX, Config, FASTPATH_MARK},
     memo::{
-        DIR_IN, DIR_OUT, FlowMemo, GEN_AGENT, GEN_PROGRAMS, MEMO_GEN_SLOTS, MEMO_ROUTES,
-        MEMO4_MAX_ENTRIES, MemoKey, TUNNEL_IPIP, TUNNEL_NONE, TUNNEL_VXLAN, generation,
+        DIR_IN, DIR_OUT, FlowMemo, GEN_AGENT, LEARN_GEN_SLOTS, MEMO_GEN_SLOTS, MEMO_ROUTES,
+        MEMO4_MAX_ENTRIES, MemoKey, TUNNEL_IPIP, TUNNEL_NONE, TUNNEL_VXLAN, generation, learn_slot,
     },
     route::RemoteEntry,
     stats::Reason,
@@ -48,26 +48,64 @@ use crate::{
 pub static FLANNEL_MEMO4: LruHashMap<MemoKey, FlowMemo, { MEMO4_MAX_ENTRIES as usize }> =
     LruHashMap::new();
 
-/// The two counters whose sum is the memos' generation, and the agent's host-gw switch
-/// (`flannel_common::memo::MEMO_GEN`).
+/// The agent's generation counter and host-gw switch (`flannel_common::memo::MEMO_GEN`).
 #[btf_map]
 pub static FLANNEL_MEMOGEN: Array<u64, { MEMO_GEN_SLOTS as usize }> = Array::new();
 
-/// The current generation.
+/// Per remote-endpoint slot, the learners' generation counters
+/// (`flannel_common::memo::LEARN_GEN`).
+#[btf_map]
+pub static FLANNEL_LRNGEN: Array<u64, { LEARN_GEN_SLOTS as usize }> = Array::new();
+
+/// The agent's generation counter: read before the checks of a decision that will be
+/// remembered, at least before the first read of a map the agent writes.
 #[inline(always)]
-pub fn current() -> u64 {
-    let programs = FLANNEL_MEMOGEN.get(GEN_PROGRAMS).copied().unwrap_or(0);
-    let agent = FLANNEL_MEMOGEN.get(GEN_AGENT).copied().unwrap_or(0);
-    generation(programs, agent)
+pub fn agent_generation() -> u64 {
+    FLANNEL_MEMOGEN.get(GEN_AGENT).copied().unwrap_or(0)
 }
 
-/// Retires every memo: called by the learners after they added a NAT-guard or kernel-flow
-/// entry (an atomic add after the map update; on x86 a locked instruction, a full barrier).
+/// The generation of the flows whose remote endpoint falls in `slot` (a `learn_slot` of
+/// `flannel_common`), with the agent's counter `agent`: read before the NAT-guard and
+/// kernel-flow lookups of a decision that will be remembered.
 #[inline(always)]
-pub fn retire_all() {
-    if let Some(slot) = FLANNEL_MEMOGEN.get_ptr_mut(GEN_PROGRAMS) {
+pub fn generation_of(slot: u32, agent: u64) -> u64 {
+    let learnt = FLANNEL_LRNGEN.get(slot).copied().unwrap_or(0);
+    generation(learnt, agent)
+}
+
+/// The current generation of `info`'s flow in direction `dir`, with the agent's counter
+/// `agent` (see [`agent_generation`]).
+#[inline(always)]
+pub fn generation_for(info: &Ipv4Info, dir: u8, agent: u64) -> u64 {
+    generation_of(learn_slot_of(info, dir), agent)
+}
+
+/// The learn slot of `info`'s remote endpoint in direction `dir`: `key(info, dir).learn_slot()`
+/// without the key on the stack (the full checks' call chains are near the stack limit).
+#[inline(always)]
+fn learn_slot_of(info: &Ipv4Info, dir: u8) -> u32 {
+    if dir == DIR_IN {
+        learn_slot(info.src, info.sport, info.proto)
+    } else {
+        learn_slot(info.dst, info.dport, info.proto)
+    }
+}
+
+/// The current generation of `info`'s flow in direction `dir`: read before the checks whose
+/// decision is remembered.
+#[inline(always)]
+pub fn current_for(info: &Ipv4Info, dir: u8) -> u64 {
+    generation_for(info, dir, agent_generation())
+}
+
+/// Retires the memos of the flows whose remote endpoint falls in `slot`: called by the
+/// learners after they added a NAT-guard or kernel-flow entry for such an endpoint (an atomic
+/// add after the map update; on x86 a locked instruction, a full barrier).
+#[inline(always)]
+pub fn retire(slot: u32) {
+    if let Some(counter) = FLANNEL_LRNGEN.get_ptr_mut(slot) {
         // SAFETY: the pointer comes from a successful lookup of an 8-byte aligned u64 slot.
-        unsafe { atomic_add(slot) };
+        unsafe { atomic_add(counter) };
     }
 }
 
@@ -173,8 +211,9 @@ fn screened(ctx: &TcContext, parsed: &Result<parse::Packet, Reason>) -> Option<(
 /// The memo of `info`'s flow in direction `dir` if it may decide for this packet now.
 #[inline(always)]
 fn usable(ctx: &TcContext, info: &Ipv4Info, dir: u8) -> Option<FlowMemo> {
-    let generation = current();
-    let memo = FLANNEL_MEMO4.get_ptr(key(info, dir))?;
+    let key = key(info, dir);
+    let generation = generation_of(key.learn_slot(), agent_generation());
+    let memo = FLANNEL_MEMO4.get_ptr(key)?;
     // SAFETY: the pointer comes from a successful lookup; the entry is read once.
     let memo = unsafe { memo.read() };
     let gso = fib::gso_size(ctx);

@@ -179,7 +179,7 @@ fn plain_in(
         return Verdict::pass(reason);
     }
     // Read before the checks: a change while they run retires what they decide.
-    let generation = memo::current();
+    let generation = memo::current_for(info, DIR_IN);
     *learnt = deliver::learn_nat_guard(cfg, info);
     if let Err(reason) = decide::deliverable(
         cfg,
@@ -243,6 +243,8 @@ fn ipip_in(
     learnt: &mut bool,
     kernel_flow: &mut bool,
 ) -> Verdict {
+    // Read before the checks: a change while they run retires what they decide.
+    let agent = memo::agent_generation();
     if maps::node_flags(outer.src) & NODE_F_IPIP == 0 {
         return Verdict::pass(Reason::PassUnknownPeer);
     }
@@ -272,8 +274,10 @@ fn ipip_in(
         },
         None => None,
     };
-    // Read before the checks: a change while they run retires what they decide.
-    let generation = memo::current();
+    // Read before the NAT-guard and kernel-flow checks (the agent's part above).
+    let generation = info
+        .as_ref()
+        .map_or(0, |info| memo::generation_for(info, DIR_IN, agent));
     let mut mtu = 0;
     let route = match &info {
         Some(info) => {
@@ -327,6 +331,8 @@ fn vxlan_in(
     learnt: &mut bool,
     kernel_flow: &mut bool,
 ) -> Verdict {
+    // Read before the checks: a change while they run retires what they decide.
+    let agent = memo::agent_generation();
     if !encap::vxlan_is_ours(ctx, cfg, outer) {
         return Verdict::pass(Reason::PassVxlanMismatch);
     }
@@ -338,8 +344,8 @@ fn vxlan_in(
     let Some(info) = ipv4::read(ctx, &packet) else {
         return Verdict::pass(Reason::PassMalformed);
     };
-    // Read before the checks: a change while they run retires what they decide.
-    let generation = memo::current();
+    // Read before the NAT-guard and kernel-flow checks (the agent's part above).
+    let generation = memo::generation_for(&info, DIR_IN, agent);
     *learnt = deliver::learn_nat_guard(cfg, &info);
     if cfg.flags & CFG_VXLAN_RX == 0 {
         return Verdict::pass(Reason::PassVxlanRxOff);

@@ -24,6 +24,7 @@ use flannel_agent::bpf::{
 };
 use flannel_common::{
     config::FASTPATH_MARK,
+    memo::learn_slot,
     pods::{PodPort, PortKey},
     stats::Reason,
 };
@@ -438,7 +439,10 @@ fn bridge_ipip_encapsulates_with_inherited_ttl_and_df() {
             assert_bytes(&r.out, &want, "ipip");
             packet::verify(&Ethernet::new(EXT_MAC, PEER5_MAC, forwarded(&ip)).encode())
                 .expect("the inner packet's own checksums");
-            assert_counted(&r, &frame, &[Reason::Ipv4Tcp, Reason::FastIpip], "ipip");
+            // The second packet (DF clear) is of the same flow: its memo sends it.
+            let mut want = vec![Reason::Ipv4Tcp, Reason::FastIpip];
+            want.extend((!df).then_some(Reason::MemoHit));
+            assert_counted(&r, &frame, &want, "ipip");
         }
     });
 }
@@ -852,10 +856,12 @@ fn remove_route_behind_the_agents_back(pin: &std::path::Path, subnet: Ipv4Net) {
 }
 
 /// A flow's decision is remembered (`flannel_common::memo`): with the route removed behind the
-/// agent's back, the flow's next packets are still delivered / sent as before, and only its
-/// packets: another flow takes the full checks. Every change the decision rests on retires
-/// it at once: a kernel flow or NAT-guard entry the programs learn, the agent's route sync or
-/// configuration. A packet with TTL 1 never takes a remembered decision.
+/// agent's back, the flow's next packets are still delivered / sent as before (counted as
+/// `memo_hit`), and only its packets: another flow takes the full checks. Every change the
+/// decision rests on retires it at once: a kernel flow or NAT-guard entry the programs learn
+/// for the flow's remote endpoint (which leaves the memos of other remote endpoints alone),
+/// the agent's route sync or configuration (which retires them all). A packet with TTL 1
+/// never takes a remembered decision.
 #[test]
 fn flows_are_remembered_until_what_decided_them_changes() {
     let Some(rig) = Rig::new("fpmemo") else {
@@ -889,13 +895,28 @@ fn flows_are_remembered_until_what_decided_them_changes() {
             }
         };
         let fast = [Reason::Ipv4Tcp, Reason::FastDeliver, Reason::DeliverPeer];
+        let remembered = [
+            Reason::Ipv4Tcp,
+            Reason::FastDeliver,
+            Reason::DeliverPeer,
+            Reason::MemoHit,
+        ];
         let foreign = [Reason::Ipv4Tcp, Reason::PassForeignSource];
+        // The learn slot of a remote pod's endpoint HOSTGW_POD:port.
+        let slot = |port: u16| learn_slot(HOSTGW_POD.octets(), port.to_be_bytes(), 6);
+        // Flow D's remote endpoint lies in another slot than flow A's.
+        let d_port = (90..200)
+            .find(|&p| slot(p) != slot(80))
+            .expect("a port of another slot");
 
-        // Delivery: flow A decided by the full checks, then remembered.
+        // Delivery: flows A and D decided by the full checks, then remembered.
         let a = incoming(80, 40000);
+        let d = incoming(d_port, 40000);
         deliver(fp, &a, &fast, "A, full checks");
+        deliver(fp, &d, &fast, "D, full checks");
         remove_route_behind_the_agents_back(&pin, hostgw);
-        deliver(fp, &a, &fast, "A, remembered");
+        deliver(fp, &a, &remembered, "A, remembered");
+        deliver(fp, &d, &remembered, "D, remembered");
         deliver(
             fp,
             &incoming(81, 40000),
@@ -912,15 +933,19 @@ fn flows_are_remembered_until_what_decided_them_changes() {
             &[Reason::Ipv4Tcp, Reason::PassForeignSource],
             "TTL 1: full checks",
         );
-        // The kernel carried a packet of flow A out: the learner retires the memo.
+        // The kernel carried a packet of flow A out: the learner retires the memo of A's
+        // remote endpoint, not D's.
         let out = kernel_sent_to_host_gw_pod();
-        let generation = fp.memo_generation().expect("generation");
+        let generation =
+            |fp: &FastPath, port: u16| fp.memo_generation(slot(port)).expect("generation");
+        let (before_a, before_d) = (generation(fp, 80), generation(fp, d_port));
         let r = run(fp, Hook::ToNetdev, &out, Skb::egress(ifs.ext));
         assert_eq!(
-            fp.memo_generation().expect("generation"),
-            generation + 1,
-            "the learner moved the generation on"
+            generation(fp, 80),
+            before_a + 1,
+            "the learner moved A's generation on"
         );
+        assert_eq!(generation(fp, d_port), before_d, "D's generation stays");
         assert!(
             r.counted
                 .iter()
@@ -929,6 +954,7 @@ fn flows_are_remembered_until_what_decided_them_changes() {
             r.counted
         );
         deliver(fp, &a, &foreign, "A after a kernel flow was learnt");
+        deliver(fp, &d, &remembered, "D after A's kernel flow was learnt");
         // The agent's sync puts the route back (and retires): A is now a kernel flow.
         assert_eq!(fp.sync(&remotes()).expect("sync").added, 1);
         deliver(
@@ -942,10 +968,11 @@ fn flows_are_remembered_until_what_decided_them_changes() {
         let b = incoming(82, 40000);
         deliver(fp, &b, &fast, "B, full checks");
         remove_route_behind_the_agents_back(&pin, hostgw);
-        deliver(fp, &b, &fast, "B, remembered");
-        let generation = fp.memo_generation().expect("generation");
+        deliver(fp, &b, &remembered, "B, remembered");
+        let (before_b, before_d) = (generation(fp, 82), generation(fp, d_port));
         fp.set_config(&config(ifs.ext)).expect("config");
-        assert_eq!(fp.memo_generation().expect("generation"), generation + 1);
+        assert_eq!(generation(fp, 82), before_b + 1, "the agent retires B");
+        assert_eq!(generation(fp, d_port), before_d + 1, "and every other memo");
         deliver(
             fp,
             &b,
@@ -966,7 +993,11 @@ fn flows_are_remembered_until_what_decided_them_changes() {
         let sent = Ethernet::new(EXT_MAC, PEER2_MAC, forwarded(&c)).encode();
         assert_bytes(&r.out, &sent, "C, full checks");
         remove_route_behind_the_agents_back(&pin, hostgw);
-        let r = send(fp, &[Reason::Ipv4Tcp, Reason::FastHostGw], "C, remembered");
+        let r = send(
+            fp,
+            &[Reason::Ipv4Tcp, Reason::FastHostGw, Reason::MemoHit],
+            "C, remembered",
+        );
         assert_eq!(r.verdict, TC_ACT_REDIRECT);
         assert_bytes(&r.out, &sent, "C, remembered");
         assert_eq!(fp.sync(&remotes()).expect("sync").added, 1);
@@ -1056,29 +1087,29 @@ fn a_remembered_flows_odd_packets_take_the_full_checks() {
             ..Ipv4::new(HOSTGW_POD, POD, Tcp::new(80, 40000).payload(b"memo"))
         };
         let in_frame = |ip: &Ipv4| underlay(PEER2_MAC, ip.clone());
-        let deliver_fast = |fp: &mut FastPath, what: &str| {
+        // `memo`: decided by the flow's memo, not the full checks.
+        let deliver_fast = |fp: &mut FastPath, memo: bool, what: &str| {
             let r = run(fp, Hook::FromNetdev, &in_frame(&incoming), Skb::on(ifs.ext));
             assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
-            assert_counted(
-                &r,
-                &in_frame(&incoming),
-                &[Reason::Ipv4Tcp, Reason::FastDeliver, Reason::DeliverPeer],
-                what,
-            );
+            let mut want = vec![Reason::Ipv4Tcp, Reason::FastDeliver, Reason::DeliverPeer];
+            want.extend(memo.then_some(Reason::MemoHit));
+            assert_counted(&r, &in_frame(&incoming), &want, what);
         };
         // Transmit to the host-gw peer.
         let outgoing = from_pod(HOSTGW_POD, Tcp::new(40001, 8080).payload(b"memo"));
-        let send_fast = |fp: &mut FastPath, what: &str| {
+        let send_fast = |fp: &mut FastPath, memo: bool, what: &str| {
             let frame = pod_frame(&outgoing);
             let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
             assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
-            assert_counted(&r, &frame, &[Reason::Ipv4Tcp, Reason::FastHostGw], what);
+            let mut want = vec![Reason::Ipv4Tcp, Reason::FastHostGw];
+            want.extend(memo.then_some(Reason::MemoHit));
+            assert_counted(&r, &frame, &want, what);
         };
-        deliver_fast(fp, "delivery, full checks");
-        send_fast(fp, "transmit, full checks");
+        deliver_fast(fp, false, "delivery, full checks");
+        send_fast(fp, false, "transmit, full checks");
         remove_route_behind_the_agents_back(&pin, hostgw);
-        deliver_fast(fp, "delivery, remembered");
-        send_fast(fp, "transmit, remembered");
+        deliver_fast(fp, true, "delivery, remembered");
+        send_fast(fp, true, "transmit, remembered");
 
         let directions: [(Hook, Skb, &Ipv4, FrameOf); 2] = [
             (Hook::FromNetdev, Skb::on(ifs.ext), &incoming, &in_frame),
@@ -1091,11 +1122,22 @@ fn a_remembered_flows_odd_packets_take_the_full_checks() {
                 assert_eq!(r.verdict, TC_ACT_OK, "{what}");
                 assert_bytes(&r.out, &frame, &what);
                 assert_counted(&r, &frame, &[class, verdict], &what);
-                deliver_fast(fp, &format!("delivery still remembered after {what}"));
-                send_fast(fp, &format!("transmit still remembered after {what}"));
+                deliver_fast(fp, true, &format!("delivery still remembered after {what}"));
+                send_fast(fp, true, &format!("transmit still remembered after {what}"));
             }
         }
     });
+}
+
+/// Which path a packet of [`tunnel_flows_are_remembered_for_their_peer_only`] took.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Took {
+    /// The fast path, decided by the full checks.
+    Full,
+    /// The fast path, decided by the flow's memo (counted as `memo_hit`).
+    Memo,
+    /// The kernel: passed unchanged (sent) or not into the pod (delivered).
+    Kernel,
 }
 
 /// A tunnel of [`tunnel_flows_are_remembered_for_their_peer_only`]: its remote subnet and
@@ -1200,12 +1242,14 @@ fn tunnel_flows_are_remembered_for_their_peer_only(name: &str, tunnel: &'static 
             ttl,
             ..from_pod(tunnel.pod, Tcp::new(40002, 8080).payload(payload))
         };
-        let send = |fp: &mut FastPath, ip: &Ipv4, fast: bool, what: &str| {
+        let send = |fp: &mut FastPath, ip: &Ipv4, took: Took, what: &str| {
             let frame = pod_frame(ip);
             let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
-            if fast {
+            if took != Took::Kernel {
                 assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
-                assert_counted(&r, &frame, &[Reason::Ipv4Tcp, tunnel.fast_out], what);
+                let mut want = vec![Reason::Ipv4Tcp, tunnel.fast_out];
+                want.extend((took == Took::Memo).then_some(Reason::MemoHit));
+                assert_counted(&r, &frame, &want, what);
                 assert_bytes(&r.out, &(tunnel.sent)(ip, &r.out), what);
                 packet::verify(&r.out).expect("outer checksums");
             } else {
@@ -1214,25 +1258,35 @@ fn tunnel_flows_are_remembered_for_their_peer_only(name: &str, tunnel: &'static 
             }
         };
         let ip = to_remote(b"memo", 64);
-        send(fp, &ip, true, "full checks");
+        send(fp, &ip, Took::Full, "full checks");
         remove_route_behind_the_agents_back(&pin, subnet);
-        send(fp, &ip, true, "remembered");
-        send(fp, &to_remote(b"memo", 1), false, "TTL 1: full checks");
+        send(fp, &ip, Took::Memo, "remembered");
+        send(
+            fp,
+            &to_remote(b"memo", 1),
+            Took::Kernel,
+            "TTL 1: full checks",
+        );
         let fits = tunnel.mtu - 40;
         send(
             fp,
             &to_remote(&vec![7; fits], 64),
-            true,
+            Took::Memo,
             "as long as the MTU",
         );
         send(
             fp,
             &to_remote(&vec![7; fits + 1], 64),
-            false,
+            Took::Kernel,
             "a byte longer: full checks",
         );
         fp.set_config(&config(ifs.ext)).expect("config");
-        send(fp, &ip, false, "after the agent wrote its configuration");
+        send(
+            fp,
+            &ip,
+            Took::Kernel,
+            "after the agent wrote its configuration",
+        );
         assert_eq!(fp.sync(&remotes()).expect("sync").added, 1);
 
         // Delivery.
@@ -1241,9 +1295,9 @@ fn tunnel_flows_are_remembered_for_their_peer_only(name: &str, tunnel: &'static 
             ..Ipv4::new(tunnel.pod, POD, Tcp::new(8080, 40002).payload(b"memo"))
         };
         let delivered = Ethernet::new(BR_MAC, POD_MAC, forwarded(&inner)).encode();
-        let deliver = |fp: &mut FastPath, frame: &[u8], fast: bool, what: &str| {
+        let deliver = |fp: &mut FastPath, frame: &[u8], took: Took, what: &str| {
             let r = run(fp, Hook::FromNetdev, frame, Skb::on(ifs.ext));
-            if fast {
+            if took != Took::Kernel {
                 assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
                 assert_bytes(&r.out, &delivered, what);
                 let whole = frame.len() as u64;
@@ -1252,6 +1306,9 @@ fn tunnel_flows_are_remembered_for_their_peer_only(name: &str, tunnel: &'static 
                     (tunnel.fast_in, 1, whole),
                     (Reason::DeliverPeer, 1, delivered.len() as u64),
                 ];
+                if took == Took::Memo {
+                    want.push((Reason::MemoHit, 1, whole));
+                }
                 want.sort_by_key(|(r, _, _)| r.index());
                 assert_eq!(r.counted, want, "{what}: counters");
             } else {
@@ -1268,27 +1325,32 @@ fn tunnel_flows_are_remembered_for_their_peer_only(name: &str, tunnel: &'static 
             }
         };
         let from_peer = (tunnel.received)(tunnel.node, &inner);
-        deliver(fp, &from_peer, true, "full checks");
+        deliver(fp, &from_peer, Took::Full, "full checks");
         remove_route_behind_the_agents_back(&pin, subnet);
-        deliver(fp, &from_peer, true, "remembered");
+        deliver(fp, &from_peer, Took::Memo, "remembered");
         deliver(
             fp,
             &(tunnel.received)(tunnel.other_node, &inner),
-            false,
+            Took::Kernel,
             "the same flow from another node",
         );
         deliver(
             fp,
             &underlay(PEER3_MAC, inner.clone()),
-            false,
+            Took::Kernel,
             "the same flow, plain",
         );
         let ttl1 = Ipv4 {
             ttl: 1,
             ..inner.clone()
         };
-        deliver(fp, &(tunnel.received)(tunnel.node, &ttl1), false, "TTL 1");
-        deliver(fp, &from_peer, true, "remembered, still");
+        deliver(
+            fp,
+            &(tunnel.received)(tunnel.node, &ttl1),
+            Took::Kernel,
+            "TTL 1",
+        );
+        deliver(fp, &from_peer, Took::Memo, "remembered, still");
         assert_eq!(fp.sync(&remotes()).expect("sync").added, 1);
     });
 }

@@ -19,7 +19,7 @@ use std::{
 use flannel_agent::bpf::{
     FastPath, Hook, LocalConfig, LocalConfig6, Remote, Remote6, Via, VxlanLocal,
 };
-use flannel_common::{config::FASTPATH_MARK, stats::Reason};
+use flannel_common::{config::FASTPATH_MARK, memo::learn_slot6, stats::Reason};
 use flannel_tests::packet::{
     self, Ethernet, Icmp, Ipv4, Ipv6, Ipv6Ext, ParsedL3, Tcp, Transport, Udp, hexdump,
 };
@@ -759,9 +759,10 @@ fn assert_passed(r: &bpf_support::Run, frame: &[u8], class: Reason, pass: Reason
 
 /// An IPv6 host-gw flow's decision is remembered as an IPv4 one is: with the route removed
 /// behind the agent's back the flow's next packets are still sent / delivered exactly as the
-/// full checks did, and only that flow's; hop limit 1 never takes a memo. Every change the
-/// decision rests on retires it: an IPv6 NAT-guard or kernel-flow entry the programs learn,
-/// the agent's IPv6 route sync and configuration writes.
+/// full checks did (counted as `memo_hit`), and only that flow's; hop limit 1 never takes a
+/// memo. Every change the decision rests on retires it: an IPv6 NAT-guard or kernel-flow entry
+/// the programs learn for its remote endpoint (not the memos of other endpoints), the agent's
+/// IPv6 route sync and configuration writes.
 #[test]
 fn ipv6_flows_are_remembered_until_what_decided_them_changes() {
     let Some(rig) = Rig::new("f6memo") else {
@@ -784,12 +785,17 @@ fn ipv6_flows_are_remembered_until_what_decided_them_changes() {
         let c = out(40001, 64);
         let sent = Ethernet::new(EXT_MAC, PEER2_MAC, hop(&c)).encode();
         let fast_out = [Reason::FastHostGw6];
+        let memo_out = [Reason::FastHostGw6, Reason::MemoHit];
+        let generation = |fp: &FastPath, port: u16| {
+            let slot = learn_slot6(&hostgw_pod().octets(), port.to_be_bytes(), 6);
+            fp.memo_generation(slot).expect("generation")
+        };
         let (r, _) = send(fp, &c);
         assert_fast(&r, Reason::Ipv6Tcp, &fast_out, &sent, "C, full checks");
         assert_eq!(r.mark_after, FASTPATH_MARK);
         remove_route6_behind_the_agents_back(fp, hostgw);
         let (r, _) = send(fp, &c);
-        assert_fast(&r, Reason::Ipv6Tcp, &fast_out, &sent, "C, remembered");
+        assert_fast(&r, Reason::Ipv6Tcp, &memo_out, &sent, "C, remembered");
         assert_eq!(r.mark_after, FASTPATH_MARK, "C, remembered: marked");
         let (r, frame) = send(fp, &out(40009, 64));
         assert_passed(
@@ -815,19 +821,35 @@ fn ipv6_flows_are_remembered_until_what_decided_them_changes() {
         assert_fast(&r, Reason::Ipv6Udp, &fast_out, &u_sent, "UDP, full checks");
         remove_route6_behind_the_agents_back(fp, hostgw);
         let (r, _) = send(fp, &u);
-        assert_fast(&r, Reason::Ipv6Udp, &fast_out, &u_sent, "UDP, remembered");
+        let u_memo = [Reason::FastHostGw6, Reason::MemoHit];
+        assert_fast(&r, Reason::Ipv6Udp, &u_memo, &u_sent, "UDP, remembered");
         // The agent's sync puts the route back and retires; C is decided afresh.
-        let generation = fp.memo_generation().expect("generation");
+        let before = generation(fp, 8080);
         assert_eq!(fp.sync6(&remotes6()).expect("sync6").added, 1);
-        assert_eq!(fp.memo_generation().expect("generation"), generation + 1);
+        assert_eq!(generation(fp, 8080), before + 1);
         let (r, _) = send(fp, &c);
         assert_fast(&r, Reason::Ipv6Tcp, &fast_out, &sent, "C after the sync");
-        // The remote pod reaches a host address: the IPv6 NAT guard learns it, which retires C.
+        // Flow E, to an endpoint of the remote pod in another learn slot, remembered.
+        let slot_of = |port: u16| learn_slot6(&hostgw_pod().octets(), port.to_be_bytes(), 6);
+        let e_port = (9000..9200)
+            .find(|&p| slot_of(p) != slot_of(8080))
+            .expect("a port of another slot");
+        let e = Ipv6::new(
+            pod(),
+            hostgw_pod(),
+            Tcp::new(40002, e_port).payload(b"memo6"),
+        );
+        let e_sent = Ethernet::new(EXT_MAC, PEER2_MAC, hop(&e)).encode();
+        let (r, _) = send(fp, &e);
+        assert_fast(&r, Reason::Ipv6Tcp, &fast_out, &e_sent, "E, full checks");
+        remove_route6_behind_the_agents_back(fp, hostgw);
+        // The remote pod reaches a host address from C's endpoint: the IPv6 NAT guard learns
+        // it, which retires C's memo and leaves E's.
         let to_host = underlay(
             PEER2_MAC,
             Ipv6::new(hostgw_pod(), pub1(), Tcp::new(8080, 30080)),
         );
-        let generation = fp.memo_generation().expect("generation");
+        let (before_c, before_e) = (generation(fp, 8080), generation(fp, e_port));
         let r = run(fp, Hook::FromNetdev, &to_host, skb);
         assert!(
             r.counted
@@ -836,7 +858,17 @@ fn ipv6_flows_are_remembered_until_what_decided_them_changes() {
             "{:?}",
             r.counted
         );
-        assert_eq!(fp.memo_generation().expect("generation"), generation + 1);
+        assert_eq!(generation(fp, 8080), before_c + 1, "C's endpoint retired");
+        assert_eq!(generation(fp, e_port), before_e, "E's endpoint not");
+        let (r, _) = send(fp, &e);
+        assert_fast(
+            &r,
+            Reason::Ipv6Tcp,
+            &memo_out,
+            &e_sent,
+            "E, still remembered",
+        );
+        assert_eq!(fp.sync6(&remotes6()).expect("sync6").added, 1);
         let (r, frame) = send(fp, &c);
         assert_passed(
             &r,
@@ -860,13 +892,14 @@ fn ipv6_flows_are_remembered_until_what_decided_them_changes() {
             (run(fp, Hook::FromNetdev, &frame, skb), frame)
         };
         let fast_in = [Reason::FastDeliver6, Reason::DeliverPeer];
+        let memo_in = [Reason::FastDeliver6, Reason::DeliverPeer, Reason::MemoHit];
         let a = incoming(81, 63);
         let delivered = Ethernet::new(BR_MAC, POD_MAC, hop(&a)).encode();
         let (r, _) = receive(fp, &a);
         assert_fast(&r, Reason::Ipv6Tcp, &fast_in, &delivered, "A, full checks");
         remove_route6_behind_the_agents_back(fp, hostgw);
         let (r, _) = receive(fp, &a);
-        assert_fast(&r, Reason::Ipv6Tcp, &fast_in, &delivered, "A, remembered");
+        assert_fast(&r, Reason::Ipv6Tcp, &memo_in, &delivered, "A, remembered");
         let (r, frame) = receive(fp, &incoming(82, 63));
         assert_passed(
             &r,
@@ -890,7 +923,7 @@ fn ipv6_flows_are_remembered_until_what_decided_them_changes() {
             Ipv6::new(pod(), hostgw_pod(), Tcp::new(40000, 81)),
         )
         .encode();
-        let generation = fp.memo_generation().expect("generation");
+        let before = generation(fp, 81);
         let r = run(fp, Hook::ToNetdev, &kernel_out, Skb::egress(ifs.ext));
         assert!(
             r.counted
@@ -899,7 +932,7 @@ fn ipv6_flows_are_remembered_until_what_decided_them_changes() {
             "{:?}",
             r.counted
         );
-        assert_eq!(fp.memo_generation().expect("generation"), generation + 1);
+        assert_eq!(generation(fp, 81), before + 1);
         let (r, frame) = receive(fp, &a);
         assert_passed(
             &r,
@@ -923,7 +956,7 @@ fn ipv6_flows_are_remembered_until_what_decided_them_changes() {
         );
         remove_route6_behind_the_agents_back(fp, hostgw);
         let (r, _) = receive(fp, &b);
-        assert_fast(&r, Reason::Ipv6Tcp, &fast_in, &b_delivered, "B, remembered");
+        assert_fast(&r, Reason::Ipv6Tcp, &memo_in, &b_delivered, "B, remembered");
         fp.set_config6(Some(&config6(ifs.ext))).expect("config6");
         let (r, frame) = receive(fp, &b);
         assert_passed(
@@ -1000,9 +1033,12 @@ fn a_remembered_ipv6_flows_odd_packets_take_the_full_checks() {
 
         let outgoing = Ipv6::new(pod(), hostgw_pod(), Tcp::new(40001, 8080).payload(b"memo6"));
         let sent = Ethernet::new(EXT_MAC, PEER2_MAC, hop(&outgoing)).encode();
-        let send_fast = |fp: &mut FastPath, what: &str| {
+        // `memo`: decided by the flow's memo, not the full checks.
+        let send_fast = |fp: &mut FastPath, memo: bool, what: &str| {
             let r = run(fp, Hook::FromBridge, &pod_frame(&outgoing), Skb::on(ifs.br));
-            assert_fast(&r, Reason::Ipv6Tcp, &[Reason::FastHostGw6], &sent, what);
+            let mut fast = vec![Reason::FastHostGw6];
+            fast.extend(memo.then_some(Reason::MemoHit));
+            assert_fast(&r, Reason::Ipv6Tcp, &fast, &sent, what);
         };
         let incoming = Ipv6 {
             hop_limit: 63,
@@ -1010,16 +1046,17 @@ fn a_remembered_ipv6_flows_odd_packets_take_the_full_checks() {
         };
         let in_frame = |ip: &Ipv6| underlay(PEER2_MAC, ip.clone());
         let delivered = Ethernet::new(BR_MAC, POD_MAC, hop(&incoming)).encode();
-        let deliver_fast = |fp: &mut FastPath, what: &str| {
+        let deliver_fast = |fp: &mut FastPath, memo: bool, what: &str| {
             let r = run(fp, Hook::FromNetdev, &in_frame(&incoming), Skb::on(ifs.ext));
-            let fast = [Reason::FastDeliver6, Reason::DeliverPeer];
+            let mut fast = vec![Reason::FastDeliver6, Reason::DeliverPeer];
+            fast.extend(memo.then_some(Reason::MemoHit));
             assert_fast(&r, Reason::Ipv6Tcp, &fast, &delivered, what);
         };
-        send_fast(fp, "transmit, full checks");
-        deliver_fast(fp, "delivery, full checks");
+        send_fast(fp, false, "transmit, full checks");
+        deliver_fast(fp, false, "delivery, full checks");
         remove_route6_behind_the_agents_back(fp, hostgw);
-        send_fast(fp, "transmit, remembered");
-        deliver_fast(fp, "delivery, remembered");
+        send_fast(fp, true, "transmit, remembered");
+        deliver_fast(fp, true, "delivery, remembered");
 
         let directions: [(Hook, Skb, &Ipv6, FrameOf); 2] = [
             (Hook::FromBridge, Skb::on(ifs.br), &outgoing, &pod_frame),
@@ -1030,8 +1067,8 @@ fn a_remembered_ipv6_flows_odd_packets_take_the_full_checks() {
                 let what = format!("{hook:?}: {name}");
                 let r = run(fp, hook, &frame, skb);
                 assert_passed(&r, &frame, class, pass, &what);
-                send_fast(fp, &format!("transmit still remembered after {what}"));
-                deliver_fast(fp, &format!("delivery still remembered after {what}"));
+                send_fast(fp, true, &format!("transmit still remembered after {what}"));
+                deliver_fast(fp, true, &format!("delivery still remembered after {what}"));
             }
         }
     });
@@ -1071,7 +1108,7 @@ fn ipv6_vxlan_flows_are_remembered_for_their_peer_only() {
         assert_fast(
             &r,
             Reason::Ipv6Tcp,
-            &[Reason::FastVxlan6],
+            &[Reason::FastVxlan6, Reason::MemoHit],
             &full.out,
             "remembered",
         );
@@ -1086,7 +1123,7 @@ fn ipv6_vxlan_flows_are_remembered_for_their_peer_only() {
         );
         assert_counted(
             &r,
-            &[Reason::Ipv6Tcp, Reason::FastVxlan6],
+            &[Reason::Ipv6Tcp, Reason::FastVxlan6, Reason::MemoHit],
             "as long as the room",
         );
         packet::verify(&r.out).expect("outer checksums");
@@ -1121,7 +1158,12 @@ fn ipv6_vxlan_flows_are_remembered_for_their_peer_only() {
         assert_fast(&r, Reason::Ipv6Udp, &fast_in, &delivered, "full checks");
         remove_route6_behind_the_agents_back(fp, subnet);
         let r = run(fp, Hook::FromNetdev, &from_peer, ext);
-        assert_fast(&r, Reason::Ipv6Udp, &fast_in, &delivered, "remembered");
+        let memo_in = [
+            Reason::FastDeliverVxlan6,
+            Reason::DeliverPeer,
+            Reason::MemoHit,
+        ];
+        assert_fast(&r, Reason::Ipv6Udp, &memo_in, &delivered, "remembered");
         let not_fast = |r: &bpf_support::Run, frame: &[u8], what: &str| {
             assert_eq!(r.verdict, TC_ACT_OK, "{what}: {:?}", r.counted);
             assert_bytes(&r.out, frame, what);
@@ -1154,7 +1196,7 @@ fn ipv6_vxlan_flows_are_remembered_for_their_peer_only() {
         assert_fast(
             &r,
             Reason::Ipv6Udp,
-            &fast_in,
+            &memo_in,
             &delivered,
             "remembered, still",
         );

@@ -21,7 +21,7 @@ use aya::{
 use flannel_common::{
     config::Config,
     maps as names,
-    memo::{GEN_AGENT, GEN_PROGRAMS, MEMO_GEN, MEMO_ROUTES, generation},
+    memo::{GEN_AGENT, LEARN_GEN, MEMO_GEN, MEMO_ROUTES, generation},
     programs,
     route::{NodeEntry, RemoteEntry, RouteKind},
 };
@@ -252,13 +252,20 @@ impl FastPath {
             .map_err(|e| BpfError::map(MEMO_GEN, e))
     }
 
-    /// The generation the programs' memos must carry to be used (both counters summed).
-    pub fn memo_generation(&self) -> Result<u64, BpfError> {
-        let map = self.ebpf.map(MEMO_GEN).ok_or_else(|| missing(MEMO_GEN))?;
-        let array: Array<&MapData, u64> =
-            Array::try_from(map).map_err(|e| BpfError::map(MEMO_GEN, e))?;
-        let slot = |i| array.get(&i, 0).map_err(|e| BpfError::map(MEMO_GEN, e));
-        Ok(generation(slot(GEN_PROGRAMS)?, slot(GEN_AGENT)?))
+    /// The generation the programs' memos of flows whose remote endpoint falls in learn slot
+    /// `slot` ([`flannel_common::memo::learn_slot`]) must carry to be used: that slot's
+    /// counter and the agent's, summed.
+    pub fn memo_generation(&self, slot: u32) -> Result<u64, BpfError> {
+        let counter = |name: &'static str, index: u32| -> Result<u64, BpfError> {
+            let map = self.ebpf.map(name).ok_or_else(|| missing(name))?;
+            let array: Array<&MapData, u64> =
+                Array::try_from(map).map_err(|e| BpfError::map(name, e))?;
+            array.get(&index, 0).map_err(|e| BpfError::map(name, e))
+        };
+        Ok(generation(
+            counter(LEARN_GEN, slot)?,
+            counter(MEMO_GEN, GEN_AGENT)?,
+        ))
     }
 
     fn memo_gen_mut(&mut self) -> Result<Array<&mut MapData, u64>, BpfError> {

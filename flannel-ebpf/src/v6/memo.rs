@@ -19,7 +19,10 @@ use aya_ebpf::{
 };
 use flannel_common::{
     config::FASTPATH_MARK,
-    memo::{DIR_IN, DIR_OUT, FlowMemo6, MEMO6_MAX_ENTRIES, MemoKey6, TUNNEL_NONE, TUNNEL_VXLAN},
+    memo::{
+        DIR_IN, DIR_OUT, FlowMemo6, MEMO6_MAX_ENTRIES, MemoKey6, TUNNEL_NONE, TUNNEL_VXLAN,
+        learn_slot6,
+    },
     route::{RemoteEntry6, RouteKind},
     stats::Reason,
     v6::{CFG6_VXLAN_RX, Config6},
@@ -50,6 +53,19 @@ fn key(info: &Ipv6Info, dir: u8) -> MemoKey6 {
         decide::flow_key_outgoing(info)
     };
     MemoKey6::new(&flow, dir)
+}
+
+/// The current generation of `info`'s flow in direction `dir`, with the agent's counter
+/// `agent` ([`crate::memo::agent_generation`], read before the checks).
+#[inline(always)]
+pub fn generation_for(info: &Ipv6Info, dir: u8, agent: u64) -> u64 {
+    // `key(info, dir).learn_slot()` without the 40-byte key on the stack.
+    let slot = if dir == DIR_IN {
+        learn_slot6(&info.src, info.sport, info.next_hdr)
+    } else {
+        learn_slot6(&info.dst, info.dport, info.next_hdr)
+    };
+    crate::memo::generation_of(slot, agent)
 }
 
 /// The memo of a decision taken at `generation` to send `info`'s flow by `route` out of the
@@ -173,8 +189,9 @@ fn candidate(ctx: &TcContext, l3: usize, info: &mut Ipv6Info) -> Option<Reason> 
 /// packet now.
 #[inline(always)]
 fn usable(ctx: &TcContext, info: &Ipv6Info, dir: u8, memo: &mut FlowMemo6) -> bool {
-    let generation = crate::memo::current();
-    let Some(found) = FLANNEL_MEMO6.get_ptr(key(info, dir)) else {
+    let key = key(info, dir);
+    let generation = crate::memo::generation_of(key.learn_slot(), crate::memo::agent_generation());
+    let Some(found) = FLANNEL_MEMO6.get_ptr(key) else {
         return false;
     };
     // SAFETY: the pointer comes from a successful lookup of an 8-byte aligned map value; the

@@ -45,7 +45,7 @@ use aya_ebpf::{
 };
 use flannel_common::{
     config::{FASTPATH_MARK, FASTPATH_TC_INDEX},
-    memo::FlowMemo6,
+    memo::{DIR_IN, DIR_OUT, FlowMemo6},
     route::{NODE_F_VXLAN, NodeEntry, RemoteEntry6},
     stats::Reason,
     v6::{
@@ -172,14 +172,18 @@ fn learn_nat_guard(cfg: &Config6, info: &Ipv6Info) -> bool {
     if FLANNEL_NATGRD6.get_ptr(key).is_some() {
         return false;
     }
-    learnt(FLANNEL_NATGRD6.insert(key, 1u32, 0).is_ok())
+    // The slot first: the key need not outlive the insert.
+    let slot = key.learn_slot();
+    learnt(FLANNEL_NATGRD6.insert(key, 1u32, 0).is_ok(), slot)
 }
 
 /// Hands the flow of a packet arriving for a local pod to the kernel.
 #[inline(always)]
 fn hand_to_kernel(info: &Ipv6Info) -> bool {
     let key = decide::flow_key_incoming(info);
-    learnt(FLANNEL_KFLOWS6.insert(key, 1u32, 0).is_ok())
+    // The slot first: the key need not outlive the insert.
+    let slot = key.learn_slot();
+    learnt(FLANNEL_KFLOWS6.insert(key, 1u32, 0).is_ok(), slot)
 }
 
 /// Records the flow of a local pod's packet that leaves through the kernel.
@@ -192,7 +196,9 @@ fn learn_kernel_flow(cfg: &Config6, info: &Ipv6Info) -> bool {
     if FLANNEL_KFLOWS6.get_ptr(key).is_some() {
         return false;
     }
-    learnt(FLANNEL_KFLOWS6.insert(key, 1u32, 0).is_ok())
+    // The slot first: the key need not outlive the insert.
+    let slot = key.learn_slot();
+    learnt(FLANNEL_KFLOWS6.insert(key, 1u32, 0).is_ok(), slot)
 }
 
 /// A TC action with the verdict to count.
@@ -322,7 +328,7 @@ pub fn from_bridge(ctx: &TcContext) -> Outcome {
         return Verdict::pass(reason).outcome(class);
     }
     // Read before the checks: a change while they run retires what they decide.
-    s.generation = crate::memo::current();
+    s.generation = memo::generation_for(&s.outer, DIR_OUT, crate::memo::agent_generation());
     let verdict = match decide_bridge(cfg, &s.outer, &mut s.peer) {
         BridgeStep::Pass(reason) => Verdict::pass(reason),
         BridgeStep::HostGw => host_gw(ctx, &s.outer, s.generation),
@@ -498,7 +504,7 @@ pub fn from_netdev(ctx: &TcContext) -> (Outcome, Learnt) {
 #[inline(never)]
 fn plain_in(ctx: &TcContext, cfg: &Config6, info: &Ipv6Info, learnt: &mut Learnt) -> Verdict {
     // Read before the checks: a change while they run retires what they decide.
-    let generation = crate::memo::current();
+    let generation = memo::generation_for(info, DIR_IN, crate::memo::agent_generation());
     if let Some(reason) = decide_receive(cfg, info, &mut learnt.nat_guard) {
         return Verdict::pass(reason);
     }
@@ -517,8 +523,9 @@ fn plain_in(ctx: &TcContext, cfg: &Config6, info: &Ipv6Info, learnt: &mut Learnt
 /// VXLAN over IPv6 to our public IPv6 and port (the outer packet in `s.outer`).
 #[inline(never)]
 fn vxlan_in(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6, learnt: &mut Learnt) -> Verdict {
-    // Read before the checks: a change while they run retires what they decide.
-    let generation = crate::memo::current();
+    // Read before the checks: a change while they run retires what they decide (the learnt
+    // part once the inner packet is known, before its NAT-guard and kernel-flow checks).
+    let agent = crate::memo::agent_generation();
     if s.outer.l4 != ETH_HDR_LEN + IPV6_HDR_LEN || !vxlan::is_ours(ctx, cfg) {
         return Verdict::pass(Reason::PassVxlanMismatch);
     }
@@ -526,6 +533,7 @@ fn vxlan_in(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6, learnt: &mut Learn
         return Verdict::pass(reason);
     }
     let info = &s.inner;
+    let generation = memo::generation_for(info, DIR_IN, agent);
     let refused = decide_receive(cfg, info, &mut learnt.nat_guard);
     if cfg.flags & CFG6_VXLAN_RX == 0 {
         return Verdict::pass(Reason::PassVxlanRxOff);
