@@ -142,12 +142,6 @@ impl MemoKey {
             _pad: [0; 2],
         }
     }
-
-    /// The [`LEARN_GEN`] slot of the flow's remote endpoint.
-    #[inline(always)]
-    pub fn learn_slot(&self) -> u32 {
-        learn_slot(self.remote_addr, self.remote_port, self.proto)
-    }
 }
 
 /// [`FlowMemo::tunnel`]: the packet went as it came (host-gw, DirectRouting).
@@ -237,12 +231,6 @@ impl MemoKey6 {
             dir,
             _pad: [0; 2],
         }
-    }
-
-    /// The [`LEARN_GEN`] slot of the flow's remote endpoint.
-    #[inline(always)]
-    pub fn learn_slot(&self) -> u32 {
-        learn_slot6(&self.remote_addr, self.remote_port, self.proto)
     }
 }
 
@@ -357,7 +345,7 @@ mod tests {
     }
 
     #[test]
-    fn every_key_of_a_flow_names_the_slot_of_its_remote_endpoint() {
+    fn the_flow_table_keys_of_a_flow_name_the_slot_of_its_remote_endpoint() {
         use crate::{flow::PeerKey, v6::PeerKey6};
         let flow = FlowKey {
             local_addr: [10, 244, 1, 2],
@@ -367,10 +355,10 @@ mod tests {
             proto: 6,
             _pad: [0; 3],
         };
+        // (The memos' slot, computed from the packet, is checked against these keys in
+        // flannel-ebpf's `a_flows_memo_and_its_flow_table_keys_share_a_learn_slot`.)
         let slot = flow.learn_slot();
         assert!(slot < LEARN_GEN_SLOTS);
-        assert_eq!(MemoKey::new(&flow, DIR_IN).learn_slot(), slot);
-        assert_eq!(MemoKey::new(&flow, DIR_OUT).learn_slot(), slot);
         let peer = PeerKey {
             addr: flow.remote_addr,
             port: flow.remote_port,
@@ -408,10 +396,6 @@ mod tests {
             proto: 6,
             _pad: 0,
         };
-        assert_eq!(
-            MemoKey6::new(&flow6, DIR_IN).learn_slot(),
-            flow6.learn_slot()
-        );
         assert_eq!(peer6.learn_slot(), flow6.learn_slot());
         assert!(flow6.learn_slot() < LEARN_GEN_SLOTS);
     }

@@ -220,6 +220,41 @@ mod tests {
     const REMOTE: [u8; 4] = [10, 244, 2, 7];
 
     #[test]
+    fn a_flows_memo_and_its_flow_table_keys_share_a_learn_slot() {
+        use flannel_common::memo::{DIR_IN, DIR_OUT};
+
+        use crate::memo::learn_slot_of;
+        // A local pod's packet to a remote pod, and the reply.
+        let out = tcp(POD, REMOTE);
+        let reply = Ipv4Info {
+            src: out.dst,
+            dst: out.src,
+            sport: out.dport,
+            dport: out.sport,
+            ..out
+        };
+        let slot = learn_slot_of(&out, DIR_OUT);
+        // What the learners retire when they add an entry the memo's decision rests on.
+        assert_eq!(
+            flow_key_outgoing(&out).learn_slot(),
+            slot,
+            "kernel flow, sent"
+        );
+        assert_eq!(peer_key_to(&out).learn_slot(), slot, "NAT guard, sent");
+        assert_eq!(learn_slot_of(&reply, DIR_IN), slot, "the reply's memo");
+        assert_eq!(
+            flow_key_incoming(&reply).learn_slot(),
+            slot,
+            "kernel flow, received"
+        );
+        assert_eq!(
+            peer_key_from(&reply).learn_slot(),
+            slot,
+            "NAT guard, received"
+        );
+    }
+
+    #[test]
     fn bridge_forwards_by_kind() {
         let info = tcp(POD, REMOTE);
         for (kind, want) in [

@@ -80,10 +80,13 @@ pub fn generation_for(info: &Ipv4Info, dir: u8, agent: u64) -> u64 {
     generation_of(learn_slot_of(info, dir), agent)
 }
 
-/// The learn slot of `info`'s remote endpoint in direction `dir`: `key(info, dir).learn_slot()`
-/// without the key on the stack (the full checks' call chains are near the stack limit).
+/// The learn slot of `info`'s remote endpoint in direction `dir` (the remote side of its
+/// memo key), for the generation a memo is stamped with and checked against alike. Computed
+/// from the packet's fields, not from a key on the stack: the full checks' call chains are
+/// near the stack limit. It is the slot of the flow's kernel-flow and NAT-guard keys too
+/// (test `decide::tests::a_flows_memo_and_its_flow_table_keys_share_a_learn_slot`).
 #[inline(always)]
-fn learn_slot_of(info: &Ipv4Info, dir: u8) -> u32 {
+pub(crate) fn learn_slot_of(info: &Ipv4Info, dir: u8) -> u32 {
     if dir == DIR_IN {
         learn_slot(info.src, info.sport, info.proto)
     } else {
@@ -211,9 +214,8 @@ fn screened(ctx: &TcContext, parsed: &Result<parse::Packet, Reason>) -> Option<(
 /// The memo of `info`'s flow in direction `dir` if it may decide for this packet now.
 #[inline(always)]
 fn usable(ctx: &TcContext, info: &Ipv4Info, dir: u8) -> Option<FlowMemo> {
-    let key = key(info, dir);
-    let generation = generation_of(key.learn_slot(), agent_generation());
-    let memo = FLANNEL_MEMO4.get_ptr(key)?;
+    let generation = generation_for(info, dir, agent_generation());
+    let memo = FLANNEL_MEMO4.get_ptr(key(info, dir))?;
     // SAFETY: the pointer comes from a successful lookup; the entry is read once.
     let memo = unsafe { memo.read() };
     let gso = fib::gso_size(ctx);

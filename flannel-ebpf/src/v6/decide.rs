@@ -202,6 +202,39 @@ mod tests {
     const REMOTE: &str = "fd00:10:244:2::7";
 
     #[test]
+    fn a_flows_memo_and_its_flow_table_keys_share_a_learn_slot() {
+        use flannel_common::memo::{DIR_IN, DIR_OUT};
+
+        use crate::v6::memo::learn_slot_of;
+        let out = tcp("fd00:10:244:1::5", "fd00:10:244:2::7");
+        let reply = Ipv6Info {
+            src: out.dst,
+            dst: out.src,
+            sport: out.dport,
+            dport: out.sport,
+            ..out
+        };
+        let slot = learn_slot_of(&out, DIR_OUT);
+        assert_eq!(
+            flow_key_outgoing(&out).learn_slot(),
+            slot,
+            "kernel flow, sent"
+        );
+        assert_eq!(peer_key_to(&out).learn_slot(), slot, "NAT guard, sent");
+        assert_eq!(learn_slot_of(&reply, DIR_IN), slot, "the reply's memo");
+        assert_eq!(
+            flow_key_incoming(&reply).learn_slot(),
+            slot,
+            "kernel flow, received"
+        );
+        assert_eq!(
+            peer_key_from(&reply).learn_slot(),
+            slot,
+            "NAT guard, received"
+        );
+    }
+
+    #[test]
     fn bridge_forwards_by_kind() {
         let info = tcp(POD, REMOTE);
         let run = |kind| from_bridge(&cfg(), &info, |_| Some(entry(kind)), |_| false, |_| false);

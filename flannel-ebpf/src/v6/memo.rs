@@ -59,13 +59,19 @@ fn key(info: &Ipv6Info, dir: u8) -> MemoKey6 {
 /// `agent` ([`crate::memo::agent_generation`], read before the checks).
 #[inline(always)]
 pub fn generation_for(info: &Ipv6Info, dir: u8, agent: u64) -> u64 {
-    // `key(info, dir).learn_slot()` without the 40-byte key on the stack.
-    let slot = if dir == DIR_IN {
+    crate::memo::generation_of(learn_slot_of(info, dir), agent)
+}
+
+/// [`crate::memo::learn_slot_of`] for IPv6: the learn slot of the remote side of `info`'s
+/// memo key, without the 40-byte key on the stack (test
+/// `v6::decide::tests::a_flows_memo_and_its_flow_table_keys_share_a_learn_slot`).
+#[inline(always)]
+pub(crate) fn learn_slot_of(info: &Ipv6Info, dir: u8) -> u32 {
+    if dir == DIR_IN {
         learn_slot6(&info.src, info.sport, info.next_hdr)
     } else {
         learn_slot6(&info.dst, info.dport, info.next_hdr)
-    };
-    crate::memo::generation_of(slot, agent)
+    }
 }
 
 /// The memo of a decision taken at `generation` to send `info`'s flow by `route` out of the
@@ -189,9 +195,8 @@ fn candidate(ctx: &TcContext, l3: usize, info: &mut Ipv6Info) -> Option<Reason> 
 /// packet now.
 #[inline(always)]
 fn usable(ctx: &TcContext, info: &Ipv6Info, dir: u8, memo: &mut FlowMemo6) -> bool {
-    let key = key(info, dir);
-    let generation = crate::memo::generation_of(key.learn_slot(), crate::memo::agent_generation());
-    let Some(found) = FLANNEL_MEMO6.get_ptr(key) else {
+    let generation = generation_for(info, dir, crate::memo::agent_generation());
+    let Some(found) = FLANNEL_MEMO6.get_ptr(key(info, dir)) else {
         return false;
     };
     // SAFETY: the pointer comes from a successful lookup of an 8-byte aligned map value; the
