@@ -16,6 +16,7 @@ use flannel_tests::{
     bench::{
         control::{self, ControlOptions},
         dataplane,
+        learn::{self, LearnOptions},
         measure::{self, Latency, RrTool},
         progtime,
         variant::{self, SetupCtx, Testbed},
@@ -268,6 +269,51 @@ fn ebpf_v6_variant_carries_ipv6_traffic_and_reports_its_programs_run_time() {
         "{name}: node 1's fast path forwarded {forwarded} IPv6 packets for {} round trips",
         rr.round_trips
     );
+}
+
+/// `bench learn`'s storm is what it says: each query to the Service address is a new flow
+/// that node 1 learns as a kernel flow (the DNAT happens in its netfilter) and that the remote
+/// pod answers, while the paced streams stay decided by memos; without the storm nothing is
+/// learnt.
+#[test]
+fn learn_bench_storm_learns_a_kernel_flow_per_query_and_the_streams_keep_their_memos() {
+    require_root!();
+    let opts = LearnOptions::new(
+        bins::test_agent().unwrap_or_else(|e| panic!("{e:#}")),
+        bins::test_cni_plugin().unwrap_or_else(|e| panic!("{e:#}")),
+    );
+    let storm = learn::variants()
+        .into_iter()
+        .find(|v| v.storm)
+        .expect("a storm variant");
+    let bed =
+        learn::setup(&storm, &opts, &|m| eprintln!("{m}")).unwrap_or_else(|e| panic!("{e:#}"));
+    let secs = Duration::from_secs(2);
+
+    let quiet = learn::run_load(&bed, secs, None).unwrap_or_else(|e| panic!("{e:#}"));
+    eprintln!("quiet: {:?}", quiet.metrics());
+    assert_eq!(quiet.learnt(), 0, "{quiet:?}");
+    assert!(quiet.storm.is_none());
+    assert!(quiet.streams_mbps > 0.0, "{quiet:?}");
+    let share = learn::memo_share(&quiet.before, &quiet.after);
+    assert!(share.is_some_and(|s| s > 90.0), "memo share {share:?}");
+    assert!(quiet.programs.ns_per_run(TC_FROM_BRIDGE).is_some());
+    assert!(quiet.programs.ns_per_run(TC_FROM_NETDEV).is_some());
+
+    let answered_before = bed.answered();
+    let load = learn::run_load(&bed, secs, Some(200)).unwrap_or_else(|e| panic!("{e:#}"));
+    eprintln!("storm: {:?}", load.metrics());
+    let q = load.storm.expect("the storm ran");
+    assert!(q.sent >= 300, "{q:?}");
+    assert!(q.answered * 10 >= q.sent * 9, "{q:?}");
+    assert!(bed.answered() - answered_before >= q.answered, "{q:?}");
+    assert!(
+        load.learnt() * 10 >= q.sent * 9 && load.learnt() <= q.sent,
+        "{} kernel flows learnt for {q:?}",
+        load.learnt()
+    );
+    let share = learn::memo_share(&load.before, &load.after);
+    assert!(share.is_some_and(|s| s > 90.0), "memo share {share:?}");
 }
 
 #[test]

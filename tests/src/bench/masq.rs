@@ -416,16 +416,7 @@ pub fn run(opts: &MasqOptions, log: &dyn Fn(&str), cancelled: &dyn Fn() -> bool)
 /// least 1.0x iptables MASQUERADE, connection rate at least 1.2x it, both within 10 % of no
 /// NAT (ratios of `masq-ebpf`'s medians; pairs missing from the report are skipped).
 pub fn targets(report: &Report) -> Vec<String> {
-    let median = |variant: &str, key: &str| -> Option<f64> {
-        report
-            .variants
-            .iter()
-            .find(|v| v.variant == variant)?
-            .metrics
-            .iter()
-            .find(|m| m.key == key)
-            .map(|m| m.summary.median)
-    };
+    let median = |variant: &str, key: &str| report.median(variant, key);
     let mut out = Vec::new();
     for (key, against, want, what) in [
         (

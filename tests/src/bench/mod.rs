@@ -11,6 +11,7 @@
 //! | [`rounds`] | the interleaved runner: set up every variant, measure round-robin, compare with the baseline |
 //! | [`dataplane`] | `bench dataplane`: throughput, latency and CPU of the [`variant`] testbeds |
 //! | [`control`] | `bench control`: N fake leases → time until the kernel holds them |
+//! | [`learn`] | `bench learn`: the programs' time while kernel flows are learnt at a high rate, against a quiet run |
 //! | [`masq`] | `bench masq`: pod → outside through eBPF SNAT, iptables MASQUERADE, no NAT |
 //! | [`crr`] | the TCP connection-rate tool `bench masq` uses (`flannel-lab crr`) |
 //! | [`rr`] | the TCP ping-pong latency tool `bench dataplane` uses for IPv6 (`flannel-lab rr`) |
@@ -20,6 +21,7 @@ pub mod control;
 pub mod crr;
 pub mod dataplane;
 pub mod floor;
+pub mod learn;
 pub mod masq;
 pub mod measure;
 pub mod progtime;

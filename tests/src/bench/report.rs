@@ -150,6 +150,17 @@ fn fmt_value(v: f64) -> String {
 }
 
 impl Report {
+    /// The median of metric `key` of `variant` (`None` if either is missing).
+    pub fn median(&self, variant: &str, key: &str) -> Option<f64> {
+        self.variants
+            .iter()
+            .find(|v| v.variant == variant)?
+            .metrics
+            .iter()
+            .find(|m| m.key == key)
+            .map(|m| m.summary.median)
+    }
+
     /// The header lines shared by every format.
     fn header(&self) -> Vec<String> {
         vec![

@@ -5,7 +5,8 @@
 //!   `--once` it prints one status block instead and exits, non-zero unless every pod pair
 //!   connected (the CI smoke test of `cargo xtask run`).
 //! * `host -- <flags>`: runs one agent on the real host with the given flags (exec).
-//! * `bench dataplane` / `bench control` / `bench masq`: see `flannel_tests::bench`.
+//! * `bench dataplane` / `bench control` / `bench masq` / `bench learn`: see
+//!   `flannel_tests::bench`.
 //! * `crr`: the connection-rate tool of `bench masq`, by hand (server or client).
 //! * `rr`: the TCP ping-pong latency tool `bench dataplane` uses for IPv6 (server or client).
 //! * `variants`: lists the benchmark variants.
@@ -26,6 +27,7 @@ use flannel_tests::{
         control::{self, ControlOptions},
         crr,
         dataplane::{self, DataplaneOptions},
+        learn::{self, LearnOptions},
         masq::{self, MasqOptions},
         measure::TcpTuning,
         report, rr,
@@ -182,6 +184,48 @@ enum BenchCommand {
     Control(ControlArgs),
     /// Pod-to-outside throughput and connection rate: eBPF SNAT, iptables MASQUERADE, no NAT.
     Masq(MasqArgs),
+    /// The fast path's program time while kernel flows are learnt at a high rate (a storm of
+    /// DNATed UDP queries next to 100 paced TCP streams), against the same streams alone.
+    Learn(LearnArgs),
+}
+
+/// Where a lab benchmark writes its report and which binaries its clusters run.
+#[derive(Args)]
+struct BenchBins {
+    /// Output directory (default: target/bench of this workspace).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// The agent binary (default: flannel-agent next to flannel-lab).
+    #[arg(long)]
+    agent: Option<PathBuf>,
+    /// The CNI plugin (default: flannel next to flannel-lab).
+    #[arg(long)]
+    cni: Option<PathBuf>,
+}
+
+impl BenchBins {
+    /// The agent and the CNI plugin, resolved.
+    fn resolve(&self) -> Result<(PathBuf, PathBuf)> {
+        Ok((
+            bins::resolve(self.agent.as_deref(), bins::AGENT, "flannel-agent")?,
+            bins::resolve(self.cni.as_deref(), bins::CNI_PLUGIN, "flannel-cni")?,
+        ))
+    }
+}
+
+#[derive(Args)]
+struct LearnArgs {
+    /// Repetitions (round-robin across the two variants).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 10)]
+    duration: u64,
+    /// Queries per second of the storm (each a new flow, so a learnt kernel flow).
+    #[arg(long, default_value_t = 500)]
+    rate: u32,
+    #[command(flatten)]
+    bins: BenchBins,
 }
 
 #[derive(Args)]
@@ -205,15 +249,8 @@ struct MasqArgs {
     /// The variant ratios are relative to.
     #[arg(long, default_value = "nat-none")]
     baseline: String,
-    /// Output directory (default: target/bench of this workspace).
-    #[arg(long)]
-    out: Option<PathBuf>,
-    /// The agent binary (default: flannel-agent next to flannel-lab).
-    #[arg(long)]
-    agent: Option<PathBuf>,
-    /// The CNI plugin (default: flannel next to flannel-lab).
-    #[arg(long)]
-    cni: Option<PathBuf>,
+    #[command(flatten)]
+    bins: BenchBins,
 }
 
 #[derive(Args)]
@@ -342,6 +379,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Dataplane(args)) => bench_dataplane(args),
         Command::Bench(BenchCommand::Control(args)) => bench_control(args),
         Command::Bench(BenchCommand::Masq(args)) => bench_masq(args),
+        Command::Bench(BenchCommand::Learn(args)) => bench_learn(args),
         Command::Host { .. }
         | Command::Variants
         | Command::Render { .. }
@@ -494,18 +532,8 @@ fn bench_dataplane(args: DataplaneArgs) -> Result<()> {
         crr_duration: Duration::from_secs(args.crr_seconds),
         name: "dataplane".to_owned(),
     };
-    let log = |msg: &str| {
-        if !stopped() {
-            eprintln!("==> {msg}");
-        }
-    };
-    let report = dataplane::run(&opts, &ctx, &log, &stopped)?;
-    print!("\n{}", report.markdown());
-    let dir = args.out.unwrap_or_else(report::default_dir);
-    for path in report.write(&dir)? {
-        println!("wrote {}", path.display());
-    }
-    Ok(())
+    let report = dataplane::run(&opts, &ctx, &bench_progress, &stopped)?;
+    publish(&report, &[], args.out)
 }
 
 fn crr_tool(args: &CrrArgs) -> Result<()> {
@@ -570,8 +598,7 @@ fn rr_tool(cmd: &RrCommand) -> Result<()> {
 }
 
 fn bench_masq(args: MasqArgs) -> Result<()> {
-    let agent = bins::resolve(args.agent.as_deref(), bins::AGENT, "flannel-agent")?;
-    let cni = bins::resolve(args.cni.as_deref(), bins::CNI_PLUGIN, "flannel-cni")?;
+    let (agent, cni) = args.bins.resolve()?;
     let mut opts = MasqOptions::new(agent, cni);
     opts.variants = match args.variants {
         Some(v) if v.iter().any(|s| s == "all") => {
@@ -585,17 +612,34 @@ fn bench_masq(args: MasqArgs) -> Result<()> {
     opts.duration = Duration::from_secs(args.duration);
     opts.crr_duration = Duration::from_secs(args.crr_duration);
     opts.clients = args.clients;
-    let log = |msg: &str| {
-        if !stopped() {
-            eprintln!("==> {msg}");
-        }
-    };
-    let report = masq::run(&opts, &log, &stopped)?;
+    let report = masq::run(&opts, &bench_progress, &stopped)?;
+    publish(&report, &masq::targets(&report), args.bins.out)
+}
+
+fn bench_learn(args: LearnArgs) -> Result<()> {
+    let (agent, cni) = args.bins.resolve()?;
+    let mut opts = LearnOptions::new(agent, cni);
+    opts.reps = args.reps;
+    opts.duration = Duration::from_secs(args.duration);
+    opts.rate = args.rate;
+    let report = learn::run(&opts, &bench_progress, &stopped)?;
+    publish(&report, &learn::targets(&report), args.bins.out)
+}
+
+/// A benchmark's progress line (quiet once Ctrl-C stopped it).
+fn bench_progress(msg: &str) {
+    if !stopped() {
+        eprintln!("==> {msg}");
+    }
+}
+
+/// Prints a report and its targets, then writes it to `out` (default: target/bench).
+fn publish(report: &report::Report, targets: &[String], out: Option<PathBuf>) -> Result<()> {
     print!("\n{}", report.markdown());
-    for line in masq::targets(&report) {
+    for line in targets {
         println!("- {line}");
     }
-    let dir = args.out.unwrap_or_else(report::default_dir);
+    let dir = out.unwrap_or_else(report::default_dir);
     for path in report.write(&dir)? {
         println!("wrote {}", path.display());
     }
