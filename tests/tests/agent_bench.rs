@@ -15,7 +15,7 @@ use flannel_common::programs::{TC_FROM_BRIDGE, TC_FROM_NETDEV};
 use flannel_tests::{
     bench::{
         control::{self, ControlOptions},
-        dataplane,
+        crr, dataplane,
         learn::{self, LearnOptions},
         measure::{self, Latency, RrTool},
         progtime,
@@ -119,7 +119,8 @@ fn bare_agent_variants_carry_traffic_without_rules() {
 
 /// The programs' time the dataplane bench reports for eBPF variants: with statistics on, a
 /// request/response run between the pods of `agent-ebpf-host-gw` is seen running both the
-/// transmit and the receive program, about as often as round trips were made.
+/// transmit and the receive program, about as often as round trips were made, and a
+/// connection-rate run the transmit program at least twice per connection.
 #[test]
 fn ebpf_variant_reports_its_programs_run_time() {
     require_root!();
@@ -147,6 +148,19 @@ fn ebpf_variant_reports_its_programs_run_time() {
         usage.runs(TC_FROM_BRIDGE) >= 2 * rr.round_trips,
         "{usage:?} for {} round trips",
         rr.round_trips
+    );
+    // The per-connection figure's run: every new connection runs the transmit program on
+    // both nodes (its SYN and the SYN-ACK at least).
+    let before = progtime::Snapshot::take();
+    let addr = std::net::SocketAddr::new(bed.server_ip, measure::CRR_PORT);
+    let crr = crr::run_clients_in(client, addr, dataplane::CRR_CLIENTS, Duration::from_secs(1))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let usage = before.until(&progtime::Snapshot::take());
+    eprintln!("{name}: {usage:?} over {} connections", crr.connections);
+    assert!(crr.connections > 50, "{crr:?}");
+    assert!(
+        usage.runs(TC_FROM_BRIDGE) >= 2 * crr.connections,
+        "{usage:?} for {crr:?}"
     );
 }
 

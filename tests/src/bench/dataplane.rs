@@ -82,6 +82,10 @@ impl Default for DataplaneOptions {
 /// How long the extra request/response run that reads the programs' run time lasts.
 const PROG_TIME_RR: Duration = Duration::from_secs(2);
 
+/// How long the extra connection-rate run ([`CRR_CLIENTS`] clients) that reads the programs'
+/// run time per new connection lasts.
+const PROG_TIME_CRR: Duration = Duration::from_secs(2);
+
 /// Request/response connections per repetition. The pinned ping-pong settles, per TCP
 /// connection and for its whole life, in one of two modes (on these machines ~9 or ~14 µs, on
 /// the underlay and on the pod paths alike, with the same packets per round trip, also under
@@ -101,12 +105,13 @@ pub const CRR_CLIENTS: usize = 4;
 /// add to every run are included). The last is the share of the packets the agents'
 /// `tc_from_bridge` and `tc_from_netdev` saw during the one-stream transfer that the fast path
 /// carried (the rest were handed to the kernel or dropped): a variant that says eBPF is only
-/// measured as such when this is near 100 % ([`fast_share`]). The last two are new TCP
+/// measured as such when this is near 100 % ([`fast_share`]). Entries 10 and 11 are new TCP
 /// connections per second ([`crr`]: connect, 64-byte request, 128-byte response, close), with
 /// one client and with [`CRR_CLIENTS`]: every connection's first packets take the programs'
 /// full checks and leave a flow memo behind, which the other metrics' long-lived connections
-/// do not show.
-pub const METRICS: [Metric; 12] = [
+/// do not show. The last is the programs' time per new connection, in a connection-rate run
+/// of its own with statistics on (like entry 6).
+pub const METRICS: [Metric; 13] = [
     ("tcp1_gbps", "TCP 1 stream", "Gbit/s", true),
     ("tcp2_gbps", "TCP 2 streams", "Gbit/s", true),
     ("rr_p50_us", "TCP RR latency p50", "µs", false),
@@ -140,6 +145,12 @@ pub const METRICS: [Metric; 12] = [
     ("crr1_cps", "new TCP connections, 1 client", "conn/s", true),
     // The label's count is CRR_CLIENTS.
     ("crrn_cps", "new TCP connections, 4 clients", "conn/s", true),
+    (
+        "bpf_crr_us",
+        "eBPF time per new connection (4 clients)",
+        "µs",
+        false,
+    ),
 ];
 
 /// Starts the iperf3 server, the request/response server and the connection-rate server
@@ -230,8 +241,9 @@ impl Bench for Dataplane<'_> {
     }
 
     /// Step 0: one stream (throughput, CPU); 1: two streams; 2: request/response; 3: the
-    /// programs' run time in a request/response run with BPF statistics on; 4: connection
-    /// rate, 1 client then [`CRR_CLIENTS`].
+    /// programs' run time with BPF statistics on, per round trip of a request/response run
+    /// and per connection of a connection-rate run; 4: connection rate, 1 client then
+    /// [`CRR_CLIENTS`].
     fn measure(&self, bed: &Testbed, step: usize) -> Result<Vec<(usize, f64)>> {
         let client = bed.client_ns()?;
         let opts = self.opts;
@@ -272,8 +284,16 @@ impl Bench for Dataplane<'_> {
                 let _stats = progtime::Stats::enable()?;
                 let before = progtime::Snapshot::take();
                 let rr = measure::rr(client, bed.server_ip, PROG_TIME_RR, opts.rr_cpu)?;
-                let usage = before.until(&progtime::Snapshot::take());
-                program_time(&usage, rr.round_trips)
+                let between = progtime::Snapshot::take();
+                let mut values = program_time(&before.until(&between), rr.round_trips);
+                let addr = SocketAddr::new(bed.server_ip, CRR_PORT);
+                let crr = crr::run_clients_in(client, addr, CRR_CLIENTS, PROG_TIME_CRR)?;
+                let usage = between.until(&progtime::Snapshot::take());
+                values.extend(
+                    forwarding_ns(&usage, crr.connections)
+                        .map(|(ns, _)| (12, ns as f64 / crr.connections as f64 / 1000.0)),
+                );
+                values
             }
         })
     }
@@ -325,17 +345,38 @@ fn latency(p50s: &[f64]) -> Vec<(usize, f64)> {
 /// it did (the `floor-ebpf-*` variants), none otherwise (a kernel-path variant: what the other
 /// testbeds' programs run meanwhile, for their agents' own traffic, is not this variant's).
 fn program_time(usage: &progtime::Usage, round_trips: u64) -> Vec<(usize, f64)> {
-    let ran = |program| round_trips > 0 && usage.runs(program) >= round_trips;
-    let per_round_trip = |ns: u64| ns as f64 / round_trips as f64 / 1000.0;
-    if ran(TC_FROM_BRIDGE) {
-        let mut values = vec![(6, per_round_trip(usage.total_ns()))];
+    let Some((ns, forwarder)) = forwarding_ns(usage, round_trips) else {
+        return Vec::new();
+    };
+    let mut values = vec![(6, ns as f64 / round_trips as f64 / 1000.0)];
+    if forwarder == Forwarder::Agent {
         values.extend(usage.ns_per_run(TC_FROM_BRIDGE).map(|ns| (7, ns)));
         values.extend(usage.ns_per_run(TC_FROM_NETDEV).map(|ns| (8, ns)));
-        values
+    }
+    values
+}
+
+/// Whose programs forwarded a measurement's traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Forwarder {
+    /// The agent's fast path.
+    Agent,
+    /// The `floor-ebpf-*` variants' program.
+    Floor,
+}
+
+/// The time of the programs that forwarded `units` exchanges (round trips, connections), ns,
+/// and whose they were: the fast path's programs together when its transmit program ran at
+/// least once per unit, the floor program's alone when that one did, `None` otherwise (see
+/// [`program_time`]).
+fn forwarding_ns(usage: &progtime::Usage, units: u64) -> Option<(u64, Forwarder)> {
+    let ran = |program| units > 0 && usage.runs(program) >= units;
+    if ran(TC_FROM_BRIDGE) {
+        Some((usage.total_ns(), Forwarder::Agent))
     } else if ran(TC_BENCH_FLOOR) {
-        vec![(6, per_round_trip(usage.ns(TC_BENCH_FLOOR)))]
+        Some((usage.ns(TC_BENCH_FLOOR), Forwarder::Floor))
     } else {
-        Vec::new()
+        None
     }
 }
 
@@ -360,7 +401,7 @@ pub fn run(
         "rr_connections": RR_CONNECTIONS,
         "cpu": "machine-wide busy time from /proc/stat during each iperf3 run / Gbit received",
         "fast_share": "of the verdicts the agents' tc_from_bridge and tc_from_netdev counted during each 1-stream iperf3 run (every node on the eBPF path), the share that were the fast path's (not handed to the kernel or dropped)",
-        "ebpf_time": "BPF_ENABLE_STATS run time of tc_from_bridge, tc_from_netdev, tc_to_netdev and xdp_from_netdev (every node; tc_bench_floor for the floor variant) during a separate 2 s sockperf run, per round trip and per run",
+        "ebpf_time": "BPF_ENABLE_STATS run time of tc_from_bridge, tc_from_netdev, tc_to_netdev and xdp_from_netdev (every node; tc_bench_floor for the floor variant) during a separate 2 s sockperf run, per round trip and per run, and during a separate 2 s connection-rate run (4 clients), per connection",
     });
     if let (Some(note), Some(obj)) = (ipv6_rr_note(&opts.variants), settings.as_object_mut()) {
         obj.insert("tools_ipv6".to_owned(), note.into());
@@ -473,6 +514,18 @@ mod tests {
             (TC_FROM_NETDEV, 11_000, 2),
         ]);
         assert_eq!(program_time(&before.until(&floor), 1_000), vec![(6, 0.4)]);
+        // Per connection (the same rule, another unit).
+        assert_eq!(
+            forwarding_ns(&before.until(&fast), 200),
+            Some((1_400_000, Forwarder::Agent))
+        );
+        assert_eq!(
+            forwarding_ns(&before.until(&floor), 4_000),
+            Some((400_000, Forwarder::Floor))
+        );
+        assert_eq!(forwarding_ns(&before.until(&floor), 4_001), None);
+        assert_eq!(forwarding_ns(&before.until(&background), 2), None);
+        assert_eq!(METRICS[12].0, "bpf_crr_us");
     }
 
     #[test]
