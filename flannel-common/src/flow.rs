@@ -26,14 +26,6 @@ pub struct PeerKey {
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for PeerKey {}
 
-impl PeerKey {
-    /// The [`crate::memo::LEARN_GEN`] slot of this remote endpoint.
-    #[inline(always)]
-    pub fn learn_slot(&self) -> u32 {
-        crate::memo::learn_slot(self.addr, self.port, self.proto)
-    }
-}
-
 /// A flow seen from this node, local side first: [`crate::maps::KERNEL_FLOWS4`]'s key. 16 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -54,14 +46,6 @@ pub struct FlowKey {
 
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for FlowKey {}
-
-impl FlowKey {
-    /// The [`crate::memo::LEARN_GEN`] slot of the flow's remote endpoint.
-    #[inline(always)]
-    pub fn learn_slot(&self) -> u32 {
-        crate::memo::learn_slot(self.remote_addr, self.remote_port, self.proto)
-    }
-}
 
 const _: () = {
     assert!(core::mem::size_of::<PeerKey>() == 8);

@@ -69,6 +69,41 @@ pub fn learn_slot(addr: [u8; 4], port: [u8; 2], proto: u8) -> u32 {
     endpoint.wrapping_mul(0x9E37_79B1) >> (32 - LEARN_GEN_SLOTS.trailing_zeros())
 }
 
+/// A flow-table key (kernel flow or NAT guard, either family) that names a remote endpoint:
+/// learning it retires the memos of that endpoint's [`LEARN_GEN`] slot.
+pub trait LearnSlot {
+    /// The [`LEARN_GEN`] slot of the key's remote endpoint.
+    fn learn_slot(&self) -> u32;
+}
+
+impl LearnSlot for crate::flow::PeerKey {
+    #[inline(always)]
+    fn learn_slot(&self) -> u32 {
+        learn_slot(self.addr, self.port, self.proto)
+    }
+}
+
+impl LearnSlot for FlowKey {
+    #[inline(always)]
+    fn learn_slot(&self) -> u32 {
+        learn_slot(self.remote_addr, self.remote_port, self.proto)
+    }
+}
+
+impl LearnSlot for crate::v6::PeerKey6 {
+    #[inline(always)]
+    fn learn_slot(&self) -> u32 {
+        learn_slot6(&self.addr, self.port, self.proto)
+    }
+}
+
+impl LearnSlot for FlowKey6 {
+    #[inline(always)]
+    fn learn_slot(&self) -> u32 {
+        learn_slot6(&self.remote_addr, self.remote_port, self.proto)
+    }
+}
+
 /// [`learn_slot`] of an IPv6 remote endpoint: the address folded to 32 bits first, from the
 /// bytes where pod addresses differ (the node's subnet within a /48 or longer cluster
 /// network, bytes 4 to 8, and the low 32 bits of the interface identifier). Eight bytes, not

@@ -172,14 +172,6 @@ pub struct PeerKey6 {
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for PeerKey6 {}
 
-impl PeerKey6 {
-    /// The [`crate::memo::LEARN_GEN`] slot of this remote endpoint.
-    #[inline(always)]
-    pub fn learn_slot(&self) -> u32 {
-        crate::memo::learn_slot6(&self.addr, self.port, self.proto)
-    }
-}
-
 /// An IPv6 flow seen from this node, local side first: [`KERNEL_FLOWS6`]'s key. 40 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -200,14 +192,6 @@ pub struct FlowKey6 {
 
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for FlowKey6 {}
-
-impl FlowKey6 {
-    /// The [`crate::memo::LEARN_GEN`] slot of the flow's remote endpoint.
-    #[inline(always)]
-    pub fn learn_slot(&self) -> u32 {
-        crate::memo::learn_slot6(&self.remote_addr, self.remote_port, self.proto)
-    }
-}
 
 const _: () = {
     assert!(core::mem::size_of::<Config6>() == 84);

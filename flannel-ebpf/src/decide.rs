@@ -221,7 +221,7 @@ mod tests {
 
     #[test]
     fn a_flows_memo_and_its_flow_table_keys_share_a_learn_slot() {
-        use flannel_common::memo::{DIR_IN, DIR_OUT};
+        use flannel_common::memo::{DIR_IN, DIR_OUT, LearnSlot};
 
         use crate::memo::learn_slot_of;
         // A local pod's packet to a remote pod, and the reply.

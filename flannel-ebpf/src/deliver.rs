@@ -65,11 +65,13 @@ use aya_ebpf::{
     bindings::{
         BPF_F_ADJ_ROOM_DECAP_L3_IPV4, BPF_F_ADJ_ROOM_FIXED_GSO, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC,
     },
+    btf_maps::LruHashMap,
     programs::TcContext,
 };
 use flannel_common::{
     config::{CFG_IPIP_KERNEL_RX, Config},
     hops::HopKey,
+    memo::LearnSlot,
     stats::Reason,
 };
 
@@ -154,16 +156,20 @@ pub fn learn_nat_guard(cfg: &Config, info: &Ipv4Info) -> bool {
     if FLANNEL_NATGRD4.get_ptr(key).is_some() {
         return false;
     }
-    // The slot first: the key need not outlive the insert.
-    let slot = key.learn_slot();
-    learnt(FLANNEL_NATGRD4.insert(key, 1u32, 0).is_ok(), slot)
+    learn(&FLANNEL_NATGRD4, key)
 }
 
-/// After a flow-table insert for a remote endpoint of learn slot `slot`: a new entry retires
-/// the remembered decisions ([`crate::memo`]) of the flows of that slot, which skipped the
-/// flow tables.
+/// Adds `key` to the flow table `table` (a kernel-flow or NAT-guard map of either family);
+/// true when it was added. A new entry retires the remembered decisions ([`crate::memo`]) of
+/// the flows of its remote endpoint's learn slot, which skipped the flow tables. (The slot is
+/// taken first: the key need not outlive the insert.)
 #[inline(always)]
-pub(crate) fn learnt(added: bool, slot: u32) -> bool {
+pub(crate) fn learn<K: LearnSlot, const N: usize, const F: usize>(
+    table: &LruHashMap<K, u32, N, F>,
+    key: K,
+) -> bool {
+    let slot = key.learn_slot();
+    let added = table.insert(key, 1u32, 0).is_ok();
     if added {
         crate::memo::retire(slot);
     }
@@ -175,9 +181,7 @@ pub(crate) fn learnt(added: bool, slot: u32) -> bool {
 #[inline(always)]
 pub fn hand_to_kernel(info: &Ipv4Info) -> bool {
     let key = decide::flow_key_incoming(info);
-    // The slot first: the key need not outlive the insert.
-    let slot = key.learn_slot();
-    learnt(FLANNEL_KFLOWS4.insert(key, 1u32, 0).is_ok(), slot)
+    learn(&FLANNEL_KFLOWS4, key)
 }
 
 /// Records the flow of a local pod's packet that leaves through the kernel, if it is a
@@ -191,7 +195,5 @@ pub fn learn_kernel_flow(cfg: &Config, info: &Ipv4Info) -> bool {
     if FLANNEL_KFLOWS4.get_ptr(key).is_some() {
         return false;
     }
-    // The slot first: the key need not outlive the insert.
-    let slot = key.learn_slot();
-    learnt(FLANNEL_KFLOWS4.insert(key, 1u32, 0).is_ok(), slot)
+    learn(&FLANNEL_KFLOWS4, key)
 }

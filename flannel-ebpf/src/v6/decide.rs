@@ -203,7 +203,7 @@ mod tests {
 
     #[test]
     fn a_flows_memo_and_its_flow_table_keys_share_a_learn_slot() {
-        use flannel_common::memo::{DIR_IN, DIR_OUT};
+        use flannel_common::memo::{DIR_IN, DIR_OUT, LearnSlot};
 
         use crate::v6::memo::learn_slot_of;
         let out = tcp("fd00:10:244:1::5", "fd00:10:244:2::7");

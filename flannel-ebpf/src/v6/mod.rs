@@ -57,7 +57,7 @@ use flannel_common::{
 use self::{decide::BridgeAction6, fib::Fib6, info::Ipv6Info};
 use crate::{
     bridge::Outcome,
-    deliver::learnt,
+    deliver::learn,
     fib::{gso_size, ingress_ifindex},
     netdev::Learnt,
     parse::{
@@ -172,18 +172,14 @@ fn learn_nat_guard(cfg: &Config6, info: &Ipv6Info) -> bool {
     if FLANNEL_NATGRD6.get_ptr(key).is_some() {
         return false;
     }
-    // The slot first: the key need not outlive the insert.
-    let slot = key.learn_slot();
-    learnt(FLANNEL_NATGRD6.insert(key, 1u32, 0).is_ok(), slot)
+    learn(&FLANNEL_NATGRD6, key)
 }
 
 /// Hands the flow of a packet arriving for a local pod to the kernel.
 #[inline(always)]
 fn hand_to_kernel(info: &Ipv6Info) -> bool {
     let key = decide::flow_key_incoming(info);
-    // The slot first: the key need not outlive the insert.
-    let slot = key.learn_slot();
-    learnt(FLANNEL_KFLOWS6.insert(key, 1u32, 0).is_ok(), slot)
+    learn(&FLANNEL_KFLOWS6, key)
 }
 
 /// Records the flow of a local pod's packet that leaves through the kernel.
@@ -196,9 +192,7 @@ fn learn_kernel_flow(cfg: &Config6, info: &Ipv6Info) -> bool {
     if FLANNEL_KFLOWS6.get_ptr(key).is_some() {
         return false;
     }
-    // The slot first: the key need not outlive the insert.
-    let slot = key.learn_slot();
-    learnt(FLANNEL_KFLOWS6.insert(key, 1u32, 0).is_ok(), slot)
+    learn(&FLANNEL_KFLOWS6, key)
 }
 
 /// A TC action with the verdict to count.

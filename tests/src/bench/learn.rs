@@ -153,11 +153,6 @@ impl std::fmt::Debug for LearnBed {
 }
 
 impl LearnBed {
-    /// The cluster.
-    pub fn cluster(&self) -> &Cluster {
-        &self.cluster
-    }
-
     fn pod_ns(&self, index: usize) -> &NetNs {
         self.cluster.topology().pods()[index].ns()
     }
@@ -564,8 +559,8 @@ pub fn run(
     log: &dyn Fn(&str),
     cancelled: &dyn Fn() -> bool,
 ) -> Result<Report> {
-    let names = ["quiet".to_owned(), "storm".to_owned()];
-    let plan = Plan::new(&opts.name, &names, "quiet", opts.reps);
+    let names: Vec<String> = variants().iter().map(|v| v.name.to_owned()).collect();
+    let plan = Plan::new(&opts.name, &names, &names[0], opts.reps);
     let settings = json!({
         "reps": opts.reps,
         "seconds": opts.duration.as_secs(),

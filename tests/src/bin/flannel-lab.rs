@@ -285,15 +285,10 @@ struct DataplaneArgs {
     /// The variant ratios are relative to.
     #[arg(long, default_value = "underlay")]
     baseline: String,
-    /// Output directory (default: target/bench of this workspace).
-    #[arg(long)]
-    out: Option<PathBuf>,
-    /// The agent binary, for agent-* variants.
-    #[arg(long)]
-    agent: Option<PathBuf>,
-    /// The CNI plugin, for variants with CNI pods.
-    #[arg(long)]
-    cni: Option<PathBuf>,
+    /// Report directory and binaries (the agent for agent-* variants, the CNI plugin for
+    /// variants with CNI pods).
+    #[command(flatten)]
+    bins: BenchBins,
 }
 
 #[derive(Args)]
@@ -489,7 +484,7 @@ fn bench_dataplane(args: DataplaneArgs) -> Result<()> {
     let ctx = SetupCtx {
         cni_plugin: if needs_cni {
             Some(bins::resolve(
-                args.cni.as_deref(),
+                args.bins.cni.as_deref(),
                 bins::CNI_PLUGIN,
                 "flannel-cni",
             )?)
@@ -498,7 +493,7 @@ fn bench_dataplane(args: DataplaneArgs) -> Result<()> {
         },
         agent: if needs_agent {
             Some(bins::resolve(
-                args.agent.as_deref(),
+                args.bins.agent.as_deref(),
                 bins::AGENT,
                 "flannel-agent",
             )?)
@@ -533,7 +528,7 @@ fn bench_dataplane(args: DataplaneArgs) -> Result<()> {
         name: "dataplane".to_owned(),
     };
     let report = dataplane::run(&opts, &ctx, &bench_progress, &stopped)?;
-    publish(&report, &[], args.out)
+    publish(&report, &[], args.bins.out)
 }
 
 fn crr_tool(args: &CrrArgs) -> Result<()> {
