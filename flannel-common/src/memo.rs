@@ -17,7 +17,15 @@
 //!
 //! A memo is used only while everything the decision rested on is unchanged:
 //! - at most a second old ([`crate::hops::HOP_TTL_NS`], as for a remembered next hop: a changed
-//!   neighbour is seen within a second);
+//!   neighbour is seen within a second). A memo only older than that is not thrown away: if
+//!   the remembered route lookup it came from ([`FlowMemo::hop_key`]) is fresh and says the
+//!   same ([`FlowMemo::confirmed_by`]), the memo takes that lookup's time and is used
+//!   (`memo_confirmed`). Nothing else a decision rests on can change without moving its
+//!   generation on, so this is what the full checks would decide, without their lookups and
+//!   without a new map element: a node whose pods open many short connections reuses their
+//!   ports within seconds, and re-checking each reused flow in full was most of the programs'
+//!   time per connection. (IPv4 only: IPv6 has no remembered route lookups to confirm a
+//!   memo by, so an IPv6 memo older than a second takes the full checks, as before);
 //! - taken at the current generation of its flow: the sum of the agent's counter (slot
 //!   [`GEN_AGENT`] of [`MEMO_GEN`]), which any change of the route, node, port or configuration
 //!   maps moves on and so retires every memo at once, and the counter of the flow's slot in
@@ -35,7 +43,12 @@
 //!   that ordering: there a check racing a learner within the same instant may keep a
 //!   decision for up to its second.)
 
-use crate::{flow::FlowKey, maps::MAX_OBJ_NAME_LEN, v6::FlowKey6};
+use crate::{
+    flow::FlowKey,
+    hops::{Hop, HopKey, UNDERLAY_VIA},
+    maps::MAX_OBJ_NAME_LEN,
+    v6::FlowKey6,
+};
 
 /// LRU hash of flows → the decision taken for them ([`MemoKey`] → [`FlowMemo`]). Not pinned:
 /// a cache the programs fill, which a restarted agent starts afresh.
@@ -207,7 +220,9 @@ pub struct FlowMemo {
     /// Destination MAC written into the packet (the outer one, for packets encapsulated).
     pub dmac: [u8; 6],
     /// Through a tunnel: the peer's public IP (network order), the outer destination of the
-    /// packets encapsulated, the outer source the packets decapsulated must come from.
+    /// packets encapsulated, the outer source the packets decapsulated must come from. Sent
+    /// host-gw ([`DIR_OUT`]): the peer the packets are routed via (see
+    /// [`FlowMemo::hop_key`]).
     pub peer: [u8; 4],
     /// VXLAN, [`DIR_OUT`]: the peer's VNI (host order).
     pub vni: u32,
@@ -346,6 +361,47 @@ impl FlowMemo {
     pub fn came_through(&self, tunnel: u8, peer: [u8; 4]) -> bool {
         self.tunnel == tunnel && (tunnel == TUNNEL_NONE || self.peer == peer)
     }
+
+    /// The remembered route lookup ([`crate::hops::HOPS4`]) this memo's MACs, MTU and (for
+    /// [`DIR_OUT`]) interface came from, for a flow in direction `dir` whose packets go to
+    /// `dst`: the local pod via 0.0.0.0 ([`DIR_IN`]), the remote pod via its peer (host-gw,
+    /// [`DIR_OUT`]), or the peer via [`UNDERLAY_VIA`] (a tunnel, [`DIR_OUT`]).
+    #[inline(always)]
+    pub fn hop_key(&self, dir: u8, dst: [u8; 4]) -> HopKey {
+        if dir == DIR_IN {
+            HopKey { dst, via: [0; 4] }
+        } else if self.tunnel == TUNNEL_NONE {
+            HopKey {
+                dst,
+                via: self.peer,
+            }
+        } else {
+            HopKey {
+                dst: self.peer,
+                via: UNDERLAY_VIA,
+            }
+        }
+    }
+
+    /// Whether `hop`, the remembered answer of [`FlowMemo::hop_key`], says what this memo of
+    /// a flow in direction `dir` says: the same MACs, for [`DIR_OUT`] the same interface
+    /// ([`DIR_IN`] memos hold the pod's port instead, which the agent's generation covers),
+    /// and the same MTU: the route's, or for a tunnel `tunnel_mtu`, the largest inner packet
+    /// the external interface takes now. A memo only too old to be used ([`FlowMemo::usable`]
+    /// fails on its age alone) and confirmed so by a fresh answer is as good as a new one
+    /// stamped with that answer's time: its generation says that nothing else it rests on
+    /// changed.
+    #[inline(always)]
+    pub fn confirmed_by(&self, dir: u8, hop: &Hop, tunnel_mtu: u16) -> bool {
+        let (ifindex, mtu) = if dir == DIR_IN {
+            (self.ifindex, hop.mtu)
+        } else if self.tunnel == TUNNEL_NONE {
+            (hop.ifindex, hop.mtu)
+        } else {
+            (hop.ifindex, tunnel_mtu)
+        };
+        self.smac == hop.smac && self.dmac == hop.dmac && self.ifindex == ifindex && self.mtu == mtu
+    }
 }
 
 #[cfg(test)]
@@ -377,6 +433,72 @@ mod tests {
         assert!(!memo.usable(now - 1, 7, 100), "stamped later elsewhere");
         assert!(!memo.usable(now, 7, 1501), "longer than the MTU");
         assert_eq!(generation(u64::MAX, 2), 1, "wraps");
+    }
+
+    #[test]
+    fn a_memo_names_the_remembered_route_it_came_from_and_is_confirmed_only_by_the_same_answer() {
+        const POD: [u8; 4] = [10, 244, 2, 3];
+        const PEER: [u8; 4] = [192, 168, 1, 2];
+        let hop = Hop {
+            ifindex: 4,
+            smac: [2, 0, 0, 0, 0, 1],
+            dmac: [2, 0, 0, 0, 0, 2],
+            mtu: 1500,
+            checked_ns: 5,
+            ..Hop::default()
+        };
+        let key = |dst, via| HopKey { dst, via };
+        // Host-gw: the remote pod via its peer; interface, MACs and MTU all the hop's.
+        let host_gw = FlowMemo {
+            ifindex: 4,
+            mtu: 1500,
+            smac: hop.smac,
+            dmac: hop.dmac,
+            peer: PEER,
+            ..FlowMemo::default()
+        };
+        assert_eq!(host_gw.hop_key(DIR_OUT, POD), key(POD, PEER));
+        assert!(host_gw.confirmed_by(DIR_OUT, &hop, 0));
+        let moved = Hop {
+            dmac: [2, 0, 0, 0, 0, 9],
+            ..hop
+        };
+        assert!(!host_gw.confirmed_by(DIR_OUT, &moved, 0), "a new neighbour");
+        let other_if = Hop { ifindex: 5, ..hop };
+        assert!(
+            !host_gw.confirmed_by(DIR_OUT, &other_if, 0),
+            "another interface"
+        );
+        let smaller = Hop { mtu: 1400, ..hop };
+        assert!(!host_gw.confirmed_by(DIR_OUT, &smaller, 0), "another MTU");
+
+        // A tunnel: the peer's own route; the MTU is the device's room for the inner packet.
+        let vxlan = FlowMemo {
+            mtu: 1450,
+            tunnel: TUNNEL_VXLAN,
+            ..host_gw
+        };
+        assert_eq!(vxlan.hop_key(DIR_OUT, POD), key(PEER, UNDERLAY_VIA));
+        assert!(vxlan.confirmed_by(DIR_OUT, &hop, 1450));
+        assert!(
+            !vxlan.confirmed_by(DIR_OUT, &hop, 1400),
+            "the device's MTU changed"
+        );
+        assert!(!vxlan.confirmed_by(DIR_OUT, &moved, 1450));
+
+        // Delivery: the local pod via 0.0.0.0; the memo holds the pod's port, not the bridge.
+        let deliver = FlowMemo {
+            ifindex: 31,
+            tunnel: TUNNEL_VXLAN,
+            ..host_gw
+        };
+        assert_eq!(deliver.hop_key(DIR_IN, POD), key(POD, [0; 4]));
+        assert!(deliver.confirmed_by(DIR_IN, &hop, 0));
+        assert!(
+            !deliver.confirmed_by(DIR_IN, &moved, 0),
+            "the pod's MAC changed"
+        );
+        assert!(!deliver.confirmed_by(DIR_IN, &smaller, 0));
     }
 
     #[test]

@@ -251,11 +251,15 @@ pub enum Reason {
     /// by its memo (see [`crate::memo`]) without the full checks (counted in addition to the
     /// verdict).
     MemoHit = 83,
+    /// `tc_from_bridge`, `tc_from_netdev`: a memo too old to be used was confirmed by the
+    /// fresh remembered route lookup it came from and used (see [`crate::memo`]), without the
+    /// full checks (counted in addition to `memo_hit`).
+    MemoConfirmed = 84,
 }
 
 impl Reason {
     /// Number of reasons: the `max_entries` of the stats maps.
-    pub const COUNT: usize = 84;
+    pub const COUNT: usize = 85;
 
     /// Every reason, in index order.
     pub const ALL: [Reason; Reason::COUNT] = [
@@ -343,6 +347,7 @@ impl Reason {
         Reason::DeliverPeer,
         Reason::FastVxlan6Device,
         Reason::MemoHit,
+        Reason::MemoConfirmed,
     ];
 
     /// The map index of this reason.
@@ -447,6 +452,7 @@ impl Reason {
             Reason::LearnSnatRemap => "learn_snat_remap",
             Reason::DeliverPeer => "deliver_peer",
             Reason::MemoHit => "memo_hit",
+            Reason::MemoConfirmed => "memo_confirmed",
         }
     }
 
@@ -536,7 +542,8 @@ impl Reason {
             | Reason::LearnSnatFlow
             | Reason::LearnSnatRemap
             | Reason::DeliverPeer
-            | Reason::MemoHit => ReasonKind::Event,
+            | Reason::MemoHit
+            | Reason::MemoConfirmed => ReasonKind::Event,
         }
     }
 }

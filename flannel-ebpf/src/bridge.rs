@@ -31,7 +31,7 @@ use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
 use flannel_common::{
     config::FASTPATH_MARK,
     hops::HopKey,
-    memo::{DIR_OUT, TUNNEL_IPIP, TUNNEL_VXLAN},
+    memo::{DIR_OUT, TUNNEL_IPIP, TUNNEL_NONE, TUNNEL_VXLAN},
     route::RemoteEntry,
     stats::Reason,
 };
@@ -99,13 +99,13 @@ pub fn run(ctx: &TcContext) -> Outcome {
         BridgeAction::HostGw(peer) => host_gw(ctx, &peer, &info, generation),
         BridgeAction::Vxlan(peer) => encap::vxlan(ctx, cfg, &peer, &info)
             .and_then(|(route, mtu)| {
-                remember(&info, route, mtu, generation, Some((TUNNEL_VXLAN, &peer)));
+                remember(&info, route, mtu, generation, (TUNNEL_VXLAN, &peer));
                 send(ctx, route)
             })
             .map(|action| (action, Reason::FastVxlan)),
         BridgeAction::Ipip(peer) => encap::ipip(ctx, cfg, &peer, &info, true)
             .and_then(|(route, mtu)| {
-                remember(&info, route, mtu, generation, Some((TUNNEL_IPIP, &peer)));
+                remember(&info, route, mtu, generation, (TUNNEL_IPIP, &peer));
                 send(ctx, route)
             })
             .map(|action| (action, Reason::FastIpip)),
@@ -158,19 +158,19 @@ fn host_gw(
     if !ipv4::decrement_ttl(ctx, info.l3) {
         return Err(Reason::PassMalformed);
     }
-    remember(info, route, mtu, generation, None);
+    remember(info, route, mtu, generation, (TUNNEL_NONE, peer));
     send(ctx, route).map(|action| (action, Reason::FastHostGw))
 }
 
 /// Remembers the decision, taken at `generation`, to send `info`'s flow by `route` (when it
-/// resolved the next hop and gave an MTU), plain or encapsulated (`tunnel`) to the peer.
+/// resolved the next hop and gave an MTU) to the peer, plain or encapsulated (`tunnel`).
 #[inline(always)]
 fn remember(
     info: &ipv4::Ipv4Info,
     route: Fib,
     mtu: u16,
     generation: u64,
-    tunnel: Option<(u8, &RemoteEntry)>,
+    (tunnel, peer): (u8, &RemoteEntry),
 ) {
     if let Fib::Resolved {
         ifindex,
@@ -180,11 +180,7 @@ fn remember(
         && mtu != 0
     {
         let memo = memo::memo(ifindex, smac, dmac, mtu, generation);
-        let memo = match tunnel {
-            Some((tunnel, peer)) => memo::to_peer(memo, tunnel, peer),
-            None => memo,
-        };
-        memo::remember(info, DIR_OUT, memo);
+        memo::remember(info, DIR_OUT, memo::to_peer(memo, tunnel, peer));
     }
 }
 

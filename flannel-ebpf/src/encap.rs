@@ -229,6 +229,19 @@ pub fn ipip_header(
 /// MTU with `overhead` more bytes, if this packet does.
 #[inline(always)]
 pub fn room(ctx: &TcContext, cfg: &Config, info: &Ipv4Info, overhead: usize) -> Option<u16> {
+    let room = device_room(ctx, cfg, overhead)?;
+    let gso = fib::gso_size(ctx);
+    let l3_len = if gso == 0 {
+        fib::skb_len(ctx).saturating_sub(ETH_HDR_LEN as u32)
+    } else {
+        info.segment_len(gso)
+    };
+    (u32::from(room) >= l3_len).then_some(room)
+}
+
+/// The largest IP packet that fits the external interface's MTU with `overhead` more bytes.
+#[inline(always)]
+pub fn device_room(ctx: &TcContext, cfg: &Config, overhead: usize) -> Option<u16> {
     let mut mtu: u32 = 0;
     // With mtu_len 0 the helper only reports the device's MTU in `mtu` (its own verdict is
     // about skb->len, which for a GSO packet is the sum of all segments).
@@ -237,14 +250,7 @@ pub fn room(ctx: &TcContext, cfg: &Config, info: &Ipv4Info, overhead: usize) -> 
     if rc < 0 || mtu <= overhead as u32 {
         return None;
     }
-    let gso = fib::gso_size(ctx);
-    let l3_len = if gso == 0 {
-        fib::skb_len(ctx).saturating_sub(ETH_HDR_LEN as u32)
-    } else {
-        info.segment_len(gso)
-    };
-    let room = mtu - overhead as u32;
-    (l3_len <= room).then_some(room.min(u32::from(u16::MAX)) as u16)
+    Some((mtu - overhead as u32).min(u32::from(u16::MAX)) as u16)
 }
 
 /// The `adjust_room` flags for VXLAN.

@@ -174,7 +174,8 @@ pub fn from_peer(memo: FlowMemo, tunnel: u8, peer: [u8; 4]) -> FlowMemo {
     }
 }
 
-/// `memo` for packets encapsulated in `tunnel` to `peer`.
+/// `memo` for packets sent to `peer`: encapsulated in `tunnel`, or plain ([`TUNNEL_NONE`],
+/// host-gw: the peer names the remembered route the memo came from).
 #[inline(always)]
 pub fn to_peer(memo: FlowMemo, tunnel: u8, peer: &RemoteEntry) -> FlowMemo {
     FlowMemo {
@@ -211,13 +212,20 @@ fn screened(ctx: &TcContext, parsed: &Result<parse::Packet, Reason>) -> Option<(
     Some((ipv4::read(ctx, &packet)?, packet.class))
 }
 
-/// The memo of `info`'s flow in direction `dir` if it may decide for this packet now.
+/// The memo of `info`'s flow in direction `dir` if it may decide for this packet now: a
+/// usable one, or one only too old that its remembered route confirms ([`confirmed`]), whose
+/// stamp then becomes that route's (counted as [`Reason::MemoConfirmed`]).
+///
+/// The stamp is written into the map's element in place. An LRU map reuses a deleted element
+/// at once, so the element may by then hold another flow's memo, made a moment ago: that
+/// memo's stamp can move by at most the few microseconds since, and its generation, which
+/// alone says whether its checks still hold, is not touched.
 #[inline(always)]
-fn usable(ctx: &TcContext, info: &Ipv4Info, dir: u8) -> Option<FlowMemo> {
+fn usable(ctx: &TcContext, cfg: &Config, info: &Ipv4Info, dir: u8) -> Option<FlowMemo> {
     let generation = generation_for(info, dir, agent_generation());
-    let memo = FLANNEL_MEMO4.get_ptr(key(info, dir))?;
+    let entry = FLANNEL_MEMO4.get_ptr_mut(key(info, dir))?;
     // SAFETY: the pointer comes from a successful lookup; the entry is read once.
-    let memo = unsafe { memo.read() };
+    let memo = unsafe { entry.read() };
     let gso = fib::gso_size(ctx);
     let len = if gso == 0 {
         u32::from(info.tot_len)
@@ -225,8 +233,52 @@ fn usable(ctx: &TcContext, info: &Ipv4Info, dir: u8) -> Option<FlowMemo> {
         info.segment_len(gso)
     };
     let len = u16::try_from(len).ok()?;
-    memo.usable(crate::now_ns(), generation, len)
-        .then_some(memo)
+    let now = crate::now_ns();
+    if memo.usable(now, generation, len) {
+        return Some(memo);
+    }
+    if memo.generation != generation || len > memo.mtu {
+        return None;
+    }
+    let checked_ns = confirmed(ctx, cfg, info.dst, dir, &memo, now)?;
+    // SAFETY: as above; one aligned 8-byte store (see this function's documentation).
+    unsafe { core::ptr::addr_of_mut!((*entry).checked_ns).write_volatile(checked_ns) };
+    let counters = if dir == DIR_IN {
+        &maps::FLANNEL_CNT_FND
+    } else {
+        &maps::FLANNEL_CNT_FBR
+    };
+    crate::stats::count(counters, Reason::MemoConfirmed, ctx.len() as u64);
+    Some(memo)
+}
+
+/// The time of the remembered route lookup ([`crate::hops`]) a memo of a flow to `dst` in
+/// direction `dir`, at its flow's current generation, was made from, if that lookup is fresh
+/// at `now` and still says what the memo says ([`FlowMemo::confirmed_by`]; for a tunnel, with
+/// the external interface's MTU as it is now). No lookup of its own: a stale or missing
+/// answer leaves the packet to the full checks, which look the route up again.
+#[inline(always)]
+fn confirmed(
+    ctx: &TcContext,
+    cfg: &Config,
+    dst: [u8; 4],
+    dir: u8,
+    memo: &FlowMemo,
+    now: u64,
+) -> Option<u64> {
+    let hop = maps::FLANNEL_HOPS4.get_ptr(memo.hop_key(dir, dst))?;
+    // SAFETY: the pointer comes from a successful lookup; the entry is read once.
+    let hop = unsafe { hop.read() };
+    if !hop.usable(now, 0) {
+        return None;
+    }
+    let tunnel_mtu = match (dir, memo.tunnel) {
+        (DIR_OUT, TUNNEL_VXLAN) => encap::device_room(ctx, cfg, VXLAN_OVERHEAD)?,
+        (DIR_OUT, TUNNEL_IPIP) => encap::device_room(ctx, cfg, IPIP_OVERHEAD)?,
+        _ => 0,
+    };
+    memo.confirmed_by(dir, &hop, tunnel_mtu)
+        .then_some(hop.checked_ns)
 }
 
 /// Writes the memo's MACs and decrements the TTL; `None` (nothing written) if the headers are
@@ -269,7 +321,7 @@ pub fn deliver(ctx: &TcContext) -> Option<Outcome> {
         return None;
     }
     let (info, class) = candidate(ctx)?;
-    let memo = usable(ctx, &info, DIR_IN)?;
+    let memo = usable(ctx, cfg, &info, DIR_IN)?;
     if !memo.came_through(TUNNEL_NONE, src) {
         return None;
     }
@@ -324,7 +376,7 @@ fn deliver_tunnelled(ctx: &TcContext, cfg: &Config, from: [u8; 4]) -> Option<Out
     if info.ttl <= 1 || !cfg.is_local_pod(info.dst) {
         return None;
     }
-    let memo = usable(ctx, &info, DIR_IN)?;
+    let memo = usable(ctx, cfg, &info, DIR_IN)?;
     if !memo.came_through(tunnel, from) {
         return None;
     }
@@ -357,7 +409,7 @@ pub fn transmit(ctx: &TcContext) -> Option<Outcome> {
         return None;
     }
     let (info, class) = candidate(ctx)?;
-    let memo = usable(ctx, &info, DIR_OUT)?;
+    let memo = usable(ctx, cfg, &info, DIR_OUT)?;
     let peer = RemoteEntry {
         kind: 0,
         flags: 0,

@@ -1027,6 +1027,164 @@ fn flows_are_remembered_until_what_decided_them_changes() {
     });
 }
 
+/// A memo outlives its second while the remembered route it came from says the same: too old
+/// to be used, it is confirmed by a fresh lookup of that route (made here by another flow's
+/// full checks) and used (`memo_confirmed`), on transmit (host-gw and VXLAN) and on delivery;
+/// with the routes removed behind the agent's back, only a memo can still forward, so the
+/// flows were not checked again. The confirmed memo is fresh for the next packet. A neighbour
+/// that changed meanwhile confirms nothing: the flow takes the full checks and goes to the new
+/// MAC.
+#[test]
+fn an_old_memo_is_confirmed_by_a_fresh_lookup_of_its_route() {
+    let Some(rig) = Rig::new("fpmemoconf") else {
+        return;
+    };
+    const MOVED_MAC: Mac = [0x02, 0xcc, 0, 0, 0, 0x98];
+    let (hostgw, vxlan) = (net("10.244.2.0/24"), net("10.244.3.0/24"));
+    rig.with_fast_path(|fp, ifs| {
+        know_pod_port(fp, ifs);
+        let out = |dst: Ipv4Addr, sport: u16| from_pod(dst, Tcp::new(sport, 8080).payload(b"memo"));
+        let incoming = |sport: u16| Ipv4 {
+            ttl: 63,
+            ..Ipv4::new(HOSTGW_POD, POD, Tcp::new(sport, 40000).payload(b"memo"))
+        };
+        let send = |fp: &mut FastPath, ip: &Ipv4| {
+            run(fp, Hook::FromBridge, &pod_frame(ip), Skb::on(ifs.br))
+        };
+        let deliver = |fp: &mut FastPath, ip: &Ipv4| {
+            run(
+                fp,
+                Hook::FromNetdev,
+                &underlay(PEER2_MAC, ip.clone()),
+                Skb::on(ifs.ext),
+            )
+        };
+        let check = |r: &Run, frame: &[u8], verdict: Reason, took: &[Reason], what: &str| {
+            let mut want = vec![Reason::Ipv4Tcp, verdict];
+            want.extend(
+                verdict
+                    .eq(&Reason::FastDeliver)
+                    .then_some(Reason::DeliverPeer),
+            );
+            want.extend_from_slice(took);
+            assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
+            assert_counted(r, frame, &want, what);
+        };
+        let confirmed = [Reason::MemoHit, Reason::MemoConfirmed];
+        let (c, c2) = (out(HOSTGW_POD, 40001), out(HOSTGW_POD, 40002));
+        let (v, v2) = (out(VXLAN_POD, 40003), out(VXLAN_POD, 40004));
+        let (a, a2) = (incoming(80), incoming(81));
+        let sent = |ip: &Ipv4, mac: Mac| Ethernet::new(EXT_MAC, mac, forwarded(ip)).encode();
+
+        // The confirmed memo must be used within the second of the other flows' lookups; on a
+        // stalled machine the scenario is tried again.
+        for attempt in 0..3 {
+            // The routes (back) in place; every memo retired.
+            fp.sync(&remotes()).expect("sync");
+            for (ip, verdict) in [(&c, Reason::FastHostGw), (&v, Reason::FastVxlan)] {
+                check(&send(fp, ip), &pod_frame(ip), verdict, &[], "full checks");
+            }
+            let a_frame = underlay(PEER2_MAC, a.clone());
+            check(
+                &deliver(fp, &a),
+                &a_frame,
+                Reason::FastDeliver,
+                &[],
+                "full checks",
+            );
+            thread::sleep(Duration::from_millis(1100));
+            // Other flows to the same destinations look the routes up again.
+            check(
+                &send(fp, &c2),
+                &pod_frame(&c2),
+                Reason::FastHostGw,
+                &[],
+                "c2",
+            );
+            check(
+                &send(fp, &v2),
+                &pod_frame(&v2),
+                Reason::FastVxlan,
+                &[],
+                "v2",
+            );
+            let a2_frame = underlay(PEER2_MAC, a2.clone());
+            check(&deliver(fp, &a2), &a2_frame, Reason::FastDeliver, &[], "a2");
+            let looked_up = Instant::now();
+            remove_route_behind_the_agents_back(&rig.pin, hostgw);
+            remove_route_behind_the_agents_back(&rig.pin, vxlan);
+            let runs = [send(fp, &c), send(fp, &v), deliver(fp, &a)];
+            if looked_up.elapsed() > Duration::from_millis(800) && attempt < 2 {
+                continue;
+            }
+            let [rc, rv, ra] = runs;
+            check(
+                &rc,
+                &pod_frame(&c),
+                Reason::FastHostGw,
+                &confirmed,
+                "host-gw, confirmed",
+            );
+            assert_bytes(&rc.out, &sent(&c, PEER2_MAC), "host-gw, confirmed");
+            check(
+                &rv,
+                &pod_frame(&v),
+                Reason::FastVxlan,
+                &confirmed,
+                "VXLAN, confirmed",
+            );
+            check(
+                &ra,
+                &a_frame,
+                Reason::FastDeliver,
+                &confirmed,
+                "delivery, confirmed",
+            );
+            assert_bytes(
+                &ra.out,
+                &Ethernet::new(BR_MAC, POD_MAC, forwarded(&a)).encode(),
+                "delivery, confirmed",
+            );
+            // Stamped afresh: the next packet is a plain memo hit.
+            let r = send(fp, &c);
+            check(
+                &r,
+                &pod_frame(&c),
+                Reason::FastHostGw,
+                &[Reason::MemoHit],
+                "then fresh",
+            );
+            break;
+        }
+
+        // The peer's MAC changes while flow c is remembered: its memo is not confirmed.
+        fp.sync(&remotes()).expect("sync");
+        check(
+            &send(fp, &c),
+            &pod_frame(&c),
+            Reason::FastHostGw,
+            &[],
+            "full checks",
+        );
+        rig.sh(&format!(
+            "ip neigh replace {PUB2} lladdr {} dev ext0 nud permanent",
+            mac_str(&MOVED_MAC)
+        ));
+        thread::sleep(Duration::from_millis(1100));
+        let r = send(fp, &c2);
+        assert_bytes(&r.out, &sent(&c2, MOVED_MAC), "c2: looked up again");
+        let r = send(fp, &c);
+        check(
+            &r,
+            &pod_frame(&c),
+            Reason::FastHostGw,
+            &[],
+            "a moved neighbour",
+        );
+        assert_bytes(&r.out, &sent(&c, MOVED_MAC), "a moved neighbour");
+    });
+}
+
 /// A remembered flow's packets that the memo must not decide: IP options, a first fragment
 /// (same ports, more-fragments set), a total length beyond the frame and a TCP header cut by
 /// the end of the frame go to the full checks in both directions, and come out unchanged with
