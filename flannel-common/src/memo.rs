@@ -24,8 +24,9 @@
 //!   generation on, so this is what the full checks would decide, without their lookups and
 //!   without a new map element: a node whose pods open many short connections reuses their
 //!   ports within seconds, and re-checking each reused flow in full was most of the programs'
-//!   time per connection. (IPv4 only: IPv6 has no remembered route lookups to confirm a
-//!   memo by, so an IPv6 memo older than a second takes the full checks, as before);
+//!   time per connection. IPv6 has no remembered route lookups: there the programs look the
+//!   route up for an old memo ([`FlowMemo6::confirmed_by`]), which still spares the other
+//!   lookups and the new element;
 //! - taken at the current generation of its flow: the sum of the agent's counter (slot
 //!   [`GEN_AGENT`] of [`MEMO_GEN`]), which any change of the route, node, port or configuration
 //!   maps moves on and so retires every memo at once, and the counter of the flow's slot in
@@ -333,6 +334,15 @@ impl FlowMemo6 {
             && crate::hops::fresh_and_fits(self.checked_ns, self.mtu, now_ns, len)
     }
 
+    /// [`FlowMemo::confirmed_by`] for IPv6, where `hop` is the answer of a route lookup made
+    /// now (IPv6 has no remembered ones): for [`DIR_IN`] the local pod's route, for
+    /// [`DIR_OUT`] the remote pod's or (VXLAN) the peer's.
+    #[inline(always)]
+    pub fn confirmed_by(&self, dir: u8, hop: &Hop, tunnel_mtu: u16) -> bool {
+        let said = (self.ifindex, self.smac, self.dmac, self.mtu);
+        confirms(dir, self.tunnel, said, hop, tunnel_mtu)
+    }
+
     /// [`FlowMemo::came_through`] for an IPv6 peer.
     #[inline(always)]
     pub fn came_through(&self, tunnel: u8, peer: &[u8; 16]) -> bool {
@@ -393,15 +403,28 @@ impl FlowMemo {
     /// changed.
     #[inline(always)]
     pub fn confirmed_by(&self, dir: u8, hop: &Hop, tunnel_mtu: u16) -> bool {
-        let (ifindex, mtu) = if dir == DIR_IN {
-            (self.ifindex, hop.mtu)
-        } else if self.tunnel == TUNNEL_NONE {
-            (hop.ifindex, hop.mtu)
-        } else {
-            (hop.ifindex, tunnel_mtu)
-        };
-        self.smac == hop.smac && self.dmac == hop.dmac && self.ifindex == ifindex && self.mtu == mtu
+        let said = (self.ifindex, self.smac, self.dmac, self.mtu);
+        confirms(dir, self.tunnel, said, hop, tunnel_mtu)
     }
+}
+
+/// What a memo says of its route: the interface it sends to (for [`DIR_IN`] the pod's port),
+/// the source and destination MACs and the MTU.
+type RouteSaid = (u32, [u8; 6], [u8; 6], u16);
+
+/// [`FlowMemo::confirmed_by`] for either family's memo, of a flow in direction `dir` through
+/// `tunnel`, which says `said`.
+#[inline(always)]
+fn confirms(dir: u8, tunnel: u8, said: RouteSaid, hop: &Hop, tunnel_mtu: u16) -> bool {
+    let (ifindex, smac, dmac, mtu) = said;
+    let (want_ifindex, want_mtu) = if dir == DIR_IN {
+        (ifindex, hop.mtu)
+    } else if tunnel == TUNNEL_NONE {
+        (hop.ifindex, hop.mtu)
+    } else {
+        (hop.ifindex, tunnel_mtu)
+    };
+    smac == hop.smac && dmac == hop.dmac && ifindex == want_ifindex && mtu == want_mtu
 }
 
 #[cfg(test)]

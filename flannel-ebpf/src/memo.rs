@@ -243,13 +243,20 @@ fn usable(ctx: &TcContext, cfg: &Config, info: &Ipv4Info, dir: u8) -> Option<Flo
     let checked_ns = confirmed(ctx, cfg, info.dst, dir, &memo, now)?;
     // SAFETY: as above; one aligned 8-byte store (see this function's documentation).
     unsafe { core::ptr::addr_of_mut!((*entry).checked_ns).write_volatile(checked_ns) };
+    count_confirmed(ctx, dir);
+    Some(memo)
+}
+
+/// Counts a memo of direction `dir` confirmed ([`Reason::MemoConfirmed`]) in the counters of
+/// the program that used it.
+#[inline(always)]
+pub(crate) fn count_confirmed(ctx: &TcContext, dir: u8) {
     let counters = if dir == DIR_IN {
         &maps::FLANNEL_CNT_FND
     } else {
         &maps::FLANNEL_CNT_FBR
     };
     crate::stats::count(counters, Reason::MemoConfirmed, ctx.len() as u64);
-    Some(memo)
 }
 
 /// The time of the remembered route lookup ([`crate::hops`]) a memo of a flow to `dst` in

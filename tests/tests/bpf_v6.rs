@@ -14,6 +14,8 @@
 use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, Ipv6Addr},
+    thread,
+    time::Duration,
 };
 
 use flannel_agent::bpf::{
@@ -755,6 +757,129 @@ fn assert_passed(r: &bpf_support::Run, frame: &[u8], class: Reason, pass: Reason
     assert_eq!(r.verdict, TC_ACT_OK, "{what}: {:?}", r.counted);
     assert_bytes(&r.out, frame, what);
     assert_counted(r, &[class, pass], what);
+}
+
+/// The IPv6 twin of `an_old_memo_is_confirmed_by_a_fresh_lookup_of_its_route`: IPv6 has no
+/// remembered route lookups, so a memo past its second is confirmed by a route lookup made
+/// for its packet. On transmit (host-gw and VXLAN) and delivery, with the routes removed
+/// behind the agent's back, the flows are still forwarded as the full checks did (counted
+/// `memo_confirmed`), and the next packet is a plain memo hit. A changed neighbour confirms
+/// nothing: the full checks send the flow to the new MAC.
+#[test]
+fn an_old_ipv6_memo_is_confirmed_by_a_route_lookup() {
+    let Some(rig) = Rig::new("f6memoconf") else {
+        return;
+    };
+    const MOVED_MAC: Mac = [0x02, 0xcc, 0, 0, 0, 0x97];
+    let (hostgw, vxlan) = (net6("fd00:10:244:2::/64"), net6("fd00:10:244:3::/64"));
+    rig.with_fast_path(false, |fp, ifs| {
+        know_pod_port(fp, ifs);
+        let out = |dst: Ipv6Addr, sport: u16| {
+            Ipv6::new(pod(), dst, Tcp::new(sport, 8080).payload(b"memo6"))
+        };
+        let send = |fp: &mut FastPath, ip: &Ipv6| {
+            run(fp, Hook::FromBridge, &pod_frame(ip), Skb::on(ifs.br))
+        };
+        let a = Ipv6 {
+            hop_limit: 63,
+            ..Ipv6::new(hostgw_pod(), pod(), Tcp::new(81, 40000).payload(b"memo6"))
+        };
+        let a_frame = underlay(PEER2_MAC, a.clone());
+        let receive = |fp: &mut FastPath| run(fp, Hook::FromNetdev, &a_frame, Skb::on(ifs.ext));
+        let (c, v) = (out(hostgw_pod(), 40001), out(vxlan_pod(), 40002));
+        let sent = |ip: &Ipv6, mac: Mac| Ethernet::new(EXT_MAC, mac, hop(ip)).encode();
+        let delivered = Ethernet::new(BR_MAC, POD_MAC, hop(&a)).encode();
+        let host_gw = [Reason::FastHostGw6];
+        let deliver = [Reason::FastDeliver6, Reason::DeliverPeer];
+        let confirmed = |fast: &[Reason]| {
+            let mut reasons = fast.to_vec();
+            reasons.extend([Reason::MemoHit, Reason::MemoConfirmed]);
+            reasons
+        };
+
+        let c_sent = sent(&c, PEER2_MAC);
+        assert_fast(
+            &send(fp, &c),
+            Reason::Ipv6Tcp,
+            &host_gw,
+            &c_sent,
+            "C, full checks",
+        );
+        let v_full = send(fp, &v);
+        assert_eq!(v_full.verdict, TC_ACT_REDIRECT, "{:?}", v_full.counted);
+        assert_counted(
+            &v_full,
+            &[Reason::Ipv6Tcp, Reason::FastVxlan6],
+            "V, full checks",
+        );
+        assert_fast(
+            &receive(fp),
+            Reason::Ipv6Tcp,
+            &deliver,
+            &delivered,
+            "A, full checks",
+        );
+        remove_route6_behind_the_agents_back(fp, hostgw);
+        remove_route6_behind_the_agents_back(fp, vxlan);
+        thread::sleep(Duration::from_millis(1100));
+        let r = send(fp, &c);
+        assert_fast(
+            &r,
+            Reason::Ipv6Tcp,
+            &confirmed(&host_gw),
+            &c_sent,
+            "C, confirmed",
+        );
+        let r = send(fp, &v);
+        let vxlan6 = [Reason::FastVxlan6];
+        assert_fast(
+            &r,
+            Reason::Ipv6Tcp,
+            &confirmed(&vxlan6),
+            &v_full.out,
+            "V, confirmed",
+        );
+        let r = receive(fp);
+        assert_fast(
+            &r,
+            Reason::Ipv6Tcp,
+            &confirmed(&deliver),
+            &delivered,
+            "A, confirmed",
+        );
+        // Stamped afresh: the next packet is a plain memo hit.
+        let memo_out = [Reason::FastHostGw6, Reason::MemoHit];
+        assert_fast(
+            &send(fp, &c),
+            Reason::Ipv6Tcp,
+            &memo_out,
+            &c_sent,
+            "C, then fresh",
+        );
+
+        // The peer's MAC changes while flow C is remembered: its memo is not confirmed.
+        fp.sync6(&remotes6()).expect("sync6");
+        assert_fast(
+            &send(fp, &c),
+            Reason::Ipv6Tcp,
+            &host_gw,
+            &c_sent,
+            "C, full checks again",
+        );
+        rig.sh(&format!(
+            "ip -6 neigh replace fd00:77::2 lladdr {} dev ext0 nud permanent",
+            mac_str(&MOVED_MAC)
+        ));
+        thread::sleep(Duration::from_millis(1100));
+        let moved = sent(&c, MOVED_MAC);
+        assert_fast(
+            &send(fp, &c),
+            Reason::Ipv6Tcp,
+            &host_gw,
+            &moved,
+            "C, a moved neighbour",
+        );
+    });
 }
 
 /// An IPv6 host-gw flow's decision is remembered as an IPv4 one is: with the route removed

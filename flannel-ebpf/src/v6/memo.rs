@@ -19,6 +19,7 @@ use aya_ebpf::{
 };
 use flannel_common::{
     config::FASTPATH_MARK,
+    hops::Hop,
     memo::{
         DIR_IN, DIR_OUT, FlowMemo6, MEMO6_MAX_ENTRIES, MemoKey6, TUNNEL_NONE, TUNNEL_VXLAN,
         learn_slot6,
@@ -30,13 +31,13 @@ use flannel_common::{
 
 use super::{
     decide,
-    fib::Fib6,
+    fib::{self, Fib6},
     info::{self, Ipv6Info},
     scratch, vxlan,
 };
 use crate::{
     bridge::Outcome,
-    fib::gso_size,
+    fib::{gso_size, ingress_ifindex},
     parse::{self, ETH_HDR_LEN, ETH_P_IPV6, IPV6_HDR_LEN, PacketCtx as _, ptr_at, ptr_at_mut},
 };
 
@@ -192,11 +193,13 @@ fn candidate(ctx: &TcContext, l3: usize, info: &mut Ipv6Info) -> Option<Reason> 
 }
 
 /// Copies the memo of `info`'s flow in direction `dir` to `memo` if it may decide for this
-/// packet now.
+/// packet now: a usable one, or one only too old that a route lookup made now confirms
+/// ([`confirmed`]), whose stamp then becomes now (counted as [`Reason::MemoConfirmed`]; the
+/// in-place write as in [`crate::memo`]).
 #[inline(always)]
-fn usable(ctx: &TcContext, info: &Ipv6Info, dir: u8, memo: &mut FlowMemo6) -> bool {
+fn usable(ctx: &TcContext, cfg: &Config6, info: &Ipv6Info, dir: u8, memo: &mut FlowMemo6) -> bool {
     let generation = generation_for(info, dir, crate::memo::agent_generation());
-    let Some(found) = FLANNEL_MEMO6.get_ptr(key(info, dir)) else {
+    let Some(found) = FLANNEL_MEMO6.get_ptr_mut(key(info, dir)) else {
         return false;
     };
     // SAFETY: the pointer comes from a successful lookup of an 8-byte aligned map value; the
@@ -211,7 +214,55 @@ fn usable(ctx: &TcContext, info: &Ipv6Info, dir: u8, memo: &mut FlowMemo6) -> bo
     let Ok(len) = u16::try_from(len) else {
         return false;
     };
-    memo.usable(crate::now_ns(), generation, len)
+    let now = crate::now_ns();
+    if memo.usable(now, generation, len) {
+        return true;
+    }
+    if memo.generation != generation || len > memo.mtu || !confirmed(ctx, cfg, info, dir, memo) {
+        return false;
+    }
+    // SAFETY: as above; one aligned 8-byte store.
+    unsafe { core::ptr::addr_of_mut!((*found).checked_ns).write_volatile(now) };
+    crate::memo::count_confirmed(ctx, dir);
+    true
+}
+
+/// Whether the route `memo` (of `info`'s flow in direction `dir`) came from, looked up now,
+/// still says what the memo says ([`FlowMemo6::confirmed_by`]): the local pod's route for a
+/// delivery, the remote pod's for host-gw, the peer's (with the room VXLAN leaves now) for
+/// VXLAN. A BPF subprogram of its own.
+#[inline(never)]
+fn confirmed(ctx: &TcContext, cfg: &Config6, info: &Ipv6Info, dir: u8, memo: &FlowMemo6) -> bool {
+    let mut mtu = 0;
+    let mut tunnel_mtu = 0;
+    let route = if dir == DIR_IN {
+        fib::lookup(ctx, ingress_ifindex(ctx), info, &mut mtu)
+    } else if memo.tunnel == TUNNEL_NONE {
+        fib::lookup(ctx, crate::pods::routing_iif(ctx), info, &mut mtu)
+    } else {
+        let Some(room) = vxlan::room(ctx, cfg) else {
+            return false;
+        };
+        tunnel_mtu = room;
+        fib::lookup_output(ctx, cfg.ext_ifindex, &cfg.public_ip, &memo.peer)
+    };
+    let Fib6::Resolved {
+        ifindex,
+        smac,
+        dmac,
+    } = route
+    else {
+        return false;
+    };
+    let hop = Hop {
+        ifindex,
+        smac,
+        dmac,
+        mtu,
+        _pad: crate::zeroed(),
+        checked_ns: 0,
+    };
+    memo.confirmed_by(dir, &hop, tunnel_mtu)
 }
 
 /// Writes the memo's MACs and the decremented hop limit of the IPv6 header right after the
@@ -247,7 +298,7 @@ pub fn transmit(ctx: &TcContext) -> Option<Outcome> {
     }
     let s = scratch()?;
     let class = candidate(ctx, ETH_HDR_LEN, &mut s.outer)?;
-    if !usable(ctx, &s.outer, DIR_OUT, &mut s.memo) {
+    if !usable(ctx, cfg, &s.outer, DIR_OUT, &mut s.memo) {
         return None;
     }
     let verdict = if s.memo.tunnel == TUNNEL_VXLAN {
@@ -304,7 +355,7 @@ pub fn deliver(ctx: &TcContext) -> Option<Outcome> {
     }
     let s = scratch()?;
     let class = candidate(ctx, ETH_HDR_LEN, &mut s.outer)?;
-    if !usable(ctx, &s.outer, DIR_IN, &mut s.memo) || !s.memo.came_through(TUNNEL_NONE, src) {
+    if !usable(ctx, cfg, &s.outer, DIR_IN, &mut s.memo) || !s.memo.came_through(TUNNEL_NONE, src) {
         return None;
     }
     rewrite(ctx, s.outer.hop_limit, &s.memo)?;
@@ -334,7 +385,7 @@ fn deliver_vxlan(ctx: &TcContext, cfg: &Config6, from: &[u8; 16]) -> Option<Outc
     }
     candidate(ctx, vxlan::INNER_L3, &mut s.inner)?;
     if !cfg.is_local_pod(&s.inner.dst)
-        || !usable(ctx, &s.inner, DIR_IN, &mut s.memo)
+        || !usable(ctx, cfg, &s.inner, DIR_IN, &mut s.memo)
         || !s.memo.came_through(TUNNEL_VXLAN, from)
     {
         return None;
