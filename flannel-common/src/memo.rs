@@ -327,11 +327,15 @@ const _: () = {
 };
 
 impl FlowMemo6 {
-    /// [`FlowMemo::usable`] for an IPv6 packet of `len` bytes, header included.
+    /// [`FlowMemo::standing`] for an IPv6 packet of `len` bytes, header included.
     #[inline(always)]
-    pub fn usable(&self, now_ns: u64, generation: u64, len: u16) -> bool {
-        self.generation == generation
-            && crate::hops::fresh_and_fits(self.checked_ns, self.mtu, now_ns, len)
+    pub fn standing(&self, now_ns: u64, generation: u64, len: u16) -> Standing {
+        standing(
+            (self.generation, self.checked_ns, self.mtu),
+            now_ns,
+            generation,
+            len,
+        )
     }
 
     /// [`FlowMemo::confirmed_by`] for IPv6, where `hop` is the answer of a route lookup made
@@ -350,6 +354,33 @@ impl FlowMemo6 {
     }
 }
 
+/// What a memo may do for a packet ([`FlowMemo::standing`], [`FlowMemo6::standing`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Standing {
+    /// Decide: made at the flow's current generation, at most a second old, and the packet
+    /// fits its MTU.
+    Usable,
+    /// Decide once the route it came from confirms it ([`FlowMemo::confirmed_by`]): only its
+    /// second is up (or its stamp is a moment ahead of this CPU's clock).
+    Old,
+    /// Nothing: retired (another generation), or the packet does not fit.
+    Unusable,
+}
+
+/// The [`Standing`] of a memo stamped `(generation, checked_ns, mtu)` for a packet of `len`
+/// bytes at `now_ns` and the flow's current generation `generation`.
+#[inline(always)]
+fn standing(memo: (u64, u64, u16), now_ns: u64, generation: u64, len: u16) -> Standing {
+    let (made_at, checked_ns, mtu) = memo;
+    if made_at != generation || len > mtu {
+        Standing::Unusable
+    } else if crate::hops::fresh_and_fits(checked_ns, mtu, now_ns, len) {
+        Standing::Usable
+    } else {
+        Standing::Old
+    }
+}
+
 /// A flow's generation: the sum of its [`LEARN_GEN`] slot's counter and the agent's.
 #[inline(always)]
 pub fn generation(learnt: u64, agent: u64) -> u64 {
@@ -357,12 +388,16 @@ pub fn generation(learnt: u64, agent: u64) -> u64 {
 }
 
 impl FlowMemo {
-    /// Whether this memo may decide for a packet of IP length `tot_len` (each segment's, for
-    /// a GSO packet) at `now_ns` and generation `generation`.
+    /// What this memo may do for a packet of IP length `tot_len` (each segment's, for a GSO
+    /// packet) at `now_ns` and generation `generation`.
     #[inline(always)]
-    pub fn usable(&self, now_ns: u64, generation: u64, tot_len: u16) -> bool {
-        self.generation == generation
-            && crate::hops::fresh_and_fits(self.checked_ns, self.mtu, now_ns, tot_len)
+    pub fn standing(&self, now_ns: u64, generation: u64, tot_len: u16) -> Standing {
+        standing(
+            (self.generation, self.checked_ns, self.mtu),
+            now_ns,
+            generation,
+            tot_len,
+        )
     }
 
     /// Whether this memo of a [`DIR_IN`] flow was made for packets that come through `tunnel`
@@ -397,8 +432,7 @@ impl FlowMemo {
     /// a flow in direction `dir` says: the same MACs, for [`DIR_OUT`] the same interface
     /// ([`DIR_IN`] memos hold the pod's port instead, which the agent's generation covers),
     /// and the same MTU: the route's, or for a tunnel `tunnel_mtu`, the largest inner packet
-    /// the external interface takes now. A memo only too old to be used ([`FlowMemo::usable`]
-    /// fails on its age alone) and confirmed so by a fresh answer is as good as a new one
+    /// the external interface takes now. A memo only too old to be used ([`Standing::Old`]) and confirmed so by a fresh answer is as good as a new one
     /// stamped with that answer's time: its generation says that nothing else it rests on
     /// changed.
     #[inline(always)]
@@ -442,19 +476,37 @@ mod tests {
             ..FlowMemo::default()
         };
         let now = 10 * HOP_TTL_NS;
-        assert!(memo.usable(now, 7, 1500));
-        assert!(memo.usable(now + HOP_TTL_NS, 7, 100), "within the second");
-        assert!(
-            !memo.usable(now, generation(4, 4), 100),
+        assert_eq!(memo.standing(now, 7, 1500), Standing::Usable);
+        assert_eq!(
+            memo.standing(now + HOP_TTL_NS, 7, 100),
+            Standing::Usable,
+            "within the second"
+        );
+        assert_eq!(
+            memo.standing(now, generation(4, 4), 100),
+            Standing::Unusable,
             "a program learnt something"
         );
-        assert!(
-            !memo.usable(now, generation(3, 5), 100),
+        assert_eq!(
+            memo.standing(now, generation(3, 5), 100),
+            Standing::Unusable,
             "the agent changed a map"
         );
-        assert!(!memo.usable(now + HOP_TTL_NS + 1, 7, 100), "stale");
-        assert!(!memo.usable(now - 1, 7, 100), "stamped later elsewhere");
-        assert!(!memo.usable(now, 7, 1501), "longer than the MTU");
+        assert_eq!(
+            memo.standing(now + HOP_TTL_NS + 1, 7, 100),
+            Standing::Old,
+            "stale: to be confirmed"
+        );
+        assert_eq!(
+            memo.standing(now - 1, 7, 100),
+            Standing::Old,
+            "stamped later elsewhere"
+        );
+        assert_eq!(
+            memo.standing(now, 7, 1501),
+            Standing::Unusable,
+            "longer than the MTU"
+        );
         assert_eq!(generation(u64::MAX, 2), 1, "wraps");
     }
 
@@ -645,10 +697,22 @@ mod tests {
             ..FlowMemo6::default()
         };
         let now = 10 * HOP_TTL_NS;
-        assert!(memo.usable(now, 9, 1500));
-        assert!(!memo.usable(now, 10, 100), "another generation");
-        assert!(!memo.usable(now + HOP_TTL_NS + 1, 9, 100), "stale");
-        assert!(!memo.usable(now, 9, 1501), "longer than the MTU");
+        assert_eq!(memo.standing(now, 9, 1500), Standing::Usable);
+        assert_eq!(
+            memo.standing(now, 10, 100),
+            Standing::Unusable,
+            "another generation"
+        );
+        assert_eq!(
+            memo.standing(now + HOP_TTL_NS + 1, 9, 100),
+            Standing::Old,
+            "stale"
+        );
+        assert_eq!(
+            memo.standing(now, 9, 1501),
+            Standing::Unusable,
+            "longer than the MTU"
+        );
         assert!(memo.came_through(TUNNEL_VXLAN, &peer));
         let mut other = peer;
         other[15] = 3;

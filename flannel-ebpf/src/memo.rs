@@ -27,7 +27,8 @@ use flannel_common::{
     config::{CFG_VXLAN_RX, Config, FASTPATH_MARK},
     memo::{
         DIR_IN, DIR_OUT, FlowMemo, GEN_AGENT, LEARN_GEN_SLOTS, MEMO_GEN_SLOTS, MEMO_ROUTES,
-        MEMO4_MAX_ENTRIES, MemoKey, TUNNEL_IPIP, TUNNEL_NONE, TUNNEL_VXLAN, generation, learn_slot,
+        MEMO4_MAX_ENTRIES, MemoKey, Standing, TUNNEL_IPIP, TUNNEL_NONE, TUNNEL_VXLAN, generation,
+        learn_slot,
     },
     route::RemoteEntry,
     stats::Reason,
@@ -214,12 +215,7 @@ fn screened(ctx: &TcContext, parsed: &Result<parse::Packet, Reason>) -> Option<(
 
 /// The memo of `info`'s flow in direction `dir` if it may decide for this packet now: a
 /// usable one, or one only too old that its remembered route confirms ([`confirmed`]), whose
-/// stamp then becomes that route's (counted as [`Reason::MemoConfirmed`]).
-///
-/// The stamp is written into the map's element in place. An LRU map reuses a deleted element
-/// at once, so the element may by then hold another flow's memo, made a moment ago: that
-/// memo's stamp can move by at most the few microseconds since, and its generation, which
-/// alone says whether its checks still hold, is not touched.
+/// stamp then becomes that route's ([`restamp`]).
 #[inline(always)]
 fn usable(ctx: &TcContext, cfg: &Config, info: &Ipv4Info, dir: u8) -> Option<FlowMemo> {
     let generation = generation_for(info, dir, agent_generation());
@@ -234,23 +230,40 @@ fn usable(ctx: &TcContext, cfg: &Config, info: &Ipv4Info, dir: u8) -> Option<Flo
     };
     let len = u16::try_from(len).ok()?;
     let now = crate::now_ns();
-    if memo.usable(now, generation, len) {
-        return Some(memo);
+    match memo.standing(now, generation, len) {
+        Standing::Usable => Some(memo),
+        Standing::Old => {
+            let checked_ns = confirmed(ctx, cfg, info.dst, dir, &memo, now)?;
+            // SAFETY: the pointer comes from the successful lookup above.
+            unsafe {
+                restamp(
+                    ctx,
+                    dir,
+                    core::ptr::addr_of_mut!((*entry).checked_ns),
+                    checked_ns,
+                )
+            };
+            Some(memo)
+        }
+        Standing::Unusable => None,
     }
-    if memo.generation != generation || len > memo.mtu {
-        return None;
-    }
-    let checked_ns = confirmed(ctx, cfg, info.dst, dir, &memo, now)?;
-    // SAFETY: as above; one aligned 8-byte store (see this function's documentation).
-    unsafe { core::ptr::addr_of_mut!((*entry).checked_ns).write_volatile(checked_ns) };
-    count_confirmed(ctx, dir);
-    Some(memo)
 }
 
-/// Counts a memo of direction `dir` confirmed ([`Reason::MemoConfirmed`]) in the counters of
-/// the program that used it.
+/// Writes `checked_ns` into a confirmed memo's stamp `stamp` (an element of either family's
+/// memo map) in place, and counts the memo, of direction `dir`, as confirmed
+/// ([`Reason::MemoConfirmed`]) in the counters of the program that used it.
+///
+/// One aligned 8-byte store. An LRU map reuses a deleted element at once, so the element may
+/// by then hold another flow's memo, made a moment ago: that memo's stamp can move by at most
+/// the few microseconds since, and its generation, which alone says whether its checks still
+/// hold, is not touched.
+///
+/// # Safety
+/// `stamp` must point into a map element returned by a lookup during this program run.
 #[inline(always)]
-pub(crate) fn count_confirmed(ctx: &TcContext, dir: u8) {
+pub(crate) unsafe fn restamp(ctx: &TcContext, dir: u8, stamp: *mut u64, checked_ns: u64) {
+    // SAFETY: as the caller promised (map elements stay allocated during the run).
+    unsafe { stamp.write_volatile(checked_ns) };
     let counters = if dir == DIR_IN {
         &maps::FLANNEL_CNT_FND
     } else {

@@ -21,8 +21,8 @@ use flannel_common::{
     config::FASTPATH_MARK,
     hops::Hop,
     memo::{
-        DIR_IN, DIR_OUT, FlowMemo6, MEMO6_MAX_ENTRIES, MemoKey6, TUNNEL_NONE, TUNNEL_VXLAN,
-        learn_slot6,
+        DIR_IN, DIR_OUT, FlowMemo6, MEMO6_MAX_ENTRIES, MemoKey6, Standing, TUNNEL_NONE,
+        TUNNEL_VXLAN, learn_slot6,
     },
     route::{RemoteEntry6, RouteKind},
     stats::Reason,
@@ -38,6 +38,7 @@ use super::{
 use crate::{
     bridge::Outcome,
     fib::{gso_size, ingress_ifindex},
+    memo::restamp,
     parse::{self, ETH_HDR_LEN, ETH_P_IPV6, IPV6_HDR_LEN, PacketCtx as _, ptr_at, ptr_at_mut},
 };
 
@@ -194,8 +195,7 @@ fn candidate(ctx: &TcContext, l3: usize, info: &mut Ipv6Info) -> Option<Reason> 
 
 /// Copies the memo of `info`'s flow in direction `dir` to `memo` if it may decide for this
 /// packet now: a usable one, or one only too old that a route lookup made now confirms
-/// ([`confirmed`]), whose stamp then becomes now (counted as [`Reason::MemoConfirmed`]; the
-/// in-place write as in [`crate::memo`]).
+/// ([`confirmed`]), whose stamp then becomes now ([`restamp`]).
 #[inline(always)]
 fn usable(ctx: &TcContext, cfg: &Config6, info: &Ipv6Info, dir: u8, memo: &mut FlowMemo6) -> bool {
     let generation = generation_for(info, dir, crate::memo::agent_generation());
@@ -215,16 +215,15 @@ fn usable(ctx: &TcContext, cfg: &Config6, info: &Ipv6Info, dir: u8, memo: &mut F
         return false;
     };
     let now = crate::now_ns();
-    if memo.usable(now, generation, len) {
-        return true;
+    match memo.standing(now, generation, len) {
+        Standing::Usable => true,
+        Standing::Old if confirmed(ctx, cfg, info, dir, memo) => {
+            // SAFETY: the pointer comes from the successful lookup above.
+            unsafe { restamp(ctx, dir, core::ptr::addr_of_mut!((*found).checked_ns), now) };
+            true
+        }
+        Standing::Old | Standing::Unusable => false,
     }
-    if memo.generation != generation || len > memo.mtu || !confirmed(ctx, cfg, info, dir, memo) {
-        return false;
-    }
-    // SAFETY: as above; one aligned 8-byte store.
-    unsafe { core::ptr::addr_of_mut!((*found).checked_ns).write_volatile(now) };
-    crate::memo::count_confirmed(ctx, dir);
-    true
 }
 
 /// Whether the route `memo` (of `info`'s flow in direction `dir`) came from, looked up now,
