@@ -534,6 +534,7 @@ mod tests {
                 record("masq-iptables", 9.0, 900.0),
                 record("masq-ebpf", 9.5, 950.0),
             ],
+            targets: Vec::new(),
         };
         let lines = targets(&report);
         assert_eq!(lines.len(), 6);

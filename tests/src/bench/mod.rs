@@ -10,6 +10,7 @@
 //! | [`stats`] | median/min/max and ratios |
 //! | [`rounds`] | the interleaved runner: set up every variant, measure round-robin, compare with the baseline |
 //! | [`dataplane`] | `bench dataplane`: throughput, latency and CPU of the [`variant`] testbeds |
+//! | [`targets`] | issue 4's targets checked on a `bench dataplane` report, the floor's figure next to the agent's |
 //! | [`control`] | `bench control`: N fake leases → time until the kernel holds them |
 //! | [`learn`] | `bench learn`: the programs' time while kernel flows are learnt at a high rate, against a quiet run |
 //! | [`masq`] | `bench masq`: pod → outside through eBPF SNAT, iptables MASQUERADE, no NAT |
@@ -29,4 +30,5 @@ pub mod report;
 pub mod rounds;
 pub mod rr;
 pub mod stats;
+pub mod targets;
 pub mod variant;

@@ -135,6 +135,10 @@ pub struct Report {
     pub settings: Value,
     /// One record per variant.
     pub variants: Vec<VariantRecord>,
+    /// The bench's targets checked on the numbers, one sentence each (see `flannel-lab
+    /// bench`; empty for a bench without targets).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub targets: Vec<String>,
 }
 
 fn fmt_value(v: f64) -> String {
@@ -249,6 +253,13 @@ impl Report {
         }
         out += "\n";
         out += &self.paired_table(&columns);
+        if !self.targets.is_empty() {
+            out += "Targets:\n\n";
+            for line in &self.targets {
+                let _ = writeln!(out, "- {line}");
+            }
+            out += "\n";
+        }
         for v in &self.variants {
             let _ = writeln!(out, "- `{}`: {}", v.variant, v.description);
             for e in &v.errors {
@@ -544,6 +555,7 @@ mod tests {
                     errors: vec!["rep 2: boom".into()],
                 },
             ],
+            targets: Vec::new(),
         }
     }
 
@@ -585,6 +597,21 @@ mod tests {
         assert!(svg.contains("Test CPU &lt;x&gt;"));
         assert!(svg.contains(">0.75<"));
         assert!(!md.contains("Paired ratios"), "{md}");
+        assert!(!md.contains("Targets"), "{md}");
+    }
+
+    #[test]
+    fn targets_are_listed_and_kept_in_the_json() {
+        let mut r = report();
+        r.targets = vec!["ref-vxlan TCP 1 stream: 0.75x (target >= 0.95x): NOT met".into()];
+        let md = r.markdown();
+        assert!(
+            md.contains("Targets:\n\n- ref-vxlan TCP 1 stream: 0.75x (target >= 0.95x): NOT met\n"),
+            "{md}"
+        );
+        let back = Report::from_json(&r.json().expect("json")).expect("round trip");
+        assert_eq!(back.targets, r.targets);
+        assert_eq!(back.markdown(), md);
     }
 
     #[test]

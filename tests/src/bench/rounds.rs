@@ -196,6 +196,7 @@ pub fn run<B: Bench>(
         baseline: plan.baseline.to_owned(),
         settings,
         variants: records,
+        targets: Vec::new(),
     })
 }
 

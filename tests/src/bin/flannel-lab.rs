@@ -30,7 +30,7 @@ use flannel_tests::{
         learn::{self, LearnOptions},
         masq::{self, MasqOptions},
         measure::TcpTuning,
-        report, rr,
+        report, rr, targets,
         variant::{self, SetupCtx},
     },
     lab::{
@@ -386,7 +386,11 @@ fn main() -> Result<()> {
 fn render(json: &std::path::Path) -> Result<()> {
     let text =
         std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
-    let report = report::Report::from_json(&text)?;
+    let mut report = report::Report::from_json(&text)?;
+    // Reports written before targets were kept in them.
+    if report.name == "dataplane" && report.targets.is_empty() {
+        report.targets = targets::check(&report);
+    }
     for (ext, body) in [("md", report.markdown()), ("svg", report.svg())] {
         let path = json.with_extension(ext);
         std::fs::write(&path, body).with_context(|| format!("writing {}", path.display()))?;
@@ -528,7 +532,8 @@ fn bench_dataplane(args: DataplaneArgs) -> Result<()> {
         name: "dataplane".to_owned(),
     };
     let report = dataplane::run(&opts, &ctx, &bench_progress, &stopped)?;
-    publish(&report, &[], args.bins.out)
+    let targets = targets::check(&report);
+    publish(report, targets, args.bins.out)
 }
 
 fn crr_tool(args: &CrrArgs) -> Result<()> {
@@ -608,7 +613,8 @@ fn bench_masq(args: MasqArgs) -> Result<()> {
     opts.crr_duration = Duration::from_secs(args.crr_duration);
     opts.clients = args.clients;
     let report = masq::run(&opts, &bench_progress, &stopped)?;
-    publish(&report, &masq::targets(&report), args.bins.out)
+    let targets = masq::targets(&report);
+    publish(report, targets, args.bins.out)
 }
 
 fn bench_learn(args: LearnArgs) -> Result<()> {
@@ -618,7 +624,8 @@ fn bench_learn(args: LearnArgs) -> Result<()> {
     opts.duration = Duration::from_secs(args.duration);
     opts.rate = args.rate;
     let report = learn::run(&opts, &bench_progress, &stopped)?;
-    publish(&report, &learn::targets(&report), args.bins.out)
+    let targets = learn::targets(&report);
+    publish(report, targets, args.bins.out)
 }
 
 /// A benchmark's progress line (quiet once Ctrl-C stopped it).
@@ -628,12 +635,11 @@ fn bench_progress(msg: &str) {
     }
 }
 
-/// Prints a report and its targets, then writes it to `out` (default: target/bench).
-fn publish(report: &report::Report, targets: &[String], out: Option<PathBuf>) -> Result<()> {
+/// Prints `report` with the bench's `targets` checked on it (in the files too) and writes its
+/// files to `out` (default: `target/bench`).
+fn publish(mut report: report::Report, targets: Vec<String>, out: Option<PathBuf>) -> Result<()> {
+    report.targets = targets;
     print!("\n{}", report.markdown());
-    for line in targets {
-        println!("- {line}");
-    }
     let dir = out.unwrap_or_else(report::default_dir);
     for path in report.write(&dir)? {
         println!("wrote {}", path.display());
