@@ -67,7 +67,7 @@ impl Default for DataplaneOptions {
                 .iter()
                 .map(|s| (*s).to_owned())
                 .collect(),
-            baseline: "underlay".to_owned(),
+            baseline: variant::UNDERLAY.to_owned(),
             reps: 5,
             duration: Duration::from_secs(5),
             rr_duration: Duration::from_secs(5),

@@ -7,7 +7,10 @@
 //! machine, or on the ratio of the medians where there are no pairs; "in every repetition"
 //! says that each paired ratio met it, not only their median.
 
-use super::report::{MetricResult, Report};
+use super::{
+    report::{MetricResult, Report},
+    variant::{self, UNDERLAY, UNDERLAY_V6},
+};
 
 /// A bound on a ratio.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -43,6 +46,19 @@ struct Target {
     floor: Option<&'static str>,
     key: &'static str,
     bound: Bound,
+}
+
+/// Whether `variant`'s ratios in `report` are to the underlay of its family, as the targets
+/// are: an IPv6 variant's are to `underlay-v6` when that ran (its own baseline, see
+/// `Dataplane::own_baseline`), every other ratio to the run's baseline.
+fn against_its_underlay(report: &Report, variant: &str) -> bool {
+    let ipv6 = variant::find(variant).is_some_and(|v| v.topology.ipv6);
+    let baseline = if ipv6 && report.variants.iter().any(|v| v.variant == UNDERLAY_V6) {
+        UNDERLAY_V6
+    } else {
+        report.baseline.as_str()
+    };
+    baseline == if ipv6 { UNDERLAY_V6 } else { UNDERLAY }
 }
 
 /// Throughput, latency and CPU per Gbit targets of issue 4 for an eBPF variant.
@@ -134,7 +150,8 @@ fn verdict(met: bool, every: bool) -> &'static str {
 }
 
 /// The targets of issue 4 checked on a `bench dataplane` report, one sentence each (variants
-/// or metrics missing from the report are skipped).
+/// or metrics missing from the report, and ratios to another baseline than the variant's
+/// underlay, are skipped).
 pub fn check(report: &Report) -> Vec<String> {
     let metric = |variant: &str, key: &str| {
         report
@@ -148,6 +165,9 @@ pub fn check(report: &Report) -> Vec<String> {
         let Some(m) = metric(t.variant, t.key) else {
             continue;
         };
+        if !against_its_underlay(report, t.variant) {
+            continue;
+        }
         let Some((figure, met, every)) = judged(m, t.bound) else {
             continue;
         };
@@ -285,6 +305,44 @@ mod tests {
                 "agent-ebpf-vxlan TCP 1 stream against agent-vxlan: 1.15x (target >= 1.15x): met",
             ]
         );
+    }
+
+    #[test]
+    fn targets_need_ratios_to_the_variants_own_underlay() {
+        let variants = || {
+            vec![
+                record(
+                    "agent-ebpf-host-gw",
+                    vec![metric("cpu1_s_per_gbit", "CPU 1", 0.07, 1.0, &[])],
+                ),
+                record(
+                    "agent-ebpf-host-gw-v6",
+                    vec![metric("cpu1_s_per_gbit", "CPU 1", 0.07, 1.2, &[])],
+                ),
+            ]
+        };
+        let with_underlay_v6 = |mut r: Report| {
+            r.variants.push(record(UNDERLAY_V6, Vec::new()));
+            r
+        };
+        let mut other = report(variants());
+        other.baseline = "ref-hostgw".into();
+        assert!(check(&other).is_empty(), "{:?}", check(&other));
+        let ipv4_only = [String::from(
+            "agent-ebpf-host-gw CPU 1: 1.00x (target <= 1.1x): met",
+        )];
+        assert_eq!(check(&report(variants())), ipv4_only);
+        let both = check(&with_underlay_v6(report(variants())));
+        assert_eq!(
+            both,
+            [
+                ipv4_only[0].clone(),
+                "agent-ebpf-host-gw-v6 CPU 1: 1.20x (target <= 1.1x): NOT met".into()
+            ]
+        );
+        let mut v6_run = with_underlay_v6(report(variants()));
+        v6_run.baseline = UNDERLAY_V6.into();
+        assert_eq!(check(&v6_run), both[1..]);
     }
 
     #[test]

@@ -222,14 +222,14 @@ pub fn node_subnet(n: usize) -> Ipv4Net {
 }
 
 /// Variants that run without the agent (the default set of `bench dataplane`).
-pub const DEFAULT_VARIANTS: &[&str] = &["underlay", "pod-same-node", "ref-hostgw", "ref-vxlan"];
+pub const DEFAULT_VARIANTS: &[&str] = &[UNDERLAY, "pod-same-node", "ref-hostgw", "ref-vxlan"];
 
 /// Every known variant.
 pub fn all() -> Vec<Variant> {
     let two_nodes = TopologySpec::new(2, Underlay::L2);
     let mut out = vec![
         Variant {
-            name: "underlay",
+            name: UNDERLAY,
             description: "node1 eth0 to node2 eth0 over the underlay bridge (baseline)",
             topology: two_nodes.clone(),
             needs_cni: false,
@@ -461,6 +461,9 @@ fn floor_variant(name: &'static str, description: &'static str, vxlan: bool) -> 
 pub fn find(name: &str) -> Option<Variant> {
     all().into_iter().find(|v| v.name == name)
 }
+
+/// The underlay variant: node to node, the default baseline.
+pub const UNDERLAY: &str = "underlay";
 
 /// The IPv6 underlay variant: the baseline of the IPv6 variants when it runs.
 pub const UNDERLAY_V6: &str = "underlay-v6";
