@@ -41,6 +41,18 @@ pub enum Dataplane {
     Kernel,
 }
 
+/// How the eBPF fast path's TC programs are attached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum TcAttachMode {
+    /// TCX links where the kernel has them (Linux 6.6+), clsact filters otherwise.
+    #[default]
+    Auto,
+    /// TCX links (fail on kernels without them).
+    Tcx,
+    /// Direct-action bpf filters under a clsact qdisc.
+    Clsact,
+}
+
 const ENV_HELP: &str = "Every flag can also be set through the environment variable \
 FLANNELD_<FLAG> (upper case, '-' replaced by '_', e.g. FLANNELD_IFACE, FLANNELD_IP_MASQ=true); \
 the command line wins, empty values are ignored. --wireguard-key-file also reads \
@@ -205,6 +217,11 @@ pub struct Cli {
     /// data path for pod traffic: auto (eBPF when available), ebpf, kernel
     #[arg(long, value_enum, default_value_t = Dataplane::Auto)]
     pub dataplane: Dataplane,
+
+    /// how the eBPF programs attach to TC: auto (TCX links on Linux 6.6+, clsact filters
+    /// before), tcx, clsact
+    #[arg(long, value_enum, default_value_t = TcAttachMode::Auto)]
+    pub tc_attach: TcAttachMode,
 
     /// bpffs directory where the eBPF programs and maps are pinned
     #[arg(long, default_value = "/sys/fs/bpf/flannel")]
@@ -756,6 +773,13 @@ mod tests {
         assert_eq!((c.resync_interval, c.iptables_resync), (10, 1));
         assert_eq!(c.etcd_endpoint_list(), ["http://a:2379", "http://b:2379"]);
         assert_eq!(parse(&["--dataplane", "ebpf"]).dataplane, Dataplane::Ebpf);
+        assert_eq!(c.tc_attach, TcAttachMode::Auto);
+        assert_eq!(
+            parse(&["--tc-attach=clsact"]).tc_attach,
+            TcAttachMode::Clsact
+        );
+        assert_eq!(parse(&["--tc-attach", "tcx"]).tc_attach, TcAttachMode::Tcx);
+        assert!(err(&["--tc-attach=netlink"]).contains("netlink"));
     }
 
     #[test]

@@ -18,7 +18,9 @@
 //! * mixed: four nodes alternating `--dataplane kernel` and `--dataplane ebpf`, vxlan and
 //!   host-gw, pod matrix and transfers in both directions between the two kinds;
 //! * kube mode: two nodes taking their leases from a fake Kubernetes API server, vxlan on
-//!   the fast path.
+//!   the fast path;
+//! * `clsact` filters instead of TCX links (kernels before 6.6): connectivity, a restart
+//!   without a gap, and switching a node between the two and to the kernel path.
 //!
 //! Run: `cargo test -p flannel-tests --test agent_ebpf` (as root; skipped otherwise).
 
@@ -32,14 +34,16 @@ use agent_support::{
     spec_on, with_cluster,
 };
 use anyhow::{Context as _, Result, ensure};
+use flannel_agent::bpf::tcfilter;
 use flannel_tests::{
     bench::variant::link_mac,
     kube_mock::MockApiServer,
     lab::{
         agent::{Agent, AgentSpec, DEFAULT_HEALTHZ_PORT, Dataplane},
         bins,
+        cluster::Cluster,
         fastpath::{self, Route},
-        kube, probe, wait,
+        kube, probe, status, wait,
     },
     require_root,
     topology::{SubnetEnv, Topology, TopologySpec, Underlay},
@@ -117,6 +121,162 @@ fn ebpf_vxlan_lifecycle() {
 fn ebpf_ipip_lifecycle() {
     require_root!();
     lifecycle("ipip");
+}
+
+/// Node `n`'s filters at the agent's priority and handle on `dev`'s `dir` hook (`ingress` or
+/// `egress`), as (program name, program id), from `tc filter show`.
+fn our_filters(c: &Cluster, n: usize, dev: &str, dir: &str) -> Result<Vec<(String, u32)>> {
+    let text = c
+        .topology()
+        .node(n)
+        .ns()
+        .run(&["tc", "filter", "show", "dev", dev, dir])?;
+    let pref = format!("pref {} ", tcfilter::PRIORITY);
+    Ok(text
+        .lines()
+        .filter(|l| l.contains(&pref) && l.contains(" handle 0x1 "))
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            let name = words.clone().skip_while(|w| *w != "name").nth(1)?;
+            let id = words.by_ref().skip_while(|w| *w != "id").nth(1)?;
+            Some((name.to_owned(), id.parse().ok()?))
+        })
+        .collect())
+}
+
+/// Node `n`'s pod bridge ports.
+fn bridge_ports(c: &Cluster, n: usize) -> Result<Vec<String>> {
+    let text = c
+        .topology()
+        .node(n)
+        .ns()
+        .run(&["ip", "-o", "link", "show", "master", "cni0"])?;
+    Ok(text
+        .lines()
+        .filter_map(|l| {
+            let name = l.split(": ").nth(1)?;
+            Some(name.split('@').next()?.to_owned())
+        })
+        .collect())
+}
+
+/// Every hook of node `n` carries exactly one filter of ours, running its program: (hook,
+/// program id) by interface and direction. Errors name the hook that does not.
+fn filters_in_place(c: &Cluster, n: usize) -> Result<BTreeMap<String, u32>> {
+    let mut hooks = vec![
+        ("eth0".to_owned(), "ingress", "tc_from_netdev"),
+        ("eth0".to_owned(), "egress", "tc_to_netdev"),
+    ];
+    let ports = bridge_ports(c, n)?;
+    ensure!(!ports.is_empty(), "node{n} has no bridge ports");
+    hooks.extend(ports.into_iter().map(|p| (p, "ingress", "tc_from_bridge")));
+    let mut ids = BTreeMap::new();
+    for (dev, dir, program) in hooks {
+        let found = our_filters(c, n, &dev, dir)?;
+        ensure!(
+            found.len() == 1 && found[0].0 == program,
+            "node{n} {dev} {dir}: want one filter running {program}, found {found:?}"
+        );
+        ids.insert(format!("{dev} {dir}"), found[0].1);
+    }
+    Ok(ids)
+}
+
+/// No filter of ours on any hook of node `n`.
+fn no_filters(c: &Cluster, n: usize) -> Result<()> {
+    let mut devs = bridge_ports(c, n)?;
+    devs.push("eth0".into());
+    for dev in devs {
+        for dir in ["ingress", "egress"] {
+            let found = our_filters(c, n, &dev, dir)?;
+            ensure!(
+                found.is_empty(),
+                "node{n} {dev} {dir}: filters left {found:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Restarts node `n`'s agent with its flags changed by `change`, and waits for `/readyz`.
+fn restart_with(c: &mut Cluster, n: usize, change: impl FnOnce(&mut Vec<String>)) -> Result<()> {
+    c.agent_mut(n).context("agent")?.restart_with(change)?;
+    wait::until_ok(
+        Duration::from_secs(30),
+        "the restarted agent's /readyz",
+        || {
+            c.agent_mut(n).context("agent")?.check_running()?;
+            let code =
+                status::http_status(c.topology().node(n).ns(), DEFAULT_HEALTHZ_PORT, "/readyz")?;
+            ensure!(code == 200, "/readyz {code}");
+            Ok(())
+        },
+    )
+}
+
+/// The fast path attached as `clsact` filters (`--tc-attach=clsact`, what kernels without TCX
+/// links get): host-gw connectivity with every packet counted by the programs, one filter per
+/// hook at the agent's priority and no TCX link pinned; an agent restart under traffic that
+/// loses nothing (the filters stay while the agent is down and the new agent swaps its
+/// programs in behind them); then switching node1 to TCX links (its filters removed), back to
+/// filters (its links removed), and to `--dataplane=kernel` (its filters removed), with the
+/// pods reachable after each switch.
+#[test]
+fn ebpf_host_gw_on_clsact_filters() {
+    require_root!();
+    let path = Path::of_backend("host-gw");
+    let p = move |_: usize, _: usize| path;
+    let mut spec = spec_on(EBPF, 3, Underlay::L2, "host-gw", 2);
+    spec.agent_args.push("--tc-attach=clsact".into());
+    with_cluster(&named(EBPF, "host-gw/l2 clsact"), spec, |c| {
+        eprintln!("--- connectivity on filters");
+        reachable_everywhere(c, &p, &[(1, 3)])?;
+        let mut before = BTreeMap::new();
+        for n in 1..=3 {
+            before.insert(n, filters_in_place(c, n)?);
+            let pins = fastpath::pin_ids(c.topology().node(n).bpf_pin_path())?;
+            ensure!(
+                pins.links.is_empty(),
+                "node{n} pinned links: {:?}",
+                pins.links
+            );
+        }
+        eprintln!("--- restart of node1's agent");
+        scenarios::restart_is_hitless(c, &p, 1, 2)?;
+        let after = filters_in_place(c, 1)?;
+        for (hook, id) in &before[&1] {
+            ensure!(
+                after.get(hook).is_some_and(|new| new != id),
+                "the restarted agent did not swap its program in at {hook}: {:?} -> {after:?}",
+                before[&1]
+            );
+        }
+        eprintln!("--- node1 to TCX links");
+        restart_with(c, 1, |args| args.retain(|a| a != "--tc-attach=clsact"))?;
+        no_filters(c, 1)?;
+        let links = fastpath::pin_ids(c.topology().node(1).bpf_pin_path())?.links;
+        ensure!(
+            links.len() == 2 + bridge_ports(c, 1)?.len(),
+            "node1's TCX links: {links:?}"
+        );
+        reachable_everywhere(c, &p, &[])?;
+        eprintln!("--- node1 back to filters");
+        restart_with(c, 1, |args| args.push("--tc-attach=clsact".into()))?;
+        filters_in_place(c, 1)?;
+        let links = fastpath::pin_ids(c.topology().node(1).bpf_pin_path())?.links;
+        ensure!(links.is_empty(), "node1's TCX links left: {links:?}");
+        reachable_everywhere(c, &p, &[])?;
+        eprintln!("--- node1 to the kernel path");
+        restart_with(c, 1, |args| {
+            for a in args.iter_mut().filter(|a| a.starts_with("--dataplane=")) {
+                *a = "--dataplane=kernel".into();
+            }
+        })?;
+        no_filters(c, 1)?;
+        let matrix = c.matrix(PROBE)?;
+        ensure!(matrix.all_ok(), "pods cannot reach each other:\n{matrix}");
+        Ok(())
+    });
 }
 
 /// Four nodes, kernel path on 1 and 3, fast path on 2 and 4: every pod reaches every pod,

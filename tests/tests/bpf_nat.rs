@@ -85,6 +85,7 @@ impl Rig {
                 let ext = nix::net::if_::if_nametoindex("ext0").expect("ext0");
                 let options = LoadOptions {
                     nat_max_entries: nat_entries,
+                    ..LoadOptions::default()
                 };
                 let mut fp = FastPath::load_with(&pin, &options).expect("loading");
                 fp.set_config(&config(ext)).expect("config");

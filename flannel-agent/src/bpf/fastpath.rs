@@ -1,4 +1,5 @@
-//! [`FastPath`]: the loaded object, its pinned maps and its pinned TCX links.
+//! [`FastPath`]: the loaded object, its pinned maps and its TC attachments (pinned TCX links,
+//! or `clsact` filters on kernels without TCX, see [`super::tcfilter`]).
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
@@ -31,8 +32,9 @@ use super::{
     BpfError, LocalConfig, Remote, SyncStats,
     counters::Counters,
     pins::{MAP_SPECS, PinLayout},
-    probe::probe,
+    probe::{probe, tcx_supported},
     remote::{DesiredEntries, desired_entries, diff},
+    tcfilter,
 };
 
 /// The three attach points of the fast path.
@@ -59,7 +61,8 @@ impl Hook {
         }
     }
 
-    fn attach_type(self) -> TcAttachType {
+    /// Where in TC the program runs.
+    pub fn attach_type(self) -> TcAttachType {
         match self {
             Hook::FromBridge | Hook::FromNetdev => TcAttachType::Ingress,
             Hook::ToNetdev => TcAttachType::Egress,
@@ -88,13 +91,32 @@ pub struct PortAttach {
     pub detached: usize,
 }
 
+/// How the TC programs are attached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TcAttach {
+    /// TCX links, pinned under `<pin path>/links/` (Linux 6.6 and later).
+    Tcx,
+    /// Direct-action `bpf` filters under a `clsact` qdisc ([`super::tcfilter`]): kernels
+    /// without TCX.
+    Clsact,
+}
+
+impl std::fmt::Display for TcAttach {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TcAttach::Tcx => "tcx",
+            TcAttach::Clsact => "clsact",
+        })
+    }
+}
+
 /// What an attach call did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Attached {
-    /// A new TCX link was created and pinned.
+    /// A new TCX link was created and pinned (or a new `clsact` filter added).
     New,
-    /// A pinned link (from an earlier run) now runs this object's program: the swap is atomic,
-    /// no packet meets an empty hook.
+    /// A pinned link (or our filter) from an earlier run now runs this object's program: the
+    /// swap is atomic, no packet meets an empty hook.
     Replaced,
     /// This handle had already attached the program there.
     Already,
@@ -108,8 +130,18 @@ struct HeldLink {
     _link: FdLink,
 }
 
+/// A TC attachment this handle made or adopted.
+#[derive(Debug)]
+enum TcHeld {
+    /// A pinned TCX link.
+    Link(HeldLink),
+    /// Our `clsact` filter (it lives in the kernel; nothing to hold).
+    Filter,
+}
+
 /// The eBPF fast path of one agent: the loaded programs, the pinned maps under
-/// `<pin path>/v1/` and the pinned TCX links under `<pin path>/links/`.
+/// `<pin path>/v1/` and the TC attachments: pinned TCX links under `<pin path>/links/`, or
+/// `clsact` filters.
 ///
 /// Dropping it leaves everything attached and pinned: packets keep flowing with the last map
 /// contents until the next agent adopts them ([`FastPath::load`] + `attach_*`) or
@@ -118,7 +150,11 @@ struct HeldLink {
 pub struct FastPath {
     ebpf: Ebpf,
     layout: PinLayout,
-    links: HashMap<(Hook, u32), HeldLink>,
+    tc_attach: TcAttach,
+    links: HashMap<(Hook, u32), TcHeld>,
+    /// The hooks whose filters on other interfaces were looked for (once per handle: an
+    /// earlier run's, see [`tcfilter::sweep`]).
+    swept: BTreeSet<Hook>,
     xdp_links: HashMap<u32, HeldLink>,
 }
 
@@ -128,6 +164,9 @@ pub struct LoadOptions {
     /// Flows each of the NAT maps (`FLANNEL_NAT4`, `FLANNEL_NATREV4`) holds
     /// (`--ebpf-nat-max-entries`; see [`super::nat::NatSizing`]).
     pub nat_max_entries: u32,
+    /// How to attach the TC programs (`--tc-attach`); `None`: TCX where the kernel has it,
+    /// `clsact` filters otherwise.
+    pub tc_attach: Option<TcAttach>,
 }
 
 impl Default for LoadOptions {
@@ -135,6 +174,7 @@ impl Default for LoadOptions {
     fn default() -> Self {
         LoadOptions {
             nat_max_entries: names::NAT4_DEFAULT_MAX_ENTRIES,
+            tc_attach: None,
         }
     }
 }
@@ -165,6 +205,20 @@ impl FastPath {
             });
         }
         probe()?;
+        let tc_attach = match options.tc_attach {
+            None if tcx_supported() => TcAttach::Tcx,
+            None => TcAttach::Clsact,
+            Some(TcAttach::Tcx) if !tcx_supported() => {
+                return Err(BpfError::Unsupported {
+                    what: format!(
+                        "TCX links (Linux >= {}.{}; --tc-attach=clsact works without them)",
+                        super::probe::TCX_KERNEL.0,
+                        super::probe::TCX_KERNEL.1
+                    ),
+                });
+            }
+            Some(mode) => mode,
+        };
         let layout = PinLayout::new(pin_path);
         layout.prepare()?;
         let sizes = [
@@ -210,9 +264,16 @@ impl FastPath {
         Ok(FastPath {
             ebpf,
             layout,
+            tc_attach,
             links: HashMap::new(),
+            swept: BTreeSet::new(),
             xdp_links: HashMap::new(),
         })
+    }
+
+    /// How this handle attaches the TC programs.
+    pub fn tc_attach(&self) -> TcAttach {
+        self.tc_attach
     }
 
     /// The pin layout in use.
@@ -572,7 +633,7 @@ impl FastPath {
         let mut removed = 0;
         for key in stale {
             if let Some(held) = self.links.remove(&key) {
-                remove_pin(&held.path)?;
+                release(hook, key.1, held)?;
                 removed += 1;
             }
         }
@@ -581,6 +642,9 @@ impl FastPath {
                 remove_pin(&path)?;
                 removed += 1;
             }
+        }
+        if self.swept.insert(hook) {
+            removed += tcfilter::sweep(hook.program(), hook.attach_type(), keep);
         }
         Ok(removed)
     }
@@ -599,6 +663,21 @@ impl FastPath {
         let ifname = interface_name(ifindex)?;
         let path = self.layout.link(hook.program(), ifindex);
         let program = classifier(&mut self.ebpf, hook)?;
+        if self.tc_attach == TcAttach::Clsact {
+            // A TCX link of an earlier run would run before the filter: the filter replaces it.
+            remove_pin(&path)?;
+            let outcome =
+                tcfilter::attach(program, &ifname, hook.attach_type()).map_err(attach_error)?;
+            self.links.insert((hook, ifindex), TcHeld::Filter);
+            return Ok(outcome);
+        }
+        if tcfilter::detach(&ifname, hook.attach_type()) {
+            tracing::info!(
+                program = hook.program(),
+                interface = %ifname,
+                "removed the clsact filter of an earlier run; attaching through TCX"
+            );
+        }
 
         let mut outcome = Attached::New;
         let mut link_id = None;
@@ -640,10 +719,10 @@ impl FastPath {
         }
         self.links.insert(
             (hook, ifindex),
-            HeldLink {
+            TcHeld::Link(HeldLink {
                 path,
                 _link: fd_link,
-            },
+            }),
         );
         Ok(outcome)
     }
@@ -657,12 +736,13 @@ impl FastPath {
             .collect();
         for key in keys {
             if let Some(held) = self.links.remove(&key) {
-                remove_pin(&held.path)?;
+                release(hook, key.1, held)?;
             }
         }
         for (_, path) in self.layout.other_links(hook.program(), 0) {
             remove_pin(&path)?;
         }
+        tcfilter::sweep(hook.program(), hook.attach_type(), &BTreeSet::new());
         Ok(())
     }
 
@@ -816,6 +896,20 @@ fn verifier_error(program: &'static str, e: ProgramError) -> BpfError {
             error: other.to_string(),
             log: String::new(),
         },
+    }
+}
+
+/// Removes `hook`'s attachment `held` on `ifindex`: the pin of a TCX link (which detaches it)
+/// or our filter (unless the interface is gone, and the filter with it).
+fn release(hook: Hook, ifindex: u32, held: TcHeld) -> Result<(), BpfError> {
+    match held {
+        TcHeld::Link(link) => remove_pin(&link.path),
+        TcHeld::Filter => {
+            if let Ok(name) = interface_name(ifindex) {
+                tcfilter::detach(&name, hook.attach_type());
+            }
+            Ok(())
+        }
     }
 }
 

@@ -55,6 +55,7 @@
 //! | [`remote`] | [`Remote`] / [`Via`] and the diff behind `sync` |
 //! | [`pins`] | the pin layout, adopted-map checks, cleanup |
 //! | [`probe`] | kernel feature probes |
+//! | [`tcfilter`] | TC attachment as `clsact` filters, for kernels without TCX links |
 //! | [`counters`] | [`Counters`] |
 //! | [`error`] | [`BpfError`] |
 //! | [`udp`] | [`UdpLocal`]: the udp backend's encapsulation on the fast path |
@@ -71,6 +72,7 @@ pub mod pins;
 pub mod ports;
 pub mod probe;
 pub mod remote;
+pub mod tcfilter;
 pub mod udp;
 pub mod v6;
 
@@ -80,7 +82,7 @@ pub use applier::{BpfApplier, FastPathCounters, SharedFastPath};
 pub use config::{LocalConfig, VxlanLocal};
 pub use counters::{Counters, ReasonCounters};
 pub use error::BpfError;
-pub use fastpath::{Attached, FastPath, Hook, LoadOptions, NetdevAttach, PortAttach};
+pub use fastpath::{Attached, FastPath, Hook, LoadOptions, NetdevAttach, PortAttach, TcAttach};
 pub use nat::{NatFlow, NatSettings, NatSizing, NatTimeouts, SweepStats};
 pub use pins::PinLayout;
 pub use remote::{Remote, SyncStats, Via};
@@ -189,9 +191,21 @@ pub fn start_with(
 }
 
 /// Removes every pin under `pin_path` (links first, which detaches the programs, then the maps
-/// of every layout version). Returns how many pins were removed; a missing directory is fine.
+/// of every layout version) and the programs' `clsact` filters on every interface of this
+/// network namespace. Returns how many pins and filters were removed; a missing directory is
+/// fine.
 pub fn cleanup(pin_path: &Path) -> Result<usize, BpfError> {
-    PinLayout::new(pin_path).remove_all()
+    let filters: usize = Hook::ALL
+        .iter()
+        .map(|hook| {
+            tcfilter::sweep(
+                hook.program(),
+                hook.attach_type(),
+                &std::collections::BTreeSet::new(),
+            )
+        })
+        .sum();
+    Ok(PinLayout::new(pin_path).remove_all()? + filters)
 }
 
 #[cfg(test)]

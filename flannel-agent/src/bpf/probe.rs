@@ -10,8 +10,20 @@ use aya::{
 
 use super::BpfError;
 
+/// The oldest kernel the fast path loads on: the helpers below are all there (the newest,
+/// `bpf_check_mtu`, since 5.12), and it is the oldest long-term kernel after them. Before TCX
+/// (6.6) the programs are attached as `clsact` filters. Only 6.18 is tested here; on kernels
+/// before 6.3, whose `bpf_skb_adjust_room` lacks the decapsulation flags, tunnel packets the
+/// programs cannot decapsulate go to the kernel's devices, packet by packet.
+pub const MIN_KERNEL: (u8, u8) = (5, 15);
+
 /// The oldest kernel with TCX links (pinnable, atomically replaceable TC attachments).
-pub const MIN_KERNEL: (u8, u8) = (6, 6);
+pub const TCX_KERNEL: (u8, u8) = (6, 6);
+
+/// Whether this kernel has TCX links.
+pub fn tcx_supported() -> bool {
+    KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(TCX_KERNEL.0, TCX_KERNEL.1, 0))
+}
 
 /// Checks the kernel version, the program and map types and the helpers the programs call.
 pub fn probe() -> Result<(), BpfError> {
@@ -21,7 +33,7 @@ pub fn probe() -> Result<(), BpfError> {
     if version < KernelVersion::new(MIN_KERNEL.0, MIN_KERNEL.1, 0) {
         return Err(BpfError::Unsupported {
             what: format!(
-                "TCX links (Linux >= {}.{} needed, this is {version:?})",
+                "a kernel this old (Linux >= {}.{} needed, this is {version:?})",
                 MIN_KERNEL.0, MIN_KERNEL.1
             ),
         });
@@ -43,6 +55,11 @@ pub fn probe() -> Result<(), BpfError> {
     for (helper, name) in [
         (BpfHelper::BPF_FUNC_fib_lookup, "bpf_fib_lookup"),
         (BpfHelper::BPF_FUNC_redirect_neigh, "bpf_redirect_neigh"),
+        (BpfHelper::BPF_FUNC_redirect_peer, "bpf_redirect_peer"),
+        (
+            BpfHelper::BPF_FUNC_ktime_get_coarse_ns,
+            "bpf_ktime_get_coarse_ns",
+        ),
         (BpfHelper::BPF_FUNC_skb_adjust_room, "bpf_skb_adjust_room"),
         (BpfHelper::BPF_FUNC_check_mtu, "bpf_check_mtu"),
         (BpfHelper::BPF_FUNC_get_hash_recalc, "bpf_get_hash_recalc"),

@@ -245,6 +245,11 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         stack,
         &crate::bpf::LoadOptions {
             nat_max_entries: nat_sizing.entries,
+            tc_attach: match cli.tc_attach {
+                crate::cli::TcAttachMode::Auto => None,
+                crate::cli::TcAttachMode::Tcx => Some(crate::bpf::TcAttach::Tcx),
+                crate::cli::TcAttachMode::Clsact => Some(crate::bpf::TcAttach::Clsact),
+            },
         },
     )?;
     local.ipip_via_ebpf =
@@ -299,7 +304,13 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         .map(|fp| Arc::new(crate::bpf::FastPathCounters(fp.clone())) as Arc<dyn CounterSource>);
     metrics.set_dataplane(active.name(), backend_type.name(), counters);
     match &active {
-        fastpath::ActivePath::Ebpf { .. } => info!("dataplane: eBPF fast path active"),
+        fastpath::ActivePath::Ebpf { fast_path } => {
+            let tc_attach = fast_path.lock().map(|fp| fp.tc_attach().to_string());
+            info!(
+                tc_attach = tc_attach.as_deref().unwrap_or("unknown"),
+                "dataplane: eBPF fast path active"
+            );
+        }
         fastpath::ActivePath::Kernel { why } => info!("dataplane: kernel path ({why})"),
     }
 

@@ -269,6 +269,12 @@ impl Agent {
         Ok(())
     }
 
+    /// [`Agent::restart`] with its flags changed by `change` first (they stay changed).
+    pub fn restart_with(&mut self, change: impl FnOnce(&mut Vec<String>)) -> Result<()> {
+        change(&mut self.args);
+        self.restart()
+    }
+
     /// Peak resident set size (`VmHWM` of /proc/<pid>/status) in KiB, while it runs.
     pub fn peak_rss_kib(&self) -> Option<u64> {
         proc_status_kib(self.pid(), "VmHWM")

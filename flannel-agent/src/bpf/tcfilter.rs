@@ -1,0 +1,88 @@
+//! The TC programs attached the way kernels without TCX links (before Linux 6.6) allow: as a
+//! direct-action `bpf` filter under a `clsact` qdisc, at this agent's own priority and handle.
+//!
+//! A filter is not a pinnable link: it lives as long as its interface, whether or not an agent
+//! runs, which gives the same restart without a gap as a pinned TCX link. The next agent swaps
+//! its program in by replacing the filter at the same priority and handle (one netlink request,
+//! atomic: no packet meets an empty hook), and the agent removes its filters by that priority
+//! and handle, or by program name on every interface for the ones an earlier run left on
+//! interfaces it no longer uses.
+
+use std::collections::BTreeSet;
+
+use aya::programs::{
+    Link as _, SchedClassifier, TcAttachType,
+    tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
+};
+
+use super::fastpath::Attached;
+
+/// The filters' priority (`tc filter ... pref`): ours alone, so that the agent never replaces
+/// or removes a filter another tool installed ("FL").
+pub const PRIORITY: u16 = 0x464c;
+
+/// The filters' handle at [`PRIORITY`].
+pub const HANDLE: TcHandle = TcHandle::new(0, 1);
+
+/// Attaches `program` to `if_name`'s `attach_type` hook as this agent's filter: replaces the
+/// program of the filter an earlier run left there ([`Attached::Replaced`]), or creates the
+/// `clsact` qdisc (when missing) and the filter ([`Attached::New`]). The filter is left in the
+/// kernel when this process exits.
+pub fn attach(
+    program: &mut SchedClassifier,
+    if_name: &str,
+    attach_type: TcAttachType,
+) -> Result<Attached, String> {
+    let existing = SchedClassifierLink::attached(if_name, attach_type, PRIORITY, HANDLE, None)
+        .map_err(|e| e.to_string())?;
+    let (id, outcome) = match program.attach_to_link(existing) {
+        Ok(id) => (id, Attached::Replaced),
+        Err(_) => {
+            // No filter of ours there yet. The qdisc may already exist (another tool's
+            // filters): an error here is only reported if the attach then fails too.
+            let qdisc = tc::qdisc_add_clsact(if_name).err();
+            let options = TcAttachOptions::Netlink(NlOptions {
+                priority: PRIORITY,
+                handle: HANDLE,
+                classid: None,
+            });
+            let id = program
+                .attach_with_options(if_name, attach_type, options)
+                .map_err(|e| match qdisc {
+                    Some(q) => format!("{e} (adding the clsact qdisc: {q})"),
+                    None => e.to_string(),
+                })?;
+            (id, Attached::New)
+        }
+    };
+    let link = program.take_link(id).map_err(|e| e.to_string())?;
+    // Dropping the link would remove the filter: it must outlive this process.
+    std::mem::forget(link);
+    Ok(outcome)
+}
+
+/// Removes this agent's filter from `if_name`'s `attach_type` hook. `false` when there was
+/// none (or the interface is gone).
+pub fn detach(if_name: &str, attach_type: TcAttachType) -> bool {
+    SchedClassifierLink::attached(if_name, attach_type, PRIORITY, HANDLE, None)
+        .is_ok_and(|link| link.detach().is_ok())
+}
+
+/// Removes the filters running `program` (by name: this agent's programs) from the
+/// `attach_type` hook of every interface of this network namespace whose index is not in
+/// `keep`: what an earlier run left on interfaces this one does not use. Returns how many
+/// interfaces had one.
+pub fn sweep(program: &str, attach_type: TcAttachType, keep: &BTreeSet<u32>) -> usize {
+    let Ok(interfaces) = nix::net::if_::if_nameindex() else {
+        return 0;
+    };
+    interfaces
+        .iter()
+        .filter(|i| !keep.contains(&i.index()))
+        .filter(|i| {
+            i.name()
+                .to_str()
+                .is_ok_and(|name| tc::qdisc_detach_program(name, attach_type, program).is_ok())
+        })
+        .count()
+}
