@@ -664,19 +664,13 @@ impl FastPath {
         let path = self.layout.link(hook.program(), ifindex);
         let program = classifier(&mut self.ebpf, hook)?;
         if self.tc_attach == TcAttach::Clsact {
-            // A TCX link of an earlier run would run before the filter: the filter replaces it.
-            remove_pin(&path)?;
             let outcome =
                 tcfilter::attach(program, &ifname, hook.attach_type()).map_err(attach_error)?;
+            // A TCX link of an earlier run runs before the filter (and decides): removed
+            // once the filter is in place, so that no packet meets an empty hook.
+            remove_pin(&path)?;
             self.links.insert((hook, ifindex), TcHeld::Filter);
             return Ok(outcome);
-        }
-        if tcfilter::detach(&ifname, hook.attach_type()) {
-            tracing::info!(
-                program = hook.program(),
-                interface = %ifname,
-                "removed the clsact filter of an earlier run; attaching through TCX"
-            );
         }
 
         let mut outcome = Attached::New;
@@ -724,6 +718,14 @@ impl FastPath {
                 _link: fd_link,
             }),
         );
+        // Our filter from a clsact run no longer runs behind the link (TCX decides first).
+        if tcfilter::detach(&ifname, hook.attach_type()) {
+            tracing::info!(
+                program = hook.program(),
+                interface = %ifname,
+                "removed the clsact filter of an earlier run; attached through TCX"
+            );
+        }
         Ok(outcome)
     }
 
