@@ -6,7 +6,8 @@
 //! its program in by replacing the filter at the same priority and handle (one netlink request,
 //! atomic: no packet meets an empty hook), and the agent removes its filters by that priority
 //! and handle, or by program name on every interface for the ones an earlier run left on
-//! interfaces it no longer uses.
+//! interfaces it no longer uses. The `clsact` qdisc itself stays: other tools' filters may
+//! live under it, and an empty one costs nothing.
 
 use std::collections::BTreeSet;
 
