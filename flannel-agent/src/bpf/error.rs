@@ -75,6 +75,16 @@ pub enum BpfError {
         /// What failed.
         reason: String,
     },
+    /// Removing a program's `clsact` filter failed (it stays attached).
+    #[error("detaching {program} from interface {ifindex}: {reason}")]
+    Detach {
+        /// The program.
+        program: &'static str,
+        /// The interface.
+        ifindex: u32,
+        /// What failed.
+        reason: String,
+    },
     /// No interface has this index (in the agent's network namespace).
     #[error("interface index {0} does not exist")]
     NoSuchInterface(u32),

@@ -719,12 +719,19 @@ impl FastPath {
             }),
         );
         // Our filter from a clsact run no longer runs behind the link (TCX decides first).
-        if tcfilter::detach(&ifname, hook.attach_type()) {
-            tracing::info!(
+        match tcfilter::detach(&ifname, hook.attach_type()) {
+            Ok(true) => tracing::info!(
                 program = hook.program(),
                 interface = %ifname,
                 "removed the clsact filter of an earlier run; attached through TCX"
-            );
+            ),
+            Ok(false) => {}
+            // Harmless while the link runs first; reported so that it can be removed.
+            Err(error) => tracing::warn!(
+                program = hook.program(),
+                %error,
+                "could not remove the clsact filter of an earlier run"
+            ),
         }
         Ok(outcome)
     }
@@ -906,12 +913,17 @@ fn verifier_error(program: &'static str, e: ProgramError) -> BpfError {
 fn release(hook: Hook, ifindex: u32, held: TcHeld) -> Result<(), BpfError> {
     match held {
         TcHeld::Link(link) => remove_pin(&link.path),
-        TcHeld::Filter => {
-            if let Ok(name) = interface_name(ifindex) {
-                tcfilter::detach(&name, hook.attach_type());
-            }
-            Ok(())
-        }
+        TcHeld::Filter => match interface_name(ifindex) {
+            Ok(name) => tcfilter::detach(&name, hook.attach_type())
+                .map(|_| ())
+                .map_err(|reason| BpfError::Detach {
+                    program: hook.program(),
+                    ifindex,
+                    reason,
+                }),
+            // The interface is gone, and its filters with it.
+            Err(_) => Ok(()),
+        },
     }
 }
 

@@ -12,7 +12,7 @@
 use std::collections::BTreeSet;
 
 use aya::programs::{
-    Link as _, SchedClassifier, TcAttachType,
+    Link as _, ProgramError, SchedClassifier, TcAttachType,
     tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
 };
 
@@ -62,11 +62,26 @@ pub fn attach(
     Ok(outcome)
 }
 
-/// Removes this agent's filter from `if_name`'s `attach_type` hook. `false` when there was
-/// none (or the interface is gone).
-pub fn detach(if_name: &str, attach_type: TcAttachType) -> bool {
-    SchedClassifierLink::attached(if_name, attach_type, PRIORITY, HANDLE, None)
-        .is_ok_and(|link| link.detach().is_ok())
+/// Removes this agent's filter from `if_name`'s `attach_type` hook: `Ok(false)` when there was
+/// none (no `clsact` qdisc, no filter at our priority, or the interface is gone, and its
+/// filters with it).
+pub fn detach(if_name: &str, attach_type: TcAttachType) -> Result<bool, String> {
+    let absent = |errno: Option<i32>| {
+        matches!(
+            errno,
+            Some(libc::ENOENT) | Some(libc::EINVAL) | Some(libc::ENODEV)
+        )
+    };
+    let link = match SchedClassifierLink::attached(if_name, attach_type, PRIORITY, HANDLE, None) {
+        Ok(link) => link,
+        Err(e) if absent(e.raw_os_error()) => return Ok(false),
+        Err(e) => return Err(format!("{if_name}: {e}")),
+    };
+    match link.detach() {
+        Ok(()) => Ok(true),
+        Err(ProgramError::NetlinkError(e)) if absent(e.raw_os_error()) => Ok(false),
+        Err(e) => Err(format!("{if_name}: {e}")),
+    }
 }
 
 /// Removes the filters running `program` (by name: this agent's programs) from the
