@@ -432,9 +432,9 @@ impl FlowMemo {
     /// a flow in direction `dir` says: the same MACs, for [`DIR_OUT`] the same interface
     /// ([`DIR_IN`] memos hold the pod's port instead, which the agent's generation covers),
     /// and the same MTU: the route's, or for a tunnel `tunnel_mtu`, the largest inner packet
-    /// the external interface takes now. A memo only too old to be used ([`Standing::Old`]) and confirmed so by a fresh answer is as good as a new one
-    /// stamped with that answer's time: its generation says that nothing else it rests on
-    /// changed.
+    /// the external interface takes now. A memo only too old to be used ([`Standing::Old`])
+    /// and confirmed so by a fresh answer is as good as a new one stamped with that answer's
+    /// time: its generation says that nothing else it rests on changed.
     #[inline(always)]
     pub fn confirmed_by(&self, dir: u8, hop: &Hop, tunnel_mtu: u16) -> bool {
         let said = (self.ifindex, self.smac, self.dmac, self.mtu);

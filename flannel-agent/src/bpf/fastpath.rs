@@ -205,10 +205,11 @@ impl FastPath {
             });
         }
         probe()?;
+        let tcx = tcx_supported();
         let tc_attach = match options.tc_attach {
-            None if tcx_supported() => TcAttach::Tcx,
+            None if tcx => TcAttach::Tcx,
             None => TcAttach::Clsact,
-            Some(TcAttach::Tcx) if !tcx_supported() => {
+            Some(TcAttach::Tcx) if !tcx => {
                 return Err(BpfError::Unsupported {
                     what: format!(
                         "TCX links (Linux >= {}.{}; --tc-attach=clsact works without them)",
@@ -643,8 +644,24 @@ impl FastPath {
                 removed += 1;
             }
         }
+        // Filters an earlier run left: on the interfaces this handle attached (after the TCX
+        // link, which runs first, so none stays behind it) as well as on the others; in clsact
+        // mode only on the others (the kept ones carry this handle's filters now).
         if self.swept.insert(hook) {
-            removed += tcfilter::sweep(hook.program(), hook.attach_type(), keep);
+            let all = BTreeSet::new();
+            let skip = match self.tc_attach {
+                TcAttach::Tcx => &all,
+                TcAttach::Clsact => keep,
+            };
+            let swept = tcfilter::sweep(hook.program(), hook.attach_type(), skip);
+            if swept > 0 {
+                tracing::info!(
+                    program = hook.program(),
+                    interfaces = swept,
+                    "removed the clsact filters of an earlier run"
+                );
+            }
+            removed += swept;
         }
         Ok(removed)
     }
@@ -718,21 +735,6 @@ impl FastPath {
                 _link: fd_link,
             }),
         );
-        // Our filter from a clsact run no longer runs behind the link (TCX decides first).
-        match tcfilter::detach(&ifname, hook.attach_type()) {
-            Ok(true) => tracing::info!(
-                program = hook.program(),
-                interface = %ifname,
-                "removed the clsact filter of an earlier run; attached through TCX"
-            ),
-            Ok(false) => {}
-            // Harmless while the link runs first; reported so that it can be removed.
-            Err(error) => tracing::warn!(
-                program = hook.program(),
-                %error,
-                "could not remove the clsact filter of an earlier run"
-            ),
-        }
         Ok(outcome)
     }
 

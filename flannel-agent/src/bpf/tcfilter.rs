@@ -13,7 +13,7 @@ use std::collections::BTreeSet;
 
 use aya::programs::{
     Link as _, ProgramError, SchedClassifier, TcAttachType,
-    tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
+    tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcError, TcHandle},
 };
 
 use super::fastpath::Attached;
@@ -62,16 +62,19 @@ pub fn attach(
     Ok(outcome)
 }
 
+/// Whether `errno` from a filter lookup or removal says there is nothing to remove: no
+/// `clsact` qdisc (`EINVAL`), no such filter (`ENOENT`), or no such interface (`ENODEV`), whose
+/// filters went with it.
+fn absent(errno: Option<i32>) -> bool {
+    matches!(
+        errno,
+        Some(libc::ENOENT) | Some(libc::EINVAL) | Some(libc::ENODEV)
+    )
+}
+
 /// Removes this agent's filter from `if_name`'s `attach_type` hook: `Ok(false)` when there was
-/// none (no `clsact` qdisc, no filter at our priority, or the interface is gone, and its
-/// filters with it).
+/// none ([`absent`]).
 pub fn detach(if_name: &str, attach_type: TcAttachType) -> Result<bool, String> {
-    let absent = |errno: Option<i32>| {
-        matches!(
-            errno,
-            Some(libc::ENOENT) | Some(libc::EINVAL) | Some(libc::ENODEV)
-        )
-    };
     let link = match SchedClassifierLink::attached(if_name, attach_type, PRIORITY, HANDLE, None) {
         Ok(link) => link,
         Err(e) if absent(e.raw_os_error()) => return Ok(false),
@@ -86,19 +89,34 @@ pub fn detach(if_name: &str, attach_type: TcAttachType) -> Result<bool, String> 
 
 /// Removes the filters running `program` (by name: this agent's programs) from the
 /// `attach_type` hook of every interface of this network namespace whose index is not in
-/// `keep`: what an earlier run left on interfaces this one does not use. Returns how many
-/// interfaces had one.
+/// `keep`: what an earlier run left where this one does not run it as a filter. Returns how
+/// many interfaces had one; a filter that is there but cannot be removed is logged.
 pub fn sweep(program: &str, attach_type: TcAttachType, keep: &BTreeSet<u32>) -> usize {
-    let Ok(interfaces) = nix::net::if_::if_nameindex() else {
-        return 0;
+    let interfaces = match nix::net::if_::if_nameindex() {
+        Ok(interfaces) => interfaces,
+        Err(errno) => {
+            tracing::warn!(program, %errno, "listing interfaces for stale clsact filters");
+            return 0;
+        }
     };
-    interfaces
-        .iter()
-        .filter(|i| !keep.contains(&i.index()))
-        .filter(|i| {
-            i.name()
-                .to_str()
-                .is_ok_and(|name| tc::qdisc_detach_program(name, attach_type, program).is_ok())
-        })
-        .count()
+    let mut removed = 0;
+    for interface in interfaces.iter().filter(|i| !keep.contains(&i.index())) {
+        let Ok(name) = interface.name().to_str() else {
+            continue;
+        };
+        match tc::qdisc_detach_program(name, attach_type, program) {
+            Ok(()) => removed += 1,
+            // None there (`NotFound`), or no qdisc or interface.
+            Err(TcError::IoError(e))
+                if e.kind() == std::io::ErrorKind::NotFound || absent(e.raw_os_error()) => {}
+            Err(TcError::NetlinkError(e)) if absent(e.raw_os_error()) => {}
+            Err(error) => tracing::warn!(
+                program,
+                interface = name,
+                %error,
+                "could not remove a clsact filter of an earlier run"
+            ),
+        }
+    }
+    removed
 }

@@ -517,6 +517,7 @@ mod tests {
         let record = |name: &str, gbps: f64, cps: f64| VariantRecord {
             variant: name.into(),
             description: String::new(),
+            baseline: None,
             metrics: vec![
                 metric("tcp1_gbps", gbps),
                 metric("crr1_cps", cps),

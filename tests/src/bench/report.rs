@@ -109,6 +109,10 @@ pub struct VariantRecord {
     pub variant: String,
     /// What it is.
     pub description: String,
+    /// The variant its ratios are to: its own baseline when that ran (`underlay-v6` for the
+    /// IPv6 variants), the run's otherwise. `None` in reports written before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<String>,
     /// Its metrics (same order for every variant).
     pub metrics: Vec<MetricResult>,
     /// Failed repetitions, with the reason.
@@ -545,12 +549,14 @@ mod tests {
                 VariantRecord {
                     variant: "underlay".into(),
                     description: "node to node".into(),
+                    baseline: Some("underlay".into()),
                     metrics: vec![metric("tcp1", 40.0, Some(1.0))],
                     errors: vec![],
                 },
                 VariantRecord {
                     variant: "ref-vxlan".into(),
                     description: "vxlan by hand".into(),
+                    baseline: Some("underlay".into()),
                     metrics: vec![metric("tcp1", 30.0, Some(0.75))],
                     errors: vec!["rep 2: boom".into()],
                 },
@@ -582,6 +588,7 @@ mod tests {
         let text = r.json().expect("json");
         let back = Report::from_json(&text).expect("round trip");
         assert_eq!(back.markdown(), md);
+        assert_eq!(back.variants[1].baseline.as_deref(), Some("underlay"));
         let json: Value = serde_json::from_str(&text).expect("parse");
         assert_eq!(json["variants"].as_array().map(Vec::len), Some(2));
         assert_eq!(json["variants"][1]["metrics"][0]["ratio"], 0.75);

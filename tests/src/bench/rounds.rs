@@ -166,6 +166,7 @@ pub fn run<B: Bench>(
         .map(|(i, (name, description))| VariantRecord {
             variant: (*name).to_owned(),
             description: (*description).to_owned(),
+            baseline: Some(labels[bases[i]].0.to_owned()),
             metrics: B::METRICS
                 .iter()
                 .enumerate()

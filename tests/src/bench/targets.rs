@@ -8,8 +8,8 @@
 //! says that each paired ratio met it, not only their median.
 
 use super::{
-    report::{MetricResult, Report},
-    variant::{self, UNDERLAY, UNDERLAY_V6},
+    report::{MetricResult, Report, VariantRecord},
+    variant::{UNDERLAY, UNDERLAY_V6},
 };
 
 /// A bound on a ratio.
@@ -39,31 +39,26 @@ impl std::fmt::Display for Bound {
     }
 }
 
-/// One target: metric `key` of the agent's `variant` against its baseline, with the floor
+/// One target: metric `key` of the agent's `variant` against `underlay`, with the floor
 /// variant that shows the least any eBPF forwarder reaches on the same path.
 struct Target {
     variant: &'static str,
+    underlay: &'static str,
     floor: Option<&'static str>,
     key: &'static str,
     bound: Bound,
 }
 
-/// Whether `variant`'s ratios in `report` are to the underlay of its family, as the targets
-/// are: an IPv6 variant's are to `underlay-v6` when that ran (its own baseline, see
-/// `Dataplane::own_baseline`), every other ratio to the run's baseline.
-fn against_its_underlay(report: &Report, variant: &str) -> bool {
-    let ipv6 = variant::find(variant).is_some_and(|v| v.topology.ipv6);
-    let baseline = if ipv6 && report.variants.iter().any(|v| v.variant == UNDERLAY_V6) {
-        UNDERLAY_V6
-    } else {
-        report.baseline.as_str()
-    };
-    baseline == if ipv6 { UNDERLAY_V6 } else { UNDERLAY }
+/// Whether `record`'s ratios are to `underlay`, as the targets are: to the baseline the run
+/// recorded for it (reports written before that was kept: the run's baseline).
+fn against(report: &Report, record: &VariantRecord, underlay: &str) -> bool {
+    record.baseline.as_deref().unwrap_or(&report.baseline) == underlay
 }
 
 /// Throughput, latency and CPU per Gbit targets of issue 4 for an eBPF variant.
 fn dataplane_targets(
     variant: &'static str,
+    underlay: &'static str,
     floor: Option<&'static str>,
     throughput: Option<f64>,
     latency: Option<f64>,
@@ -72,6 +67,7 @@ fn dataplane_targets(
     let mut add = |key, bound| {
         out.push(Target {
             variant,
+            underlay,
             floor,
             key,
             bound,
@@ -96,19 +92,33 @@ fn targets() -> Vec<Target> {
     [
         dataplane_targets(
             "agent-ebpf-host-gw",
+            UNDERLAY,
             Some("floor-ebpf-host-gw"),
             Some(0.98),
             Some(1.1),
         ),
         dataplane_targets(
             "agent-ebpf-vxlan",
+            UNDERLAY,
             Some("floor-ebpf-vxlan"),
             Some(0.95),
             Some(1.25),
         ),
-        dataplane_targets("agent-ebpf-ipip", None, None, None),
-        dataplane_targets("agent-ebpf-host-gw-v6", None, Some(0.98), Some(1.1)),
-        dataplane_targets("agent-ebpf-vxlan-v6", None, Some(0.95), Some(1.25)),
+        dataplane_targets("agent-ebpf-ipip", UNDERLAY, None, None, None),
+        dataplane_targets(
+            "agent-ebpf-host-gw-v6",
+            UNDERLAY_V6,
+            None,
+            Some(0.98),
+            Some(1.1),
+        ),
+        dataplane_targets(
+            "agent-ebpf-vxlan-v6",
+            UNDERLAY_V6,
+            None,
+            Some(0.95),
+            Some(1.25),
+        ),
     ]
     .into_iter()
     .flatten()
@@ -153,19 +163,17 @@ fn verdict(met: bool, every: bool) -> &'static str {
 /// or metrics missing from the report, and ratios to another baseline than the variant's
 /// underlay, are skipped).
 pub fn check(report: &Report) -> Vec<String> {
-    let metric = |variant: &str, key: &str| {
-        report
-            .variants
-            .iter()
-            .find(|v| v.variant == variant)?
-            .metric(key)
-    };
+    let record = |variant: &str| report.variants.iter().find(|v| v.variant == variant);
+    let metric = |variant: &str, key: &str| record(variant)?.metric(key);
     let mut out = Vec::new();
     for t in targets() {
-        let Some(m) = metric(t.variant, t.key) else {
+        let Some(r) = record(t.variant) else {
             continue;
         };
-        if !against_its_underlay(report, t.variant) {
+        let Some(m) = r.metric(t.key) else {
+            continue;
+        };
+        if !against(report, r, t.underlay) {
             continue;
         }
         let Some((figure, met, every)) = judged(m, t.bound) else {
@@ -211,10 +219,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::bench::{
-        report::{Machine, VariantRecord},
-        stats::Summary,
-    };
+    use crate::bench::{report::Machine, stats::Summary};
 
     fn metric(key: &str, label: &str, median: f64, ratio: f64, paired: &[f64]) -> MetricResult {
         MetricResult {
@@ -232,6 +237,7 @@ mod tests {
         VariantRecord {
             variant: name.into(),
             description: String::new(),
+            baseline: None,
             metrics,
             errors: Vec::new(),
         }
@@ -321,7 +327,11 @@ mod tests {
                 ),
             ]
         };
+        // As the run records it when underlay-v6 runs too: the IPv6 variant's own baseline.
         let with_underlay_v6 = |mut r: Report| {
+            for v in r.variants.iter_mut().filter(|v| v.variant.ends_with("-v6")) {
+                v.baseline = Some(UNDERLAY_V6.into());
+            }
             r.variants.push(record(UNDERLAY_V6, Vec::new()));
             r
         };
