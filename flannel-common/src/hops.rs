@@ -1,5 +1,5 @@
 //! Remembered route lookups: the programs keep `bpf_fib_lookup`'s answer for a destination for
-//! a second ([`HOP_TTL_NS`]) and use it instead of looking the route up for every packet (the
+//! up to a second ([`HOP_TTL_TICKS`]) and use it instead of looking the route up for every packet (the
 //! lookup was ~40 % of `tc_from_netdev`'s time and as much of `tc_from_bridge`'s).
 //!
 //! | who | key ([`HopKey`]) | answer ([`Hop`]) |
@@ -34,8 +34,16 @@ const _: () = assert!(HOPS4.len() <= MAX_OBJ_NAME_LEN);
 /// `dst`): no pod or node has this address.
 pub const UNDERLAY_VIA: [u8; 4] = [255; 4];
 
-/// How long a remembered answer is used before the route is looked up again.
-pub const HOP_TTL_NS: u64 = 1_000_000_000;
+/// How long a remembered answer is used before the route is looked up again, in kernel timer
+/// ticks (jiffies): at most a second whatever the kernel's `CONFIG_HZ` (1 s at HZ=100, 0.4 s at
+/// the common 250, 0.1 s at 1000).
+///
+/// Ticks, not nanoseconds, because `bpf_jiffies64` is one memory load (the verifier inlines
+/// it), where `bpf_ktime_get_coarse_ns` is a helper call: on a remembered flow's short path
+/// that call was ~20-25 ns of each program run. A program cannot know HZ, hence a count of
+/// ticks that keeps the old one-second bound for the slowest tick rate Linux offers; a faster
+/// tick only looks routes up again sooner (one lookup per destination per window).
+pub const HOP_TTL_TICKS: u64 = 100;
 
 /// [`HOPS4`]'s key. 8 bytes.
 #[repr(C)]
@@ -65,8 +73,8 @@ pub struct Hop {
     pub mtu: u16,
     /// Explicit padding; always zero.
     pub _pad: [u8; 6],
-    /// When the lookup was made (`bpf_ktime_get_coarse_ns`).
-    pub checked_ns: u64,
+    /// When the lookup was made, in kernel ticks (`bpf_jiffies64`, see [`HOP_TTL_TICKS`]).
+    pub checked_at: u64,
 }
 
 #[cfg(feature = "user")]
@@ -79,21 +87,21 @@ const _: () = {
 
 impl Hop {
     /// Whether this answer may carry a packet of IP length `tot_len` (0 for a GSO packet,
-    /// whose segments the route's MTU bounds anyway) at `now_ns`. A lookup stamped by another
-    /// CPU a moment after `now_ns` counts as stale.
+    /// whose segments the route's MTU bounds anyway) at `now`. A lookup stamped by another
+    /// CPU a moment after `now` counts as stale.
     #[inline(always)]
-    pub fn usable(&self, now_ns: u64, tot_len: u16) -> bool {
-        fresh_and_fits(self.checked_ns, self.mtu, now_ns, tot_len)
+    pub fn usable(&self, now: u64, tot_len: u16) -> bool {
+        fresh_and_fits(self.checked_at, self.mtu, now, tot_len)
     }
 }
 
-/// Whether an answer checked at `checked_ns` for a route of MTU `mtu` may carry a packet of IP
-/// length `tot_len` (0: not checked) at `now_ns`: at most [`HOP_TTL_NS`] old (a stamp later
-/// than `now_ns`, from another CPU, counts as stale) and the packet fits. Shared by the
+/// Whether an answer checked at `checked_at` for a route of MTU `mtu` may carry a packet of IP
+/// length `tot_len` (0: not checked) at `now`: at most [`HOP_TTL_TICKS`] old (a stamp later
+/// than `now`, from another CPU, counts as stale) and the packet fits. Shared by the
 /// remembered hops and the remembered flows ([`crate::memo`]).
 #[inline(always)]
-pub fn fresh_and_fits(checked_ns: u64, mtu: u16, now_ns: u64, tot_len: u16) -> bool {
-    now_ns.wrapping_sub(checked_ns) <= HOP_TTL_NS && tot_len <= mtu
+pub fn fresh_and_fits(checked_at: u64, mtu: u16, now: u64, tot_len: u16) -> bool {
+    now.wrapping_sub(checked_at) <= HOP_TTL_TICKS && tot_len <= mtu
 }
 
 #[cfg(test)]
@@ -105,13 +113,13 @@ mod tests {
         let hop = Hop {
             ifindex: 3,
             mtu: 1450,
-            checked_ns: 5 * HOP_TTL_NS,
+            checked_at: 5 * HOP_TTL_TICKS,
             ..Hop::default()
         };
-        let now = 5 * HOP_TTL_NS;
+        let now = 5 * HOP_TTL_TICKS;
         assert!(hop.usable(now, 1450));
-        assert!(hop.usable(now + HOP_TTL_NS, 0));
-        assert!(!hop.usable(now + HOP_TTL_NS + 1, 100), "stale");
+        assert!(hop.usable(now + HOP_TTL_TICKS, 0));
+        assert!(!hop.usable(now + HOP_TTL_TICKS + 1, 100), "stale");
         assert!(!hop.usable(now - 1, 100), "stamped later elsewhere");
         assert!(!hop.usable(now, 1451), "longer than the MTU");
     }

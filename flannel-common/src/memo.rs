@@ -16,8 +16,8 @@
 //! `bpf_fib_lookup` (IPv6 has no remembered next hops) of every packet.
 //!
 //! A memo is used only while everything the decision rested on is unchanged:
-//! - at most a second old ([`crate::hops::HOP_TTL_NS`], as for a remembered next hop: a changed
-//!   neighbour is seen within a second). A memo only older than that is not thrown away: if
+//! - at most [`crate::hops::HOP_TTL_TICKS`] kernel ticks (up to a second) old, as for a
+//!   remembered next hop: a changed neighbour is seen within a second. A memo only older than that is not thrown away: if
 //!   the remembered route lookup it came from ([`FlowMemo::hop_key`]) is fresh and says the
 //!   same ([`FlowMemo::confirmed_by`]), the memo takes that lookup's time and is used
 //!   (`memo_confirmed`). Nothing else a decision rests on can change without moving its
@@ -233,8 +233,8 @@ pub struct FlowMemo {
     pub _pad2: [u8; 6],
     /// The [generation](MEMO_GEN) the checks were made at.
     pub generation: u64,
-    /// When the checks were made (`bpf_ktime_get_coarse_ns`).
-    pub checked_ns: u64,
+    /// When the checks were made, in kernel ticks (`bpf_jiffies64`, see [`crate::hops::HOP_TTL_TICKS`]).
+    pub checked_at: u64,
 }
 
 #[cfg(feature = "user")]
@@ -314,8 +314,8 @@ pub struct FlowMemo6 {
     pub _pad2: [u8; 2],
     /// The [generation](MEMO_GEN) the checks were made at.
     pub generation: u64,
-    /// When the checks were made (`bpf_ktime_get_coarse_ns`).
-    pub checked_ns: u64,
+    /// When the checks were made, in kernel ticks (`bpf_jiffies64`, see [`crate::hops::HOP_TTL_TICKS`]).
+    pub checked_at: u64,
 }
 
 #[cfg(feature = "user")]
@@ -329,10 +329,10 @@ const _: () = {
 impl FlowMemo6 {
     /// [`FlowMemo::standing`] for an IPv6 packet of `len` bytes, header included.
     #[inline(always)]
-    pub fn standing(&self, now_ns: u64, generation: u64, len: u16) -> Standing {
+    pub fn standing(&self, now: u64, generation: u64, len: u16) -> Standing {
         standing(
-            (self.generation, self.checked_ns, self.mtu),
-            now_ns,
+            (self.generation, self.checked_at, self.mtu),
+            now,
             generation,
             len,
         )
@@ -357,24 +357,25 @@ impl FlowMemo6 {
 /// What a memo may do for a packet ([`FlowMemo::standing`], [`FlowMemo6::standing`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Standing {
-    /// Decide: made at the flow's current generation, at most a second old, and the packet
+    /// Decide: made at the flow's current generation, at most [`crate::hops::HOP_TTL_TICKS`]
+    /// old, and the packet
     /// fits its MTU.
     Usable,
     /// Decide once the route it came from confirms it ([`FlowMemo::confirmed_by`]): only its
-    /// second is up (or its stamp is a moment ahead of this CPU's clock).
+    /// time is up (or its stamp is a moment ahead of this CPU's clock).
     Old,
     /// Nothing: retired (another generation), or the packet does not fit.
     Unusable,
 }
 
-/// The [`Standing`] of a memo stamped `(generation, checked_ns, mtu)` for a packet of `len`
-/// bytes at `now_ns` and the flow's current generation `generation`.
+/// The [`Standing`] of a memo stamped `(generation, checked_at, mtu)` for a packet of `len`
+/// bytes at `now` and the flow's current generation `generation`.
 #[inline(always)]
-fn standing(memo: (u64, u64, u16), now_ns: u64, generation: u64, len: u16) -> Standing {
-    let (made_at, checked_ns, mtu) = memo;
+fn standing(memo: (u64, u64, u16), now: u64, generation: u64, len: u16) -> Standing {
+    let (made_at, checked_at, mtu) = memo;
     if made_at != generation || len > mtu {
         Standing::Unusable
-    } else if crate::hops::fresh_and_fits(checked_ns, mtu, now_ns, len) {
+    } else if crate::hops::fresh_and_fits(checked_at, mtu, now, len) {
         Standing::Usable
     } else {
         Standing::Old
@@ -389,12 +390,12 @@ pub fn generation(learnt: u64, agent: u64) -> u64 {
 
 impl FlowMemo {
     /// What this memo may do for a packet of IP length `tot_len` (each segment's, for a GSO
-    /// packet) at `now_ns` and generation `generation`.
+    /// packet) at `now` and generation `generation`.
     #[inline(always)]
-    pub fn standing(&self, now_ns: u64, generation: u64, tot_len: u16) -> Standing {
+    pub fn standing(&self, now: u64, generation: u64, tot_len: u16) -> Standing {
         standing(
-            (self.generation, self.checked_ns, self.mtu),
-            now_ns,
+            (self.generation, self.checked_at, self.mtu),
+            now,
             generation,
             tot_len,
         )
@@ -464,7 +465,7 @@ fn confirms(dir: u8, tunnel: u8, said: RouteSaid, hop: &Hop, tunnel_mtu: u16) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hops::HOP_TTL_NS;
+    use crate::hops::HOP_TTL_TICKS;
 
     #[test]
     fn a_memo_decides_only_at_its_generation_while_fresh_and_for_packets_that_fit() {
@@ -472,15 +473,15 @@ mod tests {
             ifindex: 7,
             mtu: 1500,
             generation: generation(3, 4),
-            checked_ns: 10 * HOP_TTL_NS,
+            checked_at: 10 * HOP_TTL_TICKS,
             ..FlowMemo::default()
         };
-        let now = 10 * HOP_TTL_NS;
+        let now = 10 * HOP_TTL_TICKS;
         assert_eq!(memo.standing(now, 7, 1500), Standing::Usable);
         assert_eq!(
-            memo.standing(now + HOP_TTL_NS, 7, 100),
+            memo.standing(now + HOP_TTL_TICKS, 7, 100),
             Standing::Usable,
-            "within the second"
+            "within its ticks"
         );
         assert_eq!(
             memo.standing(now, generation(4, 4), 100),
@@ -493,7 +494,7 @@ mod tests {
             "the agent changed a map"
         );
         assert_eq!(
-            memo.standing(now + HOP_TTL_NS + 1, 7, 100),
+            memo.standing(now + HOP_TTL_TICKS + 1, 7, 100),
             Standing::Old,
             "stale: to be confirmed"
         );
@@ -519,7 +520,7 @@ mod tests {
             smac: [2, 0, 0, 0, 0, 1],
             dmac: [2, 0, 0, 0, 0, 2],
             mtu: 1500,
-            checked_ns: 5,
+            checked_at: 5,
             ..Hop::default()
         };
         let key = |dst, via| HopKey { dst, via };
@@ -693,10 +694,10 @@ mod tests {
             tunnel: TUNNEL_VXLAN,
             peer,
             generation: 9,
-            checked_ns: 10 * HOP_TTL_NS,
+            checked_at: 10 * HOP_TTL_TICKS,
             ..FlowMemo6::default()
         };
-        let now = 10 * HOP_TTL_NS;
+        let now = 10 * HOP_TTL_TICKS;
         assert_eq!(memo.standing(now, 9, 1500), Standing::Usable);
         assert_eq!(
             memo.standing(now, 10, 100),
@@ -704,7 +705,7 @@ mod tests {
             "another generation"
         );
         assert_eq!(
-            memo.standing(now + HOP_TTL_NS + 1, 9, 100),
+            memo.standing(now + HOP_TTL_TICKS + 1, 9, 100),
             Standing::Old,
             "stale"
         );

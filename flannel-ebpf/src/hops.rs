@@ -12,7 +12,7 @@ use crate::{fib::Fib, maps::FLANNEL_HOPS4};
 /// the lookup gave none).
 #[inline(always)]
 pub fn route(key: HopKey, len: u16, mtu: &mut u16, lookup: impl FnOnce(&mut u16) -> Fib) -> Fib {
-    let now = crate::now_ns();
+    let now = crate::now_ticks();
     if let Some(hop) = FLANNEL_HOPS4.get_ptr(key) {
         // SAFETY: the pointer comes from a successful lookup; the entry is read once.
         let hop = unsafe { hop.read() };
@@ -40,7 +40,7 @@ pub fn route(key: HopKey, len: u16, mtu: &mut u16, lookup: impl FnOnce(&mut u16)
             dmac,
             mtu: *mtu,
             _pad: crate::zeroed(),
-            checked_ns: now,
+            checked_at: now,
         };
         let _ = FLANNEL_HOPS4.insert(key, hop, 0);
     }

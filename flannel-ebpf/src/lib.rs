@@ -48,12 +48,21 @@ pub mod v6;
 pub mod xdp;
 
 /// `CLOCK_MONOTONIC` at the last timer tick (`bpf_ktime_get_coarse_ns`): a few milliseconds
-/// behind at most and much cheaper to read on every packet; the time of the NAT's flows and
-/// of remembered deliveries.
+/// behind at most and cheaper to read on every packet than the exact clock; the time of the
+/// NAT's flows, which the agent compares with its own clock.
 #[inline(always)]
 pub fn now_ns() -> u64 {
     // SAFETY: plain helper call.
     unsafe { aya_ebpf::helpers::bpf_ktime_get_coarse_ns() }
+}
+
+/// The kernel's tick count (`jiffies_64`): the time of remembered route lookups and flows
+/// (see `flannel_common::hops::HOP_TTL_TICKS`). The verifier replaces the helper call with a
+/// load of the counter, so reading it costs no call on the short path of every packet.
+#[inline(always)]
+pub fn now_ticks() -> u64 {
+    // SAFETY: plain helper call (inlined by the verifier on 64-bit JITs).
+    unsafe { aya_ebpf::helpers::bpf_jiffies64() }
 }
 
 /// Plain data, all-zero bytes of which are a valid value: byte arrays (map keys' padding) and

@@ -161,7 +161,7 @@ pub fn memo(ifindex: u32, smac: [u8; 6], dmac: [u8; 6], mtu: u16, generation: u6
         vtep_mac: crate::zeroed(),
         _pad2: crate::zeroed(),
         generation,
-        checked_ns: crate::now_ns(),
+        checked_at: crate::now_ticks(),
     }
 }
 
@@ -229,18 +229,18 @@ fn usable(ctx: &TcContext, cfg: &Config, info: &Ipv4Info, dir: u8) -> Option<Flo
         info.segment_len(gso)
     };
     let len = u16::try_from(len).ok()?;
-    let now = crate::now_ns();
+    let now = crate::now_ticks();
     match memo.standing(now, generation, len) {
         Standing::Usable => Some(memo),
         Standing::Old => {
-            let checked_ns = confirmed(ctx, cfg, info.dst, dir, &memo, now)?;
+            let checked_at = confirmed(ctx, cfg, info.dst, dir, &memo, now)?;
             // SAFETY: the pointer comes from the successful lookup above.
             unsafe {
                 restamp(
                     ctx,
                     dir,
-                    core::ptr::addr_of_mut!((*entry).checked_ns),
-                    checked_ns,
+                    core::ptr::addr_of_mut!((*entry).checked_at),
+                    checked_at,
                 )
             };
             Some(memo)
@@ -249,21 +249,21 @@ fn usable(ctx: &TcContext, cfg: &Config, info: &Ipv4Info, dir: u8) -> Option<Flo
     }
 }
 
-/// Writes `checked_ns` into a confirmed memo's stamp `stamp` (an element of either family's
+/// Writes `checked_at` into a confirmed memo's stamp `stamp` (an element of either family's
 /// memo map) in place, and counts the memo, of direction `dir`, as confirmed
 /// ([`Reason::MemoConfirmed`]) in the counters of the program that used it.
 ///
 /// One aligned 8-byte store. An LRU map reuses a deleted element at once, so the element may
 /// by then hold another flow's memo, made a moment ago: that memo's stamp can move by at most
-/// the few microseconds since, and its generation, which alone says whether its checks still
+/// the tick or so since, and its generation, which alone says whether its checks still
 /// hold, is not touched.
 ///
 /// # Safety
 /// `stamp` must point into a map element returned by a lookup during this program run.
 #[inline(always)]
-pub(crate) unsafe fn restamp(ctx: &TcContext, dir: u8, stamp: *mut u64, checked_ns: u64) {
+pub(crate) unsafe fn restamp(ctx: &TcContext, dir: u8, stamp: *mut u64, checked_at: u64) {
     // SAFETY: as the caller promised (map elements stay allocated during the run).
-    unsafe { stamp.write_volatile(checked_ns) };
+    unsafe { stamp.write_volatile(checked_at) };
     let counters = if dir == DIR_IN {
         &maps::FLANNEL_CNT_FND
     } else {
@@ -298,7 +298,7 @@ fn confirmed(
         _ => 0,
     };
     memo.confirmed_by(dir, &hop, tunnel_mtu)
-        .then_some(hop.checked_ns)
+        .then_some(hop.checked_at)
 }
 
 /// Writes the memo's MACs and decrements the TTL; `None` (nothing written) if the headers are

@@ -15,7 +15,7 @@ use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, Ipv6Addr},
     thread,
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use aya::{TestRun as _, TestRunOptions};
@@ -38,7 +38,7 @@ mod bpf_support;
 
 use bpf_support::{
     BR_MAC, EXT_MAC, Ifaces, Mac, POD_MAC, Rig, Run, Skb, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT,
-    assert_bytes, counted_between, know_pod_port, mac_str, net, run,
+    assert_bytes, counted_between, hop_ttl, know_pod_port, mac_str, net, past_hop_ttl, run,
 };
 
 const PEER2_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x02];
@@ -272,7 +272,7 @@ fn bridge_host_gw_routes_by_the_fib() {
     });
 }
 
-/// The host-gw next hop of a destination is remembered for a second per peer: a changed
+/// The host-gw next hop of a destination is remembered for `HOP_TTL_TICKS` per peer: a changed
 /// neighbour entry of the same peer is seen after that; a lease that moves the subnet to
 /// another peer is followed at once.
 #[test]
@@ -297,21 +297,25 @@ fn bridge_host_gw_remembers_the_next_hop_per_peer() {
             "ip neigh replace {PUB2} lladdr {} dev ext0 nud permanent",
             mac_str(&MOVED_MAC)
         );
-        // The neighbour change must land inside the second; on a stalled machine the scenario
+        // The neighbour change must land inside that time; on a stalled machine the scenario
         // is tried again.
         for attempt in 0..3 {
             sh(peer2.clone());
-            thread::sleep(Duration::from_millis(1100));
+            thread::sleep(past_hop_ttl());
             send(fp, "looked up", PEER2_MAC);
             let looked_up = Instant::now();
             sh(moved.clone());
             let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
-            if looked_up.elapsed() > Duration::from_millis(800) && attempt < 2 {
+            if looked_up.elapsed() > hop_ttl() * 4 / 5 && attempt < 2 {
                 continue;
             }
             assert_bytes(&r.out, &to(PEER2_MAC), "remembered: the old MAC");
-            thread::sleep(Duration::from_millis(1100));
-            send(fp, "a second later: the new MAC", MOVED_MAC);
+            thread::sleep(past_hop_ttl());
+            send(
+                fp,
+                "once the remembered lookup aged: the new MAC",
+                MOVED_MAC,
+            );
             break;
         }
         // The subnet moves to the node at .3 (route and lease): followed at once.
@@ -1076,7 +1080,7 @@ fn an_old_memo_is_confirmed_by_a_fresh_lookup_of_its_route() {
         let (a, a2) = (incoming(80), incoming(81));
         let sent = |ip: &Ipv4, mac: Mac| Ethernet::new(EXT_MAC, mac, forwarded(ip)).encode();
 
-        // The confirmed memo must be used within the second of the other flows' lookups; on a
+        // The confirmed memo must be used within the remembered time of the other flows' lookups; on a
         // stalled machine the scenario is tried again.
         for attempt in 0..3 {
             // The routes (back) in place; every memo retired.
@@ -1092,7 +1096,7 @@ fn an_old_memo_is_confirmed_by_a_fresh_lookup_of_its_route() {
                 &[],
                 "full checks",
             );
-            thread::sleep(Duration::from_millis(1100));
+            thread::sleep(past_hop_ttl());
             // Other flows to the same destinations look the routes up again.
             check(
                 &send(fp, &c2),
@@ -1114,7 +1118,7 @@ fn an_old_memo_is_confirmed_by_a_fresh_lookup_of_its_route() {
             remove_route_behind_the_agents_back(&rig.pin, hostgw);
             remove_route_behind_the_agents_back(&rig.pin, vxlan);
             let runs = [send(fp, &c), send(fp, &v), deliver(fp, &a)];
-            if looked_up.elapsed() > Duration::from_millis(800) && attempt < 2 {
+            if looked_up.elapsed() > hop_ttl() * 4 / 5 && attempt < 2 {
                 continue;
             }
             let [rc, rv, ra] = runs;
@@ -1170,7 +1174,7 @@ fn an_old_memo_is_confirmed_by_a_fresh_lookup_of_its_route() {
             "ip neigh replace {PUB2} lladdr {} dev ext0 nud permanent",
             mac_str(&MOVED_MAC)
         ));
-        thread::sleep(Duration::from_millis(1100));
+        thread::sleep(past_hop_ttl());
         let r = send(fp, &c2);
         assert_bytes(&r.out, &sent(&c2, MOVED_MAC), "c2: looked up again");
         let r = send(fp, &c);
@@ -1523,7 +1527,7 @@ fn ipip_flows_are_remembered_for_their_peer_only() {
     tunnel_flows_are_remembered_for_their_peer_only("fpmemoip", &IPIP_TUNNEL);
 }
 
-/// The route lookup's answer for a local pod is remembered for a second: a change of the
+/// The route lookup's answer for a local pod is remembered for `HOP_TTL_TICKS`: a change of the
 /// pod's neighbour entry is seen only after that, while a packet longer than the remembered
 /// route's MTU still goes to the lookup (which refuses it) at once.
 #[test]
@@ -1544,11 +1548,11 @@ fn netdev_remembers_a_pods_route_for_a_second() {
         };
         let frame = underlay(PEER2_MAC, ip.clone());
         let to = |mac: Mac| Ethernet::new(BR_MAC, mac, forwarded(&ip)).encode();
-        // The neighbour change below must land inside the second; on a stalled machine the
+        // The neighbour change below must land inside that time; on a stalled machine the
         // scenario is tried again.
         for attempt in 0..3 {
             moved(&rig, &POD_MAC);
-            thread::sleep(Duration::from_millis(1100));
+            thread::sleep(past_hop_ttl());
             plain_delivery(fp, ifs, &[], "looked up");
             let looked_up = Instant::now();
             moved(&rig, &MOVED_MAC);
@@ -1559,7 +1563,7 @@ fn netdev_remembers_a_pods_route_for_a_second() {
             };
             let big_frame = underlay(PEER2_MAC, big);
             let r_big = run(fp, Hook::FromNetdev, &big_frame, skb);
-            if looked_up.elapsed() > Duration::from_millis(800) && attempt < 2 {
+            if looked_up.elapsed() > hop_ttl() * 4 / 5 && attempt < 2 {
                 continue;
             }
             assert_eq!(r.verdict, TC_ACT_REDIRECT);
@@ -1571,13 +1575,20 @@ fn netdev_remembers_a_pods_route_for_a_second() {
                 &[Reason::Ipv4Udp, Reason::PassFibFailed],
                 "too big: looked up, refused",
             );
-            thread::sleep(Duration::from_millis(1100));
+            thread::sleep(past_hop_ttl());
             let r = run(fp, Hook::FromNetdev, &frame, skb);
             assert_eq!(r.verdict, TC_ACT_REDIRECT);
-            assert_bytes(&r.out, &to(MOVED_MAC), "a second later: the new MAC");
+            assert_bytes(
+                &r.out,
+                &to(MOVED_MAC),
+                "once the remembered lookup aged: the new MAC",
+            );
             return;
         }
-        panic!("three attempts each took more than 800 ms between the lookup and the check");
+        panic!(
+            "three attempts each took more than {:?} between the lookup and the check",
+            hop_ttl() * 4 / 5
+        );
     });
 }
 

@@ -15,7 +15,6 @@ use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, Ipv6Addr},
     thread,
-    time::Duration,
 };
 
 use flannel_agent::bpf::{
@@ -31,7 +30,7 @@ mod bpf_support;
 
 use bpf_support::{
     BR_MAC, EXT_MAC, Ifaces, Mac, POD_MAC, Rig, Skb, TC_ACT_OK, TC_ACT_REDIRECT, assert_bytes,
-    assert_counted, know_pod_port, mac_str, net, run,
+    assert_counted, know_pod_port, mac_str, net, past_hop_ttl, run,
 };
 
 const PEER2_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x02];
@@ -821,7 +820,7 @@ fn an_old_ipv6_memo_is_confirmed_by_a_route_lookup() {
         );
         remove_route6_behind_the_agents_back(fp, hostgw);
         remove_route6_behind_the_agents_back(fp, vxlan);
-        thread::sleep(Duration::from_millis(1100));
+        thread::sleep(past_hop_ttl());
         let r = send(fp, &c);
         assert_fast(
             &r,
@@ -870,7 +869,7 @@ fn an_old_ipv6_memo_is_confirmed_by_a_route_lookup() {
             "ip -6 neigh replace fd00:77::2 lladdr {} dev ext0 nud permanent",
             mac_str(&MOVED_MAC)
         ));
-        thread::sleep(Duration::from_millis(1100));
+        thread::sleep(past_hop_ttl());
         let moved = sent(&c, MOVED_MAC);
         assert_fast(
             &send(fp, &c),

@@ -60,6 +60,7 @@ pub fn probe() -> Result<(), BpfError> {
             BpfHelper::BPF_FUNC_ktime_get_coarse_ns,
             "bpf_ktime_get_coarse_ns",
         ),
+        (BpfHelper::BPF_FUNC_jiffies64, "bpf_jiffies64"),
         (BpfHelper::BPF_FUNC_skb_adjust_room, "bpf_skb_adjust_room"),
         (BpfHelper::BPF_FUNC_check_mtu, "bpf_check_mtu"),
         (BpfHelper::BPF_FUNC_get_hash_recalc, "bpf_get_hash_recalc"),

@@ -9,7 +9,7 @@
 //! check it (the same parser and screen: no extension headers, hop limit > 1, the length
 //! against the MTU; for VXLAN the outer header to our address and port, our VNI and VTEP
 //! MAC, an IPv6 inner frame, and the peer the memo was made for), and the memo must be of
-//! the current generation and at most a second old. Anything else falls through to the full
+//! the current generation and at most `HOP_TTL_TICKS` (up to a second) old. Anything else falls through to the full
 //! checks, which decide as if there were no memo. GSO packets are not encapsulated here, as
 //! on the full path ([`super::vxlan`]).
 
@@ -111,7 +111,7 @@ fn resolved(
         vtep_mac: crate::zeroed(),
         _pad2: [0; 2],
         generation,
-        checked_ns: crate::now_ns(),
+        checked_at: crate::now_ticks(),
     })
 }
 
@@ -214,12 +214,12 @@ fn usable(ctx: &TcContext, cfg: &Config6, info: &Ipv6Info, dir: u8, memo: &mut F
     let Ok(len) = u16::try_from(len) else {
         return false;
     };
-    let now = crate::now_ns();
+    let now = crate::now_ticks();
     match memo.standing(now, generation, len) {
         Standing::Usable => true,
         Standing::Old if confirmed(ctx, cfg, info, dir, memo) => {
             // SAFETY: the pointer comes from the successful lookup above.
-            unsafe { restamp(ctx, dir, core::ptr::addr_of_mut!((*found).checked_ns), now) };
+            unsafe { restamp(ctx, dir, core::ptr::addr_of_mut!((*found).checked_at), now) };
             true
         }
         Standing::Old | Standing::Unusable => false,
@@ -259,7 +259,7 @@ fn confirmed(ctx: &TcContext, cfg: &Config6, info: &Ipv6Info, dir: u8, memo: &Fl
         dmac,
         mtu,
         _pad: crate::zeroed(),
-        checked_ns: 0,
+        checked_at: 0,
     };
     memo.confirmed_by(dir, &hop, tunnel_mtu)
 }

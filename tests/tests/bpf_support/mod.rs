@@ -9,11 +9,11 @@
 
 #![allow(dead_code)] // each test file uses a different part
 
-use std::path::PathBuf;
+use std::{path::PathBuf, time::Duration};
 
 use aya::{TestRun as _, TestRunOptions};
 use flannel_agent::bpf::{FastPath, Hook, ReasonCounters};
-use flannel_common::stats::Reason;
+use flannel_common::{hops::HOP_TTL_TICKS, stats::Reason};
 use flannel_tests::{netns::NetNs, packet::hexdump};
 use ipnet::Ipv4Net;
 
@@ -25,6 +25,48 @@ pub type Mac = [u8; 6];
 pub const EXT_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x01];
 pub const BR_MAC: Mac = [0x02, 0xbb, 0, 0, 0, 0x01];
 pub const POD_MAC: Mac = [0x02, 0xaa, 0, 0, 0, 0x05];
+
+/// How long a remembered route lookup or flow is used on this kernel: `HOP_TTL_TICKS` timer
+/// ticks at its HZ (0.4 s here, at most a second anywhere).
+pub fn hop_ttl() -> Duration {
+    Duration::from_secs(HOP_TTL_TICKS) / kernel_hz()
+}
+
+/// Longer than [`hop_ttl`] by a margin: what a test sleeps for everything remembered to age.
+pub fn past_hop_ttl() -> Duration {
+    hop_ttl() + Duration::from_millis(100)
+}
+
+/// The kernel's timer frequency (`CONFIG_HZ`), from one reading of `/proc/timer_list`: the
+/// tick count starts at `INITIAL_JIFFIES` (2^32 - 300 HZ, so that it wraps five minutes after
+/// boot) and counts HZ per second of `CLOCK_MONOTONIC`, so exactly one of the tick rates Linux
+/// offers predicts the count to within a second.
+pub fn kernel_hz() -> u32 {
+    let text = std::fs::read_to_string("/proc/timer_list").expect("read /proc/timer_list");
+    let field = |prefix: &str, suffix: &str| -> u64 {
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(prefix)?
+                    .strip_suffix(suffix)?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("/proc/timer_list has no {prefix:?} line"))
+    };
+    let now_ns = field("now at ", " nsecs");
+    let jiffies = field("jiffies: ", "");
+    let hz = [
+        100u32, 250, 300, 1000, 24, 32, 48, 64, 128, 256, 512, 1024, 1200,
+    ]
+    .into_iter()
+    .find(|&hz| {
+        let start = (1u64 << 32) - 300 * u64::from(hz);
+        let predicted = start + (u128::from(now_ns) * u128::from(hz) / 1_000_000_000) as u64;
+        predicted.abs_diff(jiffies) < u64::from(hz)
+    });
+    hz.unwrap_or_else(|| panic!("no tick rate fits jiffies {jiffies} at {now_ns} ns"))
+}
 
 pub fn net(s: &str) -> Ipv4Net {
     s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
