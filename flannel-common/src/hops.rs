@@ -1,6 +1,6 @@
 //! Remembered route lookups: the programs keep `bpf_fib_lookup`'s answer for a destination for
-//! up to a second ([`HOP_TTL_TICKS`]) and use it instead of looking the route up for every packet (the
-//! lookup was ~40 % of `tc_from_netdev`'s time and as much of `tc_from_bridge`'s).
+//! up to a second ([`HOP_TTL_TICKS`]) and use it instead of looking the route up for every
+//! packet (the lookup was ~40 % of `tc_from_netdev`'s time and as much of `tc_from_bridge`'s).
 //!
 //! | who | key ([`HopKey`]) | answer ([`Hop`]) |
 //! |---|---|---|
@@ -38,11 +38,12 @@ pub const UNDERLAY_VIA: [u8; 4] = [255; 4];
 /// ticks (jiffies): at most a second whatever the kernel's `CONFIG_HZ` (1 s at HZ=100, 0.4 s at
 /// the common 250, 0.1 s at 1000).
 ///
-/// Ticks, not nanoseconds, because `bpf_jiffies64` is one memory load (the verifier inlines
-/// it), where `bpf_ktime_get_coarse_ns` is a helper call: on a remembered flow's short path
-/// that call was ~20-25 ns of each program run. A program cannot know HZ, hence a count of
-/// ticks that keeps the old one-second bound for the slowest tick rate Linux offers; a faster
-/// tick only looks routes up again sooner (one lookup per destination per window).
+/// Ticks, not nanoseconds, because `bpf_jiffies64` is one memory load (the verifier inlines it),
+/// where `bpf_ktime_get_coarse_ns` is a helper call: on a remembered flow's short path that call
+/// was 25-35 ns of each program run on a machine with retpolines and a return thunk. A program
+/// cannot know HZ, hence a count of ticks that keeps the old one-second bound for the slowest tick
+/// rate Linux offers; a faster tick only looks routes up again sooner (one lookup per destination
+/// per window).
 pub const HOP_TTL_TICKS: u64 = 100;
 
 /// [`HOPS4`]'s key. 8 bytes.

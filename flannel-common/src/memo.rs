@@ -16,17 +16,16 @@
 //! `bpf_fib_lookup` (IPv6 has no remembered next hops) of every packet.
 //!
 //! A memo is used only while everything the decision rested on is unchanged:
-//! - at most [`crate::hops::HOP_TTL_TICKS`] kernel ticks (up to a second) old, as for a
-//!   remembered next hop: a changed neighbour is seen within a second. A memo only older than that is not thrown away: if
-//!   the remembered route lookup it came from ([`FlowMemo::hop_key`]) is fresh and says the
-//!   same ([`FlowMemo::confirmed_by`]), the memo takes that lookup's time and is used
-//!   (`memo_confirmed`). Nothing else a decision rests on can change without moving its
-//!   generation on, so this is what the full checks would decide, without their lookups and
-//!   without a new map element: a node whose pods open many short connections reuses their
-//!   ports within seconds, and re-checking each reused flow in full was most of the programs'
-//!   time per connection. IPv6 has no remembered route lookups: there the programs look the
-//!   route up for an old memo ([`FlowMemo6::confirmed_by`]), which still spares the other
-//!   lookups and the new element;
+//! - at most [`crate::hops::HOP_TTL_TICKS`] kernel ticks (up to a second) old, as for a remembered
+//!   next hop: a changed neighbour is seen within a second. A memo only older than that is not
+//!   thrown away: if the remembered route lookup it came from ([`FlowMemo::hop_key`]) is fresh and
+//!   says the same ([`FlowMemo::confirmed_by`]), the memo takes that lookup's time and is used
+//!   (`memo_confirmed`). Nothing else a decision rests on can change without moving its generation
+//!   on, so this is what the full checks would decide, without their lookups and without a new map
+//!   element: a node whose pods open many short connections reuses their ports within seconds, and
+//!   re-checking each reused flow in full was most of the programs' time per connection. IPv6 has
+//!   no remembered route lookups: there the programs look the route up for an old memo
+//!   ([`FlowMemo6::confirmed_by`]), which still spares the other lookups and the new element;
 //! - taken at the current generation of its flow: the sum of the agent's counter (slot
 //!   [`GEN_AGENT`] of [`MEMO_GEN`]), which any change of the route, node, port or configuration
 //!   maps moves on and so retires every memo at once, and the counter of the flow's slot in
@@ -233,7 +232,8 @@ pub struct FlowMemo {
     pub _pad2: [u8; 6],
     /// The [generation](MEMO_GEN) the checks were made at.
     pub generation: u64,
-    /// When the checks were made, in kernel ticks (`bpf_jiffies64`, see [`crate::hops::HOP_TTL_TICKS`]).
+    /// When the checks were made, in kernel ticks (`bpf_jiffies64`, see
+    /// [`crate::hops::HOP_TTL_TICKS`]).
     pub checked_at: u64,
 }
 
@@ -314,7 +314,8 @@ pub struct FlowMemo6 {
     pub _pad2: [u8; 2],
     /// The [generation](MEMO_GEN) the checks were made at.
     pub generation: u64,
-    /// When the checks were made, in kernel ticks (`bpf_jiffies64`, see [`crate::hops::HOP_TTL_TICKS`]).
+    /// When the checks were made, in kernel ticks (`bpf_jiffies64`, see
+    /// [`crate::hops::HOP_TTL_TICKS`]).
     pub checked_at: u64,
 }
 

@@ -27,7 +27,7 @@ pub const BR_MAC: Mac = [0x02, 0xbb, 0, 0, 0, 0x01];
 pub const POD_MAC: Mac = [0x02, 0xaa, 0, 0, 0, 0x05];
 
 /// How long a remembered route lookup or flow is used on this kernel: `HOP_TTL_TICKS` timer
-/// ticks at its HZ (0.4 s here, at most a second anywhere).
+/// ticks at its HZ (0.4 s at HZ=250, at most a second anywhere).
 pub fn hop_ttl() -> Duration {
     Duration::from_secs(HOP_TTL_TICKS) / kernel_hz()
 }
@@ -37,35 +37,40 @@ pub fn past_hop_ttl() -> Duration {
     hop_ttl() + Duration::from_millis(100)
 }
 
-/// The kernel's timer frequency (`CONFIG_HZ`), from one reading of `/proc/timer_list`: the
-/// tick count starts at `INITIAL_JIFFIES` (2^32 - 300 HZ, so that it wraps five minutes after
-/// boot) and counts HZ per second of `CLOCK_MONOTONIC`, so exactly one of the tick rates Linux
-/// offers predicts the count to within a second.
+/// The kernel's timer frequency (`CONFIG_HZ`, one of the four Linux offers), measured once:
+/// two readings of `/proc/timer_list` 250 ms apart, each giving `CLOCK_MONOTONIC` and the tick
+/// count, and the offered rate nearest to the ticks per second between them.
 pub fn kernel_hz() -> u32 {
-    let text = std::fs::read_to_string("/proc/timer_list").expect("read /proc/timer_list");
-    let field = |prefix: &str, suffix: &str| -> u64 {
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix(prefix)?
-                    .strip_suffix(suffix)?
-                    .trim()
-                    .parse()
-                    .ok()
+    static HZ: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *HZ.get_or_init(|| {
+        let reading = || -> (u64, u64) {
+            let text = std::fs::read_to_string("/proc/timer_list").expect("read /proc/timer_list");
+            let field = |prefix: &str, suffix: &str| -> u64 {
+                text.lines()
+                    .find_map(|l| {
+                        l.strip_prefix(prefix)?
+                            .strip_suffix(suffix)?
+                            .trim()
+                            .parse()
+                            .ok()
+                    })
+                    .unwrap_or_else(|| panic!("/proc/timer_list has no {prefix:?} line"))
+            };
+            (field("now at ", " nsecs"), field("jiffies: ", ""))
+        };
+        let (ns0, j0) = reading();
+        std::thread::sleep(Duration::from_millis(250));
+        let (ns1, j1) = reading();
+        let rate = (j1 - j0) as f64 * 1e9 / (ns1 - ns0) as f64;
+        [100u32, 250, 300, 1000]
+            .into_iter()
+            .min_by(|a, b| {
+                (f64::from(*a) - rate)
+                    .abs()
+                    .total_cmp(&(f64::from(*b) - rate).abs())
             })
-            .unwrap_or_else(|| panic!("/proc/timer_list has no {prefix:?} line"))
-    };
-    let now_ns = field("now at ", " nsecs");
-    let jiffies = field("jiffies: ", "");
-    let hz = [
-        100u32, 250, 300, 1000, 24, 32, 48, 64, 128, 256, 512, 1024, 1200,
-    ]
-    .into_iter()
-    .find(|&hz| {
-        let start = (1u64 << 32) - 300 * u64::from(hz);
-        let predicted = start + (u128::from(now_ns) * u128::from(hz) / 1_000_000_000) as u64;
-        predicted.abs_diff(jiffies) < u64::from(hz)
-    });
-    hz.unwrap_or_else(|| panic!("no tick rate fits jiffies {jiffies} at {now_ns} ns"))
+            .expect("candidates")
+    })
 }
 
 pub fn net(s: &str) -> Ipv4Net {
