@@ -16,8 +16,8 @@
 //! A packet whose destination lies in a remote subnet of `FLANNEL_ROUTES4` is sent according
 //! to the entry's kind (see [`crate::decide::from_bridge`] for every condition):
 //! - host-gw: `bpf_fib_lookup` (the kernel route `<subnet> via <peer>`; the answer remembered
-//!   for a second, [`crate::hops`]), TTL decremented, `bpf_redirect` with the neighbour's MACs
-//!   or `bpf_redirect_neigh`;
+//!   for up to a second, [`crate::hops`]), TTL decremented, `bpf_redirect` with the neighbour's
+//!   MACs or `bpf_redirect_neigh`;
 //! - VXLAN / IPIP: encapsulated ([`crate::encap`]) and redirected to the external interface;
 //! - udp: encapsulated as the udp backend's TUN path would ([`crate::udp`]) and redirected.
 //!
@@ -128,8 +128,8 @@ pub fn run(ctx: &TcContext) -> Outcome {
     }
 }
 
-/// Host-gw: route by the kernel FIB (the answer remembered for a second per destination and
-/// peer, see [`crate::hops`]), decrement the TTL and redirect.
+/// Host-gw: route by the kernel FIB (the answer remembered for up to a second per destination
+/// and peer, see [`crate::hops`]), decrement the TTL and redirect.
 #[inline(always)]
 fn host_gw(
     ctx: &TcContext,

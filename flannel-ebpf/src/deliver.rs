@@ -28,8 +28,8 @@
 //! straight to the pod is what the stack would have done (route to `cni0`, decrement TTL,
 //! resolve the pod's MAC, bridge to the pod's port) minus conntrack, which would only have had
 //! half a flow. The receive side delivers with `bpf_fib_lookup` (route and the pod's MAC from
-//! the bridge's neighbour table; the answer is remembered for a second, see [`crate::hops`]),
-//! then:
+//! the bridge's neighbour table; the answer is remembered for up to a second, see
+//! [`crate::hops`]), then:
 //! - `bpf_redirect_peer` into the pod's namespace when the agent's mirror of the bridge's
 //!   forwarding database ([`crate::pods`]) knows the veth port behind that MAC: no bridge, no
 //!   veth transmit, no backlog queue;
@@ -106,7 +106,8 @@ pub fn decap(ctx: &TcContext, len: usize) -> Result<(), Reason> {
 
 /// The route to `inner`'s destination (a local pod) as if the packet arrived on the ingress
 /// interface, checking `inner`'s length against the bridge's MTU (for GSO packets the kernel
-/// checks the segments); remembered for a second ([`crate::hops`]). `mtu` gets the route's MTU.
+/// checks the segments); remembered for up to a second ([`crate::hops`]). `mtu` gets the
+/// route's MTU.
 #[inline(always)]
 pub fn route_to_pod(ctx: &TcContext, inner: &Ipv4Info, mtu: &mut u16) -> Fib {
     let tot_len = if fib::gso_size(ctx) == 0 {

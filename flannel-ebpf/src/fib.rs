@@ -2,7 +2,7 @@
 //! neighbour's MACs, or `bpf_redirect_neigh` when the neighbour is not resolved yet (the kernel
 //! resolves it and queues the packet). Used for host-gw transmit, for delivery to local pods
 //! on receive and for the tunnels' own route to a peer (whose answers [`crate::hops`]
-//! remembers for a second).
+//! remembers for up to a second).
 //!
 //! The lookup needs forwarding enabled on the ingress device (`net.ipv4.ip_forward=1`, which
 //! flannel requires anyway); otherwise it fails with `FWD_DISABLED` and the packet is passed.

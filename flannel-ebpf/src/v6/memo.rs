@@ -9,9 +9,9 @@
 //! check it (the same parser and screen: no extension headers, hop limit > 1, the length
 //! against the MTU; for VXLAN the outer header to our address and port, our VNI and VTEP
 //! MAC, an IPv6 inner frame, and the peer the memo was made for), and the memo must be of
-//! the current generation and at most `HOP_TTL_TICKS` (up to a second) old. Anything else falls through to the full
-//! checks, which decide as if there were no memo. GSO packets are not encapsulated here, as
-//! on the full path ([`super::vxlan`]).
+//! the current generation and at most `HOP_TTL_TICKS` (up to a second) old. Anything else
+//! falls through to the full checks, which decide as if there were no memo. GSO packets are
+//! not encapsulated here, as on the full path ([`super::vxlan`]).
 
 use aya_ebpf::{
     bindings::TC_ACT_SHOT, btf_maps::LruHashMap, helpers::bpf_redirect, macros::btf_map,
