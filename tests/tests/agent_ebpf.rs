@@ -43,7 +43,7 @@ use flannel_tests::{
         bins,
         cluster::Cluster,
         fastpath::{self, Route},
-        kube, probe, status, wait,
+        kube, probe, wait,
     },
     require_root,
     topology::{SubnetEnv, Topology, TopologySpec, Underlay},
@@ -201,17 +201,7 @@ fn no_filters(c: &Cluster, n: usize) -> Result<()> {
 /// Restarts node `n`'s agent with its flags changed by `change`, and waits for `/readyz`.
 fn restart_with(c: &mut Cluster, n: usize, change: impl FnOnce(&mut Vec<String>)) -> Result<()> {
     c.agent_mut(n).context("agent")?.restart_with(change)?;
-    wait::until_ok(
-        Duration::from_secs(30),
-        "the restarted agent's /readyz",
-        || {
-            c.agent_mut(n).context("agent")?.check_running()?;
-            let code =
-                status::http_status(c.topology().node(n).ns(), DEFAULT_HEALTHZ_PORT, "/readyz")?;
-            ensure!(code == 200, "/readyz {code}");
-            Ok(())
-        },
-    )
+    c.wait_ready(Duration::from_secs(30))
 }
 
 /// The fast path attached as `clsact` filters (`--tc-attach=clsact`, what kernels without TCX

@@ -38,7 +38,7 @@ mod bpf_support;
 
 use bpf_support::{
     BR_MAC, EXT_MAC, Ifaces, Mac, POD_MAC, Rig, Run, Skb, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT,
-    assert_bytes, counted_between, hop_ttl, know_pod_port, mac_str, net, past_hop_ttl, run,
+    assert_bytes, counted_between, know_pod_port, mac_str, net, past_hop_ttl, run, within_hop_ttl,
 };
 
 const PEER2_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x02];
@@ -306,7 +306,7 @@ fn bridge_host_gw_remembers_the_next_hop_per_peer() {
             let looked_up = Instant::now();
             sh(moved.clone());
             let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
-            if looked_up.elapsed() > hop_ttl() * 4 / 5 && attempt < 2 {
+            if looked_up.elapsed() > within_hop_ttl() && attempt < 2 {
                 continue;
             }
             assert_bytes(&r.out, &to(PEER2_MAC), "remembered: the old MAC");
@@ -1080,7 +1080,7 @@ fn an_old_memo_is_confirmed_by_a_fresh_lookup_of_its_route() {
         let (a, a2) = (incoming(80), incoming(81));
         let sent = |ip: &Ipv4, mac: Mac| Ethernet::new(EXT_MAC, mac, forwarded(ip)).encode();
 
-        // The confirmed memo must be used within the remembered time of the other flows' lookups; on a
+        // The confirmed memo must be used while the other flows' lookups are remembered; on a
         // stalled machine the scenario is tried again.
         for attempt in 0..3 {
             // The routes (back) in place; every memo retired.
@@ -1118,7 +1118,7 @@ fn an_old_memo_is_confirmed_by_a_fresh_lookup_of_its_route() {
             remove_route_behind_the_agents_back(&rig.pin, hostgw);
             remove_route_behind_the_agents_back(&rig.pin, vxlan);
             let runs = [send(fp, &c), send(fp, &v), deliver(fp, &a)];
-            if looked_up.elapsed() > hop_ttl() * 4 / 5 && attempt < 2 {
+            if looked_up.elapsed() > within_hop_ttl() && attempt < 2 {
                 continue;
             }
             let [rc, rv, ra] = runs;
@@ -1531,7 +1531,7 @@ fn ipip_flows_are_remembered_for_their_peer_only() {
 /// pod's neighbour entry is seen only after that, while a packet longer than the remembered
 /// route's MTU still goes to the lookup (which refuses it) at once.
 #[test]
-fn netdev_remembers_a_pods_route_for_a_second() {
+fn netdev_remembers_a_pods_route_while_fresh() {
     let Some(rig) = Rig::new("fpdlv") else { return };
     const MOVED_MAC: Mac = [0x02, 0xaa, 0, 0, 0, 0x99];
     let moved = |rig: &Rig, mac: &Mac| {
@@ -1563,7 +1563,7 @@ fn netdev_remembers_a_pods_route_for_a_second() {
             };
             let big_frame = underlay(PEER2_MAC, big);
             let r_big = run(fp, Hook::FromNetdev, &big_frame, skb);
-            if looked_up.elapsed() > hop_ttl() * 4 / 5 && attempt < 2 {
+            if looked_up.elapsed() > within_hop_ttl() && attempt < 2 {
                 continue;
             }
             assert_eq!(r.verdict, TC_ACT_REDIRECT);
@@ -1587,7 +1587,7 @@ fn netdev_remembers_a_pods_route_for_a_second() {
         }
         panic!(
             "three attempts each took more than {:?} between the lookup and the check",
-            hop_ttl() * 4 / 5
+            within_hop_ttl()
         );
     });
 }

@@ -436,21 +436,7 @@ pub fn restart_is_hitless(
         .check(&pinned_at_stop, &pinned_fast_counters(cluster)?)
         .with_context(|| format!("while node{n}'s agent was down"))?;
     cluster.agent_mut(n).context("agent")?.restart()?;
-    wait::until_ok(
-        Duration::from_secs(30),
-        "the restarted agent's /readyz",
-        || {
-            cluster.agent_mut(n).context("agent")?.check_running()?;
-            match status::http_status(
-                cluster.topology().node(n).ns(),
-                DEFAULT_HEALTHZ_PORT,
-                "/readyz",
-            )? {
-                200 => Ok(()),
-                code => bail!("/readyz {code}"),
-            }
-        },
-    )?;
+    cluster.wait_ready(Duration::from_secs(30))?;
     // A few resyncs of the second run must not change anything either.
     thread::sleep(Duration::from_secs(2));
     let (stream, flow) = traffic.finish("across the restart", 400)?;

@@ -32,6 +32,12 @@ pub fn hop_ttl() -> Duration {
     Duration::from_secs(HOP_TTL_TICKS) / kernel_hz()
 }
 
+/// Well inside [`hop_ttl`]: how long a test may take between a lookup and the check that
+/// its answer is still remembered (a slower step is tried again).
+pub fn within_hop_ttl() -> Duration {
+    hop_ttl() * 4 / 5
+}
+
 /// Longer than [`hop_ttl`] by a margin: what a test sleeps for everything remembered to age.
 pub fn past_hop_ttl() -> Duration {
     hop_ttl() + Duration::from_millis(100)
