@@ -233,28 +233,44 @@ fn ebpf_host_gw_on_clsact_filters() {
         }
         eprintln!("--- restart of node1's agent");
         scenarios::restart_is_hitless(c, &p, 1, 2)?;
-        let after = filters_in_place(c, 1)?;
-        for (hook, id) in &before[&1] {
-            ensure!(
-                after.get(hook).is_some_and(|new| new != id),
-                "the restarted agent did not swap its program in at {hook}: {:?} -> {after:?}",
-                before[&1]
-            );
-        }
+        // The pod bridge's ports are attached by the agent's port follower, which may finish
+        // after `/readyz`: each switch below is awaited, not sampled once.
+        let settle = Duration::from_secs(10);
+        wait::until_ok(
+            settle,
+            "node1's programs swapped in behind its filters",
+            || {
+                let after = filters_in_place(c, 1)?;
+                for (hook, id) in &before[&1] {
+                    ensure!(
+                        after.get(hook).is_some_and(|new| new != id),
+                        "the restarted agent did not swap its program in at {hook}: {:?} -> {after:?}",
+                        before[&1]
+                    );
+                }
+                Ok(())
+            },
+        )?;
         eprintln!("--- node1 to TCX links");
         restart_with(c, 1, |args| args.retain(|a| a != "--tc-attach=clsact"))?;
-        no_filters(c, 1)?;
-        let links = fastpath::pin_ids(c.topology().node(1).bpf_pin_path())?.links;
-        ensure!(
-            links.len() == 2 + bridge_ports(c, 1)?.len(),
-            "node1's TCX links: {links:?}"
-        );
+        wait::until_ok(settle, "node1 on TCX links, its filters gone", || {
+            no_filters(c, 1)?;
+            let links = fastpath::pin_ids(c.topology().node(1).bpf_pin_path())?.links;
+            ensure!(
+                links.len() == 2 + bridge_ports(c, 1)?.len(),
+                "node1's TCX links: {links:?}"
+            );
+            Ok(())
+        })?;
         reachable_everywhere(c, &p, &[])?;
         eprintln!("--- node1 back to filters");
         restart_with(c, 1, |args| args.push("--tc-attach=clsact".into()))?;
-        filters_in_place(c, 1)?;
-        let links = fastpath::pin_ids(c.topology().node(1).bpf_pin_path())?.links;
-        ensure!(links.is_empty(), "node1's TCX links left: {links:?}");
+        wait::until_ok(settle, "node1 on filters, its TCX links gone", || {
+            filters_in_place(c, 1)?;
+            let links = fastpath::pin_ids(c.topology().node(1).bpf_pin_path())?.links;
+            ensure!(links.is_empty(), "node1's TCX links left: {links:?}");
+            Ok(())
+        })?;
         reachable_everywhere(c, &p, &[])?;
         eprintln!("--- node1 to the kernel path");
         restart_with(c, 1, |args| {
@@ -262,7 +278,9 @@ fn ebpf_host_gw_on_clsact_filters() {
                 *a = "--dataplane=kernel".into();
             }
         })?;
-        no_filters(c, 1)?;
+        wait::until_ok(settle, "node1's filters gone on the kernel path", || {
+            no_filters(c, 1)
+        })?;
         let matrix = c.matrix(PROBE)?;
         ensure!(matrix.all_ok(), "pods cannot reach each other:\n{matrix}");
         Ok(())
