@@ -18,6 +18,7 @@ use flannel_tests::{
         crr, dataplane,
         learn::{self, LearnOptions},
         measure::{self, Latency, RrTool},
+        programs::{self, ProgramsOptions},
         progtime,
         variant::{self, SetupCtx, Testbed},
     },
@@ -328,6 +329,39 @@ fn learn_bench_storm_learns_a_kernel_flow_per_query_and_the_streams_keep_their_m
     );
     let share = learn::memo_share(&load.before, &load.after);
     assert!(share.is_some_and(|s| s > 90.0), "memo share {share:?}");
+}
+
+/// `bench programs` times the floor and the agent on each of its packets: the run fails
+/// unless every timed run redirected its packet and, for the agent, a memo took each run of
+/// the remembered TCP flows and none of the ICMP echoes (checked by the bench itself).
+#[test]
+fn programs_bench_times_both_variants_on_their_paths() {
+    require_root!();
+    if flannel_agent::EBPF_OBJECT.is_empty() {
+        eprintln!("skipped: flannel-agent was built with AYA_BUILD_SKIP=1");
+        return;
+    }
+    let opts = ProgramsOptions {
+        reps: 2,
+        calls: 20,
+        ..ProgramsOptions::default()
+    };
+    let report = programs::run_all(&opts, &|m| eprintln!("{m}"), &|| false)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    for variant in ["floor", "agent"] {
+        for (key, ..) in programs::METRICS {
+            let ns = report.median(variant, key);
+            assert!(ns.is_some_and(|ns| ns > 0.0), "{variant} {key}: {ns:?}");
+        }
+    }
+    // Torn down: the variants' namespaces and the agent's pins.
+    let prefix = flannel_tests::netns::run_prefix();
+    for variant in ["floor", "agent"] {
+        let name = format!("{prefix}pc{variant}");
+        assert!(!flannel_tests::netns::list().contains(&name), "{name} left");
+        let pin = std::path::Path::new("/sys/fs/bpf").join(&name);
+        assert!(!pin.exists(), "{} left", pin.display());
+    }
 }
 
 #[test]

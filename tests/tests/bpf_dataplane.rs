@@ -77,6 +77,14 @@ struct Node {
 }
 
 impl Node {
+    /// `flannel_agent::bpf::cleanup` of the node's pins, run in its namespace: the cleanup
+    /// also sweeps clsact filters of the programs' names from every interface of the
+    /// namespace it runs in, and the host's are not ours.
+    fn cleanup(&self) -> Result<usize> {
+        let pin = &self.pin;
+        self.ns.enter(|| cleanup(pin))?.map_err(Into::into)
+    }
+
     fn sh(&self, cmd: &str) -> Result<String> {
         let argv: Vec<&str> = cmd.split_whitespace().collect();
         self.ns.run(&argv)
@@ -99,7 +107,7 @@ struct Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         for node in &self.nodes {
-            let _ = cleanup(&node.pin);
+            let _ = node.cleanup();
         }
     }
 }
@@ -287,7 +295,9 @@ impl Cluster {
 
     /// `--dataplane kernel` on node `i`.
     fn disable(&self, i: u8) {
-        cleanup(&self.node(i).pin).unwrap_or_else(|e| panic!("cleanup on node {i}: {e}"));
+        self.node(i)
+            .cleanup()
+            .unwrap_or_else(|e| panic!("cleanup on node {i}: {e:#}"));
     }
 
     fn counters(&self, i: u8) -> Counters {

@@ -13,6 +13,7 @@
 //! | [`targets`] | issue 4's targets checked on a `bench dataplane` report, the floor's figure next to the agent's |
 //! | [`control`] | `bench control`: N fake leases → time until the kernel holds them |
 //! | [`learn`] | `bench learn`: the programs' time while kernel flows are learnt at a high rate, against a quiet run |
+//! | [`programs`] | `bench programs`: one program run on a remembered flow's packet, timed in the kernel against the floor |
 //! | [`masq`] | `bench masq`: pod → outside through eBPF SNAT, iptables MASQUERADE, no NAT |
 //! | [`crr`] | the TCP connection-rate tool `bench masq` uses (`flannel-lab crr`) |
 //! | [`rr`] | the TCP ping-pong latency tool `bench dataplane` uses for IPv6 (`flannel-lab rr`) |
@@ -25,6 +26,7 @@ pub mod floor;
 pub mod learn;
 pub mod masq;
 pub mod measure;
+pub mod programs;
 pub mod progtime;
 pub mod report;
 pub mod rounds;

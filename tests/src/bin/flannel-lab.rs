@@ -30,6 +30,7 @@ use flannel_tests::{
         learn::{self, LearnOptions},
         masq::{self, MasqOptions},
         measure::TcpTuning,
+        programs::{self, ProgramsOptions},
         report, rr, targets,
         variant::{self, SetupCtx},
     },
@@ -187,6 +188,10 @@ enum BenchCommand {
     /// The fast path's program time while kernel flows are learnt at a high rate (a storm of
     /// DNATed UDP queries next to 100 paced TCP streams), against the same streams alone.
     Learn(LearnArgs),
+    /// One run of the fast path's programs on a remembered flow's packet (and on an ICMP
+    /// echo), timed in the kernel with BPF_PROG_TEST_RUN against the floor program (the eBPF
+    /// object built into flannel-lab).
+    Programs(ProgramsArgs),
 }
 
 /// Where a lab benchmark writes its report and which binaries its clusters run.
@@ -211,6 +216,21 @@ impl BenchBins {
             bins::resolve(self.cni.as_deref(), bins::CNI_PLUGIN, "flannel-cni")?,
         ))
     }
+}
+
+#[derive(Args)]
+struct ProgramsArgs {
+    /// Repetitions (round-robin across the two variants; many short ones, so that each pair
+    /// of measurements is a fraction of a second apart).
+    #[arg(long, default_value_t = 21)]
+    reps: usize,
+    /// BPF_PROG_TEST_RUN calls per packet and repetition (200 runs each; the time of the
+    /// fastest tenth is reported).
+    #[arg(long, default_value_t = 500)]
+    calls: usize,
+    /// Output directory (default: target/bench of this workspace).
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -375,6 +395,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Control(args)) => bench_control(args),
         Command::Bench(BenchCommand::Masq(args)) => bench_masq(args),
         Command::Bench(BenchCommand::Learn(args)) => bench_learn(args),
+        Command::Bench(BenchCommand::Programs(args)) => bench_programs(args),
         Command::Host { .. }
         | Command::Variants
         | Command::Render { .. }
@@ -626,6 +647,16 @@ fn bench_learn(args: LearnArgs) -> Result<()> {
     let report = learn::run(&opts, &bench_progress, &stopped)?;
     let targets = learn::targets(&report);
     publish(report, targets, args.bins.out)
+}
+
+fn bench_programs(args: ProgramsArgs) -> Result<()> {
+    let opts = ProgramsOptions {
+        reps: args.reps,
+        calls: args.calls,
+        ..ProgramsOptions::default()
+    };
+    let report = programs::run_all(&opts, &bench_progress, &stopped)?;
+    publish(report, Vec::new(), args.out)
 }
 
 /// A benchmark's progress line (quiet once Ctrl-C stopped it).

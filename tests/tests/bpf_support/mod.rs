@@ -96,7 +96,10 @@ pub struct Rig {
 
 impl Drop for Rig {
     fn drop(&mut self) {
-        let _ = flannel_agent::bpf::cleanup(&self.pin);
+        // Inside the namespace: the cleanup also sweeps the programs' clsact filters from
+        // every interface of the namespace it runs in, and the host's are not ours.
+        let pin = &self.pin;
+        let _ = self.ns.enter(|| flannel_agent::bpf::cleanup(pin));
     }
 }
 
