@@ -6,6 +6,7 @@
 //! collide and leftovers of a crashed run can be recognised (and only those are ever removed).
 
 pub mod bench;
+pub mod bpfrig;
 pub mod etcd;
 pub mod kube_mock;
 pub mod lab;

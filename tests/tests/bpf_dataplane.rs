@@ -22,7 +22,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail, ensure};
 use flannel_agent::bpf::{
-    Attached, Counters, FastPath, LocalConfig, ReasonCounters, Remote, Via, VxlanLocal, cleanup,
+    Attached, Counters, FastPath, LocalConfig, ReasonCounters, Remote, Via, VxlanLocal,
 };
 use flannel_common::stats::Reason;
 use flannel_tests::{
@@ -77,12 +77,9 @@ struct Node {
 }
 
 impl Node {
-    /// `flannel_agent::bpf::cleanup` of the node's pins, run in its namespace: the cleanup
-    /// also sweeps clsact filters of the programs' names from every interface of the
-    /// namespace it runs in, and the host's are not ours.
+    /// The node's pins removed, from inside its namespace (`bpfrig::cleanup_in`).
     fn cleanup(&self) -> Result<usize> {
-        let pin = &self.pin;
-        self.ns.enter(|| cleanup(pin))?.map_err(Into::into)
+        flannel_tests::bpfrig::cleanup_in(&self.ns, &self.pin)
     }
 
     fn sh(&self, cmd: &str) -> Result<String> {

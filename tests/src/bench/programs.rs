@@ -18,9 +18,9 @@
 //! | `floor` | `tc_bench_floor` for all three packets (TTL, MACs, redirect; a hash lookup) |
 //! | `agent` | `tc_from_bridge` (sending), `tc_from_netdev` (delivering), loaded and synced through the agent's `flannel_agent::bpf` API |
 //!
-//! Each variant lives in a namespace of its own that looks like a node (external veth with a
-//! permanent neighbour for the peer, pod bridge with one port, the host-gw route), which the
-//! full checks' `bpf_fib_lookup` needs. The eBPF object is the one built into `flannel-lab`.
+//! Each variant lives in a namespace of its own that looks like a node
+//! ([`crate::bpfrig`], with a permanent neighbour for the peer and the pod, and the host-gw
+//! route), which the full checks' `bpf_fib_lookup` needs. The eBPF object is the one built into `flannel-lab`.
 
 use std::{
     collections::BTreeMap,
@@ -45,6 +45,7 @@ use super::{
     rounds::{self, Bench, Metric, Plan},
 };
 use crate::{
+    bpfrig::{self, BR_MAC, EXT_MAC, Mac, POD_MAC, Skb, mac_str},
     netns::{NetNs, run_prefix},
     packet::{Ethernet, Icmp, Ipv4, Tcp, Transport},
 };
@@ -57,10 +58,8 @@ const TC_ACT_REDIRECT: u32 = 7;
 /// The veth the memo delivers into (test_run does not carry the redirect out).
 const POD_PORT: u32 = 4242;
 
-const EXT_MAC: [u8; 6] = [0x02, 0xaa, 0, 0, 0, 0x01];
-const BR_MAC: [u8; 6] = [0x02, 0xbb, 0, 0, 0, 0x01];
-const POD_MAC: [u8; 6] = [0x02, 0xcc, 0, 0, 0, 0x05];
-const PEER_MAC: [u8; 6] = [0x02, 0xee, 0, 0, 0, 0x02];
+const PEER_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x02];
+/// `ext0`'s address ([`bpfrig::build`]).
 const PUBLIC: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 1);
 const PEER: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 2);
 const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 5);
@@ -203,10 +202,7 @@ pub struct ProgramsBed {
 
 impl Drop for ProgramsBed {
     fn drop(&mut self) {
-        // Inside the namespace: the cleanup also sweeps clsact filters of the programs' names
-        // from every interface of the namespace it runs in (the host's are not ours).
-        let pin = &self.pin;
-        let _ = self.ns.enter(|| flannel_agent::bpf::cleanup(pin));
+        let _ = bpfrig::cleanup_in(&self.ns, &self.pin);
     }
 }
 
@@ -240,39 +236,19 @@ impl Bench for Programs<'_> {
 /// The node namespace and the variant's programs in it.
 fn set_up(v: &ProgramsVariant) -> Result<ProgramsBed> {
     let ns = NetNs::new(&format!("pc{}", v.name))?;
-    let mac = |m: &[u8; 6]| {
-        m.iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<Vec<_>>()
-            .join(":")
-    };
+    bpfrig::build(&ns, true)?;
     for cmd in [
-        "ip link add ext0 type veth peer name ext0p".to_owned(),
-        format!("ip link set ext0 address {}", mac(&EXT_MAC)),
-        format!("ip addr add {PUBLIC}/24 dev ext0"),
-        "ip link add br0 type bridge".to_owned(),
-        format!("ip link set br0 address {}", mac(&BR_MAC)),
-        "ip addr add 10.244.1.1/24 dev br0".to_owned(),
-        "ip link add pod0 type veth peer name pod0p".to_owned(),
-        "ip link set pod0 master br0".to_owned(),
-        "ip link set ext0 up".to_owned(),
-        "ip link set ext0p up".to_owned(),
-        "ip link set pod0 up".to_owned(),
-        "ip link set pod0p up".to_owned(),
-        "ip link set br0 up".to_owned(),
         format!(
             "ip neigh replace {PEER} lladdr {} dev ext0 nud permanent",
-            mac(&PEER_MAC)
+            mac_str(&PEER_MAC)
         ),
         format!(
             "ip neigh replace {POD} lladdr {} dev br0 nud permanent",
-            mac(&POD_MAC)
+            mac_str(&POD_MAC)
         ),
         format!("ip route add 10.244.2.0/24 via {PEER} dev ext0"),
-        "sysctl -qw net.ipv4.ip_forward=1".to_owned(),
     ] {
-        let argv: Vec<&str> = cmd.split_whitespace().collect();
-        ns.run(&argv)?;
+        bpfrig::sh(&ns, &cmd)?;
     }
     let pin = PathBuf::from(format!("/sys/fs/bpf/{}pc{}", run_prefix(), v.name));
     let agent = v.agent;
@@ -412,10 +388,7 @@ fn memo_hits(loaded: &Loaded, deliver: bool) -> Result<u64> {
 /// One `BPF_PROG_TEST_RUN` of `program` on `frame` received on `ifindex`, `repeat` times:
 /// the kernel's time per run in ns. Every run must redirect the packet.
 fn run(program: &SchedClassifier, frame: &[u8], ifindex: u32, repeat: u32) -> Result<f64> {
-    // The __sk_buff test_run takes: ingress_ifindex and ifindex.
-    let mut ctx_in = [0u8; 192];
-    ctx_in[36..40].copy_from_slice(&ifindex.to_ne_bytes());
-    ctx_in[40..44].copy_from_slice(&ifindex.to_ne_bytes());
+    let ctx_in = Skb::on(ifindex).bytes();
     let mut ctx_out = [0u8; 192];
     let mut data_out = vec![0u8; frame.len() + 256];
     let result = program

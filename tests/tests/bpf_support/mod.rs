@@ -2,10 +2,11 @@
 //! the node namespace the programs run in, the `__sk_buff` context of a run, and running a
 //! hook with the difference of its per-reason counters.
 //!
-//! The node: an external veth `ext0` (192.168.77.1/24, [`EXT_MAC`]) and, for the tests that
-//! need one, a pod bridge `br0` (10.244.1.1/24, [`BR_MAC`]) with one veth port `pod0`, IPv4
-//! forwarding on. Each test file adds its own neighbours, routes and addresses with
-//! [`Rig::sh`], and loads and configures the fast path itself.
+//! The node is `flannel_tests::bpfrig`'s: an external veth `ext0` (192.168.77.1/24,
+//! [`EXT_MAC`]) and, for the tests that need one, a pod bridge `br0` (10.244.1.1/24,
+//! [`BR_MAC`]) with one veth port `pod0`, IPv4 forwarding on. Each test file adds its own
+//! neighbours, routes and addresses with [`Rig::sh`], and loads and configures the fast path
+//! itself.
 
 #![allow(dead_code)] // each test file uses a different part
 
@@ -14,17 +15,14 @@ use std::{path::PathBuf, time::Duration};
 use aya::{TestRun as _, TestRunOptions};
 use flannel_agent::bpf::{FastPath, Hook, ReasonCounters};
 use flannel_common::{hops::HOP_TTL_TICKS, stats::Reason};
-use flannel_tests::{netns::NetNs, packet::hexdump};
+#[allow(unused_imports)] // each test file uses a different part
+pub use flannel_tests::bpfrig::{BR_MAC, EXT_MAC, Mac, POD_MAC, Skb, mac_str};
+use flannel_tests::{bpfrig, netns::NetNs, packet::hexdump};
 use ipnet::Ipv4Net;
 
 pub const TC_ACT_OK: u32 = 0;
 pub const TC_ACT_SHOT: u32 = 2;
 pub const TC_ACT_REDIRECT: u32 = 7;
-
-pub type Mac = [u8; 6];
-pub const EXT_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x01];
-pub const BR_MAC: Mac = [0x02, 0xbb, 0, 0, 0, 0x01];
-pub const POD_MAC: Mac = [0x02, 0xaa, 0, 0, 0, 0x05];
 
 /// How long a remembered route lookup or flow is used on this kernel: `HOP_TTL_TICKS` timer
 /// ticks at its HZ (0.4 s at HZ=250, at most a second anywhere).
@@ -83,10 +81,6 @@ pub fn net(s: &str) -> Ipv4Net {
     s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
 }
 
-pub fn mac_str(mac: &Mac) -> String {
-    flannel_agent::netlink::format_mac(mac)
-}
-
 /// A node namespace and the fast path's pin directory `/sys/fs/bpf/<run prefix><name>`,
 /// removed on drop.
 pub struct Rig {
@@ -96,10 +90,7 @@ pub struct Rig {
 
 impl Drop for Rig {
     fn drop(&mut self) {
-        // Inside the namespace: the cleanup also sweeps the programs' clsact filters from
-        // every interface of the namespace it runs in, and the host's are not ours.
-        let pin = &self.pin;
-        let _ = self.ns.enter(|| flannel_agent::bpf::cleanup(pin));
+        let _ = bpfrig::cleanup_in(&self.ns, &self.pin);
     }
 }
 
@@ -108,8 +99,7 @@ impl Rig {
     /// without the eBPF object.
     pub fn ext_only(name: &str) -> Option<Rig> {
         let rig = Rig::empty(name)?;
-        rig.ext0();
-        rig.sh("sysctl -qw net.ipv4.ip_forward=1");
+        bpfrig::build(&rig.ns, false).expect("the node's links");
         Some(rig)
     }
 
@@ -117,16 +107,7 @@ impl Rig {
     /// `None` (test skipped) when not root or without the eBPF object.
     pub fn node(name: &str) -> Option<Rig> {
         let rig = Rig::empty(name)?;
-        rig.ext0();
-        rig.sh("ip link add br0 type bridge");
-        rig.sh(&format!("ip link set br0 address {}", mac_str(&BR_MAC)));
-        rig.sh("ip addr add 10.244.1.1/24 dev br0");
-        rig.sh("ip link add pod0 type veth peer name pod0p");
-        rig.sh("ip link set pod0 master br0");
-        rig.sh("ip link set pod0 up");
-        rig.sh("ip link set pod0p up");
-        rig.sh("ip link set br0 up");
-        rig.sh("sysctl -qw net.ipv4.ip_forward=1");
+        bpfrig::build(&rig.ns, true).expect("the node's links");
         Some(rig)
     }
 
@@ -147,20 +128,9 @@ impl Rig {
         Some(Rig { ns, pin })
     }
 
-    fn ext0(&self) {
-        self.sh("ip link add ext0 type veth peer name ext0p");
-        self.sh(&format!("ip link set ext0 address {}", mac_str(&EXT_MAC)));
-        self.sh("ip addr add 192.168.77.1/24 dev ext0");
-        self.sh("ip link set ext0 up");
-        self.sh("ip link set ext0p up");
-    }
-
     /// Runs `cmd` (split at whitespace) in the namespace; panics when it fails.
     pub fn sh(&self, cmd: &str) {
-        let argv: Vec<&str> = cmd.split_whitespace().collect();
-        self.ns
-            .run(&argv)
-            .unwrap_or_else(|e| panic!("{cmd}: {e:#}"));
+        bpfrig::sh(&self.ns, cmd).unwrap_or_else(|e| panic!("{cmd}: {e:#}"));
     }
 }
 
@@ -179,45 +149,6 @@ impl Ifaces {
             ext: index("ext0"),
             br: index("br0"),
         }
-    }
-}
-
-/// The `__sk_buff` test_run takes as context: the interfaces, the mark and GSO fields.
-#[derive(Clone, Copy, Default)]
-pub struct Skb {
-    pub ingress_ifindex: u32,
-    pub ifindex: u32,
-    pub mark: u32,
-    pub gso_segs: u32,
-    pub gso_size: u32,
-}
-
-impl Skb {
-    /// Received on `ifindex`.
-    pub fn on(ifindex: u32) -> Skb {
-        Skb {
-            ingress_ifindex: ifindex,
-            ifindex,
-            ..Skb::default()
-        }
-    }
-
-    /// Leaving through `ifindex`.
-    pub fn egress(ifindex: u32) -> Skb {
-        Skb {
-            ifindex,
-            ..Skb::default()
-        }
-    }
-
-    pub fn bytes(&self) -> [u8; 192] {
-        let mut b = [0u8; 192];
-        b[8..12].copy_from_slice(&self.mark.to_ne_bytes());
-        b[36..40].copy_from_slice(&self.ingress_ifindex.to_ne_bytes());
-        b[40..44].copy_from_slice(&self.ifindex.to_ne_bytes());
-        b[164..168].copy_from_slice(&self.gso_segs.to_ne_bytes());
-        b[176..180].copy_from_slice(&self.gso_size.to_ne_bytes());
-        b
     }
 }
 
