@@ -120,19 +120,34 @@ impl Etcd {
     }
 
     fn healthy(&self) -> bool {
-        let Ok(mut stream) = TcpStream::connect((self.bind.as_str(), self.client_port)) else {
-            return false;
-        };
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-        if stream
-            .write_all(b"GET /health HTTP/1.0\r\nHost: localhost\r\n\r\n")
-            .is_err()
-        {
-            return false;
-        }
+        self.http_get("/health")
+            .is_ok_and(|body| body.contains("\"health\":\"true\""))
+    }
+
+    /// How many gRPC requests of `method` (e.g. `LeaseTimeToLive`) the server has started
+    /// since it was (re)started, from its Prometheus metrics (`grpc_server_started_total`).
+    pub fn requests_started(&self, method: &str) -> Result<u64> {
+        let metrics = self.http_get("/metrics")?;
+        let label = format!("grpc_method=\"{method}\"");
+        let line = metrics
+            .lines()
+            .find(|l| l.starts_with("grpc_server_started_total{") && l.contains(&label))
+            .with_context(|| format!("no grpc_server_started_total for {method} in /metrics"))?;
+        let value = line.rsplit(' ').next().unwrap_or_default();
+        value
+            .parse::<f64>()
+            .map(|v| v as u64)
+            .with_context(|| format!("bad metric line {line:?}"))
+    }
+
+    /// The body (with the response head) of an HTTP/1.0 GET of `path` on the client port.
+    fn http_get(&self, path: &str) -> Result<String> {
+        let mut stream = TcpStream::connect((self.bind.as_str(), self.client_port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+        write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
         let mut body = String::new();
-        let _ = stream.read_to_string(&mut body);
-        body.contains("\"health\":\"true\"")
+        stream.read_to_string(&mut body)?;
+        Ok(body)
     }
 }
 

@@ -2260,6 +2260,37 @@ fn sync_is_idempotent_and_fast_at_5000_entries() {
     });
 }
 
+/// Every program the agent loads is reported with what the verifier processed, and each stays
+/// well inside the kernel's limit: a program near it is refused on a kernel whose verifier
+/// prunes a little worse, and the agent falls back to the kernel path there.
+#[test]
+fn programs_load_with_room_under_the_verifier_limit() {
+    use flannel_agent::bpf::programs::{LOADED, VERIFIER_LIMIT};
+    /// The share of the limit any one program may use here (the largest, `tc_from_netdev`
+    /// and `tc_to_netdev`, take about a quarter).
+    const BUDGET: u32 = VERIFIER_LIMIT / 10 * 4;
+    let Some(rig) = Rig::new("fpvrf") else { return };
+    let pin = rig.pin.clone();
+    rig.ns
+        .enter(move || {
+            let fp = FastPath::load(&pin).expect("load");
+            let names: Vec<&str> = fp.loaded().iter().map(|l| l.name).collect();
+            assert_eq!(names, LOADED);
+            for loaded in fp.loaded() {
+                eprintln!("{loaded}");
+                let insns = loaded
+                    .verified_insns
+                    .unwrap_or_else(|| panic!("{}: no verified_insns on 6.18", loaded.name));
+                assert!(
+                    insns > 0 && insns <= BUDGET,
+                    "{} needs {insns} verifier instructions (budget {BUDGET} of {VERIFIER_LIMIT})",
+                    loaded.name
+                );
+            }
+        })
+        .expect("namespace");
+}
+
 #[test]
 fn pinned_maps_are_adopted_and_incompatible_ones_replaced() {
     let Some(rig) = Rig::new("fppin") else { return };

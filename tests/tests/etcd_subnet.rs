@@ -98,6 +98,12 @@ fn no_previous() -> PreviousSubnets {
     PreviousSubnets::default()
 }
 
+/// Writes the network config (`<prefix>/config` under the default prefix).
+async fn put_config(c: &mut Client, json: &str) -> Result<()> {
+    c.put("/coreos.com/network/config", json, None).await?;
+    Ok(())
+}
+
 /// Writes `value` at `key`, attached to a new etcd lease of `ttl` seconds (none if 0).
 async fn put(c: &mut Client, key: &str, value: &str, ttl: i64) -> Result<()> {
     let opts = if ttl > 0 {
@@ -264,12 +270,7 @@ async fn network_config_missing_invalid_and_valid() {
              API?"
         );
 
-        c.put(
-            "/coreos.com/network/config",
-            r#"{"Network": "10.3.0.0/33"}"#,
-            None,
-        )
-        .await?;
+        put_config(&mut c, r#"{"Network": "10.3.0.0/33"}"#).await?;
         let e = m.network_config().await.unwrap_err().to_string();
         assert!(
             e.starts_with("invalid network config in etcd key /coreos.com/network/config: ")
@@ -277,21 +278,15 @@ async fn network_config_missing_invalid_and_valid() {
                 && e.contains("10.3.0.0/33"),
             "{e}"
         );
-        c.put(
-            "/coreos.com/network/config",
-            r#"{"Network": "10.3.0.0/16", "SubnetLen": "24"}"#,
-            None,
-        )
-        .await?;
+        put_config(&mut c, r#"{"Network": "10.3.0.0/16", "SubnetLen": "24"}"#).await?;
         let e = m.network_config().await.unwrap_err().to_string();
         assert!(e.contains("SubnetLen"), "{e}");
-        c.put("/coreos.com/network/config", "{", None).await?;
+        put_config(&mut c, "{").await?;
         assert!(m.network_config().await.is_err());
 
-        c.put(
-            "/coreos.com/network/config",
+        put_config(
+            &mut c,
             r#"{"Network": "10.3.0.0/16", "Backend": {"Type": "vxlan"}}"#,
-            None,
         )
         .await?;
         let cfg = m.network_config().await?;
@@ -395,12 +390,7 @@ async fn acquire_writes_upstream_json_with_a_24h_ttl_and_reuses_it() {
     deadline(60, async {
         let m = manager(&etcd).await?;
         let mut c = client(&etcd).await?;
-        c.put(
-            "/coreos.com/network/config",
-            r#"{"Network": "10.5.0.0/16"}"#,
-            None,
-        )
-        .await?;
+        put_config(&mut c, r#"{"Network": "10.5.0.0/16"}"#).await?;
         let a = LeaseAttrs::from_json(VXLAN_VALUE)?;
 
         let lease = m.acquire_lease(&a, &no_previous()).await?;
@@ -443,14 +433,71 @@ async fn acquire_writes_upstream_json_with_a_24h_ttl_and_reuses_it() {
     .await;
 }
 
+/// The allocation listing reads the TTL of this node's own lease only: joining a cluster, or
+/// reusing a lease in it, costs one TimeToLive request, not one per node (upstream reads every
+/// key's); the others' subnets still count as taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquiring_reads_the_ttl_of_the_own_lease_only() {
+    let Some(etcd) = start_etcd() else { return };
+    deadline(60, async {
+        let m = manager(&etcd).await?;
+        let mut c = client(&etcd).await?;
+        put_config(
+            &mut c,
+            r#"{"Network": "10.6.0.0/16", "SubnetMin": "10.6.1.0", "SubnetMax": "10.6.40.0"}"#,
+        )
+        .await?;
+        // 39 of the 40 subnets held by other nodes, each key on an etcd lease of its own.
+        for i in 1..40u8 {
+            let key = format!("{DEFAULT_SUBNETS}10.6.{i}.0-24");
+            put(&mut c, &key, &value([192, 168, 7, i]), 3600).await?;
+        }
+        let ttl_requests = || etcd.requests_started("LeaseTimeToLive");
+
+        let before = ttl_requests()?;
+        let lease = m
+            .acquire_lease(&attrs([192, 168, 7, 200]), &no_previous())
+            .await?;
+        assert_eq!(
+            lease.subnet,
+            Some(net("10.6.40.0/24")),
+            "the one free subnet"
+        );
+        assert_eq!(
+            ttl_requests()?,
+            before,
+            "no TTL read for other nodes' leases"
+        );
+
+        // Our own lease again (a restart): its TTL is read, once.
+        let before = ttl_requests()?;
+        let again = m
+            .acquire_lease(&attrs([192, 168, 7, 200]), &no_previous())
+            .await?;
+        assert_eq!(again.subnet, Some(net("10.6.40.0/24")));
+        assert!(again.expiration.is_some());
+        assert_eq!(ttl_requests()?, before + 1);
+
+        // A third node finds the pool full: every other key still holds its subnet.
+        let full = m
+            .acquire_lease(&attrs([192, 168, 7, 201]), &no_previous())
+            .await;
+        assert!(
+            matches!(&full, Err(e) if e.to_string().contains("out of subnets")),
+            "{full:?}"
+        );
+        Ok(())
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_allocation_vectors() {
     let Some(etcd) = start_etcd() else { return };
     deadline(60, async {
         let m = manager(&etcd).await?;
         let mut c = client(&etcd).await?;
-        c.put("/coreos.com/network/config", MOCK_CONFIG, None)
-            .await?;
+        put_config(&mut c, MOCK_CONFIG).await?;
         for sn in ["10.3.1.0", "10.3.2.0", "10.3.4.0", "10.3.5.0", "10.3.31.0"] {
             let key = format!("{DEFAULT_SUBNETS}{sn}-24");
             put(&mut c, &key, &value([1, 1, 1, 1]), 86400).await?;
@@ -488,12 +535,7 @@ async fn upstream_allocation_vectors() {
         assert!(free.contains(&osn) && osn != sn, "{osn}");
 
         // Config changed: the old lease no longer fits; it is deleted, a new one allocated.
-        c.put(
-            "/coreos.com/network/config",
-            r#"{ "Network": "10.4.0.0/16" }"#,
-            None,
-        )
-        .await?;
+        put_config(&mut c, r#"{ "Network": "10.4.0.0/16" }"#).await?;
         let moved = m
             .acquire_lease(&attrs([1, 2, 3, 4]), &no_previous())
             .await?;
@@ -523,8 +565,7 @@ async fn previous_subnet_from_subnet_env_is_honoured() {
     deadline(60, async {
         let m = manager(&etcd).await?;
         let mut c = client(&etcd).await?;
-        c.put("/coreos.com/network/config", MOCK_CONFIG, None)
-            .await?;
+        put_config(&mut c, MOCK_CONFIG).await?;
         let dir = tempfile::tempdir()?;
         let env = dir.path().join("subnet.env");
         std::fs::write(
@@ -552,8 +593,7 @@ async fn reservation_without_ttl_stays_permanent() {
     deadline(60, async {
         let m = manager(&etcd).await?;
         let mut c = client(&etcd).await?;
-        c.put("/coreos.com/network/config", MOCK_CONFIG, None)
-            .await?;
+        put_config(&mut c, MOCK_CONFIG).await?;
         let key = format!("{DEFAULT_SUBNETS}10.3.9.0-24");
         put(&mut c, &key, &value([1, 2, 3, 4]), 0).await?;
         let mut a = attrs([1, 2, 3, 4]);
@@ -579,12 +619,7 @@ async fn undecodable_values_keep_their_subnet_and_a_full_pool_is_out_of_subnets(
         let m = manager(&etcd).await?;
         let mut c = client(&etcd).await?;
         // /28 in /30s: 10.0.0.4, 10.0.0.8 and 10.0.0.12 can be handed out.
-        c.put(
-            "/coreos.com/network/config",
-            r#"{"Network": "10.0.0.0/28", "SubnetLen": 30}"#,
-            None,
-        )
-        .await?;
+        put_config(&mut c, r#"{"Network": "10.0.0.0/28", "SubnetLen": 30}"#).await?;
         put(
             &mut c,
             &format!("{DEFAULT_SUBNETS}10.0.0.4-30"),
@@ -627,10 +662,9 @@ async fn ten_agents_at_once_get_ten_distinct_subnets() {
     deadline(120, async {
         let mut c = client(&etcd).await?;
         // Twelve subnets for ten nodes: random picks collide and must be retried.
-        c.put(
-            "/coreos.com/network/config",
+        put_config(
+            &mut c,
             r#"{"Network": "10.6.0.0/16", "SubnetMin": "10.6.1.0", "SubnetMax": "10.6.12.0"}"#,
-            None,
         )
         .await?;
         let mut managers = Vec::new();
@@ -685,8 +719,7 @@ async fn a_lost_race_is_retried_and_exhausted_retries_are_reported() {
     let Some(etcd) = start_etcd() else { return };
     deadline(60, async {
         let mut c = client(&etcd).await?;
-        c.put("/coreos.com/network/config", MOCK_CONFIG, None)
-            .await?;
+        put_config(&mut c, MOCK_CONFIG).await?;
 
         // Another node writes the chosen key between our listing and our transaction.
         let mut m = manager(&etcd).await?;
@@ -769,8 +802,7 @@ async fn renewal_keeps_the_value_and_restores_the_full_ttl() {
     let Some(etcd) = start_etcd() else { return };
     deadline(60, async {
         let mut c = client(&etcd).await?;
-        c.put("/coreos.com/network/config", MOCK_CONFIG, None)
-            .await?;
+        put_config(&mut c, MOCK_CONFIG).await?;
         // Renew 2 s after acquisition: a margin of TTL - 2 s.
         let m = EtcdSubnetManager::connect(&EtcdOptions {
             tuning: EtcdTuning {
@@ -821,8 +853,7 @@ async fn short_ttl_lease_outlives_its_ttl_through_renewals() {
     let Some(etcd) = start_etcd() else { return };
     deadline(60, async {
         let mut c = client(&etcd).await?;
-        c.put("/coreos.com/network/config", MOCK_CONFIG, None)
-            .await?;
+        put_config(&mut c, MOCK_CONFIG).await?;
         let m = EtcdSubnetManager::connect(&EtcdOptions {
             tuning: EtcdTuning {
                 lease_ttl: Duration::from_secs(4),
@@ -867,8 +898,7 @@ async fn deleting_or_revoking_the_own_key_revokes_the_lease() {
     deadline(60, async {
         let m = manager(&etcd).await?;
         let mut c = client(&etcd).await?;
-        c.put("/coreos.com/network/config", MOCK_CONFIG, None)
-            .await?;
+        put_config(&mut c, MOCK_CONFIG).await?;
 
         // Deleted by hand.
         let lease = m
@@ -924,8 +954,7 @@ async fn deletion_while_disconnected_is_noticed_even_past_compaction() {
     let Some(mut etcd) = start_etcd() else { return };
     deadline(90, async {
         let mut c = client(&etcd).await?;
-        c.put("/coreos.com/network/config", MOCK_CONFIG, None)
-            .await?;
+        put_config(&mut c, MOCK_CONFIG).await?;
         // A long back-off keeps the keeper away while the store changes underneath.
         let m = EtcdSubnetManager::connect(&EtcdOptions {
             tuning: EtcdTuning {

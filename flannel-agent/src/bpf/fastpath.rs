@@ -13,7 +13,7 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap as BpfHashMap, LpmTrie, MapData, lpm_trie::Key},
     programs::{
-        LinkOrder, ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode,
+        LinkOrder, SchedClassifier, TcAttachType, Xdp, XdpMode,
         links::{FdLink, PinnedLink},
         tc::{SchedClassifierLink, TcAttachOptions},
         xdp::XdpLink,
@@ -156,6 +156,7 @@ pub struct FastPath {
     /// earlier run's, see [`tcfilter::sweep`]).
     swept: BTreeSet<Hook>,
     xdp_links: HashMap<u32, HeldLink>,
+    loaded: Vec<super::programs::Loaded>,
 }
 
 /// What [`FastPath::load_with`] decides at load time.
@@ -256,12 +257,11 @@ impl FastPath {
                 "NAT map resized; entries carried over"
             );
         }
-        for hook in Hook::ALL {
-            let program = classifier(&mut ebpf, hook)?;
-            load_retrying(|| program.load()).map_err(|e| verifier_error(hook.program(), e))?;
-        }
-        let xdp = xdp_program(&mut ebpf)?;
-        load_retrying(|| xdp.load()).map_err(|e| verifier_error(programs::XDP_FROM_NETDEV, e))?;
+        let loaded = super::programs::load_all(&mut ebpf)?;
+        tracing::info!(
+            programs = %loaded.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
+            "eBPF programs loaded"
+        );
         Ok(FastPath {
             ebpf,
             layout,
@@ -269,7 +269,13 @@ impl FastPath {
             links: HashMap::new(),
             swept: BTreeSet::new(),
             xdp_links: HashMap::new(),
+            loaded,
         })
+    }
+
+    /// The programs as loaded: what the verifier processed, how long each load took.
+    pub fn loaded(&self) -> &[super::programs::Loaded] {
+        &self.loaded
     }
 
     /// How this handle attaches the TC programs.
@@ -861,55 +867,6 @@ fn xdp_program(ebpf: &mut Ebpf) -> Result<&mut Xdp, BpfError> {
         .map_err(|_| BpfError::MissingProgram(name))
 }
 
-/// How often a program load interrupted by a signal is tried again.
-const LOAD_ATTEMPTS: usize = 5;
-
-/// Runs `load` again while the kernel answers `EAGAIN`: the verifier gives up with `EAGAIN`
-/// when a signal is pending for the loading thread (libbpf retries the same way). A failed
-/// load leaves the program unloaded, so calling it again is safe.
-fn load_retrying(load: impl FnMut() -> Result<(), ProgramError>) -> Result<(), ProgramError> {
-    retry_while(LOAD_ATTEMPTS, load, |e| {
-        matches!(e, ProgramError::LoadError { io_error, .. }
-            if io_error.raw_os_error() == Some(libc::EAGAIN))
-    })
-}
-
-/// Calls `op` up to `attempts` times while it fails with an error `transient` accepts.
-fn retry_while<E>(
-    attempts: usize,
-    mut op: impl FnMut() -> Result<(), E>,
-    transient: impl Fn(&E) -> bool,
-) -> Result<(), E> {
-    let mut attempt = 1;
-    loop {
-        match op() {
-            Err(e) if transient(&e) && attempt < attempts => {
-                tracing::debug!(attempt, "program load interrupted (EAGAIN); trying again");
-                attempt += 1;
-            }
-            other => return other,
-        }
-    }
-}
-
-fn verifier_error(program: &'static str, e: ProgramError) -> BpfError {
-    match e {
-        ProgramError::LoadError {
-            io_error,
-            verifier_log,
-        } => BpfError::Verifier {
-            program,
-            error: io_error.to_string(),
-            log: verifier_log.to_string(),
-        },
-        other => BpfError::Verifier {
-            program,
-            error: other.to_string(),
-            log: String::new(),
-        },
-    }
-}
-
 /// Removes `hook`'s attachment `held` on `ifindex`: the pin of a TCX link (which detaches it)
 /// or our filter (unless the interface is gone, and the filter with it).
 fn release(hook: Hook, ifindex: u32, held: TcHeld) -> Result<(), BpfError> {
@@ -978,60 +935,5 @@ fn interface_name(ifindex: u32) -> Result<String, BpfError> {
     match nix::net::if_::if_nametoindex(name.as_str()) {
         Ok(index) if index == ifindex => Ok(name),
         _ => Err(BpfError::NoSuchInterface(ifindex)),
-    }
-}
-
-#[cfg(test)]
-mod retry_tests {
-    use super::retry_while;
-
-    fn eagain(e: &std::io::Error) -> bool {
-        e.raw_os_error() == Some(libc::EAGAIN)
-    }
-
-    #[test]
-    fn transient_failures_are_retried_and_others_returned_at_once() {
-        let mut calls = 0;
-        let ok = retry_while(
-            5,
-            || {
-                calls += 1;
-                if calls < 3 {
-                    Err(std::io::Error::from_raw_os_error(libc::EAGAIN))
-                } else {
-                    Ok(())
-                }
-            },
-            eagain,
-        );
-        assert!(ok.is_ok());
-        assert_eq!(calls, 3);
-
-        let mut calls = 0;
-        let denied = retry_while(
-            5,
-            || {
-                calls += 1;
-                Err(std::io::Error::from_raw_os_error(libc::EACCES))
-            },
-            eagain,
-        );
-        assert_eq!(
-            denied.map_err(|e| e.raw_os_error()),
-            Err(Some(libc::EACCES))
-        );
-        assert_eq!(calls, 1);
-
-        let mut calls = 0;
-        let gave_up = retry_while(
-            5,
-            || {
-                calls += 1;
-                Err(std::io::Error::from_raw_os_error(libc::EAGAIN))
-            },
-            eagain,
-        );
-        assert!(gave_up.is_err());
-        assert_eq!(calls, 5);
     }
 }

@@ -55,6 +55,7 @@
 //! | [`remote`] | [`Remote`] / [`Via`] and the diff behind `sync` |
 //! | [`pins`] | the pin layout, adopted-map checks, cleanup |
 //! | [`probe`] | kernel feature probes |
+//! | [`programs`] | loading the programs (in parallel) and what the verifier reported |
 //! | [`tcfilter`] | TC attachment as `clsact` filters, for kernels without TCX links |
 //! | [`counters`] | [`Counters`] |
 //! | [`error`] | [`BpfError`] |
@@ -71,6 +72,7 @@ pub mod nat;
 pub mod pins;
 pub mod ports;
 pub mod probe;
+pub mod programs;
 pub mod remote;
 pub mod tcfilter;
 pub mod udp;

@@ -74,7 +74,7 @@ impl EtcdSubnetManager {
         let value = attrs.to_json();
         let attempts = self.tuning.race_attempts.max(1);
         for attempt in 1..=attempts {
-            let listed = self.list_for_allocation().await?;
+            let listed = self.list_for_allocation(attrs.public_ip).await?;
             let leases: Vec<Lease> = listed.iter().map(|l| l.lease.clone()).collect();
             let plan = alloc::plan(
                 &config,
