@@ -46,8 +46,8 @@ impl std::fmt::Display for Loaded {
     }
 }
 
-/// Loads [`LOADED`] into the kernel, in parallel; the first refusal is returned (the other
-/// loads still finish: a loaded program is released with the object).
+/// Loads [`LOADED`] into the kernel, in parallel; the first refusal (in [`LOADED`]'s order) is
+/// returned once every load has finished (a loaded program is released with the object).
 pub fn load_all(ebpf: &mut Ebpf) -> Result<Vec<Loaded>, BpfError> {
     let mut wanted: Vec<(&'static str, &mut Program)> = ebpf
         .programs_mut()
@@ -62,7 +62,9 @@ pub fn load_all(ebpf: &mut Ebpf) -> Result<Vec<Loaded>, BpfError> {
             .into_iter()
             .map(|(name, program)| (name, scope.spawn(move || load_one(name, program))))
             .collect();
-        loads
+        // Every thread joined before the first error is returned: a panic left unjoined
+        // would be re-raised when the scope ends.
+        let results: Vec<Result<Loaded, BpfError>> = loads
             .into_iter()
             .map(|(name, load)| {
                 load.join().unwrap_or_else(|_| {
@@ -73,7 +75,8 @@ pub fn load_all(ebpf: &mut Ebpf) -> Result<Vec<Loaded>, BpfError> {
                     })
                 })
             })
-            .collect()
+            .collect();
+        results.into_iter().collect()
     })
 }
 
