@@ -51,7 +51,7 @@ impl EtcdSubnetManager {
 
     /// Acquires this node's subnet (upstream `AcquireLease`) and returns the lease written.
     ///
-    /// Re-reads and validates the config, lists all leases with their expiry, asks
+    /// Re-reads and validates the config, lists all leases (the expiry of our own only), asks
     /// [`alloc::plan`] for a subnet and writes it in one transaction: a new subnet only if its
     /// key does not exist yet (`version == 0`), a reused lease only if it is unchanged since
     /// the listing (`mod_revision`); a lease of ours that no longer fits the config is deleted
