@@ -9,7 +9,7 @@
 
 use std::sync::{
     Arc, Mutex,
-    atomic::{AtomicBool, Ordering},
+    atomic::{AtomicBool, AtomicU64, Ordering},
 };
 
 use prometheus_client::{
@@ -28,6 +28,23 @@ use prometheus_client::{
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
     pub kind: String,
+}
+
+/// Label of the per-program metrics of the fast path.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProgramLabel {
+    pub program: String,
+}
+
+/// One fast-path program as loaded, for [`Metrics::set_programs`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProgramLoad {
+    /// The program's name.
+    pub program: String,
+    /// Instructions the verifier processed (`None` on kernels before 5.16).
+    pub verified_insns: Option<u32>,
+    /// How long the load took, in seconds.
+    pub load_seconds: f64,
 }
 
 /// Labels of `flannel_dataplane_info`.
@@ -197,6 +214,10 @@ pub struct Metrics {
     pub peers_unreachable: Gauge,
     /// Pod bridge ports the fast path's pod-side program is attached to.
     pub fastpath_pod_ports: Gauge,
+    /// Per fast-path program: the instructions the verifier processed to load it.
+    fastpath_program_verified: Family<ProgramLabel, Gauge>,
+    /// Per fast-path program: how long its load took, in seconds.
+    fastpath_program_load: Family<ProgramLabel, Gauge<f64, AtomicU64>>,
     /// Completed reconcile runs.
     pub reconcile_runs: Counter,
     /// Duration of reconcile runs in seconds.
@@ -248,6 +269,19 @@ impl Metrics {
             "Pod bridge ports whose pods' packets the eBPF fast path takes",
             fastpath_pod_ports.clone(),
         );
+        let fastpath_program_verified = Family::<ProgramLabel, Gauge>::default();
+        registry.register(
+            "fastpath_program_verified_instructions",
+            "Instructions the kernel's verifier processed to load each fast-path program (the \
+             kernel refuses a program above 1,000,000)",
+            fastpath_program_verified.clone(),
+        );
+        let fastpath_program_load = Family::<ProgramLabel, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "fastpath_program_load_seconds",
+            "How long loading each fast-path program took, verification included",
+            fastpath_program_load.clone(),
+        );
         let reconcile_runs = Counter::default();
         registry.register(
             "reconcile_runs",
@@ -282,6 +316,8 @@ impl Metrics {
             bpf_entries,
             peers_unreachable,
             fastpath_pod_ports,
+            fastpath_program_verified,
+            fastpath_program_load,
             reconcile_runs,
             reconcile_duration,
             errors,
@@ -317,6 +353,26 @@ impl Metrics {
                 backend: backend.to_owned(),
             })
             .set(1);
+    }
+
+    /// Shows the fast path's programs as loaded (replacing what was shown; an empty slice, on
+    /// the kernel path, shows none).
+    pub fn set_programs(&self, programs: &[ProgramLoad]) {
+        self.fastpath_program_verified.clear();
+        self.fastpath_program_load.clear();
+        for p in programs {
+            let label = ProgramLabel {
+                program: p.program.clone(),
+            };
+            if let Some(n) = p.verified_insns {
+                self.fastpath_program_verified
+                    .get_or_create(&label)
+                    .set(i64::from(n));
+            }
+            self.fastpath_program_load
+                .get_or_create(&label)
+                .set(p.load_seconds);
+        }
     }
 
     /// Counts one error of `kind`.
@@ -424,6 +480,25 @@ mod tests {
                 .any(|l| l == "flannel_udp_bytes_total{program=\"tc_from_bridge\",reason=\"vxlan_encap\"} 700"),
             "{text}"
         );
+        m.set_programs(&[ProgramLoad {
+            program: "tc_to_netdev".into(),
+            verified_insns: Some(227_629),
+            load_seconds: 0.25,
+        }]);
+        let text = m.render();
+        assert!(
+            text.lines().any(|l| l
+                == "flannel_fastpath_program_verified_instructions{program=\"tc_to_netdev\"} 227629"),
+            "{text}"
+        );
+        assert!(
+            text.lines().any(
+                |l| l == "flannel_fastpath_program_load_seconds{program=\"tc_to_netdev\"} 0.25"
+            ),
+            "{text}"
+        );
+        m.set_programs(&[]);
+        assert!(!m.render().contains("program=\"tc_to_netdev\""));
         // The kernel path has no fast-path counters: they go with the eBPF path.
         m.set_dataplane("kernel", "vxlan", None);
         let text = m.render();

@@ -292,11 +292,23 @@ pub fn check_active_path(cluster: &Cluster, n: usize) -> Result<()> {
     } else {
         "kernel"
     };
-    let got = fastpath::active_path(cluster.topology().node(n).ns(), DEFAULT_HEALTHZ_PORT)?;
+    let ns = cluster.topology().node(n).ns();
+    let got = fastpath::active_path(ns, DEFAULT_HEALTHZ_PORT)?;
     anyhow::ensure!(
         got.as_deref() == Some(want),
         "node{n} ({}) reports dataplane path {got:?}, want {want}",
         cluster.dataplane_of(n)
+    );
+    // The fast path's programs are shown with what the verifier processed, only on it.
+    let verified = flannel_tests::lab::status::metric_sum(
+        ns,
+        DEFAULT_HEALTHZ_PORT,
+        "flannel_fastpath_program_verified_instructions",
+        "tc_to_netdev",
+    )?;
+    anyhow::ensure!(
+        (verified > 0.0) == (want == "ebpf"),
+        "node{n} ({want}) reports {verified} verified instructions for tc_to_netdev"
     );
     Ok(())
 }
