@@ -24,6 +24,8 @@ use prometheus_client::{
     registry::Registry,
 };
 
+use crate::bpf::programs::Loaded;
+
 /// Label of metrics broken down by a kind (entry kind, error kind).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
@@ -34,17 +36,6 @@ pub struct KindLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ProgramLabel {
     pub program: String,
-}
-
-/// One fast-path program as loaded, for [`Metrics::set_programs`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct ProgramLoad {
-    /// The program's name.
-    pub program: String,
-    /// Instructions the verifier processed (`None` on kernels before 5.16).
-    pub verified_insns: Option<u32>,
-    /// How long the load took, in seconds.
-    pub load_seconds: f64,
 }
 
 /// Labels of `flannel_dataplane_info`.
@@ -357,12 +348,12 @@ impl Metrics {
 
     /// Shows the fast path's programs as loaded (replacing what was shown; an empty slice, on
     /// the kernel path, shows none).
-    pub fn set_programs(&self, programs: &[ProgramLoad]) {
+    pub fn set_programs(&self, programs: &[Loaded]) {
         self.fastpath_program_verified.clear();
         self.fastpath_program_load.clear();
         for p in programs {
             let label = ProgramLabel {
-                program: p.program.clone(),
+                program: p.name.to_owned(),
             };
             if let Some(n) = p.verified_insns {
                 self.fastpath_program_verified
@@ -371,7 +362,7 @@ impl Metrics {
             }
             self.fastpath_program_load
                 .get_or_create(&label)
-                .set(p.load_seconds);
+                .set(p.took.as_secs_f64());
         }
     }
 
@@ -480,10 +471,10 @@ mod tests {
                 .any(|l| l == "flannel_udp_bytes_total{program=\"tc_from_bridge\",reason=\"vxlan_encap\"} 700"),
             "{text}"
         );
-        m.set_programs(&[ProgramLoad {
-            program: "tc_to_netdev".into(),
+        m.set_programs(&[Loaded {
+            name: "tc_to_netdev",
             verified_insns: Some(227_629),
-            load_seconds: 0.25,
+            took: std::time::Duration::from_millis(250),
         }]);
         let text = m.render();
         assert!(

@@ -13,6 +13,11 @@ use anyhow::Result;
 
 use crate::netns::NetNs;
 
+/// TC verdicts a test run returns.
+pub const TC_ACT_OK: u32 = 0;
+pub const TC_ACT_SHOT: u32 = 2;
+pub const TC_ACT_REDIRECT: u32 = 7;
+
 /// A MAC address.
 pub type Mac = [u8; 6];
 /// `ext0`'s MAC.

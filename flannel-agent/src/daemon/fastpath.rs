@@ -109,19 +109,6 @@ pub fn start(
     }
 }
 
-/// The fast path's programs as loaded, for the metrics.
-pub fn program_loads(fast_path: &bpf::FastPath) -> Vec<crate::metrics::ProgramLoad> {
-    fast_path
-        .loaded()
-        .iter()
-        .map(|l| crate::metrics::ProgramLoad {
-            program: l.name.to_owned(),
-            verified_insns: l.verified_insns,
-            load_seconds: l.took.as_secs_f64(),
-        })
-        .collect()
-}
-
 /// The VNI the VXLAN fast path writes, when the backend is vxlan.
 pub fn vxlan_vni(backend: &BackendOptions) -> Option<u32> {
     match backend {

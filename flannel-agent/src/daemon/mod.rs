@@ -304,7 +304,7 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         .map(|fp| Arc::new(crate::bpf::FastPathCounters(fp.clone())) as Arc<dyn CounterSource>);
     // The programs before the path, so that no scrape shows the eBPF path without them.
     if let Some(Ok(fp)) = active.fast_path().map(|fp| fp.lock()) {
-        metrics.set_programs(&fastpath::program_loads(&fp));
+        metrics.set_programs(fp.loaded());
     }
     metrics.set_dataplane(active.name(), backend_type.name(), counters);
     match &active {

@@ -80,8 +80,6 @@ fn attach_node(t: &Topology, n: usize, peer: usize, vxlan: bool) -> Result<Ebpf>
                 Array::try_from(ebpf.map_mut(CONFIG).context("no config map")?)?;
             map.set(0, config, 0)?;
         }
-        let mut hops: HashMap<_, [u8; 4], FloorHop> =
-            HashMap::try_from(ebpf.map_mut(BENCH_FLOOR_MAP).context("no floor map")?)?;
         let local_hop = FloorHop {
             ifindex: index(POD_VETH)?,
             ..into_pod
@@ -90,13 +88,13 @@ fn attach_node(t: &Topology, n: usize, peer: usize, vxlan: bool) -> Result<Ebpf>
             ifindex: index("eth0")?,
             ..to_peer
         };
-        hops.insert(local_ip.octets(), local_hop, 0)?;
-        hops.insert(remote_ip.octets(), remote_hop, 0)?;
-        let program: &mut SchedClassifier = ebpf
-            .program_mut(TC_BENCH_FLOOR)
-            .context("no floor program")?
-            .try_into()?;
-        program.load()?;
+        let program = load_program(
+            &mut ebpf,
+            [
+                (local_ip.octets(), local_hop),
+                (remote_ip.octets(), remote_hop),
+            ],
+        )?;
         for dev in [POD_VETH, "eth0"] {
             program
                 .attach(dev, TcAttachType::Ingress)
@@ -104,6 +102,25 @@ fn attach_node(t: &Topology, n: usize, peer: usize, vxlan: bool) -> Result<Ebpf>
         }
         Ok(ebpf)
     })?
+}
+
+/// Writes `hops` (destination address → hop) into the floor program's map of `ebpf` and
+/// loads the program (not attached).
+pub(super) fn load_program(
+    ebpf: &mut Ebpf,
+    hops: [([u8; 4], FloorHop); 2],
+) -> Result<&mut SchedClassifier> {
+    let mut map: HashMap<_, [u8; 4], FloorHop> =
+        HashMap::try_from(ebpf.map_mut(BENCH_FLOOR_MAP).context("no floor map")?)?;
+    for (dst, hop) in hops {
+        map.insert(dst, hop, 0)?;
+    }
+    let program: &mut SchedClassifier = ebpf
+        .program_mut(TC_BENCH_FLOOR)
+        .context("no floor program")?
+        .try_into()?;
+    program.load()?;
+    Ok(program)
 }
 
 /// Node `n`'s VXLAN configuration (as the agent would write it for `ref-vxlan`'s devices).

@@ -30,11 +30,11 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use aya::{Ebpf, TestRun as _, TestRunOptions, maps::HashMap, programs::SchedClassifier};
+use aya::{Ebpf, TestRun as _, TestRunOptions, programs::SchedClassifier};
 use flannel_agent::bpf::{FastPath, Hook, LocalConfig, Remote, Via};
 use flannel_common::{
     pods::{PodPort, PortKey},
-    programs::{BENCH_FLOOR_MAP, FLOOR_EGRESS, FLOOR_PEER, FloorHop, TC_BENCH_FLOOR},
+    programs::{FLOOR_EGRESS, FLOOR_PEER, FloorHop, TC_BENCH_FLOOR},
     stats::Reason,
 };
 use ipnet::Ipv4Net;
@@ -45,7 +45,7 @@ use super::{
     rounds::{self, Bench, Metric, Plan},
 };
 use crate::{
-    bpfrig::{self, BR_MAC, EXT_MAC, Mac, POD_MAC, Skb, mac_str},
+    bpfrig::{self, BR_MAC, EXT_MAC, Mac, POD_MAC, Skb, TC_ACT_REDIRECT, mac_str},
     netns::{NetNs, run_prefix},
     packet::{Ethernet, Icmp, Ipv4, Tcp, Transport},
 };
@@ -53,8 +53,6 @@ use crate::{
 /// Runs per `BPF_PROG_TEST_RUN` call: the packet's TTL (255) must outlast them, since each
 /// run forwards the same buffer again.
 const REPEAT: u32 = 200;
-/// `TC_ACT_REDIRECT`: what every measured run must return.
-const TC_ACT_REDIRECT: u32 = 7;
 /// The veth the memo delivers into (test_run does not carry the redirect out).
 const POD_PORT: u32 = 4242;
 
@@ -302,8 +300,6 @@ fn load_agent(pin: &std::path::Path, ext: u32, bridge: u32) -> Result<FastPath> 
 /// only test-run).
 fn load_floor(ext: u32) -> Result<Ebpf> {
     let mut ebpf = Ebpf::load(flannel_agent::EBPF_OBJECT).context("loading the object")?;
-    let mut hops: HashMap<_, [u8; 4], FloorHop> =
-        HashMap::try_from(ebpf.map_mut(BENCH_FLOOR_MAP).context("no floor map")?)?;
     let to_peer = FloorHop {
         ifindex: ext,
         smac: EXT_MAC,
@@ -318,13 +314,10 @@ fn load_floor(ext: u32) -> Result<Ebpf> {
         into_peer: FLOOR_PEER,
         ..FloorHop::default()
     };
-    hops.insert(REMOTE_POD.octets(), to_peer, 0)?;
-    hops.insert(POD.octets(), into_pod, 0)?;
-    let program: &mut SchedClassifier = ebpf
-        .program_mut(TC_BENCH_FLOOR)
-        .context("no floor program")?
-        .try_into()?;
-    program.load()?;
+    super::floor::load_program(
+        &mut ebpf,
+        [(REMOTE_POD.octets(), to_peer), (POD.octets(), into_pod)],
+    )?;
     Ok(ebpf)
 }
 

@@ -16,13 +16,11 @@ use aya::{TestRun as _, TestRunOptions};
 use flannel_agent::bpf::{FastPath, Hook, ReasonCounters};
 use flannel_common::{hops::HOP_TTL_TICKS, stats::Reason};
 #[allow(unused_imports)] // each test file uses a different part
-pub use flannel_tests::bpfrig::{BR_MAC, EXT_MAC, Mac, POD_MAC, Skb, mac_str};
+pub use flannel_tests::bpfrig::{
+    BR_MAC, EXT_MAC, Mac, POD_MAC, Skb, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, mac_str,
+};
 use flannel_tests::{bpfrig, netns::NetNs, packet::hexdump};
 use ipnet::Ipv4Net;
-
-pub const TC_ACT_OK: u32 = 0;
-pub const TC_ACT_SHOT: u32 = 2;
-pub const TC_ACT_REDIRECT: u32 = 7;
 
 /// How long a remembered route lookup or flow is used on this kernel: `HOP_TTL_TICKS` timer
 /// ticks at its HZ (0.4 s at HZ=250, at most a second anywhere).
