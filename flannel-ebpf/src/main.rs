@@ -33,7 +33,8 @@ use flannel_ebpf::{
     },
     memo, netdev,
     parse::{self, PULL_LEN, PacketCtx as _},
-    stats, v6, xdp,
+    stats::{self, Slots},
+    v6, xdp,
 };
 
 /// TC classifier for any device and direction: parses the packet, counts it under its class
@@ -72,6 +73,7 @@ pub fn tc_from_bridge(ctx: TcContext) -> i32 {
     };
     stats::count_run(
         &FLANNEL_CNT_FBR,
+        Slots::PRECISE,
         out.class,
         out.verdict,
         [None, None],
@@ -84,9 +86,10 @@ pub fn tc_from_bridge(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_from_netdev(ctx: TcContext) -> i32 {
     let bytes = ctx.packet_len() as u64;
+    let slots = Slots::opaque(bytes);
     // A remembered flow first: its headers are already linear (or it is not taken).
     let (out, learnt) = if let Some(out) = memo::deliver(&ctx).or_else(|| v6::memo::deliver(&ctx)) {
-        stats::count(&FLANNEL_CNT_FND, Reason::MemoHit, bytes);
+        stats::count_at(&FLANNEL_CNT_FND, slots, Reason::MemoHit, bytes);
         (out, netdev::Learnt::default())
     } else {
         ctx.pull_headers(PULL_LEN);
@@ -102,7 +105,14 @@ pub fn tc_from_netdev(ctx: TcContext) -> i32 {
         learnt.nat_guard.then_some(Reason::LearnNatGuard),
         learnt.kernel_flow.then_some(Reason::LearnKernelFlow),
     ];
-    stats::count_run(&FLANNEL_CNT_FND, out.class, out.verdict, events, bytes);
+    stats::count_run(
+        &FLANNEL_CNT_FND,
+        slots,
+        out.class,
+        out.verdict,
+        events,
+        bytes,
+    );
     out.action
 }
 
@@ -122,7 +132,14 @@ pub fn tc_to_netdev(ctx: TcContext) -> i32 {
     };
     match run {
         Some((out, events)) => {
-            stats::count_run(&FLANNEL_CNT_TND, out.class, out.verdict, events, bytes);
+            stats::count_run(
+                &FLANNEL_CNT_TND,
+                Slots::PRECISE,
+                out.class,
+                out.verdict,
+                events,
+                bytes,
+            );
             out.action
         }
         None => TC_ACT_OK,
@@ -136,6 +153,7 @@ pub fn xdp_from_netdev(ctx: XdpContext) -> u32 {
     let out = xdp::from_netdev(&ctx);
     stats::count_run(
         &FLANNEL_CNT_XND,
+        Slots::opaque(bytes),
         out.class,
         out.verdict,
         [None, None],

@@ -2266,9 +2266,14 @@ fn sync_is_idempotent_and_fast_at_5000_entries() {
 #[test]
 fn programs_load_with_room_under_the_verifier_limit() {
     use flannel_agent::bpf::programs::{LOADED, VERIFIER_LIMIT};
-    /// The share of the limit any one program may use here (the largest, `tc_from_netdev`
-    /// and `tc_to_netdev`, take about a quarter).
+    use flannel_common::programs::{TC_FROM_NETDEV, XDP_FROM_NETDEV};
+    /// The share of the limit any one program may use here (the largest, `tc_to_netdev`,
+    /// takes about a quarter).
     const BUDGET: u32 = VERIFIER_LIMIT / 10 * 4;
+    /// The programs that count through opaque slots (`flannel_ebpf::stats::Slots`), whose
+    /// walks that keeps small: `tc_from_netdev` took a quarter of the limit without (255k),
+    /// 47k with.
+    const OPAQUE_BUDGET: u32 = VERIFIER_LIMIT / 10;
     let Some(rig) = Rig::new("fpvrf") else { return };
     let pin = rig.pin.clone();
     rig.ns
@@ -2281,9 +2286,13 @@ fn programs_load_with_room_under_the_verifier_limit() {
                 let insns = loaded
                     .verified_insns
                     .unwrap_or_else(|| panic!("{}: no verified_insns on 6.18", loaded.name));
+                let budget = match loaded.name {
+                    TC_FROM_NETDEV | XDP_FROM_NETDEV => OPAQUE_BUDGET,
+                    _ => BUDGET,
+                };
                 assert!(
-                    insns > 0 && insns <= BUDGET,
-                    "{} needs {insns} verifier instructions (budget {BUDGET} of {VERIFIER_LIMIT})",
+                    insns > 0 && insns <= budget,
+                    "{} needs {insns} verifier instructions (budget {budget} of {VERIFIER_LIMIT})",
                     loaded.name
                 );
             }
