@@ -110,8 +110,10 @@ pub const CRR_CLIENTS: usize = 4;
 /// one client and with [`CRR_CLIENTS`]: every connection's first packets take the programs'
 /// full checks and leave a flow memo behind, which the other metrics' long-lived connections
 /// do not show. The last is the programs' time per new connection, in a connection-rate run
-/// of its own with statistics on (like entry 6).
-pub const METRICS: [Metric; 13] = [
+/// of its own with statistics on (like entry 6). The last, the one-stream transfer's
+/// retransmitted segments per GB, tells a path that loses or reorders packets from one that
+/// is slower.
+pub const METRICS: [Metric; 14] = [
     ("tcp1_gbps", "TCP 1 stream", "Gbit/s", true),
     ("tcp2_gbps", "TCP 2 streams", "Gbit/s", true),
     ("rr_p50_us", "TCP RR latency p50", "µs", false),
@@ -149,6 +151,12 @@ pub const METRICS: [Metric; 13] = [
         "bpf_crr_us",
         "eBPF time per new connection (4 clients)",
         "µs",
+        false,
+    ),
+    (
+        "tcp1_retrans_per_gb",
+        "retransmitted segments per GB, 1 stream",
+        "/GB",
         false,
     ),
 ];
@@ -261,6 +269,9 @@ impl Bench for Dataplane<'_> {
                 let t =
                     measure::iperf3_tcp(client, bed.server_ip, streams, opts.duration, &opts.tcp)?;
                 let mut values = vec![(step, t.gbps), (4 + step, t.cpu_per_gbit())];
+                if step == 0 {
+                    values.push((13, t.retransmits_per_gb()));
+                }
                 if !nodes.is_empty() {
                     values.extend(fast_share(&before, &verdict_counts(&nodes)?).map(|p| (9, p)));
                 }
@@ -528,6 +539,7 @@ mod tests {
         assert_eq!(forwarding_ns(&before.until(&floor), 4_001), None);
         assert_eq!(forwarding_ns(&before.until(&background), 2), None);
         assert_eq!(METRICS[12].0, "bpf_crr_us");
+        assert_eq!(METRICS[13].0, "tcp1_retrans_per_gb");
     }
 
     #[test]

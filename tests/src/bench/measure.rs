@@ -88,6 +88,19 @@ pub struct Throughput {
 }
 
 impl Throughput {
+    /// Segments the sender retransmitted per GB received: the path's losses and reordering,
+    /// which move the throughput of one stream. (On these veth testbeds nearly all are
+    /// spurious, answered by D-SACKs: a stream's segments sent from both CPUs cross two
+    /// per-CPU backlog queues and arrive out of order; none is dropped.)
+    pub fn retransmits_per_gb(&self) -> f64 {
+        let gb = self.bytes as f64 / 1e9;
+        if gb > 0.0 {
+            self.retransmits as f64 / gb
+        } else {
+            f64::NAN
+        }
+    }
+
     /// Busy CPU-seconds per Gbit transferred.
     pub fn cpu_per_gbit(&self) -> f64 {
         let gbit = self.bytes as f64 * 8.0 / 1e9;
