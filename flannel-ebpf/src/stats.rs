@@ -6,13 +6,13 @@ use flannel_common::stats::{Counter, Reason};
 /// How a program's count reaches its slot: at the reason's index as the verifier sees it, or
 /// at an index the verifier cannot tell from any other.
 ///
-/// A counter's slot is the path's class or verdict, a constant on each path. The verifier
-/// (6.x) marks a constant map key precise so that it can drop the lookup's NULL check, and
-/// from then on two states that differ only in what they will count are never pruned: in
-/// `tc_from_netdev` that multiplied its walk by five. [`Slots::opaque`] offsets every index
-/// by a zero the verifier cannot see, so the key is unknown to it and nothing is marked; the
-/// price is a NULL check per count. Which programs gain depends on their shape (two lose), so
-/// each entry point chooses.
+/// A counter's slot is the path's class or verdict, a constant on each path. A recent verifier
+/// (6.18 here) marks a constant map key precise so that it can drop the lookup's NULL check,
+/// and from then on two states that differ only in what they will count are never pruned: in
+/// `tc_from_netdev` that multiplied its walk by five. [`Slots::opaque`] offsets every index by
+/// a zero the verifier cannot see, so the key is unknown to it and nothing is marked; the price
+/// is a NULL check per count. Which programs gain depends on their shape (two lose), so each
+/// entry point chooses.
 #[derive(Clone, Copy)]
 pub struct Slots(u32);
 

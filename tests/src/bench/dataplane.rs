@@ -109,7 +109,7 @@ pub const CRR_CLIENTS: usize = 4;
 /// connections per second ([`crr`]: connect, 64-byte request, 128-byte response, close), with
 /// one client and with [`CRR_CLIENTS`]: every connection's first packets take the programs'
 /// full checks and leave a flow memo behind, which the other metrics' long-lived connections
-/// do not show. The last is the programs' time per new connection, in a connection-rate run
+/// do not show. Entry 12 is the programs' time per new connection, in a connection-rate run
 /// of its own with statistics on (like entry 6). The last, the one-stream transfer's
 /// retransmitted segments per GB, tells a path that loses or reorders packets from one that
 /// is slower.
