@@ -569,6 +569,14 @@ mod tests {
             cpu_seconds: 9.6,
         };
         assert!((t.cpu_per_gbit() - 0.2).abs() < 1e-9);
+        assert_eq!(t.retransmits_per_gb(), 0.0);
+        let lossy = Throughput {
+            retransmits: 18_000,
+            ..t
+        };
+        assert!((lossy.retransmits_per_gb() - 3_000.0).abs() < 1e-9);
+        let nothing = Throughput { bytes: 0, ..t };
+        assert!(nothing.retransmits_per_gb().is_nan() && nothing.cpu_per_gbit().is_nan());
     }
 
     #[test]
