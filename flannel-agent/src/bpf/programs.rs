@@ -157,48 +157,35 @@ mod retry_tests {
         e.raw_os_error() == Some(libc::EAGAIN)
     }
 
-    #[test]
-    fn transient_failures_are_retried_and_others_returned_at_once() {
+    /// `retry_while(5, ..)` over an operation that fails with `errors` in turn, then succeeds:
+    /// its result (the error's errno) and how often the operation ran.
+    fn run(errors: &[i32]) -> (Result<(), Option<i32>>, usize) {
         let mut calls = 0;
-        let ok = retry_while(
+        let result = retry_while(
             5,
             || {
                 calls += 1;
-                if calls < 3 {
-                    Err(std::io::Error::from_raw_os_error(libc::EAGAIN))
-                } else {
-                    Ok(())
+                match errors.get(calls - 1) {
+                    Some(&errno) => Err(std::io::Error::from_raw_os_error(errno)),
+                    None => Ok(()),
                 }
             },
             eagain,
         );
+        (result.map_err(|e| e.raw_os_error()), calls)
+    }
+
+    #[test]
+    fn transient_failures_are_retried_and_others_returned_at_once() {
+        let (ok, calls) = run(&[libc::EAGAIN, libc::EAGAIN]);
         assert!(ok.is_ok());
         assert_eq!(calls, 3);
 
-        let mut calls = 0;
-        let denied = retry_while(
-            5,
-            || {
-                calls += 1;
-                Err(std::io::Error::from_raw_os_error(libc::EACCES))
-            },
-            eagain,
-        );
-        assert_eq!(
-            denied.map_err(|e| e.raw_os_error()),
-            Err(Some(libc::EACCES))
-        );
+        let (denied, calls) = run(&[libc::EACCES, libc::EAGAIN]);
+        assert_eq!(denied, Err(Some(libc::EACCES)));
         assert_eq!(calls, 1);
 
-        let mut calls = 0;
-        let gave_up = retry_while(
-            5,
-            || {
-                calls += 1;
-                Err(std::io::Error::from_raw_os_error(libc::EAGAIN))
-            },
-            eagain,
-        );
+        let (gave_up, calls) = run(&[libc::EAGAIN; 6]);
         assert!(gave_up.is_err());
         assert_eq!(calls, 5);
     }
