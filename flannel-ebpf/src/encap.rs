@@ -90,7 +90,7 @@ use crate::{
     fib::{self, Fib},
     hops,
     ipv4::{Ipv4Info, decremented_ttl_field},
-    parse::{ETH_HDR_LEN, ETH_P_IP, PacketCtx, proto, ptr_at},
+    parse::{ETH_HDR_LEN, ETH_P_IP, PacketCtx, UDP_HDR_LEN, proto, ptr_at},
 };
 
 /// Bytes VXLAN adds after the outer Ethernet header: IPv4 20 + UDP 8 + VXLAN 8 + inner
@@ -324,12 +324,29 @@ pub fn vxlan_encapsulate(
         .map_err(|_| Reason::DropRewriteFailed)
 }
 
-/// Whether the VXLAN frame whose UDP header `outer` describes (an outer IPv4 header without
-/// options) is ours: see [`vxlan_header_is`], with our VNI and VTEP MAC and IPv4 inside.
+/// The end of the payload of the UDP datagram whose header is at `l4`, in an IP datagram
+/// that ends at `ip_end`: by the UDP length, which must cover the header and lie within the
+/// datagram (or the kernel's UDP receive drops the datagram before its tunnel sees it; a
+/// shorter one trims the rest off). `None` if it does not.
 #[inline(always)]
-pub fn vxlan_is_ours<C: PacketCtx>(ctx: &C, cfg: &Config, outer: &Ipv4Info) -> bool {
-    outer.l4 == VXLAN_HDR_AT - 8
-        && vxlan_header_is(ctx, VXLAN_HDR_AT, cfg.vni, cfg.vtep_mac, ETH_P_IP)
+pub fn udp_payload_end<C: PacketCtx>(ctx: &C, l4: usize, ip_end: usize) -> Option<usize> {
+    let p = ptr_at::<C, [u8; 2]>(ctx, l4 + 4)?;
+    // SAFETY: ptr_at checked the 2 bytes are readable.
+    let len = usize::from(u16::from_be_bytes(unsafe { p.read_unaligned() }));
+    (len >= UDP_HDR_LEN && l4 + len <= ip_end).then_some(l4 + len)
+}
+
+/// If the VXLAN frame whose UDP header `outer` describes (an outer IPv4 header without
+/// options) is ours (see [`vxlan_header_is`], with our VNI and VTEP MAC and IPv4 inside) and
+/// its UDP length is sound ([`udp_payload_end`]), where the frame inside it ends.
+#[inline(always)]
+pub fn vxlan_inner_end<C: PacketCtx>(ctx: &C, cfg: &Config, outer: &Ipv4Info) -> Option<usize> {
+    if outer.l4 != VXLAN_HDR_AT - 8
+        || !vxlan_header_is(ctx, VXLAN_HDR_AT, cfg.vni, cfg.vtep_mac, ETH_P_IP)
+    {
+        return None;
+    }
+    udp_payload_end(ctx, VXLAN_HDR_AT - 8, outer.end())
 }
 
 /// Whether the VXLAN header at `at` and the inner Ethernet header after it carry the I flag,

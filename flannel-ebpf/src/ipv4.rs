@@ -47,6 +47,12 @@ pub struct Ipv4Info {
 }
 
 impl Ipv4Info {
+    /// The offset just past the datagram (by its total length).
+    #[inline(always)]
+    pub fn end(&self) -> usize {
+        self.l3 + usize::from(self.tot_len)
+    }
+
     /// The IP length of each of its segments, for a GSO packet whose segments carry
     /// `gso_size` bytes of payload after these headers.
     #[inline(always)]

@@ -359,19 +359,18 @@ pub fn deliver(ctx: &TcContext) -> Option<Outcome> {
 #[inline(always)]
 fn deliver_tunnelled(ctx: &TcContext, cfg: &Config, from: [u8; 4]) -> Option<Outcome> {
     let outer = parse::parse(ctx).ok()?;
-    let (tunnel, inner_l3, overhead, verdict) = if outer.ip_proto == proto::UDP {
+    let (tunnel, inner_l3, end, overhead, verdict) = if outer.ip_proto == proto::UDP {
         if cfg.flags & CFG_VXLAN_RX == 0 {
             return None;
         }
         let (outer, _) = screened(ctx, &Ok(outer))?;
-        if u16::from_be_bytes(outer.dport) != cfg.vxlan_port
-            || !encap::vxlan_is_ours(ctx, cfg, &outer)
-        {
+        if u16::from_be_bytes(outer.dport) != cfg.vxlan_port {
             return None;
         }
         (
             TUNNEL_VXLAN,
             VXLAN_INNER_L3,
+            encap::vxlan_inner_end(ctx, cfg, &outer)?,
             VXLAN_OVERHEAD,
             Reason::FastDeliverVxlan,
         )
@@ -386,13 +385,14 @@ fn deliver_tunnelled(ctx: &TcContext, cfg: &Config, from: [u8; 4]) -> Option<Out
         (
             TUNNEL_IPIP,
             IPIP_INNER_L3,
+            outer.ip_end,
             IPIP_OVERHEAD,
             Reason::FastDeliverIpip,
         )
     } else {
         return None;
     };
-    let (info, _) = screened(ctx, &parse::parse_ipv4_at(ctx, inner_l3))?;
+    let (info, _) = screened(ctx, &parse::parse_ipv4_at(ctx, inner_l3, end))?;
     if info.ttl <= 1 || !cfg.is_local_pod(info.dst) {
         return None;
     }

@@ -43,7 +43,10 @@ use flannel_common::{
 use crate::{
     bridge::Outcome,
     decide, deliver,
-    encap::{self, IPIP_INNER_L3, IPIP_OVERHEAD, IPPROTO_IPIP, VXLAN_INNER_L3, VXLAN_OVERHEAD},
+    encap::{
+        self, IPIP_INNER_L3, IPIP_OVERHEAD, IPPROTO_IPIP, VXLAN_HDR_AT, VXLAN_INNER_L3,
+        VXLAN_OVERHEAD,
+    },
     fib::{self, Fib},
     ipv4::{self, Ipv4Info},
     maps, memo, nat,
@@ -249,7 +252,7 @@ fn ipip_in(
         return Verdict::pass(Reason::PassUnknownPeer);
     }
     if deliver::ipip_is_the_kernels(ctx, cfg) {
-        if let Ok(inner) = ipv4::screen(&parse::parse_ipv4_at(ctx, IPIP_INNER_L3))
+        if let Ok(inner) = ipv4::screen(&parse::parse_ipv4_at(ctx, IPIP_INNER_L3, outer.end()))
             && let Some(inner) = ipv4::read(ctx, &inner)
         {
             *learnt = deliver::learn_nat_guard(cfg, &inner);
@@ -259,7 +262,7 @@ fn ipip_in(
         }
         return Verdict::pass(Reason::PassGso);
     }
-    let inner = parse::parse_ipv4_at(ctx, IPIP_INNER_L3);
+    let inner = parse::parse_ipv4_at(ctx, IPIP_INNER_L3, outer.end());
     let inner_packet = match ipv4::screen(&inner) {
         Ok(p) => Some(p),
         // Fragments, options and other protocols are still ours to decapsulate: no one else
@@ -333,10 +336,10 @@ fn vxlan_in(
 ) -> Verdict {
     // Read before the checks: a change while they run retires what they decide.
     let agent = memo::agent_generation();
-    if !encap::vxlan_is_ours(ctx, cfg, outer) {
+    let Some(end) = encap::vxlan_inner_end(ctx, cfg, outer) else {
         return Verdict::pass(Reason::PassVxlanMismatch);
-    }
-    let inner = parse::parse_ipv4_at(ctx, VXLAN_INNER_L3);
+    };
+    let inner = parse::parse_ipv4_at(ctx, VXLAN_INNER_L3, end);
     let packet = match ipv4::screen(&inner) {
         Ok(p) => p,
         Err(reason) => return Verdict::pass(reason),
@@ -481,7 +484,9 @@ pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, [Option<Reason>; 2])> {
         && u16::from_be_bytes(info.dport) == cfg.vxlan_port
     {
         // flannel.<VNI>'s VXLAN: the inner packet went through the kernel.
-        if let Ok(inner) = ipv4::screen(&parse::parse_ipv4_at(ctx, VXLAN_INNER_L3))
+        if info.l4 == VXLAN_HDR_AT - 8
+            && let Some(end) = encap::udp_payload_end(ctx, VXLAN_HDR_AT - 8, info.end())
+            && let Ok(inner) = ipv4::screen(&parse::parse_ipv4_at(ctx, VXLAN_INNER_L3, end))
             && let Some(inner) = ipv4::read(ctx, &inner)
         {
             learnt = deliver::learn_kernel_flow(cfg, &inner);

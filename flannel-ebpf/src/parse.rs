@@ -275,8 +275,8 @@ pub fn parse<C: PacketCtx>(ctx: &C) -> Result<Packet, Reason> {
     let ethertype: [u8; 2] = read(ctx, 12).ok_or(Reason::EthTruncated)?;
     let ethertype = u16::from_be_bytes(ethertype);
     match ethertype {
-        ETH_P_IP => parse_ipv4(ctx, ETH_HDR_LEN),
-        ETH_P_IPV6 => parse_ipv6(ctx, ETH_HDR_LEN),
+        ETH_P_IP => parse_ipv4(ctx, ETH_HDR_LEN, ctx.packet_len()),
+        ETH_P_IPV6 => parse_ipv6(ctx, ETH_HDR_LEN, ctx.packet_len()),
         ETH_P_ARP => Ok(Packet::non_ip(Reason::Arp, ethertype)),
         _ => Ok(Packet::non_ip(Reason::OtherEthertype, ethertype)),
     }
@@ -291,21 +291,28 @@ pub fn classify<C: PacketCtx>(ctx: &C) -> Reason {
     }
 }
 
-/// Parses an IPv4 packet whose header starts at `l3` (an inner packet of a tunnel, for
-/// example): its layout and class, or the reason it is malformed.
+/// Parses the IPv4 packet inside a tunnel: its header starts at `l3` and the tunnel's payload
+/// ends at `end` (the outer datagram's end, or its UDP payload's; see
+/// [`crate::encap::udp_payload_end`]). Its layout and class, or the reason it is malformed: a
+/// total length beyond `end` is [`Reason::Ipv4BadLength`], for the bytes after the outer
+/// datagram (link-layer padding) are not part of it; the kernel trims them off before its
+/// tunnel sees the packet.
 #[inline(always)]
-pub fn parse_ipv4_at<C: PacketCtx>(ctx: &C, l3: usize) -> Result<Packet, Reason> {
-    parse_ipv4(ctx, l3)
+pub fn parse_ipv4_at<C: PacketCtx>(ctx: &C, l3: usize, end: usize) -> Result<Packet, Reason> {
+    parse_ipv4(ctx, l3, end)
 }
 
-/// Parses an IPv6 packet whose header starts at `l3` (the inner packet of a tunnel).
+/// Parses the IPv6 packet inside a tunnel whose header starts at `l3` and whose payload ends at
+/// `end`, as [`parse_ipv4_at`] does (a payload length beyond `end` is
+/// [`Reason::Ipv6BadLength`]).
 #[inline(always)]
-pub fn parse_ipv6_at<C: PacketCtx>(ctx: &C, l3: usize) -> Result<Packet, Reason> {
-    parse_ipv6(ctx, l3)
+pub fn parse_ipv6_at<C: PacketCtx>(ctx: &C, l3: usize, end: usize) -> Result<Packet, Reason> {
+    parse_ipv6(ctx, l3, end)
 }
 
+/// The IPv4 packet at `l3`, which must end by `limit`.
 #[inline(always)]
-fn parse_ipv4<C: PacketCtx>(ctx: &C, l3: usize) -> Result<Packet, Reason> {
+fn parse_ipv4<C: PacketCtx>(ctx: &C, l3: usize, limit: usize) -> Result<Packet, Reason> {
     let hdr: Ipv4Hdr = read(ctx, l3).ok_or(Reason::Ipv4Truncated)?;
     if hdr.vihl >> 4 != 4 {
         return Err(Reason::Ipv4BadVersion);
@@ -318,7 +325,7 @@ fn parse_ipv4<C: PacketCtx>(ctx: &C, l3: usize) -> Result<Packet, Reason> {
         return Err(Reason::Ipv4Truncated);
     }
     let total_len = u16::from_be_bytes(hdr.tot_len) as usize;
-    if total_len < hdr_len || l3 + total_len > ctx.packet_len() {
+    if total_len < hdr_len || l3 + total_len > limit {
         return Err(Reason::Ipv4BadLength);
     }
 
@@ -359,15 +366,16 @@ fn parse_ipv4<C: PacketCtx>(ctx: &C, l3: usize) -> Result<Packet, Reason> {
     Ok(packet(class))
 }
 
+/// The IPv6 packet at `l3`, which must end by `limit`.
 #[inline(always)]
-fn parse_ipv6<C: PacketCtx>(ctx: &C, l3: usize) -> Result<Packet, Reason> {
+fn parse_ipv6<C: PacketCtx>(ctx: &C, l3: usize, limit: usize) -> Result<Packet, Reason> {
     let hdr: Ipv6Hdr = read(ctx, l3).ok_or(Reason::Ipv6Truncated)?;
     if hdr.vcf[0] >> 4 != 6 {
         return Err(Reason::Ipv6BadVersion);
     }
     let l4 = l3 + IPV6_HDR_LEN;
     let end = l4 + u16::from_be_bytes(hdr.payload_len) as usize;
-    if end > ctx.packet_len() {
+    if end > limit {
         return Err(Reason::Ipv6BadLength);
     }
     let class = match hdr.next_hdr {

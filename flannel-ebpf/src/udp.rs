@@ -234,7 +234,7 @@ fn inner_packet(ctx: &TcContext, outer: &Ipv4Info) -> Result<Ipv4Info, Reason> {
     {
         return Err(Reason::PassUdpMismatch);
     }
-    let packet = match ipv4::screen(&parse::parse_ipv4_at(ctx, INNER_L3)) {
+    let packet = match ipv4::screen(&parse::parse_ipv4_at(ctx, INNER_L3, outer.end())) {
         Ok(p) => p,
         Err(reason @ (Reason::PassFragment | Reason::PassIpOptions | Reason::PassOtherProto)) => {
             return Err(reason);
@@ -318,7 +318,7 @@ pub fn learn_from_forwarder(ctx: &TcContext, cfg: &Config, info: &Ipv4Info) -> O
     {
         return None;
     }
-    let learnt = match ipv4::screen(&parse::parse_ipv4_at(ctx, INNER_L3)) {
+    let learnt = match ipv4::screen(&parse::parse_ipv4_at(ctx, INNER_L3, info.end())) {
         Ok(inner) => match ipv4::read(ctx, &inner) {
             Some(inner) => deliver::learn_kernel_flow(cfg, &inner),
             None => false,

@@ -89,7 +89,7 @@ fn decap_if_deliverable(
         if cfg.flags & CFG_ROUTED_RX == 0 || maps::node_flags(info.src) & NODE_F_IPIP == 0 {
             return Err(Reason::PassUnknownPeer);
         }
-        check_inner(ctx, cfg, ETH_HDR_LEN + IPIP_OVERHEAD)?;
+        check_inner(ctx, cfg, ETH_HDR_LEN + IPIP_OVERHEAD, info.end())?;
         decap(ctx, IPIP_OVERHEAD)?;
         return Ok(Reason::FastXdpDecapIpip);
     }
@@ -97,28 +97,26 @@ fn decap_if_deliverable(
         if cfg.flags & CFG_VXLAN_RX == 0 || maps::node_flags(info.src) & NODE_F_VXLAN == 0 {
             return Err(Reason::PassUnknownPeer);
         }
-        check_vxlan(ctx, cfg, &info)?;
-        check_inner(ctx, cfg, ETH_HDR_LEN + VXLAN_OVERHEAD)?;
+        let end = check_vxlan(ctx, cfg, &info)?;
+        check_inner(ctx, cfg, ETH_HDR_LEN + VXLAN_OVERHEAD, end)?;
         decap(ctx, VXLAN_OVERHEAD)?;
         return Ok(Reason::FastXdpDecapVxlan);
     }
     Err(Reason::PassNotForPod)
 }
 
-/// VXLAN header and inner Ethernet: our VNI and VTEP MAC, IPv4 inside.
+/// VXLAN header and inner Ethernet: our VNI and VTEP MAC, IPv4 inside, a sound UDP length;
+/// where the inner frame ends.
 #[inline(always)]
-fn check_vxlan(ctx: &XdpContext, cfg: &Config, outer: &Ipv4Info) -> Result<(), Reason> {
-    if encap::vxlan_is_ours(ctx, cfg, outer) {
-        Ok(())
-    } else {
-        Err(Reason::PassVxlanMismatch)
-    }
+fn check_vxlan(ctx: &XdpContext, cfg: &Config, outer: &Ipv4Info) -> Result<usize, Reason> {
+    encap::vxlan_inner_end(ctx, cfg, outer).ok_or(Reason::PassVxlanMismatch)
 }
 
-/// The inner packet at `l3` must be one `tc_from_netdev` delivers.
+/// The inner packet at `l3`, in a tunnel payload ending at `end`, must be one
+/// `tc_from_netdev` delivers.
 #[inline(always)]
-fn check_inner(ctx: &XdpContext, cfg: &Config, l3: usize) -> Result<(), Reason> {
-    let packet = ipv4::screen(&parse::parse_ipv4_at(ctx, l3))?;
+fn check_inner(ctx: &XdpContext, cfg: &Config, l3: usize, end: usize) -> Result<(), Reason> {
+    let packet = ipv4::screen(&parse::parse_ipv4_at(ctx, l3, end))?;
     let inner = ipv4::read(ctx, &packet).ok_or(Reason::PassMalformed)?;
     decide::deliverable(
         cfg,

@@ -26,7 +26,7 @@ use flannel_common::{
     config::FASTPATH_MARK,
     memo::learn_slot,
     pods::{PodPort, PortKey},
-    stats::Reason,
+    stats::{Reason, ReasonKind},
 };
 use flannel_tests::packet::{
     self, Arp, Checksum, Ethernet, IPPROTO_GRE, IPPROTO_IPIP, Icmp, Ipv4, Ipv6, MAC_BROADCAST,
@@ -38,7 +38,9 @@ mod bpf_support;
 
 use bpf_support::{
     BR_MAC, EXT_MAC, Ifaces, Mac, POD_MAC, Rig, Run, Skb, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT,
-    assert_bytes, counted_between, know_pod_port, mac_str, net, past_hop_ttl, run, within_hop_ttl,
+    XDP_PASS, assert_bytes, know_pod_port, mac_str,
+    mutate::{self, Program},
+    net, past_hop_ttl, run, run_xdp, within_hop_ttl,
 };
 
 const PEER2_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x02];
@@ -1711,6 +1713,68 @@ fn netdev_decapsulates_ipip_for_the_stack_and_refuses_unknown_nodes() {
     });
 }
 
+/// `frame` (Ethernet + IPv4 without options) with the IPv4 total length `len` and the header
+/// checksum made right for it.
+fn with_total_length(mut frame: Vec<u8>, len: u16) -> Vec<u8> {
+    frame[16..18].copy_from_slice(&len.to_be_bytes());
+    frame[24..26].copy_from_slice(&[0, 0]);
+    let sum = packet::checksum(&frame[14..34]);
+    frame[24..26].copy_from_slice(&sum.to_be_bytes());
+    frame
+}
+
+/// A tunnel packet whose inner packet lies (in part) beyond the outer datagram, by its IPv4
+/// total length or its UDP length, is not decapsulated: those bytes are link-layer padding,
+/// which the kernel trims off before its tunnel sees the packet (and so then drops it).
+/// Passed unchanged by `tc_from_netdev`, with or without a memo of the inner flow, and by
+/// `xdp_from_netdev`. (Found by `mutated_packets_keep_the_verdicts_and_counters_contract`.)
+#[test]
+fn tunnel_payload_beyond_the_outer_datagram_is_not_decapsulated() {
+    let Some(rig) = Rig::new("fppad") else { return };
+    rig.with_fast_path(|fp, ifs| {
+        let skb = Skb::on(ifs.ext);
+        let vxlan = vxlan_frame(PUB3, 1, 8472, LOCAL_VTEP, &Ipv4::new(VXLAN_POD, POD, tcp()));
+        let ipip = ipip_frame(PUB5, &Ipv4::new(IPIP_POD, POD, tcp()));
+        // The whole packets are delivered (and their flows remembered).
+        for frame in [&vxlan, &ipip] {
+            let r = run(fp, Hook::FromNetdev, frame, skb);
+            assert_eq!(r.verdict, TC_ACT_REDIRECT, "whole tunnel packet");
+        }
+        let mut short_udp = vxlan.clone();
+        short_udp[38..40].copy_from_slice(&16u16.to_be_bytes());
+        let cases = [
+            (
+                "VXLAN, outer datagram of IP and UDP headers only",
+                with_total_length(vxlan.clone(), 28),
+                Reason::Ipv4Udp,
+                Reason::PassVxlanMismatch,
+            ),
+            (
+                "VXLAN, UDP length of the UDP and VXLAN headers only",
+                short_udp,
+                Reason::Ipv4Udp,
+                Reason::PassMalformed,
+            ),
+            (
+                "IPIP, outer datagram ending inside the inner header",
+                with_total_length(ipip.clone(), 28),
+                Reason::Ipv4OtherProto,
+                Reason::PassMalformed,
+            ),
+        ];
+        for (what, frame, class, verdict) in cases {
+            let r = run(fp, Hook::FromNetdev, &frame, skb);
+            assert_eq!(r.verdict, TC_ACT_OK, "{what}");
+            assert_bytes(&r.out, &frame, what);
+            assert_counted(&r, &frame, &[class, verdict], what);
+            let r = run_xdp(fp, &frame);
+            assert_eq!(r.verdict, XDP_PASS, "{what} (XDP)");
+            assert_bytes(&r.out, &frame, what);
+            assert_counted(&r, &frame, &[class, verdict], what);
+        }
+    });
+}
+
 #[test]
 fn netdev_leaves_foreign_vxlan_to_the_kernel() {
     let Some(rig) = Rig::new("fpvxin") else {
@@ -1816,32 +1880,6 @@ fn netdev_leaves_foreign_vxlan_to_the_kernel() {
             "options",
         );
     });
-}
-
-const XDP_PASS: u32 = 2;
-
-/// Runs `xdp_from_netdev` on `frame`: (verdict, output, what was counted).
-fn run_xdp(fp: &mut FastPath, frame: &[u8]) -> Run {
-    let before = fp.counters().expect("counters").xdp_from_netdev;
-    let mut out = vec![0u8; frame.len() + 256];
-    let result = fp
-        .xdp_program_mut()
-        .expect("xdp program")
-        .test_run(TestRunOptions {
-            data_in: Some(frame),
-            data_out: Some(&mut out),
-            ..TestRunOptions::default()
-        })
-        .unwrap_or_else(|e| panic!("XDP test_run: {e:?}\n{}", hexdump(frame)));
-    out.truncate(result.data_size_out as usize);
-    let after = fp.counters().expect("counters").xdp_from_netdev;
-    let counted = counted_between(&before, &after);
-    Run {
-        verdict: result.return_value,
-        out,
-        mark_after: 0,
-        counted,
-    }
 }
 
 #[test]
@@ -2818,4 +2856,141 @@ fn floor_program_forwards_only_its_destinations() {
             }
         })
         .expect("namespace");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mutated packets
+
+/// Each path of the three TC programs and of `xdp_from_netdev`, as one well-formed frame:
+/// pod egress (host-gw with and without a neighbour, DirectRouting, VXLAN, IPIP, a local pod,
+/// the outside, IPv6, ARP), arrivals (plain, VXLAN, IPIP; also through XDP) and node egress
+/// (a kernel-routed pod flow, host traffic to an IPIP subnet, `flannel.1`'s VXLAN).
+fn seeds_of_every_path(ifs: &Ifaces) -> Vec<mutate::Seed> {
+    let seed = |name, program, skb, frame| mutate::Seed {
+        name,
+        program,
+        skb,
+        frame,
+    };
+    let bridge = |name, dst, l4: Transport| {
+        seed(
+            name,
+            Program::Tc(Hook::FromBridge),
+            Skb::on(ifs.br),
+            pod_frame(&from_pod(dst, l4)),
+        )
+    };
+    let arriving = |name, frame| seed(name, Program::Tc(Hook::FromNetdev), Skb::on(ifs.ext), frame);
+    let leaving = |name, frame| {
+        seed(
+            name,
+            Program::Tc(Hook::ToNetdev),
+            Skb::egress(ifs.ext),
+            frame,
+        )
+    };
+    let from_remote = |src| Ipv4 {
+        ttl: 63,
+        ..Ipv4::new(src, POD, tcp())
+    };
+    let plain_in = underlay(PEER2_MAC, from_remote(HOSTGW_POD));
+    let vxlan_in = vxlan_frame(PUB3, 1, 8472, LOCAL_VTEP, &from_remote(VXLAN_POD));
+    let ipip_in = ipip_frame(
+        PUB5,
+        &Ipv4::new(IPIP_POD, POD, Udp::new(5353, 53).payload(b"q")),
+    );
+    let udp = || Udp::new(5353, 53).payload(b"query").into();
+    let flannel_1 = underlay(
+        EXT_MAC,
+        Ipv4::new(
+            PUB1,
+            PUB3,
+            Udp {
+                checksum: Checksum::Value(0),
+                ..Udp::new(40001, 8472).payload(
+                    &packet::Vxlan::new(
+                        1,
+                        &Ethernet::new(LOCAL_VTEP, VTEP3, from_pod(VXLAN_POD, tcp())).encode(),
+                    )
+                    .encode(),
+                )
+            },
+        ),
+    );
+    vec![
+        bridge("host-gw", HOSTGW_POD, tcp().into()),
+        bridge("host-gw, no neighbour", HOSTGW_NO_NEIGH_POD, udp()),
+        bridge("DirectRouting", DIRECT_POD, Icmp::echo_request(7, 1).into()),
+        bridge("VXLAN", VXLAN_POD, tcp().into()),
+        bridge("VXLAN, UDP", VXLAN_POD, udp()),
+        bridge("IPIP", IPIP_POD, tcp().into()),
+        bridge("local pod", POD_NO_NEIGH, tcp().into()),
+        bridge("outside", Ipv4Addr::new(8, 8, 8, 8), udp()),
+        seed(
+            "IPv6",
+            Program::Tc(Hook::FromBridge),
+            Skb::on(ifs.br),
+            Ethernet::new(
+                POD_MAC,
+                BR_MAC,
+                Ipv6::new(
+                    "fd00:1::5".parse().expect("v6"),
+                    "fd00:2::7".parse().expect("v6"),
+                    tcp(),
+                ),
+            )
+            .encode(),
+        ),
+        seed(
+            "ARP",
+            Program::Tc(Hook::FromBridge),
+            Skb::on(ifs.br),
+            Ethernet::new(POD_MAC, MAC_BROADCAST, Arp::request(POD_MAC, POD, GATEWAY)).encode(),
+        ),
+        arriving("plain arrival", plain_in.clone()),
+        arriving("VXLAN arrival", vxlan_in.clone()),
+        arriving("IPIP arrival", ipip_in.clone()),
+        leaving("kernel-routed pod flow", kernel_sent_to_host_gw_pod()),
+        leaving(
+            "host traffic to an IPIP subnet",
+            Ethernet::new(EXT_MAC, PEER5_MAC, Ipv4::new(PUB1, IPIP_POD, tcp())).encode(),
+        ),
+        leaving("flannel.1's VXLAN", flannel_1),
+        seed("XDP VXLAN", Program::Xdp, Skb::default(), vxlan_in),
+        seed("XDP IPIP", Program::Xdp, Skb::default(), ipip_in),
+        seed("XDP plain", Program::Xdp, Skb::default(), plain_in),
+    ]
+}
+
+/// Variants of every path's packet (bits flipped, fields set to edge values, frames cut or
+/// padded, GSO sizes; `bpf_support::mutate`) keep the programs' contract: counted once under a
+/// class and once under a verdict, a pass unchanged, a drop dropped, a fast verdict leaving a
+/// frame whose checksums verify if the input's did. And the variants reach far: the fast
+/// verdicts of every path, most pass reasons and the parser's rejections.
+#[test]
+fn mutated_packets_keep_the_verdicts_and_counters_contract() {
+    let Some(rig) = Rig::new("fpmut") else { return };
+    rig.with_fast_path(|fp, ifs| {
+        know_pod_port(fp, ifs);
+        let seeds = seeds_of_every_path(ifs);
+        let tally = mutate::check(fp, &seeds, 4000, mutate::Tunnel::Vxlan(8472));
+        tally.assert_reached(
+            &[
+                Reason::FastHostGw,
+                Reason::FastVxlan,
+                Reason::FastIpip,
+                Reason::FastIpipEgress,
+                Reason::FastDeliver,
+                Reason::FastDeliverVxlan,
+                Reason::FastDeliverIpip,
+                Reason::FastXdpDecapVxlan,
+                Reason::FastXdpDecapIpip,
+                Reason::MemoHit,
+                Reason::LearnKernelFlow,
+            ],
+            200,
+        );
+        assert!(tally.kinds(ReasonKind::Malformed) >= 6, "parser rejections");
+        assert!(tally.kinds(ReasonKind::Pass) >= 12, "pass reasons");
+    });
 }

@@ -35,7 +35,9 @@ use ipnet::Ipv4Net;
 mod bpf_support;
 
 use bpf_support::{
-    EXT_MAC, Mac, Rig, Skb, TC_ACT_OK, TC_ACT_SHOT, assert_bytes, assert_counted, net, run,
+    EXT_MAC, Mac, Rig, Skb, TC_ACT_OK, TC_ACT_SHOT, assert_bytes, assert_counted,
+    mutate::{self, Tunnel},
+    net, run,
 };
 
 const GW_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0xfe];
@@ -1357,6 +1359,84 @@ fn restart_adopts_and_resize_carries_the_flows_over() {
             &r.out,
             &ingress_frame(&with_destination(&reply, POD, None)),
             "reply after resize",
+        );
+    });
+}
+
+/// Variants of masqueraded packets both ways (TCP, UDP with and without checksum, ICMP echo,
+/// fragments, an ICMP error quoting a translated flow, and what is not masqueraded) keep the
+/// programs' contract (`bpf_support::mutate`): counted once under a class and once under a
+/// verdict, a pass unchanged, a drop dropped, and a translated packet whose checksums
+/// verified still verifies: the incremental updates hold for any header, not only the
+/// builder's.
+#[test]
+fn mutated_packets_keep_the_masquerades_contract() {
+    let Some(rig) = Rig::new("ntmut") else {
+        return;
+    };
+    rig.with_nat(settings(), |fp, ext| {
+        let seed = |name, hook, ip: Ipv4| {
+            let frame = match hook {
+                Hook::ToNetdev => egress_frame(&ip),
+                _ => ingress_frame(&ip),
+            };
+            mutate::Seed::tc(name, hook, Skb::on(ext), frame)
+        };
+        let out = |name, dst, l4: Transport| seed(name, Hook::ToNetdev, Ipv4::new(POD, dst, l4));
+        let back = |name, l4: Transport| seed(name, Hook::FromNetdev, Ipv4::new(OUT, NODE, l4));
+        let syn = tcp(40000, 443, tcp_flags::SYN);
+        let no_checksum = |sport, dport| Udp {
+            checksum: Checksum::Value(0),
+            ..Udp::new(sport, dport).payload(b"nocsum")
+        };
+        let translated = egress_frame(&Ipv4::new(NODE, OUT, syn.clone()));
+        let big = Ipv4::new(POD, OUT2, Udp::new(40003, 9000).payload(&[7; 600]));
+        let fragments = big.fragments(256);
+        let fragment = |name, bytes: &Vec<u8>| {
+            let frame = [&egress_frame(&big)[..14], &bytes[..]].concat();
+            mutate::Seed::tc(name, Hook::ToNetdev, Skb::on(ext), frame)
+        };
+        let seeds = vec![
+            out("TCP SYN", OUT, syn.clone().into()),
+            out("TCP ACK", OUT, tcp(40000, 443, tcp_flags::ACK).into()),
+            out("UDP", OUT, Udp::new(40001, 53).payload(b"query").into()),
+            out("UDP without checksum", OUT, no_checksum(40002, 5000).into()),
+            out("ICMP echo", OUT, Icmp::echo_request(0x4242, 1).into()),
+            fragment("first fragment", &fragments[0]),
+            fragment("later fragment", &fragments[1]),
+            out("excluded prefix", EXCLUDED, Udp::new(40004, 53).into()),
+            out(
+                "cluster destination",
+                REMOTE_POD,
+                Udp::new(40005, 53).into(),
+            ),
+            back(
+                "TCP reply",
+                tcp(443, 40000, tcp_flags::SYN | tcp_flags::ACK).into(),
+            ),
+            back("UDP reply", Udp::new(53, 40001).payload(b"answer").into()),
+            back(
+                "UDP reply without checksum",
+                no_checksum(5000, 40002).into(),
+            ),
+            back("ICMP echo reply", Icmp::echo_reply(0x4242, 1).into()),
+            seed(
+                "ICMP error quoting a translated flow",
+                Hook::FromNetdev,
+                Ipv4::new(ROUTER, NODE, icmp_error(3, 4, quote(&translated))),
+            ),
+        ];
+        let tally = mutate::check(fp, &seeds, 3000, Tunnel::Vxlan(8472));
+        tally.assert_reached(
+            &[
+                Reason::FastSnat,
+                Reason::FastSnatReply,
+                Reason::FastSnatIcmpError,
+                Reason::FastSnatFragment,
+                Reason::PassSnatExcluded,
+                Reason::LearnSnatFlow,
+            ],
+            150,
         );
     });
 }

@@ -35,7 +35,7 @@ mod bpf_support;
 
 use bpf_support::{
     BR_MAC, EXT_MAC, Ifaces, Mac, POD_MAC, Rig, Skb, TC_ACT_OK, TC_ACT_REDIRECT, assert_bytes,
-    assert_counted, mac_str, net, run,
+    assert_counted, mac_str, mutate, net, run,
 };
 
 const PORT: u16 = 8285;
@@ -621,5 +621,87 @@ fn forwarder_flows_keep_their_replies_on_the_tun_path() {
         let r = run(fp, Hook::FromBridge, &answer, Skb::on(ifs.br));
         assert_eq!(r.verdict, TC_ACT_OK);
         assert_counted(&r, &[Reason::Ipv4Udp, Reason::PassNatReply], "NAT reply");
+    });
+}
+
+/// Variants of the udp backend's packets (a pod's packet to send, a peer's datagram to deliver,
+/// the forwarder's own datagram on its way out) keep the programs' contract
+/// (`bpf_support::mutate`): counted once under a class and once under a verdict, a pass
+/// unchanged (to `flannel0` or the forwarder's socket, which then decide), a fast verdict
+/// carrying the inner packet through with every checksum that verified still right.
+#[test]
+fn mutated_udp_backend_packets_keep_the_verdicts_and_counters_contract() {
+    let Some(rig) = Rig::new("fumut") else { return };
+    rig.with_fast_path(|fp, ifs| {
+        let seed = mutate::Seed::tc;
+        let from_pod = |name, dst, l4: Transport| {
+            seed(
+                name,
+                Hook::FromBridge,
+                Skb::on(ifs.br),
+                pod_frame(&Ipv4::new(POD, dst, l4)),
+            )
+        };
+        let arriving = |l4: Transport| Ipv4 {
+            ttl: 62,
+            ..Ipv4::new(REMOTE2, POD, l4)
+        };
+        let forwarded = Ethernet::new(
+            EXT_MAC,
+            PEER2_MAC,
+            Ipv4::new(
+                IFACE,
+                PEER2,
+                Udp {
+                    checksum: Checksum::Value(0),
+                    ..Udp::new(PORT, PORT)
+                        .payload(&Ipv4::new(POD, REMOTE2, Tcp::new(40000, 80)).encode())
+                },
+            ),
+        )
+        .encode();
+        let seeds = vec![
+            from_pod("TCP", REMOTE2, Tcp::new(40000, 80).payload(b"to").into()),
+            from_pod("UDP", REMOTE2, Udp::new(5353, 53).payload(b"q").into()),
+            from_pod(
+                "ICMP echo, no neighbour",
+                REMOTE3,
+                Icmp::echo_request(1, 1).into(),
+            ),
+            seed(
+                "TCP arrival",
+                Hook::FromNetdev,
+                Skb::on(ifs.ext),
+                datagram(
+                    PEER2,
+                    arriving(Tcp::new(80, 40000).payload(b"reply").into()).encode(),
+                ),
+            ),
+            seed(
+                "UDP arrival",
+                Hook::FromNetdev,
+                Skb::on(ifs.ext),
+                datagram(
+                    PEER2,
+                    arriving(Udp::new(53, 5353).payload(&[1; 40]).into()).encode(),
+                ),
+            ),
+            seed(
+                "the forwarder's datagram",
+                Hook::ToNetdev,
+                Skb::egress(ifs.ext),
+                forwarded,
+            ),
+        ];
+        let tally = mutate::check(fp, &seeds, 3000, mutate::Tunnel::Udp(PORT));
+        tally.assert_reached(
+            &[
+                Reason::FastUdp,
+                Reason::FastDeliverUdp,
+                Reason::PassUdpMismatch,
+                Reason::LearnKernelFlow,
+            ],
+            100,
+        );
     });
 }

@@ -20,7 +20,11 @@ use std::{
 use flannel_agent::bpf::{
     FastPath, Hook, LocalConfig, LocalConfig6, Remote, Remote6, Via, VxlanLocal,
 };
-use flannel_common::{config::FASTPATH_MARK, memo::learn_slot6, stats::Reason};
+use flannel_common::{
+    config::FASTPATH_MARK,
+    memo::learn_slot6,
+    stats::{Reason, ReasonKind},
+};
 use flannel_tests::packet::{
     self, Ethernet, Icmp, Ipv4, Ipv6, Ipv6Ext, ParsedL3, Tcp, Transport, Udp, hexdump,
 };
@@ -30,7 +34,9 @@ mod bpf_support;
 
 use bpf_support::{
     BR_MAC, EXT_MAC, Ifaces, Mac, POD_MAC, Rig, Skb, TC_ACT_OK, TC_ACT_REDIRECT, assert_bytes,
-    assert_counted, know_pod_port, mac_str, net, past_hop_ttl, run,
+    assert_counted, know_pod_port, mac_str,
+    mutate::{self, Tunnel},
+    net, past_hop_ttl, run,
 };
 
 const PEER2_MAC: Mac = [0x02, 0xee, 0, 0, 0, 0x02];
@@ -1372,4 +1378,139 @@ fn ipv6_maps_survive_a_restart() {
             );
         })
         .expect("entering the namespace");
+}
+
+/// Variants of each IPv6 path's packet (and a dual-stack node's IPv4 host-gw one) keep the
+/// programs' contract (`bpf_support::mutate`): counted once under a class and once under a
+/// verdict, a pass unchanged, a fast verdict carrying the inner packet through with every
+/// checksum that verified still right (VXLAN over IPv6's outer UDP checksum among them).
+#[test]
+fn mutated_ipv6_packets_keep_the_verdicts_and_counters_contract() {
+    let Some(rig) = Rig::new("f6mut") else { return };
+    rig.with_fast_path(true, |fp, ifs| {
+        know_pod_port(fp, ifs);
+        let seed = mutate::Seed::tc;
+        let from_pod = |name, dst, l4: Transport| {
+            seed(
+                name,
+                Hook::FromBridge,
+                Skb::on(ifs.br),
+                pod_frame(&Ipv6::new(pod(), dst, l4)),
+            )
+        };
+        let [tcp, udp, icmp]: [Transport; 3] = l4s().try_into().expect("three");
+        let arriving = |src| Ipv6 {
+            hop_limit: 63,
+            ..Ipv6::new(src, pod(), Tcp::new(80, 40000).payload(b"reply"))
+        };
+        let flannel_v6 = Ethernet::new(
+            EXT_MAC,
+            PEER3_MAC,
+            Ipv6::new(
+                pub1(),
+                v6("fd00:77::3"),
+                Udp::vxlan(
+                    50000,
+                    1,
+                    &Ethernet::new(
+                        LOCAL_VTEP6,
+                        VTEP3,
+                        Ipv6::new(pod(), vxlan_pod(), Tcp::new(41000, 80)),
+                    )
+                    .encode(),
+                ),
+            ),
+        )
+        .encode();
+        let seeds = vec![
+            from_pod("host-gw", hostgw_pod(), tcp.clone()),
+            from_pod("host-gw, no neighbour", hostgw_no_neigh_pod(), icmp),
+            from_pod("VXLAN", vxlan_pod(), tcp),
+            from_pod("VXLAN, UDP", vxlan_pod(), udp),
+            seed(
+                "IPv4 host-gw",
+                Hook::FromBridge,
+                Skb::on(ifs.br),
+                Ethernet::new(
+                    POD_MAC,
+                    BR_MAC,
+                    Ipv4::new(
+                        Ipv4Addr::new(10, 244, 1, 5),
+                        Ipv4Addr::new(10, 244, 2, 7),
+                        Tcp::new(40000, 80),
+                    ),
+                )
+                .encode(),
+            ),
+            seed(
+                "plain arrival",
+                Hook::FromNetdev,
+                Skb::on(ifs.ext),
+                underlay(PEER2_MAC, arriving(hostgw_pod())),
+            ),
+            seed(
+                "VXLAN arrival",
+                Hook::FromNetdev,
+                Skb::on(ifs.ext),
+                vxlan6_frame("fd00:77::3", 1, LOCAL_VTEP6, &arriving(vxlan_pod())),
+            ),
+            seed(
+                "kernel-routed pod flow",
+                Hook::ToNetdev,
+                Skb::egress(ifs.ext),
+                Ethernet::new(
+                    EXT_MAC,
+                    PEER2_MAC,
+                    Ipv6::new(pod(), hostgw_pod(), Tcp::new(40000, 80)),
+                )
+                .encode(),
+            ),
+            seed(
+                "flannel-v6's VXLAN",
+                Hook::ToNetdev,
+                Skb::egress(ifs.ext),
+                flannel_v6,
+            ),
+        ];
+        let tally = mutate::check(fp, &seeds, 3000, Tunnel::Vxlan(8472));
+        tally.assert_reached(
+            &[
+                Reason::FastHostGw6,
+                Reason::FastVxlan6,
+                Reason::FastDeliver6,
+                Reason::FastDeliverVxlan6,
+                Reason::FastHostGw,
+                Reason::MemoHit,
+                Reason::LearnKernelFlow,
+            ],
+            150,
+        );
+        assert!(tally.kinds(ReasonKind::Malformed) >= 4, "parser rejections");
+        assert!(tally.kinds(ReasonKind::Pass) >= 8, "pass reasons");
+    });
+}
+
+/// VXLAN over IPv6 whose inner frame lies beyond the outer packet (by its payload length, as
+/// with link-layer padding after it) is not decapsulated, remembered flow or not: passed
+/// unchanged, as flannel-v6 would drop it. (Found by the mutated-packets test.)
+#[test]
+fn ipv6_vxlan_payload_beyond_the_outer_packet_is_not_decapsulated() {
+    let Some(rig) = Rig::new("f6pad") else { return };
+    rig.with_fast_path(false, |fp, ifs| {
+        let skb = Skb::on(ifs.ext);
+        let inner = Ipv6 {
+            hop_limit: 63,
+            ..Ipv6::new(vxlan_pod(), pod(), Tcp::new(80, 40000))
+        };
+        let whole = vxlan6_frame("fd00:77::3", 1, LOCAL_VTEP6, &inner);
+        let r = run(fp, Hook::FromNetdev, &whole, skb);
+        assert_eq!(r.verdict, TC_ACT_REDIRECT, "the whole packet, remembered");
+        // The outer payload: the UDP and VXLAN headers only.
+        let mut cut = whole.clone();
+        cut[18..20].copy_from_slice(&16u16.to_be_bytes());
+        let r = run(fp, Hook::FromNetdev, &cut, skb);
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_bytes(&r.out, &cut, "passed unchanged");
+        assert_counted(&r, &[Reason::Ipv6Udp, Reason::PassVxlanMismatch], "cut");
+    });
 }

@@ -2,7 +2,7 @@
 
 use flannel_common::stats::Reason;
 
-use crate::parse::{Packet, PacketCtx, proto, ptr_at};
+use crate::parse::{IPV6_HDR_LEN, Packet, PacketCtx, proto, ptr_at};
 
 /// ICMPv6 echo request.
 pub const ICMPV6_ECHO_REQUEST: u8 = 128;
@@ -41,6 +41,12 @@ pub struct Ipv6Info {
 }
 
 impl Ipv6Info {
+    /// The offset just past the packet (by its payload length).
+    #[inline(always)]
+    pub fn end(&self) -> usize {
+        self.l3 + IPV6_HDR_LEN + usize::from(self.payload_len)
+    }
+
     /// Whether this is ICMPv6 echo request or reply.
     #[inline(always)]
     pub fn is_icmp_echo(&self) -> bool {

@@ -174,14 +174,14 @@ fn addrs(ctx: &TcContext) -> Option<(&[u8; 16], &[u8; 16])> {
     Some((hdr[10..26].try_into().ok()?, hdr[26..42].try_into().ok()?))
 }
 
-/// Parses the IPv6 packet at `l3` into `info` if it is a screened TCP or UDP packet with hop
-/// limit > 1; its class.
+/// Parses the packet (or, given the end of a VXLAN packet's inner frame, its inner IPv6
+/// packet) into `info` if it is a screened IPv6 TCP or UDP packet with hop limit > 1; its
+/// class.
 #[inline(always)]
-fn candidate(ctx: &TcContext, l3: usize, info: &mut Ipv6Info) -> Option<Reason> {
-    let parsed = if l3 == ETH_HDR_LEN {
-        parse::parse(ctx)
-    } else {
-        parse::parse_ipv6_at(ctx, l3)
+fn candidate(ctx: &TcContext, inner_end: Option<usize>, info: &mut Ipv6Info) -> Option<Reason> {
+    let parsed = match inner_end {
+        None => parse::parse(ctx),
+        Some(end) => parse::parse_ipv6_at(ctx, vxlan::INNER_L3, end),
     };
     let packet = info::screen(&parsed).ok()?;
     if (packet.class != Reason::Ipv6Tcp && packet.class != Reason::Ipv6Udp)
@@ -296,7 +296,7 @@ pub fn transmit(ctx: &TcContext) -> Option<Outcome> {
         return None;
     }
     let s = scratch()?;
-    let class = candidate(ctx, ETH_HDR_LEN, &mut s.outer)?;
+    let class = candidate(ctx, None, &mut s.outer)?;
     if !usable(ctx, cfg, &s.outer, DIR_OUT, &mut s.memo) {
         return None;
     }
@@ -353,7 +353,7 @@ pub fn deliver(ctx: &TcContext) -> Option<Outcome> {
         return None;
     }
     let s = scratch()?;
-    let class = candidate(ctx, ETH_HDR_LEN, &mut s.outer)?;
+    let class = candidate(ctx, None, &mut s.outer)?;
     if !usable(ctx, cfg, &s.outer, DIR_IN, &mut s.memo) || !s.memo.came_through(TUNNEL_NONE, src) {
         return None;
     }
@@ -374,15 +374,15 @@ fn deliver_vxlan(ctx: &TcContext, cfg: &Config6, from: &[u8; 16]) -> Option<Outc
         return None;
     }
     let s = scratch()?;
-    let class = candidate(ctx, ETH_HDR_LEN, &mut s.outer)?;
+    let class = candidate(ctx, None, &mut s.outer)?;
     if class != Reason::Ipv6Udp
         || u16::from_be_bytes(s.outer.dport) != cfg.vxlan_port
         || s.outer.l4 != ETH_HDR_LEN + IPV6_HDR_LEN
-        || !vxlan::is_ours(ctx, cfg)
     {
         return None;
     }
-    candidate(ctx, vxlan::INNER_L3, &mut s.inner)?;
+    let end = vxlan::inner_end(ctx, cfg, &s.outer)?;
+    candidate(ctx, Some(end), &mut s.inner)?;
     if !cfg.is_local_pod(&s.inner.dst)
         || !usable(ctx, cfg, &s.inner, DIR_IN, &mut s.memo)
         || !s.memo.came_through(TUNNEL_VXLAN, from)

@@ -261,11 +261,11 @@ fn read_frame(ctx: &TcContext, info: &mut Ipv6Info) -> (Reason, Option<Reason>) 
     (class, screened)
 }
 
-/// Parses the inner IPv6 packet of a VXLAN packet into `info`; the pass reason if the fast
-/// path may not take it.
+/// Parses the inner IPv6 packet of a VXLAN packet whose inner frame ends at `end` into `info`;
+/// the pass reason if the fast path may not take it.
 #[inline(never)]
-fn read_inner(ctx: &TcContext, info: &mut Ipv6Info) -> Option<Reason> {
-    match info::screen(&parse::parse_ipv6_at(ctx, vxlan::INNER_L3)) {
+fn read_inner(ctx: &TcContext, end: usize, info: &mut Ipv6Info) -> Option<Reason> {
+    match info::screen(&parse::parse_ipv6_at(ctx, vxlan::INNER_L3, end)) {
         Ok(p) if info::read_into(ctx, &p, info) => None,
         Ok(_) => Some(Reason::PassMalformed),
         Err(reason) => Some(reason),
@@ -520,10 +520,11 @@ fn vxlan_in(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6, learnt: &mut Learn
     // Read before the checks: a change while they run retires what they decide (the learnt
     // part once the inner packet is known, before its NAT-guard and kernel-flow checks).
     let agent = crate::memo::agent_generation();
-    if s.outer.l4 != ETH_HDR_LEN + IPV6_HDR_LEN || !vxlan::is_ours(ctx, cfg) {
-        return Verdict::pass(Reason::PassVxlanMismatch);
-    }
-    if let Some(reason) = read_inner(ctx, &mut s.inner) {
+    let end = match vxlan::inner_end(ctx, cfg, &s.outer) {
+        Some(end) if s.outer.l4 == ETH_HDR_LEN + IPV6_HDR_LEN => end,
+        _ => return Verdict::pass(Reason::PassVxlanMismatch),
+    };
+    if let Some(reason) = read_inner(ctx, end, &mut s.inner) {
         return Verdict::pass(reason);
     }
     let info = &s.inner;
@@ -595,7 +596,9 @@ pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, bool)> {
         && info.l4 == ETH_HDR_LEN + IPV6_HDR_LEN
     {
         // flannel-v6.<VNI>'s VXLAN: the inner packet went through the kernel.
-        read_inner(ctx, &mut s.inner).is_none() && learn_kernel_flow(cfg, &s.inner)
+        vxlan::payload_end(ctx, info)
+            .is_some_and(|end| read_inner(ctx, end, &mut s.inner).is_none())
+            && learn_kernel_flow(cfg, &s.inner)
     } else {
         learn_kernel_flow(cfg, info)
     };

@@ -250,11 +250,24 @@ pub fn push(
         .map_err(|_| Reason::DropRewriteFailed)
 }
 
-/// Whether the VXLAN header and inner Ethernet header of a received packet are ours: flags
-/// `I`, our VNI, our v6 VTEP MAC as inner destination, IPv6 inside.
+/// If the VXLAN header and inner Ethernet header of a received packet, whose outer IPv6
+/// header (without extension headers) `outer` describes, are ours (flags `I`, our VNI, our
+/// v6 VTEP MAC as inner destination, IPv6 inside) and its UDP length is sound
+/// ([`payload_end`]), where the frame inside it ends.
 #[inline(always)]
-pub fn is_ours(ctx: &TcContext, cfg: &Config6) -> bool {
-    encap::vxlan_header_is(ctx, INNER_ETH - 8, cfg.vni, cfg.vtep_mac, ETH_P_IPV6)
+pub fn inner_end(ctx: &TcContext, cfg: &Config6, outer: &Ipv6Info) -> Option<usize> {
+    if !encap::vxlan_header_is(ctx, INNER_ETH - 8, cfg.vni, cfg.vtep_mac, ETH_P_IPV6) {
+        return None;
+    }
+    payload_end(ctx, outer)
+}
+
+/// The end of the UDP payload of a packet whose outer IPv6 header (without extension
+/// headers, so the UDP header at its fixed place) `outer` describes, if its UDP length is
+/// sound ([`encap::udp_payload_end`]).
+#[inline(always)]
+pub fn payload_end(ctx: &TcContext, outer: &Ipv6Info) -> Option<usize> {
+    encap::udp_payload_end(ctx, INNER_ETH - 16, outer.end())
 }
 
 /// Removes the 70 outer bytes.

@@ -10,9 +10,11 @@
 
 #![allow(dead_code)] // each test file uses a different part
 
+pub mod mutate;
+
 use std::{path::PathBuf, time::Duration};
 
-use aya::{TestRun as _, TestRunOptions};
+use aya::{TestRun as _, TestRunOptions, programs::ProgramError};
 use flannel_agent::bpf::{FastPath, Hook, ReasonCounters};
 use flannel_common::{hops::HOP_TTL_TICKS, stats::Reason};
 #[allow(unused_imports)] // each test file uses a different part
@@ -181,6 +183,13 @@ pub fn counted_between(before: &ReasonCounters, after: &ReasonCounters) -> Vec<(
 
 /// Runs `hook` on `frame` with the context `skb`.
 pub fn run(fp: &mut FastPath, hook: Hook, frame: &[u8], skb: Skb) -> Run {
+    try_run(fp, hook, frame, skb)
+        .unwrap_or_else(|e| panic!("test_run of {hook:?}: {e:?}\n{}", hexdump(frame)))
+}
+
+/// [`run`], or the error of a test run the kernel refused (it takes no IPv4 frame shorter
+/// than an IPv4 header, for one).
+pub fn try_run(fp: &mut FastPath, hook: Hook, frame: &[u8], skb: Skb) -> Result<Run, ProgramError> {
     let before = counters_of(fp, hook);
     let ctx_in = skb.bytes();
     let mut ctx_out = [0u8; 192];
@@ -194,17 +203,47 @@ pub fn run(fp: &mut FastPath, hook: Hook, frame: &[u8], skb: Skb) -> Run {
             ctx_in: Some(&ctx_in),
             ctx_out: Some(&mut ctx_out),
             ..TestRunOptions::default()
-        })
-        .unwrap_or_else(|e| panic!("test_run of {hook:?}: {e:?}\n{}", hexdump(frame)));
+        })?;
     out.truncate(result.data_size_out as usize);
     let after = counters_of(fp, hook);
     let counted = counted_between(&before, &after);
-    Run {
+    Ok(Run {
         verdict: result.return_value,
         out,
         mark_after: u32::from_ne_bytes([ctx_out[8], ctx_out[9], ctx_out[10], ctx_out[11]]),
         counted,
-    }
+    })
+}
+
+/// XDP verdicts a test run returns.
+pub const XDP_DROP: u32 = 1;
+pub const XDP_PASS: u32 = 2;
+
+/// Runs `xdp_from_netdev` on `frame`: the verdict, the output and what was counted (no mark).
+pub fn run_xdp(fp: &mut FastPath, frame: &[u8]) -> Run {
+    try_run_xdp(fp, frame).unwrap_or_else(|e| panic!("XDP test_run: {e:?}\n{}", hexdump(frame)))
+}
+
+/// [`run_xdp`], or the error of a test run the kernel refused.
+pub fn try_run_xdp(fp: &mut FastPath, frame: &[u8]) -> Result<Run, ProgramError> {
+    let before = fp.counters().expect("counters").xdp_from_netdev;
+    let mut out = vec![0u8; frame.len() + 256];
+    let result = fp
+        .xdp_program_mut()
+        .expect("xdp program")
+        .test_run(TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ..TestRunOptions::default()
+        })?;
+    out.truncate(result.data_size_out as usize);
+    let after = fp.counters().expect("counters").xdp_from_netdev;
+    Ok(Run {
+        verdict: result.return_value,
+        out,
+        mark_after: 0,
+        counted: counted_between(&before, &after),
+    })
 }
 
 /// Tells the fast path the local pod's bridge port (veth 4242 on the rig's bridge): delivery
