@@ -2990,6 +2990,11 @@ fn mutated_packets_keep_the_verdicts_and_counters_contract() {
             ],
             200,
         );
+        assert!(
+            tally.memo_compared >= 50,
+            "only {} variants were decided by a memo",
+            tally.memo_compared
+        );
         assert!(tally.kinds(ReasonKind::Malformed) >= 6, "parser rejections");
         assert!(tally.kinds(ReasonKind::Pass) >= 12, "pass reasons");
     });

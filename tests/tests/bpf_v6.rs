@@ -1485,6 +1485,11 @@ fn mutated_ipv6_packets_keep_the_verdicts_and_counters_contract() {
             ],
             150,
         );
+        assert!(
+            tally.memo_compared >= 50,
+            "only {} variants were decided by a memo",
+            tally.memo_compared
+        );
         assert!(tally.kinds(ReasonKind::Malformed) >= 4, "parser rejections");
         assert!(tally.kinds(ReasonKind::Pass) >= 8, "pass reasons");
     });

@@ -310,8 +310,9 @@ impl FastPath {
 
     /// Retires every remembered per-flow decision of the programs
     /// ([`flannel_common::memo`]): called after each change of a map they rest on (routes,
-    /// nodes, pod ports, configuration).
-    pub(crate) fn retire_memos(&mut self) -> Result<(), BpfError> {
+    /// nodes, pod ports, configuration); the tests call it to have the full checks decide a
+    /// packet a memo decided.
+    pub fn retire_memos(&mut self) -> Result<(), BpfError> {
         let mut map = self.memo_gen_mut()?;
         let agent = map
             .get(&GEN_AGENT, 0)

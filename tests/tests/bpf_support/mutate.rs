@@ -11,7 +11,9 @@
 //!   checksum (masquerade aside), and leaves a frame that parses if the input did, and whose
 //!   checksums verify if the input's did, inside a tunnel too (a router does not look at what
 //!   it forwards beyond the headers it needs, and nor does this check: it asks only that
-//!   nothing be broken).
+//!   nothing be broken);
+//! - a variant a flow's memo decided is decided the same by the full checks (run again with
+//!   every memo retired): the short path is only ever a shortcut.
 //!
 //! The variants are drawn from a fixed random seed, so a run is repeatable; the environment
 //! variables `FLANNEL_MUTATION_SEED` and `FLANNEL_MUTATION_CASES` draw others or more. A
@@ -57,6 +59,8 @@ pub struct Tally {
     pub refused: u64,
     pub by_reason: BTreeMap<Reason, u64>,
     pub fast_mutated: u64,
+    /// Variants decided by a memo whose full checks decided the same.
+    pub memo_compared: u64,
 }
 
 impl Seed {
@@ -152,53 +156,27 @@ const HEADERS: usize = 112;
 
 /// Runs every seed once as it is, then `cases` mutated variants (`FLANNEL_MUTATION_CASES` if
 /// set), every eighth case an unchanged seed again (so that flows stay remembered and the
-/// variants meet the short paths as well), each held to the contract above. `tunnel` says
-/// which UDP datagrams carry a packet to look into. Panics on the first run that breaks it.
+/// variants meet the short paths as well), each held to the contract above. A variant that a
+/// flow's memo decided is run once more with every memo retired, and the full checks must
+/// decide the same (the same action, class, verdict and bytes, the outer IPv4 ID of an
+/// encapsulation aside, which is random). `tunnel` says which UDP datagrams carry a packet to
+/// look into. Panics on the first run that breaks a rule.
 pub fn check(fp: &mut FastPath, seeds: &[Seed], cases: usize, tunnel: Tunnel) -> Tally {
     let rng_seed = env_u64("FLANNEL_MUTATION_SEED").unwrap_or(DEFAULT_SEED);
     let cases = env_u64("FLANNEL_MUTATION_CASES").map_or(cases, |n| n as usize);
     let mut rng = StdRng::seed_from_u64(rng_seed);
-    let mut tally = Tally::default();
-    let mut one = |fp: &mut FastPath, seed: &Seed, frame: Vec<u8>, skb: Skb, how: &[String]| {
-        let r = match seed.program {
-            Program::Tc(hook) => try_run(fp, hook, &frame, skb),
-            Program::Xdp => try_run_xdp(fp, &frame),
-        };
-        let Ok(r) = r else {
-            // Not a packet test_run takes (an IPv4 frame shorter than an IPv4 header).
-            tally.refused += 1;
-            return;
-        };
-        match judge(seed.program, &frame, &r, tunnel) {
-            Ok(verdict) => {
-                tally.runs += 1;
-                for (reason, _, _) in &r.counted {
-                    *tally.by_reason.entry(*reason).or_default() += 1;
-                }
-                if !how.is_empty() && verdict.kind() == ReasonKind::Fast {
-                    tally.fast_mutated += 1;
-                }
-            }
-            Err(why) => panic!(
-                "{why}\nseed {:?} through {:?} ({skb:?}), mutated by {how:?} \
-                 (FLANNEL_MUTATION_SEED={rng_seed:#x}); verdict {}, counted {:?}\n\
-                 in:\n{}out:\n{}",
-                seed.name,
-                seed.program,
-                r.verdict,
-                r.counted,
-                packet::hexdump(&frame),
-                packet::hexdump(&r.out),
-            ),
-        }
+    let mut runner = Runner {
+        rng_seed,
+        tunnel,
+        tally: Tally::default(),
     };
     for seed in seeds {
-        one(fp, seed, seed.frame.clone(), seed.skb, &[]);
+        runner.one(fp, seed, &seed.frame, seed.skb, &[]);
     }
     for case in 0..cases {
         let seed = &seeds[rng.random_range(0..seeds.len())];
         if case % 8 == 0 {
-            one(fp, seed, seed.frame.clone(), seed.skb, &[]);
+            runner.one(fp, seed, &seed.frame, seed.skb, &[]);
             continue;
         }
         let mut frame = seed.frame.clone();
@@ -219,9 +197,127 @@ pub fn check(fp: &mut FastPath, seeds: &[Seed], cases: usize, tunnel: Tunnel) ->
                 skb.gso_size, skb.gso_segs
             ));
         }
-        one(fp, seed, frame, skb, &how);
+        if let Some(by_memo) = runner.one(fp, seed, &frame, skb, &how)
+            && by_memo
+                .counted
+                .iter()
+                .any(|(r, _, _)| *r == Reason::MemoHit)
+        {
+            fp.retire_memos().expect("retiring the memos");
+            if let Some(full) = runner.one(fp, seed, &frame, skb, &how) {
+                runner.same_decision(seed, &frame, &how, &by_memo, &full);
+            }
+            // The seed's flow remembered again.
+            runner.one(fp, seed, &seed.frame, seed.skb, &[]);
+        }
     }
-    tally
+    runner.tally
+}
+
+/// Runs variants and keeps the tally; knows what a failure must say.
+struct Runner {
+    rng_seed: u64,
+    tunnel: Tunnel,
+    tally: Tally,
+}
+
+impl Runner {
+    /// Runs `frame` through the seed's program with `skb`, holds the run to the contract and
+    /// counts it; the run, or `None` if test_run refused the frame (an IPv4 frame shorter
+    /// than an IPv4 header, for one).
+    fn one(
+        &mut self,
+        fp: &mut FastPath,
+        seed: &Seed,
+        frame: &[u8],
+        skb: Skb,
+        how: &[String],
+    ) -> Option<Run> {
+        let r = match seed.program {
+            Program::Tc(hook) => try_run(fp, hook, frame, skb),
+            Program::Xdp => try_run_xdp(fp, frame),
+        };
+        let Ok(r) = r else {
+            self.tally.refused += 1;
+            return None;
+        };
+        match judge(seed.program, frame, &r, self.tunnel) {
+            Ok(verdict) => {
+                self.tally.runs += 1;
+                for (reason, _, _) in &r.counted {
+                    *self.tally.by_reason.entry(*reason).or_default() += 1;
+                }
+                if !how.is_empty() && verdict.kind() == ReasonKind::Fast {
+                    self.tally.fast_mutated += 1;
+                }
+                Some(r)
+            }
+            Err(why) => self.fail(&why, seed, frame, how, &r),
+        }
+    }
+
+    /// Panics unless the full checks' run `full` decided what the memo's `by_memo` did.
+    fn same_decision(
+        &mut self,
+        seed: &Seed,
+        frame: &[u8],
+        how: &[String],
+        by_memo: &Run,
+        full: &Run,
+    ) {
+        let decision = |r: &Run| -> Vec<Reason> {
+            r.counted
+                .iter()
+                .map(|(reason, _, _)| *reason)
+                .filter(|reason| reason.kind() != ReasonKind::Event)
+                .collect()
+        };
+        let bytes = |r: &Run| -> Vec<u8> {
+            let mut out = r.out.clone();
+            let encapsulated = decision(r)
+                .iter()
+                .any(|reason| matches!(reason, Reason::FastVxlan | Reason::FastIpip));
+            if encapsulated && out.len() >= 26 {
+                // The outer IPv4 ID (random unless DF is inherited) and so the checksum.
+                out[18..20].fill(0);
+                out[24..26].fill(0);
+            }
+            out
+        };
+        if by_memo.verdict != full.verdict
+            || decision(by_memo) != decision(full)
+            || bytes(by_memo) != bytes(full)
+        {
+            self.fail(
+                &format!(
+                    "the memo decided otherwise than the full checks: {:?} (counted {:?}), \
+                     output\n{}",
+                    full.verdict,
+                    full.counted,
+                    packet::hexdump(&full.out)
+                ),
+                seed,
+                frame,
+                how,
+                by_memo,
+            );
+        }
+        self.tally.memo_compared += 1;
+    }
+
+    fn fail(&self, why: &str, seed: &Seed, frame: &[u8], how: &[String], r: &Run) -> ! {
+        panic!(
+            "{why}\nseed {:?} through {:?}, mutated by {how:?} \
+             (FLANNEL_MUTATION_SEED={:#x}); verdict {}, counted {:?}\nin:\n{}out:\n{}",
+            seed.name,
+            seed.program,
+            self.rng_seed,
+            r.verdict,
+            r.counted,
+            packet::hexdump(frame),
+            packet::hexdump(&r.out),
+        )
+    }
 }
 
 fn env_u64(name: &str) -> Option<u64> {
