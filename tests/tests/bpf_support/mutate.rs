@@ -2,8 +2,8 @@
 //! knows) to [`check`], which runs them and random variants of them through the programs:
 //! bits flipped, bytes and length fields set to edge values, frames cut short or padded,
 //! checksums made right again after a change (so that a changed field still gets past a
-//! receiver's checks), GSO sizes set. Every run is held to the contract of the counters
-//! (`flannel_common::stats`) and of the verdicts:
+//! receiver's checks), GSO sizes set, kube-proxy's mark set on the way out. Every run is
+//! held to the contract of the counters (`flannel_common::stats`) and of the verdicts:
 //! - the packet is counted exactly once under its class (or malformed reason) and exactly once
 //!   under a verdict, both with the length it arrived with;
 //! - a pass hands the packet on unchanged, a drop drops it;
@@ -22,7 +22,10 @@
 use std::collections::BTreeMap;
 
 use flannel_agent::bpf::{FastPath, Hook};
-use flannel_common::stats::{Reason, ReasonKind};
+use flannel_common::{
+    nat::KUBE_PROXY_MASQ_MARK,
+    stats::{Reason, ReasonKind},
+};
 use flannel_tests::packet::{
     self, ETH_P_IP, ETH_P_IPV6, IPPROTO_IPIP, ParsedL3, ParsedL4, checksum, fold, pseudo_header_v4,
     pseudo_header_v6, sum_words,
@@ -197,6 +200,11 @@ pub fn check(fp: &mut FastPath, seeds: &[Seed], cases: usize, tunnel: Tunnel) ->
                 skb.gso_size, skb.gso_segs
             ));
         }
+        if matches!(seed.program, Program::Tc(Hook::ToNetdev)) && rng.random_ratio(1, 8) {
+            // kube-proxy's masquerade mark: no eBPF SNAT for such a packet.
+            skb.mark = KUBE_PROXY_MASQ_MARK;
+            how.push("kube-proxy's mark".to_owned());
+        }
         if let Some(by_memo) = runner.one(fp, seed, &frame, skb, &how)
             && by_memo
                 .counted
@@ -361,7 +369,9 @@ fn mutate(rng: &mut StdRng, frame: &mut Vec<u8>) -> String {
                 return "nothing (field beyond the end)".to_owned();
             }
             let l = len as u16;
-            let edge = [0, 1, 8, 20, 28, 0x0800, 0x86dd, 0x0806, 0x2000, 0xffff];
+            let edge = [
+                0, 1, 8, 20, 28, 0x0800, 0x86dd, 0x0806, 0x8100, 0x88a8, 0x2000, 0xffff,
+            ];
             let v = match rng.random_range(0..3) {
                 0 => *pick(rng, &edge),
                 1 => (l - 14).wrapping_add(*pick(rng, &[0u16, 1, 0xffff, 20, 0xffec])),
