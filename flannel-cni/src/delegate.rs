@@ -376,4 +376,39 @@ mod tests {
             );
         }
     }
+
+    /// Random edits of a valid configuration and subnet.env: each is parsed, checked and
+    /// built into a delegate config or refused with an error, never a panic; a delegate config
+    /// that is built is a JSON object naming its plugin.
+    #[test]
+    fn never_panics_on_random_input() {
+        use rand::{SeedableRng, rngs::StdRng};
+        let conf_seed = r#"{"cniVersion":"1.0.0","name":"cbr0","type":"flannel","delegate":{"hairpinMode":true,"isDefaultGateway":true},"ipam":{"type":"host-local"},"runtimeConfig":{"ips":["10.1.17.5/24"]}}"#;
+        let alphabet: Vec<char> = "{}[]\":,0123456789abcdef./-=_ \ntypenameipamdelegatetruenull"
+            .chars()
+            .collect();
+        let mut rng = StdRng::seed_from_u64(0xc41);
+        let mut built = 0u32;
+        for i in 0..6000 {
+            let conf = crate::testutil::mutate(&mut rng, conf_seed, &alphabet, 4);
+            let env = [IPV4, IPV6, DUAL, TWO_NETWORKS][i % 4];
+            let env = crate::testutil::mutate(&mut rng, env, &alphabet, 4);
+            let (Ok(conf), Ok(env)) = (
+                NetConf::parse(conf.as_bytes()),
+                subnet_env::parse("s", &env),
+            ) else {
+                continue;
+            };
+            if conf.validate_delegate().is_err() {
+                continue;
+            }
+            if let Ok(d) = build(&conf, &env) {
+                built += 1;
+                let v = as_value(&d);
+                assert_eq!(v["type"].as_str(), Some(d.plugin.as_str()), "{v}");
+            }
+        }
+        // The edits must reach the building too, not only the errors.
+        assert!(built >= 300, "only {built} delegate configs built");
+    }
 }

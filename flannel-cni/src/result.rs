@@ -171,4 +171,28 @@ mod tests {
         with_implied_gateways(result.as_object_mut().unwrap());
         assert_eq!(result["routes"], json!([{"dst": "10.0.0.0/8"}]));
     }
+
+    /// Random edits of a delegate's result, adapted to random versions: an adapted result
+    /// or an error, never a panic; what is adapted is a JSON object.
+    #[test]
+    fn never_panics_on_random_results() {
+        use rand::{Rng, SeedableRng, rngs::StdRng};
+        let seed = r#"{"cniVersion":"1.0.0","interfaces":[{"name":"cni0"}],"ips":[{"interface":0,"address":"10.1.17.2/24","gateway":"10.1.17.1"},{"address":"fc00::2/64"}],"routes":[{"dst":"0.0.0.0/0"}],"dns":{}}"#;
+        let alphabet: Vec<char> = "{}[]\":,0123456789./-abcdefipsversion ".chars().collect();
+        let versions = [
+            "", "0.1.0", "0.2.0", "0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0", "2", "x.y",
+        ];
+        let mut rng = StdRng::seed_from_u64(0x7e5);
+        let mut adapted = 0u32;
+        for _ in 0..6000 {
+            let text = crate::testutil::mutate(&mut rng, seed, &alphabet, 4);
+            let wanted = versions[rng.random_range(0..versions.len())];
+            if let Ok(out) = adapt(text.into_bytes(), wanted) {
+                adapted += 1;
+                let v: Value = serde_json::from_slice(&out).unwrap();
+                assert!(v.is_object(), "{v}");
+            }
+        }
+        assert!(adapted >= 300, "only {adapted} results adapted");
+    }
 }

@@ -456,4 +456,54 @@ mod tests {
             Ok("::ffff:10.1.2.3".parse().unwrap())
         );
     }
+
+    /// A Node whose pod CIDRs and annotations are random edits of valid ones gives a lease or
+    /// an error, never a panic; a lease it gives has the subnets and public addresses of the
+    /// families asked for, and its BackendData is valid JSON.
+    #[test]
+    fn never_panics_on_random_nodes() {
+        use rand::{Rng, SeedableRng, rngs::StdRng};
+        let alphabet: Vec<char> = "0123456789abcdef.:/{}\"[],nul VtepMAC\\é -"
+            .chars()
+            .collect();
+        let mut rng = StdRng::seed_from_u64(0x0de5);
+        let edit = |seed: &str, rng: &mut StdRng| crate::test_fuzz::mutate(rng, seed, &alphabet, 3);
+        let mut accepted = 0u32;
+        for i in 0..8000 {
+            let pod_cidr = edit("10.244.7.0/24", &mut rng);
+            let pod_cidrs = [
+                edit("10.244.7.0/24", &mut rng),
+                edit("fd00:7::/64", &mut rng),
+            ];
+            let data = edit("{\"VtepMAC\": \"96:59:b2:3f:04:ee\"}", &mut rng);
+            let public_ip = edit("192.168.77.17", &mut rng);
+            let public_ipv6 = edit("2001:db8::17", &mut rng);
+            let n = node(
+                "n",
+                &pod_cidr,
+                &[pod_cidrs[0].as_str(), pod_cidrs[1].as_str()][..rng.random_range(0..=2)],
+                &[
+                    ("backend-data", &data),
+                    ("backend-v6-data", &data),
+                    ("public-ip", &public_ip),
+                    ("public-ipv6", &public_ipv6),
+                ],
+            );
+            let (v4, v6) = [(true, false), (false, true), (true, true)][i % 3];
+            if let Ok(lease) = node_to_lease(&keys(), v4, v6, &n) {
+                accepted += 1;
+                assert_eq!(lease.subnet.is_some(), v4, "{n:?}");
+                assert_eq!(lease.ipv6_subnet.is_some(), v6, "{n:?}");
+                assert_eq!(lease.attrs.public_ipv6.is_some(), v6, "{n:?}");
+                for raw in [&lease.attrs.backend_data, &lease.attrs.backend_v6_data]
+                    .into_iter()
+                    .flatten()
+                {
+                    RawJson::from_json(raw.as_str()).unwrap();
+                }
+            }
+        }
+        // The edits must reach the accepting path too, not only the errors.
+        assert!(accepted >= 200, "only {accepted} nodes accepted");
+    }
 }
