@@ -2966,7 +2966,8 @@ fn seeds_of_every_path(ifs: &Ifaces) -> Vec<mutate::Seed> {
 /// padded, GSO sizes; `bpf_support::mutate`) keep the programs' contract: counted once under a
 /// class and once under a verdict, a pass unchanged, a drop dropped, a fast verdict leaving a
 /// frame whose checksums verify if the input's did. And the variants reach far: the fast
-/// verdicts of every path, most pass reasons and the parser's rejections.
+/// verdicts of every path, most pass reasons and the parser's rejections. Then again with a
+/// kernel IPIP device on the node, and with receive in eBPF off.
 #[test]
 fn mutated_packets_keep_the_verdicts_and_counters_contract() {
     let Some(rig) = Rig::new("fpmut") else { return };
@@ -2997,5 +2998,30 @@ fn mutated_packets_keep_the_verdicts_and_counters_contract() {
         );
         assert!(tally.kinds(ReasonKind::Malformed) >= 6, "parser rejections");
         assert!(tally.kinds(ReasonKind::Pass) >= 12, "pass reasons");
+        // The same under the other configurations a node can have.
+        let configs = [
+            (
+                "a kernel IPIP device",
+                LocalConfig {
+                    ipip_kernel_device: true,
+                    ..config(ifs.ext)
+                },
+                Reason::PassGso,
+            ),
+            (
+                "receive in eBPF off",
+                LocalConfig {
+                    vxlan_rx: false,
+                    routed_rx: false,
+                    ..config(ifs.ext)
+                },
+                Reason::PassRoutedRxOff,
+            ),
+        ];
+        for (what, cfg, reached) in configs {
+            fp.set_config(&cfg).expect(what);
+            let tally = mutate::check(fp, &seeds, 1500, mutate::Tunnel::Vxlan(8472));
+            assert!(tally.saw(reached), "{what}: no run counted {reached:?}");
+        }
     });
 }
