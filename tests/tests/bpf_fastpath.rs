@@ -3025,3 +3025,105 @@ fn mutated_packets_keep_the_verdicts_and_counters_contract() {
         }
     });
 }
+
+/// Whatever the agent changes between two packets of a flow (routes removed, added or moved
+/// to another peer or kind, the pod's port, the configuration) or the programs learn (a kernel
+/// flow), the flow's next packet is decided as the full checks decide it then: no memo
+/// outlives what it rested on. 80 random changes, each after every path's packet was
+/// remembered and followed by each packet run as it comes (a memo may decide it) and again
+/// with every memo retired (the full checks decide), which must agree.
+#[test]
+fn no_memo_outlives_a_change_of_what_it_rested_on() {
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+    let Some(rig) = Rig::new("fpchg") else { return };
+    rig.with_fast_path(|fp, ifs| {
+        let seeds: Vec<mutate::Seed> = seeds_of_every_path(ifs)
+            .into_iter()
+            .filter(|s| matches!(s.program, Program::Tc(_)))
+            .collect();
+        let peers = [
+            Remote {
+                public_ip: PUB2,
+                via: Via::HostGw,
+            },
+            Remote {
+                public_ip: Ipv4Addr::new(192, 168, 77, 4),
+                via: Via::HostGw,
+            },
+            Remote {
+                public_ip: PUB3,
+                via: Via::Vxlan {
+                    vtep_mac: VTEP3,
+                    vni: 1,
+                },
+            },
+            Remote {
+                public_ip: PUB6,
+                via: Via::Vxlan {
+                    vtep_mac: VTEP6,
+                    vni: 1,
+                },
+            },
+            Remote {
+                public_ip: PUB5,
+                via: Via::Ipip,
+            },
+            Remote {
+                public_ip: PUB2,
+                via: Via::DirectRouting,
+            },
+        ];
+        let mut rng = StdRng::seed_from_u64(0x00c4_a9e5);
+        let mut decided_by_memo = 0;
+        for _ in 0..80 {
+            know_pod_port(fp, ifs);
+            for seed in &seeds {
+                if let Program::Tc(hook) = seed.program {
+                    let _ = run(fp, hook, &seed.frame, seed.skb);
+                }
+            }
+            match rng.random_range(0..4) {
+                0 => {
+                    let mut desired = BTreeMap::new();
+                    for subnet in remotes().into_keys() {
+                        if rng.random_ratio(4, 5) {
+                            desired.insert(subnet, peers[rng.random_range(0..peers.len())]);
+                        }
+                    }
+                    fp.sync(&desired).expect("sync");
+                }
+                1 => {
+                    fp.sync_ports(&BTreeMap::new()).expect("no pod ports");
+                }
+                2 => {
+                    let cfg = LocalConfig {
+                        vxlan_rx: rng.random_bool(0.8),
+                        routed_rx: rng.random_bool(0.8),
+                        ipip_kernel_device: rng.random_bool(0.2),
+                        ..config(ifs.ext)
+                    };
+                    fp.set_config(&cfg).expect("config");
+                }
+                _ => {
+                    // The kernel sends a pod's flow: learnt, its endpoint's memos retired.
+                    let _ = run(
+                        fp,
+                        Hook::ToNetdev,
+                        &kernel_sent_to_host_gw_pod(),
+                        Skb::egress(ifs.ext),
+                    );
+                }
+            }
+            for seed in &seeds {
+                if mutate::memo_agrees(fp, seed, mutate::Tunnel::Vxlan(8472)) {
+                    decided_by_memo += 1;
+                }
+            }
+        }
+        // Memos did decide (the changes that leave a flow's decision alone leave its memo).
+        assert!(
+            decided_by_memo >= 20,
+            "only {decided_by_memo} packets decided by a memo"
+        );
+    });
+}

@@ -222,6 +222,28 @@ pub fn check(fp: &mut FastPath, seeds: &[Seed], cases: usize, tunnel: Tunnel) ->
     runner.tally
 }
 
+/// Runs the seed's packet as it is, then again with every memo retired, and panics unless
+/// both runs keep the contract and, if a memo decided the first, the full checks decided the
+/// same; whether a memo decided it.
+pub fn memo_agrees(fp: &mut FastPath, seed: &Seed, tunnel: Tunnel) -> bool {
+    let mut runner = Runner {
+        rng_seed: 0,
+        tunnel,
+        tally: Tally::default(),
+    };
+    let Some(first) = runner.one(fp, seed, &seed.frame, seed.skb, &[]) else {
+        return false;
+    };
+    if !first.counted.iter().any(|(r, _, _)| *r == Reason::MemoHit) {
+        return false;
+    }
+    fp.retire_memos().expect("retiring the memos");
+    if let Some(full) = runner.one(fp, seed, &seed.frame, seed.skb, &[]) {
+        runner.same_decision(seed, &seed.frame, &[], &first, &full);
+    }
+    true
+}
+
 /// Runs variants and keeps the tally; knows what a failure must say.
 struct Runner {
     rng_seed: u64,
