@@ -39,7 +39,7 @@ mod bpf_support;
 use bpf_support::{
     BR_MAC, EXT_MAC, Ifaces, Mac, POD_MAC, Rig, Run, Skb, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT,
     XDP_PASS, assert_bytes, know_pod_port, mac_str,
-    mutate::{self, Program},
+    mutate::{self, Change, Program},
     net, past_hop_ttl, run, run_xdp, within_hop_ttl,
 };
 
@@ -3034,7 +3034,7 @@ fn mutated_packets_keep_the_verdicts_and_counters_contract() {
 /// with every memo retired (the full checks decide), which must agree.
 #[test]
 fn no_memo_outlives_a_change_of_what_it_rested_on() {
-    use rand::{Rng, SeedableRng, rngs::StdRng};
+    use rand::Rng;
     let Some(rig) = Rig::new("fpchg") else { return };
     rig.with_fast_path(|fp, ifs| {
         let seeds: Vec<mutate::Seed> = seeds_of_every_path(ifs)
@@ -3073,17 +3073,14 @@ fn no_memo_outlives_a_change_of_what_it_rested_on() {
                 via: Via::DirectRouting,
             },
         ];
-        let mut rng = StdRng::seed_from_u64(0x00c4_a9e5);
-        let mut decided_by_memo = 0;
-        for _ in 0..80 {
-            know_pod_port(fp, ifs);
-            for seed in &seeds {
-                if let Program::Tc(hook) = seed.program {
-                    let _ = run(fp, hook, &seed.frame, seed.skb);
-                }
-            }
-            match rng.random_range(0..4) {
-                0 => {
+        let decided_by_memo = mutate::memos_follow_changes(
+            fp,
+            &seeds,
+            (80, 0x00c4_a9e5),
+            mutate::Tunnel::Vxlan(8472),
+            |fp| know_pod_port(fp, ifs),
+            |fp, what, rng| match what {
+                Change::Routes => {
                     let mut desired = BTreeMap::new();
                     for subnet in remotes().into_keys() {
                         if rng.random_ratio(4, 5) {
@@ -3092,10 +3089,10 @@ fn no_memo_outlives_a_change_of_what_it_rested_on() {
                     }
                     fp.sync(&desired).expect("sync");
                 }
-                1 => {
+                Change::Ports => {
                     fp.sync_ports(&BTreeMap::new()).expect("no pod ports");
                 }
-                2 => {
+                Change::Config => {
                     let cfg = LocalConfig {
                         vxlan_rx: rng.random_bool(0.8),
                         routed_rx: rng.random_bool(0.8),
@@ -3104,22 +3101,13 @@ fn no_memo_outlives_a_change_of_what_it_rested_on() {
                     };
                     fp.set_config(&cfg).expect("config");
                 }
-                _ => {
+                Change::Learn => {
                     // The kernel sends a pod's flow: learnt, its endpoint's memos retired.
-                    let _ = run(
-                        fp,
-                        Hook::ToNetdev,
-                        &kernel_sent_to_host_gw_pod(),
-                        Skb::egress(ifs.ext),
-                    );
+                    let frame = kernel_sent_to_host_gw_pod();
+                    let _ = run(fp, Hook::ToNetdev, &frame, Skb::egress(ifs.ext));
                 }
-            }
-            for seed in &seeds {
-                if mutate::memo_agrees(fp, seed, mutate::Tunnel::Vxlan(8472)) {
-                    decided_by_memo += 1;
-                }
-            }
-        }
+            },
+        );
         // Memos did decide (the changes that leave a flow's decision alone leave its memo).
         assert!(
             decided_by_memo >= 20,

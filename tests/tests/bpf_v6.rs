@@ -35,7 +35,7 @@ mod bpf_support;
 use bpf_support::{
     BR_MAC, EXT_MAC, Ifaces, Mac, POD_MAC, Rig, Skb, TC_ACT_OK, TC_ACT_REDIRECT, assert_bytes,
     assert_counted, know_pod_port, mac_str,
-    mutate::{self, Tunnel},
+    mutate::{self, Change, Tunnel},
     net, past_hop_ttl, run,
 };
 
@@ -1380,6 +1380,95 @@ fn ipv6_maps_survive_a_restart() {
         .expect("entering the namespace");
 }
 
+/// Each IPv6 path of the TC programs (and a dual-stack node's IPv4 host-gw one) as one
+/// well-formed frame: pod egress (host-gw with and without a neighbour, VXLAN), arrivals
+/// (plain, VXLAN) and node egress (a kernel-routed pod flow, flannel-v6's VXLAN).
+fn seeds_of_every_ipv6_path(ifs: &Ifaces) -> Vec<mutate::Seed> {
+    let seed = mutate::Seed::tc;
+    let from_pod = |name, dst, l4: Transport| {
+        seed(
+            name,
+            Hook::FromBridge,
+            Skb::on(ifs.br),
+            pod_frame(&Ipv6::new(pod(), dst, l4)),
+        )
+    };
+    let [tcp, udp, icmp]: [Transport; 3] = l4s().try_into().expect("three");
+    let arriving = |src| Ipv6 {
+        hop_limit: 63,
+        ..Ipv6::new(src, pod(), Tcp::new(80, 40000).payload(b"reply"))
+    };
+    let flannel_v6 = Ethernet::new(
+        EXT_MAC,
+        PEER3_MAC,
+        Ipv6::new(
+            pub1(),
+            v6("fd00:77::3"),
+            Udp::vxlan(
+                50000,
+                1,
+                &Ethernet::new(
+                    LOCAL_VTEP6,
+                    VTEP3,
+                    Ipv6::new(pod(), vxlan_pod(), Tcp::new(41000, 80)),
+                )
+                .encode(),
+            ),
+        ),
+    )
+    .encode();
+    vec![
+        from_pod("host-gw", hostgw_pod(), tcp.clone()),
+        from_pod("host-gw, no neighbour", hostgw_no_neigh_pod(), icmp),
+        from_pod("VXLAN", vxlan_pod(), tcp),
+        from_pod("VXLAN, UDP", vxlan_pod(), udp),
+        seed(
+            "IPv4 host-gw",
+            Hook::FromBridge,
+            Skb::on(ifs.br),
+            Ethernet::new(
+                POD_MAC,
+                BR_MAC,
+                Ipv4::new(
+                    Ipv4Addr::new(10, 244, 1, 5),
+                    Ipv4Addr::new(10, 244, 2, 7),
+                    Tcp::new(40000, 80),
+                ),
+            )
+            .encode(),
+        ),
+        seed(
+            "plain arrival",
+            Hook::FromNetdev,
+            Skb::on(ifs.ext),
+            underlay(PEER2_MAC, arriving(hostgw_pod())),
+        ),
+        seed(
+            "VXLAN arrival",
+            Hook::FromNetdev,
+            Skb::on(ifs.ext),
+            vxlan6_frame("fd00:77::3", 1, LOCAL_VTEP6, &arriving(vxlan_pod())),
+        ),
+        seed(
+            "kernel-routed pod flow",
+            Hook::ToNetdev,
+            Skb::egress(ifs.ext),
+            Ethernet::new(
+                EXT_MAC,
+                PEER2_MAC,
+                Ipv6::new(pod(), hostgw_pod(), Tcp::new(40000, 80)),
+            )
+            .encode(),
+        ),
+        seed(
+            "flannel-v6's VXLAN",
+            Hook::ToNetdev,
+            Skb::egress(ifs.ext),
+            flannel_v6,
+        ),
+    ]
+}
+
 /// Variants of each IPv6 path's packet (and a dual-stack node's IPv4 host-gw one) keep the
 /// programs' contract (`bpf_support::mutate`): counted once under a class and once under a
 /// verdict, a pass unchanged, a fast verdict carrying the inner packet through with every
@@ -1389,89 +1478,7 @@ fn mutated_ipv6_packets_keep_the_verdicts_and_counters_contract() {
     let Some(rig) = Rig::new("f6mut") else { return };
     rig.with_fast_path(true, |fp, ifs| {
         know_pod_port(fp, ifs);
-        let seed = mutate::Seed::tc;
-        let from_pod = |name, dst, l4: Transport| {
-            seed(
-                name,
-                Hook::FromBridge,
-                Skb::on(ifs.br),
-                pod_frame(&Ipv6::new(pod(), dst, l4)),
-            )
-        };
-        let [tcp, udp, icmp]: [Transport; 3] = l4s().try_into().expect("three");
-        let arriving = |src| Ipv6 {
-            hop_limit: 63,
-            ..Ipv6::new(src, pod(), Tcp::new(80, 40000).payload(b"reply"))
-        };
-        let flannel_v6 = Ethernet::new(
-            EXT_MAC,
-            PEER3_MAC,
-            Ipv6::new(
-                pub1(),
-                v6("fd00:77::3"),
-                Udp::vxlan(
-                    50000,
-                    1,
-                    &Ethernet::new(
-                        LOCAL_VTEP6,
-                        VTEP3,
-                        Ipv6::new(pod(), vxlan_pod(), Tcp::new(41000, 80)),
-                    )
-                    .encode(),
-                ),
-            ),
-        )
-        .encode();
-        let seeds = vec![
-            from_pod("host-gw", hostgw_pod(), tcp.clone()),
-            from_pod("host-gw, no neighbour", hostgw_no_neigh_pod(), icmp),
-            from_pod("VXLAN", vxlan_pod(), tcp),
-            from_pod("VXLAN, UDP", vxlan_pod(), udp),
-            seed(
-                "IPv4 host-gw",
-                Hook::FromBridge,
-                Skb::on(ifs.br),
-                Ethernet::new(
-                    POD_MAC,
-                    BR_MAC,
-                    Ipv4::new(
-                        Ipv4Addr::new(10, 244, 1, 5),
-                        Ipv4Addr::new(10, 244, 2, 7),
-                        Tcp::new(40000, 80),
-                    ),
-                )
-                .encode(),
-            ),
-            seed(
-                "plain arrival",
-                Hook::FromNetdev,
-                Skb::on(ifs.ext),
-                underlay(PEER2_MAC, arriving(hostgw_pod())),
-            ),
-            seed(
-                "VXLAN arrival",
-                Hook::FromNetdev,
-                Skb::on(ifs.ext),
-                vxlan6_frame("fd00:77::3", 1, LOCAL_VTEP6, &arriving(vxlan_pod())),
-            ),
-            seed(
-                "kernel-routed pod flow",
-                Hook::ToNetdev,
-                Skb::egress(ifs.ext),
-                Ethernet::new(
-                    EXT_MAC,
-                    PEER2_MAC,
-                    Ipv6::new(pod(), hostgw_pod(), Tcp::new(40000, 80)),
-                )
-                .encode(),
-            ),
-            seed(
-                "flannel-v6's VXLAN",
-                Hook::ToNetdev,
-                Skb::egress(ifs.ext),
-                flannel_v6,
-            ),
-        ];
+        let seeds = seeds_of_every_ipv6_path(ifs);
         let tally = mutate::check(fp, &seeds, 3000, Tunnel::Vxlan(8472));
         tally.assert_reached(
             &[
@@ -1517,5 +1524,62 @@ fn ipv6_vxlan_payload_beyond_the_outer_packet_is_not_decapsulated() {
         assert_eq!(r.verdict, TC_ACT_OK);
         assert_bytes(&r.out, &cut, "passed unchanged");
         assert_counted(&r, &[Reason::Ipv6Udp, Reason::PassVxlanMismatch], "cut");
+    });
+}
+
+/// `no_memo_outlives_a_change_of_what_it_rested_on` of `bpf_fastpath` for IPv6 (and a
+/// dual-stack node's IPv4): 80 random changes of the IPv6 routes (removed, added, moved to
+/// another peer or kind), the pod's port and the IPv6 configuration, or a kernel flow learnt;
+/// after each, every path's packet run as it comes and again with every memo retired must be
+/// decided alike.
+#[test]
+fn no_ipv6_memo_outlives_a_change_of_what_it_rested_on() {
+    use rand::Rng;
+    let Some(rig) = Rig::new("f6chg") else { return };
+    rig.with_fast_path(true, |fp, ifs| {
+        let seeds = seeds_of_every_ipv6_path(ifs);
+        let peers: Vec<Remote6> = remotes6().into_values().collect();
+        let kernel_sent = Ethernet::new(
+            EXT_MAC,
+            PEER2_MAC,
+            Ipv6::new(pod(), hostgw_pod(), Tcp::new(40000, 80)),
+        )
+        .encode();
+        let decided_by_memo = mutate::memos_follow_changes(
+            fp,
+            &seeds,
+            (80, 0x0006_c4a9),
+            Tunnel::Vxlan(8472),
+            |fp| know_pod_port(fp, ifs),
+            |fp, what, rng| match what {
+                Change::Routes => {
+                    let mut desired = BTreeMap::new();
+                    for subnet in remotes6().into_keys() {
+                        if rng.random_ratio(4, 5) {
+                            desired.insert(subnet, peers[rng.random_range(0..peers.len())]);
+                        }
+                    }
+                    fp.sync6(&desired).expect("sync6");
+                }
+                Change::Ports => {
+                    fp.sync_ports(&BTreeMap::new()).expect("no pod ports");
+                }
+                Change::Config => {
+                    let cfg = LocalConfig6 {
+                        vxlan_rx: rng.random_bool(0.8),
+                        routed_rx: rng.random_bool(0.8),
+                        ..config6(ifs.ext)
+                    };
+                    fp.set_config6(Some(&cfg)).expect("config6");
+                }
+                Change::Learn => {
+                    let _ = run(fp, Hook::ToNetdev, &kernel_sent, Skb::egress(ifs.ext));
+                }
+            },
+        );
+        assert!(
+            decided_by_memo >= 20,
+            "only {decided_by_memo} packets decided by a memo"
+        );
     });
 }

@@ -244,6 +244,53 @@ pub fn memo_agrees(fp: &mut FastPath, seed: &Seed, tunnel: Tunnel) -> bool {
     true
 }
 
+/// What [`memos_follow_changes`] asks a test to change between two packets of every flow.
+#[derive(Clone, Copy, Debug)]
+pub enum Change {
+    /// Remove, add or move remote subnets (another peer or kind).
+    Routes,
+    /// Forget the pod's bridge port.
+    Ports,
+    /// Set another configuration.
+    Config,
+    /// Have the programs learn a kernel flow (which retires its endpoint's memos only).
+    Learn,
+}
+
+/// `rounds` rounds of: `prepare` (the state every round starts from), every seed's packet run
+/// (its flow remembered), one random [`Change`] made by `change`, then [`memo_agrees`] for every
+/// seed (random by `rng_seed`). Returns how many packets a memo decided after a change: the
+/// changes that leave a flow's decision alone must leave its memo too.
+pub fn memos_follow_changes(
+    fp: &mut FastPath,
+    seeds: &[Seed],
+    (rounds, rng_seed): (usize, u64),
+    tunnel: Tunnel,
+    mut prepare: impl FnMut(&mut FastPath),
+    mut change: impl FnMut(&mut FastPath, Change, &mut StdRng),
+) -> usize {
+    let mut rng = StdRng::seed_from_u64(rng_seed);
+    let mut decided_by_memo = 0;
+    for _ in 0..rounds {
+        prepare(fp);
+        for seed in seeds {
+            if let Program::Tc(hook) = seed.program {
+                let _ = try_run(fp, hook, &seed.frame, seed.skb);
+            }
+        }
+        let what = *pick(
+            &mut rng,
+            &[Change::Routes, Change::Ports, Change::Config, Change::Learn],
+        );
+        change(fp, what, &mut rng);
+        decided_by_memo += seeds
+            .iter()
+            .filter(|seed| memo_agrees(fp, seed, tunnel))
+            .count();
+    }
+    decided_by_memo
+}
+
 /// Runs variants and keeps the tally; knows what a failure must say.
 struct Runner {
     rng_seed: u64,
