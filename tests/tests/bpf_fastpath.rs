@@ -1646,6 +1646,51 @@ fn gso_vxlan_moves_its_flow_to_the_kernel() {
     });
 }
 
+/// A GSO VXLAN packet for a pod whose port is known goes straight into the pod if it is TCP
+/// (which test runs cannot show, see `netdev_delivers_into_a_known_pods_namespace`), but a
+/// GSO UDP one (`UDP_SEGMENT`, as QUIC senders use) never: the pod's socket must segment it,
+/// which the tunnel offload state the decapsulation leaves makes fail (in a lab every such
+/// datagram was lost). It is left to flannel.1 and its flow handed to the kernel, even when a
+/// memo of the flow exists.
+#[test]
+fn gso_udp_in_vxlan_is_left_to_the_kernel_even_into_a_known_pod() {
+    let Some(rig) = Rig::new("fpgsou") else {
+        return;
+    };
+    rig.with_fast_path(|fp, ifs| {
+        know_pod_port(fp, ifs);
+        let gso = Skb {
+            gso_size: 600,
+            gso_segs: 2,
+            ..Skb::on(ifs.ext)
+        };
+        let udp = |payload: &[u8]| {
+            vxlan_frame(
+                PUB3,
+                1,
+                8472,
+                LOCAL_VTEP,
+                &Ipv4::new(VXLAN_POD, POD, Udp::new(443, 43001).payload(payload)),
+            )
+        };
+        // A small packet of the UDP flow is delivered (and the flow remembered) ...
+        let small = udp(b"initial");
+        let r = run(fp, Hook::FromNetdev, &small, Skb::on(ifs.ext));
+        assert_eq!(r.verdict, TC_ACT_REDIRECT, "small UDP into the pod");
+        // ... its GSO packets are not, memo or not.
+        let big = udp(&[4; 1200]);
+        let r = run(fp, Hook::FromNetdev, &big, gso);
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_bytes(&r.out, &big, "GSO UDP left to flannel.1");
+        assert_counted(
+            &r,
+            &big,
+            &[Reason::Ipv4Udp, Reason::LearnKernelFlow, Reason::PassGso],
+            "GSO UDP",
+        );
+    });
+}
+
 #[test]
 fn netdev_decapsulates_ipip_for_the_stack_and_refuses_unknown_nodes() {
     let Some(rig) = Rig::new("fpipin") else {

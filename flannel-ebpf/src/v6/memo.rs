@@ -383,6 +383,10 @@ fn deliver_vxlan(ctx: &TcContext, cfg: &Config6, from: &[u8; 16]) -> Option<Outc
     }
     let end = vxlan::inner_end(ctx, cfg, &s.outer)?;
     candidate(ctx, Some(end), &mut s.inner)?;
+    // A GSO UDP packet in VXLAN is the kernel's (see `v6::vxlan_in`).
+    if s.inner.next_hdr == crate::parse::proto::UDP && gso_size(ctx) != 0 {
+        return None;
+    }
     if !cfg.is_local_pod(&s.inner.dst)
         || !usable(ctx, cfg, &s.inner, DIR_IN, &mut s.memo)
         || !s.memo.came_through(TUNNEL_VXLAN, from)

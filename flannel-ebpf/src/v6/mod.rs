@@ -541,9 +541,9 @@ fn vxlan_in(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6, learnt: &mut Learn
     }
     let mut mtu = 0;
     let route = route_to_pod(ctx, info, &mut mtu);
-    if gso_size(ctx) != 0 && !route.reaches_pod_port() {
-        // As for IPv4: unless it goes straight into the pod, the kernel's VXLAN receive
-        // handles a GSO packet properly.
+    if gso_size(ctx) != 0 && (!route.reaches_pod_port() || info.next_hdr == proto::UDP) {
+        // As for IPv4: unless it goes straight into the pod (and is not UDP, whose socket
+        // must segment it), the kernel's VXLAN receive handles a GSO packet properly.
         learnt.kernel_flow = hand_to_kernel(info);
         return Verdict::pass(Reason::PassGso);
     }
