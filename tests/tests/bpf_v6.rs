@@ -1583,3 +1583,40 @@ fn no_ipv6_memo_outlives_a_change_of_what_it_rested_on() {
         );
     });
 }
+
+/// As for IPv4 (`bpf_fastpath::gso_udp_in_vxlan_is_left_to_the_kernel_even_into_a_known_pod`):
+/// a GSO UDP packet in VXLAN over IPv6 is left to flannel-v6, its flow handed to the kernel,
+/// though the pod's port is known and a memo of the flow exists.
+#[test]
+fn gso_udp_in_ipv6_vxlan_is_left_to_the_kernel() {
+    let Some(rig) = Rig::new("f6gsou") else {
+        return;
+    };
+    rig.with_fast_path(false, |fp, ifs| {
+        know_pod_port(fp, ifs);
+        let frame = |payload: &[u8]| {
+            let inner = Ipv6 {
+                hop_limit: 63,
+                ..Ipv6::new(vxlan_pod(), pod(), Udp::new(443, 43001).payload(payload))
+            };
+            vxlan6_frame("fd00:77::3", 1, LOCAL_VTEP6, &inner)
+        };
+        let small = frame(b"initial");
+        let r = run(fp, Hook::FromNetdev, &small, Skb::on(ifs.ext));
+        assert_eq!(r.verdict, TC_ACT_REDIRECT, "small UDP into the pod");
+        let big = frame(&[4; 1200]);
+        let gso = Skb {
+            gso_size: 600,
+            gso_segs: 2,
+            ..Skb::on(ifs.ext)
+        };
+        let r = run(fp, Hook::FromNetdev, &big, gso);
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_bytes(&r.out, &big, "GSO UDP left to flannel-v6");
+        assert_counted(
+            &r,
+            &[Reason::Ipv6Udp, Reason::LearnKernelFlow, Reason::PassGso],
+            "GSO UDP",
+        );
+    });
+}
