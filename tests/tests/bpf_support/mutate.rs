@@ -169,7 +169,7 @@ pub fn check(fp: &mut FastPath, seeds: &[Seed], cases: usize, tunnel: Tunnel) ->
     let cases = env_u64("FLANNEL_MUTATION_CASES").map_or(cases, |n| n as usize);
     let mut rng = StdRng::seed_from_u64(rng_seed);
     let mut runner = Runner {
-        rng_seed,
+        rng_seed: Some(rng_seed),
         tunnel,
         tally: Tally::default(),
     };
@@ -227,7 +227,7 @@ pub fn check(fp: &mut FastPath, seeds: &[Seed], cases: usize, tunnel: Tunnel) ->
 /// same; whether a memo decided it.
 pub fn memo_agrees(fp: &mut FastPath, seed: &Seed, tunnel: Tunnel) -> bool {
     let mut runner = Runner {
-        rng_seed: 0,
+        rng_seed: None,
         tunnel,
         tally: Tally::default(),
     };
@@ -258,8 +258,8 @@ pub enum Change {
 }
 
 /// `rounds` rounds of: `prepare` (the state every round starts from), every seed's packet run
-/// (its flow remembered), one random [`Change`] made by `change`, then [`memo_agrees`] for every
-/// seed (random by `rng_seed`). Returns how many packets a memo decided after a change: the
+/// (its flow remembered), one [`Change`] drawn with `rng_seed` and made by `change`, then
+/// [`memo_agrees`] for every seed. Returns how many packets a memo decided after a change: the
 /// changes that leave a flow's decision alone must leave its memo too.
 pub fn memos_follow_changes(
     fp: &mut FastPath,
@@ -293,7 +293,8 @@ pub fn memos_follow_changes(
 
 /// Runs variants and keeps the tally; knows what a failure must say.
 struct Runner {
-    rng_seed: u64,
+    /// The random seed of the variants, if they are [`check`]'s.
+    rng_seed: Option<u64>,
     tunnel: Tunnel,
     tally: Tally,
 }
@@ -383,12 +384,15 @@ impl Runner {
     }
 
     fn fail(&self, why: &str, seed: &Seed, frame: &[u8], how: &[String], r: &Run) -> ! {
+        let drawn = self
+            .rng_seed
+            .map(|s| format!(" (FLANNEL_MUTATION_SEED={s:#x})"))
+            .unwrap_or_default();
         panic!(
-            "{why}\nseed {:?} through {:?}, mutated by {how:?} \
-             (FLANNEL_MUTATION_SEED={:#x}); verdict {}, counted {:?}\nin:\n{}out:\n{}",
+            "{why}\nseed {:?} through {:?}, mutated by {how:?}{drawn}; verdict {}, counted \
+             {:?}\nin:\n{}out:\n{}",
             seed.name,
             seed.program,
-            self.rng_seed,
             r.verdict,
             r.counted,
             packet::hexdump(frame),
