@@ -97,6 +97,17 @@ pub fn ipip_is_the_kernels(ctx: &TcContext, cfg: &Config) -> bool {
     cfg.flags & CFG_IPIP_KERNEL_RX != 0 && fib::gso_size(ctx) != 0
 }
 
+/// Whether a GSO packet in VXLAN (either family) is the kernel's to receive rather than the
+/// programs': `bpf_skb_adjust_room` cannot reset its UDP-tunnel offload state, so it may be
+/// decapsulated only when it goes straight into the pod (`into_pod`; the bridge would
+/// re-segment it in software) and is not UDP (`inner_proto`): a GSO UDP packet
+/// (`UDP_SEGMENT`) must be segmented by the pod's socket, which that state makes fail. The
+/// kernel's VXLAN receive handles both properly.
+#[inline(always)]
+pub fn vxlan_is_the_kernels(ctx: &TcContext, inner_proto: u8, into_pod: bool) -> bool {
+    fib::gso_size(ctx) != 0 && (!into_pod || inner_proto == crate::parse::proto::UDP)
+}
+
 /// Removes `len` bytes after the Ethernet header (the outer tunnel headers).
 #[inline(always)]
 pub fn decap(ctx: &TcContext, len: usize) -> Result<(), Reason> {

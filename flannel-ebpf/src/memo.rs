@@ -396,8 +396,8 @@ fn deliver_tunnelled(ctx: &TcContext, cfg: &Config, from: [u8; 4]) -> Option<Out
     if info.ttl <= 1 || !cfg.is_local_pod(info.dst) {
         return None;
     }
-    // A GSO UDP packet in VXLAN is the kernel's (see `netdev::vxlan_in`).
-    if tunnel == TUNNEL_VXLAN && info.proto == proto::UDP && fib::gso_size(ctx) != 0 {
+    // A memo delivers into the pod.
+    if tunnel == TUNNEL_VXLAN && deliver::vxlan_is_the_kernels(ctx, info.proto, true) {
         return None;
     }
     let memo = usable(ctx, cfg, &info, DIR_IN)?;

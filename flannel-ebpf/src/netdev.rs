@@ -366,11 +366,8 @@ fn vxlan_in(
     }
     let mut mtu = 0;
     let route = deliver::route_to_pod(ctx, &info, &mut mtu);
-    if fib::gso_size(ctx) != 0 && (!route.reaches_pod_port() || info.proto == proto::UDP) {
-        // See `deliver`: unless it goes straight into the pod, a GSO packet is left to the
-        // kernel's VXLAN receive, which handles it properly; the flow moves to the kernel in
-        // both directions. A GSO UDP packet (`UDP_SEGMENT`) always is: the pod's socket must
-        // segment it, which the tunnel offload state left by the decapsulation makes fail.
+    if deliver::vxlan_is_the_kernels(ctx, info.proto, route.reaches_pod_port()) {
+        // Left to the kernel's VXLAN receive; the flow moves to the kernel in both directions.
         *kernel_flow = deliver::hand_to_kernel(&info);
         return Verdict::pass(Reason::PassGso);
     }

@@ -375,16 +375,13 @@ fn deliver_vxlan(ctx: &TcContext, cfg: &Config6, from: &[u8; 16]) -> Option<Outc
     }
     let s = scratch()?;
     let class = candidate(ctx, None, &mut s.outer)?;
-    if class != Reason::Ipv6Udp
-        || u16::from_be_bytes(s.outer.dport) != cfg.vxlan_port
-        || s.outer.l4 != ETH_HDR_LEN + IPV6_HDR_LEN
-    {
+    if class != Reason::Ipv6Udp || u16::from_be_bytes(s.outer.dport) != cfg.vxlan_port {
         return None;
     }
     let end = vxlan::inner_end(ctx, cfg, &s.outer)?;
     candidate(ctx, Some(end), &mut s.inner)?;
-    // A GSO UDP packet in VXLAN is the kernel's (see `v6::vxlan_in`).
-    if s.inner.next_hdr == crate::parse::proto::UDP && gso_size(ctx) != 0 {
+    // A memo delivers into the pod.
+    if crate::deliver::vxlan_is_the_kernels(ctx, s.inner.next_hdr, true) {
         return None;
     }
     if !cfg.is_local_pod(&s.inner.dst)

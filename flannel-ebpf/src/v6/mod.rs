@@ -520,9 +520,8 @@ fn vxlan_in(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6, learnt: &mut Learn
     // Read before the checks: a change while they run retires what they decide (the learnt
     // part once the inner packet is known, before its NAT-guard and kernel-flow checks).
     let agent = crate::memo::agent_generation();
-    let end = match vxlan::inner_end(ctx, cfg, &s.outer) {
-        Some(end) if s.outer.l4 == ETH_HDR_LEN + IPV6_HDR_LEN => end,
-        _ => return Verdict::pass(Reason::PassVxlanMismatch),
+    let Some(end) = vxlan::inner_end(ctx, cfg, &s.outer) else {
+        return Verdict::pass(Reason::PassVxlanMismatch);
     };
     if let Some(reason) = read_inner(ctx, end, &mut s.inner) {
         return Verdict::pass(reason);
@@ -541,9 +540,8 @@ fn vxlan_in(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6, learnt: &mut Learn
     }
     let mut mtu = 0;
     let route = route_to_pod(ctx, info, &mut mtu);
-    if gso_size(ctx) != 0 && (!route.reaches_pod_port() || info.next_hdr == proto::UDP) {
-        // As for IPv4: unless it goes straight into the pod (and is not UDP, whose socket
-        // must segment it), the kernel's VXLAN receive handles a GSO packet properly.
+    if crate::deliver::vxlan_is_the_kernels(ctx, info.next_hdr, route.reaches_pod_port()) {
+        // Left to the kernel's VXLAN receive, as for IPv4.
         learnt.kernel_flow = hand_to_kernel(info);
         return Verdict::pass(Reason::PassGso);
     }

@@ -250,13 +250,15 @@ pub fn push(
         .map_err(|_| Reason::DropRewriteFailed)
 }
 
-/// If the VXLAN header and inner Ethernet header of a received packet, whose outer IPv6
-/// header (without extension headers) `outer` describes, are ours (flags `I`, our VNI, our
+/// If a received packet, whose outer IPv6 header `outer` describes, has no extension headers
+/// and its VXLAN header and inner Ethernet header are ours (flags `I`, our VNI, our
 /// v6 VTEP MAC as inner destination, IPv6 inside) and its UDP length is sound
 /// ([`payload_end`]), where the frame inside it ends.
 #[inline(always)]
 pub fn inner_end(ctx: &TcContext, cfg: &Config6, outer: &Ipv6Info) -> Option<usize> {
-    if !encap::vxlan_header_is(ctx, INNER_ETH - 8, cfg.vni, cfg.vtep_mac, ETH_P_IPV6) {
+    if outer.l4 != INNER_ETH - 16
+        || !encap::vxlan_header_is(ctx, INNER_ETH - 8, cfg.vni, cfg.vtep_mac, ETH_P_IPV6)
+    {
         return None;
     }
     payload_end(ctx, outer)
