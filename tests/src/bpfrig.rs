@@ -108,6 +108,15 @@ impl Skb {
         }
     }
 
+    /// This context for a GSO packet of `segs` segments of `size` bytes of payload.
+    pub fn gso(self, size: u32, segs: u32) -> Skb {
+        Skb {
+            gso_size: size,
+            gso_segs: segs,
+            ..self
+        }
+    }
+
     /// The context's bytes (`struct __sk_buff`, the fields test_run accepts).
     pub fn bytes(&self) -> [u8; 192] {
         let mut b = [0u8; 192];

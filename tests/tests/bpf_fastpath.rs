@@ -620,11 +620,7 @@ fn bridge_passes_everything_else_unchanged() {
         let big = pod_frame(&from_pod(VXLAN_POD, Tcp::new(1, 2).payload(&[1; 3000])));
         let r = run(fp, Hook::FromBridge, &big, Skb::on(ifs.br));
         assert_eq!(r.counted[1].0, Reason::PassTooBig, "3000 bytes without GSO");
-        let gso = |size| Skb {
-            gso_size: size,
-            gso_segs: 3,
-            ..Skb::on(ifs.br)
-        };
+        let gso = |size| Skb::on(ifs.br).gso(size, 3);
         let r = run(fp, Hook::FromBridge, &big, gso(1480 - 40));
         assert_eq!(r.counted[1].0, Reason::PassTooBig, "segments of 1480 + 50");
         let r = run(fp, Hook::FromBridge, &big, gso(1000));
@@ -1601,11 +1597,7 @@ fn gso_vxlan_moves_its_flow_to_the_kernel() {
         // A GRO aggregate of a pod-to-pod flow: left to flannel.1, flow handed to the kernel.
         let inner = Ipv4::new(VXLAN_POD, POD, Tcp::new(80, 43000).payload(&[3; 1200]));
         let frame = vxlan_frame(PUB3, 1, 8472, LOCAL_VTEP, &inner);
-        let gso = Skb {
-            gso_size: 600,
-            gso_segs: 2,
-            ..Skb::on(ifs.ext)
-        };
+        let gso = Skb::on(ifs.ext).gso(600, 2);
         let r = run(fp, Hook::FromNetdev, &frame, gso);
         assert_eq!(r.verdict, TC_ACT_OK);
         assert_bytes(&r.out, &frame, "GSO VXLAN left to flannel.1");
@@ -1659,11 +1651,7 @@ fn gso_udp_in_vxlan_is_left_to_the_kernel_even_into_a_known_pod() {
     };
     rig.with_fast_path(|fp, ifs| {
         know_pod_port(fp, ifs);
-        let gso = Skb {
-            gso_size: 600,
-            gso_segs: 2,
-            ..Skb::on(ifs.ext)
-        };
+        let gso = Skb::on(ifs.ext).gso(600, 2);
         let udp = |payload: &[u8]| {
             vxlan_frame(
                 PUB3,

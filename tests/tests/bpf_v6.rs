@@ -404,11 +404,7 @@ fn ipv6_the_fast_path_does_not_take_goes_to_the_kernel() {
         // GSO packets cannot get per-segment outer checksums: flannel-v6 sends them.
         let big_ip = Ipv6::new(pod(), vxlan_pod(), Tcp::new(1, 2).payload(&[1; 3000]));
         let big = pod_frame(&big_ip);
-        let gso = Skb {
-            gso_size: 1000,
-            gso_segs: 3,
-            ..Skb::on(ifs.br)
-        };
+        let gso = Skb::on(ifs.br).gso(1000, 3);
         let r = run(fp, Hook::FromBridge, &big, gso);
         assert_eq!(r.verdict, TC_ACT_OK);
         assert_bytes(&r.out, &big, "GSO");
@@ -540,16 +536,7 @@ fn remote_ipv6_pods_are_delivered_to_the_bridge() {
         // A GSO VXLAN packet: left to flannel-v6, its flow handed to the kernel both ways.
         let gso_inner = Ipv6::new(vxlan_pod(), pod(), Tcp::new(80, 43000).payload(&[3; 1200]));
         let frame = vxlan6_frame("fd00:77::3", 1, LOCAL_VTEP6, &gso_inner);
-        let r = run(
-            fp,
-            Hook::FromNetdev,
-            &frame,
-            Skb {
-                gso_size: 600,
-                gso_segs: 2,
-                ..skb
-            },
-        );
+        let r = run(fp, Hook::FromNetdev, &frame, skb.gso(600, 2));
         assert_eq!(r.verdict, TC_ACT_OK);
         assert_counted(
             &r,
@@ -1260,15 +1247,7 @@ fn ipv6_vxlan_flows_are_remembered_for_their_peer_only() {
         for (what, ip, skb) in [
             ("a byte longer", to_remote(&vec![7; fits + 1], 64), br),
             ("hop limit 1", to_remote(b"memo6", 1), br),
-            (
-                "GSO",
-                to_remote(&[7; 1200], 64),
-                Skb {
-                    gso_size: 600,
-                    gso_segs: 2,
-                    ..br
-                },
-            ),
+            ("GSO", to_remote(&[7; 1200], 64), br.gso(600, 2)),
         ] {
             let (r, frame) = send(fp, &ip, skb);
             assert_passed(&r, &frame, Reason::Ipv6Tcp, Reason::PassNoRoute, what);
@@ -1605,11 +1584,7 @@ fn gso_udp_in_ipv6_vxlan_is_left_to_the_kernel() {
         let r = run(fp, Hook::FromNetdev, &small, Skb::on(ifs.ext));
         assert_eq!(r.verdict, TC_ACT_REDIRECT, "small UDP into the pod");
         let big = frame(&[4; 1200]);
-        let gso = Skb {
-            gso_size: 600,
-            gso_segs: 2,
-            ..Skb::on(ifs.ext)
-        };
+        let gso = Skb::on(ifs.ext).gso(600, 2);
         let r = run(fp, Hook::FromNetdev, &big, gso);
         assert_eq!(r.verdict, TC_ACT_OK);
         assert_bytes(&r.out, &big, "GSO UDP left to flannel-v6");

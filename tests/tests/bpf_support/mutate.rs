@@ -193,8 +193,8 @@ pub fn check(fp: &mut FastPath, seeds: &[Seed], cases: usize, tunnel: Tunnel) ->
             how.push("checksums made right".to_owned());
         }
         if matches!(seed.program, Program::Tc(_)) && rng.random_ratio(1, 6) {
-            skb.gso_size = *pick(&mut rng, &[1, 536, 1400, 1448, 8948, 65535]);
-            skb.gso_segs = rng.random_range(1..=64);
+            let size = *pick(&mut rng, &[1, 536, 1400, 1448, 8948, 65535]);
+            skb = skb.gso(size, rng.random_range(1..=64));
             how.push(format!(
                 "gso_size {} gso_segs {}",
                 skb.gso_size, skb.gso_segs
