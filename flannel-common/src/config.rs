@@ -29,7 +29,8 @@ pub const CFG_IPIP_KERNEL_RX: u32 = 1 << 3;
 pub const FASTPATH_MARK: u32 = 0x0f1a_fa57;
 
 /// The `skb->tc_index` with which `tc_from_bridge` tags the packets it hands to a tunnel
-/// device (GSO packets to `flannel-v6.<VNI>`), so that `tc_to_netdev` recognises their outer
+/// device (GSO packets to `flannel-v6.<VNI>`, and IPv4 ones too long for the fast path's own
+/// VXLAN to `flannel.<VNI>`), so that `tc_to_netdev` recognises their outer
 /// packets as the fast path's (not a kernel flow), lets them through and clears it. Not the
 /// mark: the device's outer packets pass the OUTPUT and POSTROUTING hooks, where mark bits
 /// mean something to others (kubelet's and kube-proxy's drop mark 0x8000 and masquerade mark

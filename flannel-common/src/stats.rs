@@ -255,11 +255,16 @@ pub enum Reason {
     /// fresh remembered route lookup it came from and used (see [`crate::memo`]), without the
     /// full checks (counted in addition to `memo_hit`).
     MemoConfirmed = 84,
+    /// `tc_from_bridge`: a pod's GSO IPv4 packet for a VXLAN peer too long to encapsulate in
+    /// one IPv4 datagram (a pod with BIG TCP), routed by `bpf_fib_lookup` to `flannel.<VNI>`
+    /// (MACs and TTL set) and redirected straight to it, which encapsulates and segments it: no
+    /// netfilter, as for the flow's other packets.
+    FastVxlanDevice = 85,
 }
 
 impl Reason {
     /// Number of reasons: the `max_entries` of the stats maps.
-    pub const COUNT: usize = 85;
+    pub const COUNT: usize = 86;
 
     /// Every reason, in index order.
     pub const ALL: [Reason; Reason::COUNT] = [
@@ -348,6 +353,7 @@ impl Reason {
         Reason::FastVxlan6Device,
         Reason::MemoHit,
         Reason::MemoConfirmed,
+        Reason::FastVxlanDevice,
     ];
 
     /// The map index of this reason.
@@ -437,6 +443,7 @@ impl Reason {
             Reason::FastDeliver6 => "fast_deliver6",
             Reason::FastDeliverVxlan6 => "fast_deliver_vxlan6",
             Reason::FastVxlan6Device => "fast_vxlan6_device",
+            Reason::FastVxlanDevice => "fast_vxlan_device",
             Reason::PassIpv6ExtHeader => "pass_ipv6_ext_header",
             Reason::FastSnat => "fast_snat",
             Reason::FastSnatReply => "fast_snat_reply",
@@ -500,6 +507,7 @@ impl Reason {
             | Reason::FastDeliver6
             | Reason::FastDeliverVxlan6
             | Reason::FastVxlan6Device
+            | Reason::FastVxlanDevice
             | Reason::FastSnat
             | Reason::FastSnatReply
             | Reason::FastSnatIcmpError

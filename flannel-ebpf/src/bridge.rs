@@ -18,7 +18,8 @@
 //! - host-gw: `bpf_fib_lookup` (the kernel route `<subnet> via <peer>`; the answer remembered
 //!   for up to a second, [`crate::hops`]), TTL decremented, `bpf_redirect` with the neighbour's
 //!   MACs or `bpf_redirect_neigh`;
-//! - VXLAN / IPIP: encapsulated ([`crate::encap`]) and redirected to the external interface;
+//! - VXLAN / IPIP: encapsulated ([`crate::encap`]) and redirected to the external interface
+//!   (a VXLAN GSO packet too long for that, to `flannel.<VNI>` itself: [`vxlan_device`]);
 //! - udp: encapsulated as the udp backend's TUN path would ([`crate::udp`]) and redirected.
 //!
 //! A host-gw, VXLAN or IPIP decision with a resolved next hop is remembered for the flow
@@ -29,7 +30,7 @@
 
 use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
 use flannel_common::{
-    config::FASTPATH_MARK,
+    config::{FASTPATH_MARK, FASTPATH_TC_INDEX},
     hops::HopKey,
     memo::{DIR_OUT, TUNNEL_IPIP, TUNNEL_NONE, TUNNEL_VXLAN},
     route::RemoteEntry,
@@ -38,7 +39,8 @@ use flannel_common::{
 
 use crate::{
     decide::{self, BridgeAction},
-    deliver, encap,
+    deliver,
+    encap::{self, VXLAN_OVERHEAD},
     fib::{self, Fib},
     hops, ipv4, maps, memo,
     parse::{self, Packet},
@@ -97,6 +99,11 @@ pub fn run(ctx: &TcContext) -> Outcome {
     let sent = match action {
         BridgeAction::Pass(reason) => Err(reason),
         BridgeAction::HostGw(peer) => host_gw(ctx, &peer, &info, generation),
+        BridgeAction::Vxlan(_)
+            if fib::gso_size(ctx) != 0 && encap::inner_len(ctx, VXLAN_OVERHEAD).is_err() =>
+        {
+            vxlan_device(ctx, &info)
+        }
         BridgeAction::Vxlan(peer) => encap::vxlan(ctx, cfg, &peer, &info)
             .and_then(|(route, mtu)| {
                 remember(&info, route, mtu, generation, (TUNNEL_VXLAN, &peer));
@@ -160,6 +167,31 @@ fn host_gw(
     }
     remember(info, route, mtu, generation, (TUNNEL_NONE, peer));
     send(ctx, route).map(|action| (action, Reason::FastHostGw))
+}
+
+/// A GSO packet for a VXLAN peer too long to encapsulate here (a pod with BIG TCP, see
+/// [`encap::inner_len`]), sent where the kernel's route for its destination says
+/// (`<subnet> via <VTEP address> dev flannel.<VNI> onlink`, the VTEP's MAC in the neighbour
+/// entry): its MACs set and its TTL decremented as the kernel would, redirected straight to
+/// `flannel.<VNI>`, which encapsulates and segments it. Not through the stack: the flow's other
+/// packets skip routing and netfilter too, so a masquerade rule for pod traffic (the CNI
+/// bridge's `ipMasq`) cannot rewrite some of its packets and not others. Tagged by `tc_index`
+/// (see [`FASTPATH_TC_INDEX`]) for `tc_to_netdev`. Without such a route it is passed to the
+/// stack.
+#[inline(always)]
+fn vxlan_device(ctx: &TcContext, info: &ipv4::Ipv4Info) -> Result<(i32, Reason), Reason> {
+    let route = fib::lookup(ctx, crate::pods::routing_iif(ctx), info, 0, &mut 0);
+    if !matches!(route, Fib::Resolved { .. }) {
+        return Err(Reason::PassTooBig);
+    }
+    if !ipv4::decrement_ttl(ctx, info.l3) {
+        return Err(Reason::PassMalformed);
+    }
+    // SAFETY: writing a field of the __sk_buff the kernel passed (writable for classifiers).
+    unsafe { (*ctx.skb.skb).tc_index = FASTPATH_TC_INDEX };
+    fib::redirect(ctx, route)
+        .map(|action| (action, Reason::FastVxlanDevice))
+        .ok_or(Reason::DropRewriteFailed)
 }
 
 /// Remembers the decision, taken at `generation`, to send `info`'s flow by `route` (when it

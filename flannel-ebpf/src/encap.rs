@@ -221,8 +221,17 @@ pub fn ipip_header(
         id: if inner.dont_fragment { 0 } else { random_id },
         dont_fragment: inner.dont_fragment,
         proto: IPPROTO_IPIP,
-        tot_len: (l3_len + IPIP_OVERHEAD as u32) as u16,
+        tot_len: ipv4_tot_len(l3_len + IPIP_OVERHEAD as u32),
     })
+}
+
+/// The total length field for an IPv4 datagram of `len` bytes: `len`, or 0 for a GSO packet
+/// longer than the field can say (a pod's BIG TCP), as the kernel's own tunnels write it
+/// (`iph_set_totlen`): segmentation gives each segment its length, and the stack reads a GSO
+/// packet's from the packet itself.
+#[inline(always)]
+pub fn ipv4_tot_len(len: u32) -> u16 {
+    u16::try_from(len).unwrap_or(0)
 }
 
 /// The largest IP packet (each segment, for GSO packets) that fits the external interface's
@@ -237,6 +246,21 @@ pub fn room(ctx: &TcContext, cfg: &Config, info: &Ipv4Info, overhead: usize) -> 
         info.segment_len(gso)
     };
     (u32::from(room) >= l3_len).then_some(room)
+}
+
+/// The length of the packet's IP datagram (everything after its Ethernet header), if the
+/// IPv4 datagram `overhead` bytes longer that encapsulates it has a length IPv4 can carry:
+/// [`Reason::PassTooBig`] if not. Only a GSO packet can be that long (a pod whose veth allows
+/// more than 64 KB of GSO, BIG TCP), and a UDP tunnel's headers have two lengths that cannot
+/// say it (VXLAN sends such packets by `flannel.<VNI>`, `crate::bridge`; IPIP writes
+/// [`ipv4_tot_len`]).
+#[inline(always)]
+pub fn inner_len(ctx: &TcContext, overhead: usize) -> Result<u32, Reason> {
+    let l3_len = fib::skb_len(ctx).saturating_sub(ETH_HDR_LEN as u32);
+    if l3_len + overhead as u32 > u32::from(u16::MAX) {
+        return Err(Reason::PassTooBig);
+    }
+    Ok(l3_len)
 }
 
 /// The largest IP packet that fits the external interface's MTU with `overhead` more bytes.
@@ -306,7 +330,7 @@ pub fn vxlan_encapsulate(
     peer: &RemoteEntry,
     info: &Ipv4Info,
 ) -> Result<(), Reason> {
-    let l3_len = fib::skb_len(ctx) - ETH_HDR_LEN as u32;
+    let l3_len = inner_len(ctx, VXLAN_OVERHEAD)?;
     // SAFETY: plain helper calls on the program's own skb.
     let (hash, id) = unsafe {
         (
@@ -510,5 +534,14 @@ mod tests {
         let h = ipip_header(&cfg(), &peer(), &no_df, 7, 84, 0x5555);
         assert_eq!((h[4], h[5], h[6], h[8]), (0x55, 0x55, 0, 7));
         assert_eq!(sum(&h), 0xffff);
+        let big = ipip_header(&cfg(), &peer(), &df, 63, 65_516, 0x5555);
+        assert_eq!(
+            u16::from_be_bytes([big[2], big[3]]),
+            0,
+            "BIG TCP: 0, as the kernel"
+        );
+        assert_eq!(sum(&big), 0xffff, "valid header checksum");
+        let edge = ipip_header(&cfg(), &peer(), &df, 63, 65_515, 0x5555);
+        assert_eq!(u16::from_be_bytes([edge[2], edge[3]]), 65_535);
     }
 }

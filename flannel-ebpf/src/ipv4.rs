@@ -94,25 +94,11 @@ pub fn screen(parsed: &Result<Packet, Reason>) -> Result<Packet, Reason> {
 /// [`screen`] accepted), or `None` if the bytes are not readable.
 #[inline(always)]
 pub fn read<C: PacketCtx>(ctx: &C, packet: &Packet) -> Option<Ipv4Info> {
-    let l3 = packet.l3_offset;
-    let hdr: [u8; 20] = {
-        let p = ptr_at::<C, [u8; 20]>(ctx, l3)?;
-        // SAFETY: ptr_at checked that the 20 bytes are readable.
-        unsafe { p.read_unaligned() }
-    };
-    let mut info = Ipv4Info {
-        l3,
-        l4: packet.l4_offset,
-        src: [hdr[12], hdr[13], hdr[14], hdr[15]],
-        dst: [hdr[16], hdr[17], hdr[18], hdr[19]],
-        proto: hdr[9],
-        ttl: hdr[8],
-        tos: hdr[1],
-        dont_fragment: hdr[6] & IPV4_DF_BYTE != 0,
-        tot_len: u16::from_be_bytes([hdr[2], hdr[3]]),
-        check: u16::from_be_bytes([hdr[10], hdr[11]]),
-        ..Ipv4Info::default()
-    };
+    let hdr = ptr_at::<C, [u8; 20]>(ctx, packet.l3_offset)?;
+    // SAFETY: ptr_at checked that the 20 bytes are readable.
+    let hdr = unsafe { hdr.read_unaligned() };
+    let mut info = header_fields(&hdr, packet.l3_offset);
+    info.l4 = packet.l4_offset;
     let l4: [u8; 8] = {
         let p = ptr_at::<C, [u8; 8]>(ctx, packet.l4_offset)?;
         // SAFETY: as above; the parser checked TCP/UDP/ICMP headers are at least 8 bytes.
@@ -143,6 +129,42 @@ pub fn read<C: PacketCtx>(ctx: &C, packet: &Packet) -> Option<Ipv4Info> {
         _ => {}
     }
     Some(info)
+}
+
+/// Reads the IPv4 header at `l3` of a packet whatever follows it (a fragment, options,
+/// another protocol, a short or odd L4 header): its header fields, with `l4` where its header
+/// says the payload starts and no L4 fields. `None` unless it is an IPv4 header (version 4, a
+/// header length of at least 20 bytes) whose first 20 bytes are readable; the options are not
+/// read.
+#[inline(always)]
+pub fn read_header<C: PacketCtx>(ctx: &C, l3: usize) -> Option<Ipv4Info> {
+    let hdr = ptr_at::<C, [u8; 20]>(ctx, l3)?;
+    // SAFETY: ptr_at checked that the 20 bytes are readable.
+    let hdr = unsafe { hdr.read_unaligned() };
+    let ihl = usize::from(hdr[0] & 0x0f) * 4;
+    if hdr[0] >> 4 != 4 || ihl < 20 {
+        return None;
+    }
+    let mut info = header_fields(&hdr, l3);
+    info.l4 = l3 + ihl;
+    Some(info)
+}
+
+/// The header fields of the 20-byte IPv4 header `hdr` found at `l3`.
+#[inline(always)]
+fn header_fields(hdr: &[u8; 20], l3: usize) -> Ipv4Info {
+    Ipv4Info {
+        l3,
+        src: [hdr[12], hdr[13], hdr[14], hdr[15]],
+        dst: [hdr[16], hdr[17], hdr[18], hdr[19]],
+        proto: hdr[9],
+        ttl: hdr[8],
+        tos: hdr[1],
+        dont_fragment: hdr[6] & IPV4_DF_BYTE != 0,
+        tot_len: u16::from_be_bytes([hdr[2], hdr[3]]),
+        check: u16::from_be_bytes([hdr[10], hdr[11]]),
+        ..Ipv4Info::default()
+    }
 }
 
 /// Decrements the TTL of the IPv4 header at `l3` in place and updates its checksum

@@ -21,7 +21,8 @@
 //! `tc_to_netdev` source-NATs pod traffic to the outside and registers the node's own flows.
 //!
 //! `tc_to_netdev` (TC egress), for packets the kernel sends out:
-//! - the fast path's own packets (marked [`FASTPATH_MARK`]) go out untouched, mark cleared;
+//! - the fast path's own packets (marked [`FASTPATH_MARK`], or tagged [`FASTPATH_TC_INDEX`]
+//!   when they went through `flannel.<VNI>`) go out untouched, mark or tag cleared;
 //! - a local pod → remote pod packet (plain, or inside `flannel.<VNI>`'s VXLAN) is recorded in
 //!   `FLANNEL_KFLOWS4`, since conntrack saw it;
 //! - a packet routed to a remote subnet of kind IPIP (host-originated traffic, or a pod's
@@ -34,9 +35,9 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use flannel_common::{
-    config::{CFG_ROUTED_RX, CFG_VXLAN_RX, Config, FASTPATH_MARK},
+    config::{CFG_ROUTED_RX, CFG_VXLAN_RX, Config, FASTPATH_MARK, FASTPATH_TC_INDEX},
     memo::{DIR_IN, TUNNEL_IPIP, TUNNEL_VXLAN},
-    route::{NODE_F_IPIP, NODE_F_VXLAN, RouteKind},
+    route::{NODE_F_IPIP, NODE_F_VXLAN, RemoteEntry, RouteKind},
     stats::Reason,
 };
 
@@ -50,7 +51,7 @@ use crate::{
     fib::{self, Fib},
     ipv4::{self, Ipv4Info},
     maps, memo, nat,
-    parse::{self, ETH_P_IP, Packet, PacketCtx as _, proto},
+    parse::{self, ETH_HDR_LEN, ETH_P_IP, Packet, PacketCtx as _, proto},
     pods,
 };
 
@@ -394,7 +395,7 @@ fn vxlan_in(
 }
 
 /// The start of `tc_to_netdev` for everything but IPv6 frames: `false` for the fast path's
-/// own packets (their mark cleared; not counted), otherwise the headers pulled in for
+/// own packets (their mark or `tc_index` tag cleared; not counted), otherwise the headers pulled in for
 /// [`nat_egress`] and [`to_netdev`].
 #[inline(always)]
 pub fn prepare_out(ctx: &TcContext) -> bool {
@@ -402,6 +403,14 @@ pub fn prepare_out(ctx: &TcContext) -> bool {
     if unsafe { (*ctx.skb.skb).mark } == FASTPATH_MARK {
         ctx.set_mark(0);
         return false;
+    }
+    // SAFETY: reading and writing a field of the __sk_buff the kernel passed.
+    unsafe {
+        if (*ctx.skb.skb).tc_index == FASTPATH_TC_INDEX {
+            // The outer packet of one `bridge::vxlan_device` handed to flannel.<VNI>.
+            (*ctx.skb.skb).tc_index = 0;
+            return false;
+        }
     }
     ctx.pull_headers(parse::PULL_LEN);
     true
@@ -465,40 +474,22 @@ pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, [Option<Reason>; 2])> {
             [None, None],
         ));
     };
-    let packet = match ipv4::screen(&parsed) {
-        Ok(p) => p,
-        Err(reason) => return Some((outcome(Verdict::pass(reason)), [None, None])),
-    };
-    let Some(info) = ipv4::read(ctx, &packet) else {
-        return Some((outcome(Verdict::pass(Reason::PassMalformed)), [None, None]));
+    // What the screen refuses (a fragment, IP options, another protocol, an odd L4 header) is
+    // still IPIP's to carry when the stack routed it to an IPIP peer: see `ipip_peer`.
+    let (info, refused) = match ipv4::screen(&parsed) {
+        Ok(packet) => match ipv4::read(ctx, &packet) {
+            Some(info) => (info, None),
+            None => return Some((outcome(Verdict::pass(Reason::PassMalformed)), [None, None])),
+        },
+        Err(reason) => match refused_header(ctx, &parsed) {
+            Some(info) => (info, Some(reason)),
+            None => return Some((outcome(Verdict::pass(reason)), [None, None])),
+        },
     };
     let mut learnt = false;
-    let verdict = if let Some(l) = crate::udp::learn_from_forwarder(ctx, cfg, &info) {
-        // The udp backend's forwarder: the inner packet went through the kernel.
-        learnt = l;
-        Verdict::pass(Reason::PassNoRoute)
-    } else if info.src == cfg.public_ip
-        && info.proto == proto::UDP
-        && u16::from_be_bytes(info.dport) == cfg.vxlan_port
-    {
-        // flannel.<VNI>'s VXLAN: the inner packet went through the kernel.
-        if info.l4 == VXLAN_HDR_AT - 8
-            && let Some(end) = encap::udp_payload_end(ctx, VXLAN_HDR_AT - 8, info.end())
-            && let Ok(inner) = ipv4::screen(&parse::parse_ipv4_at(ctx, VXLAN_INNER_L3, end))
-            && let Some(inner) = ipv4::read(ctx, &inner)
-        {
-            learnt = deliver::learn_kernel_flow(cfg, &inner);
-        }
-        Verdict::pass(Reason::PassNoRoute)
-    } else if !cfg.in_cluster(info.dst) {
-        Verdict::pass(Reason::PassNoRoute)
-    } else {
-        learnt = deliver::learn_kernel_flow(cfg, &info);
-        match maps::route(info.dst).copied() {
-            None => Verdict::pass(Reason::PassNoRoute),
-            Some(peer) if peer.kind == RouteKind::Ipip as u32 => ipip_out(ctx, cfg, &peer, &info),
-            Some(_) => Verdict::pass(Reason::PassNotIpipRoute),
-        }
+    let verdict = match ipip_peer(ctx, cfg, &info, refused, &mut learnt) {
+        Ok(peer) => ipip_out(ctx, cfg, &peer, &info),
+        Err(reason) => Verdict::pass(reason),
     };
     Some((
         outcome(verdict),
@@ -506,14 +497,80 @@ pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, [Option<Reason>; 2])> {
     ))
 }
 
-/// IPIP for a kernel-routed packet on its way out.
+/// The IPv4 header of a packet [`ipv4::screen`] refused, for [`ipip_peer`]: with its L4 fields
+/// where the parser checked them (IP options), from the header alone otherwise (`None` if it
+/// is not an IPv4 header at all).
 #[inline(always)]
-fn ipip_out(
+fn refused_header(ctx: &TcContext, parsed: &Result<Packet, Reason>) -> Option<Ipv4Info> {
+    match parsed {
+        Ok(p) if p.ethertype == ETH_P_IP => {
+            ipv4::read(ctx, p).or_else(|| ipv4::read_header(ctx, p.l3_offset))
+        }
+        Ok(_) => None,
+        Err(_) => {
+            let ethertype = parse::ptr_at::<TcContext, [u8; 2]>(ctx, 12)?;
+            // SAFETY: ptr_at checked the 2 bytes are readable.
+            if unsafe { ethertype.read_unaligned() } != ETH_P_IP.to_be_bytes() {
+                return None;
+            }
+            ipv4::read_header(ctx, ETH_HDR_LEN)
+        }
+    }
+}
+
+/// The IPIP peer a kernel-routed packet leaving by the external interface is for, or the
+/// reason to leave it alone. Such a packet was routed to an IPIP peer's pod subnet only where
+/// no kernel IPIP device exists: nothing but this program will encapsulate it, so every IPv4
+/// packet the stack sends there is, whatever the screen said of it (`refused`: a fragment,
+/// options, another protocol, a malformed L4 header), as a kernel IPIP device would; a raw pod
+/// packet must not leak onto the underlay. Screened packets also teach the programs the flows
+/// the kernel carries (`learnt`), and the kernel's own tunnel packets (udp backend, VXLAN) the
+/// flows inside them.
+#[inline(always)]
+fn ipip_peer(
     ctx: &TcContext,
     cfg: &Config,
-    peer: &flannel_common::route::RemoteEntry,
     info: &Ipv4Info,
-) -> Verdict {
+    refused: Option<Reason>,
+    learnt: &mut bool,
+) -> Result<RemoteEntry, Reason> {
+    if refused.is_none() {
+        if let Some(l) = crate::udp::learn_from_forwarder(ctx, cfg, info) {
+            // The udp backend's forwarder: the inner packet went through the kernel.
+            *learnt = l;
+            return Err(Reason::PassNoRoute);
+        }
+        if info.src == cfg.public_ip
+            && info.proto == proto::UDP
+            && u16::from_be_bytes(info.dport) == cfg.vxlan_port
+        {
+            // flannel.<VNI>'s VXLAN: the inner packet went through the kernel.
+            if info.l4 == VXLAN_HDR_AT - 8
+                && let Some(end) = encap::udp_payload_end(ctx, VXLAN_HDR_AT - 8, info.end())
+                && let Ok(inner) = ipv4::screen(&parse::parse_ipv4_at(ctx, VXLAN_INNER_L3, end))
+                && let Some(inner) = ipv4::read(ctx, &inner)
+            {
+                *learnt = deliver::learn_kernel_flow(cfg, &inner);
+            }
+            return Err(Reason::PassNoRoute);
+        }
+    }
+    if !cfg.in_cluster(info.dst) {
+        return Err(refused.unwrap_or(Reason::PassNoRoute));
+    }
+    if refused.is_none() {
+        *learnt = deliver::learn_kernel_flow(cfg, info);
+    }
+    match maps::route(info.dst).copied() {
+        Some(peer) if peer.kind == RouteKind::Ipip as u32 => Ok(peer),
+        Some(_) => Err(refused.unwrap_or(Reason::PassNotIpipRoute)),
+        None => Err(refused.unwrap_or(Reason::PassNoRoute)),
+    }
+}
+
+/// IPIP for a kernel-routed packet on its way out.
+#[inline(always)]
+fn ipip_out(ctx: &TcContext, cfg: &Config, peer: &RemoteEntry, info: &Ipv4Info) -> Verdict {
     let route = match encap::ipip(ctx, cfg, peer, info, false) {
         Ok((route, _)) => route,
         // No kernel IPIP exists to fall back to: a raw pod packet must not leak out.

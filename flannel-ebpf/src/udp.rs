@@ -160,7 +160,7 @@ pub fn encap(
             Fib::Failed => return Err(Reason::PassFibFailed),
             route => route,
         };
-    let l3_len = fib::skb_len(ctx) - ETH_HDR_LEN as u32;
+    let l3_len = encap::inner_len(ctx, UDP_OVERHEAD)?;
     let outer = headers(udp, cfg.outer_ttl, peer.public_ip, l3_len);
     let ttl = ttl_field(info);
     ctx.adjust_room(UDP_OVERHEAD as i32, BPF_ADJ_ROOM_MAC, ENCAP_FLAGS)

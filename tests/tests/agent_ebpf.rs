@@ -33,8 +33,8 @@ use agent_support::{
     scenarios::{self, connectivity, reachable_everywhere},
     spec_on, with_cluster,
 };
-use anyhow::{Context as _, Result, ensure};
-use flannel_agent::bpf::tcfilter;
+use anyhow::{Context as _, Result, bail, ensure};
+use flannel_agent::{bpf::tcfilter, netlink::Netlink};
 use flannel_tests::{
     bench::variant::link_mac,
     kube_mock::MockApiServer,
@@ -45,6 +45,7 @@ use flannel_tests::{
         fastpath::{self, Route},
         kube, probe, wait,
     },
+    netns::NetNs,
     require_root,
     topology::{SubnetEnv, Topology, TopologySpec, Underlay},
 };
@@ -77,6 +78,56 @@ fn ebpf_vxlan_over_l3() {
 fn ebpf_ipip_over_l3() {
     require_root!();
     connectivity(EBPF, "ipip", Underlay::L3);
+}
+
+/// On the routed underlay, where a pod packet that left unencapsulated would meet a router
+/// that knows no pod subnet: UDP datagrams larger than the MTU, sent as IPv4 fragments (which
+/// the programs leave to the kernel, which routes them out of the external interface), reach
+/// the remote pod, from a pod (3,000 bytes) and from the node itself (5,000 bytes); node1's
+/// `tc_to_netdev` encapsulated the fragments.
+#[test]
+fn ebpf_ipip_carries_fragments_over_l3() {
+    require_root!();
+    with_cluster(
+        &named(EBPF, "ipip/l3 fragments"),
+        spec_on(EBPF, 2, Underlay::L3, "ipip", 1),
+        |c| {
+            let t = c.topology();
+            let (from, to) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
+            let before = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
+            let rx = to
+                .ns()
+                .enter(|| std::net::UdpSocket::bind((to.ip(), 6000)))??;
+            rx.set_read_timeout(Some(Duration::from_secs(2)))?;
+            let mut buf = vec![0u8; 65536];
+            for (who, ns, src, size) in [
+                ("pod", from.ns(), IpAddr::V4(from.ip()), 3000),
+                ("node", t.node(1).ns(), IpAddr::V4(t.node(1).addr()), 5000),
+            ] {
+                let tx = ns.enter(|| std::net::UdpSocket::bind((src, 0)))??;
+                let payload: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+                tx.send_to(&payload, (to.ip(), 6000))?;
+                let (n, _) = rx
+                    .recv_from(&mut buf)
+                    .with_context(|| format!("the {who}'s {size}-byte datagram"))?;
+                ensure!(
+                    buf[..n] == payload[..],
+                    "the {who}'s datagram: {n} bytes, not the {size} sent"
+                );
+            }
+            let after = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
+            let (b, a) = (&before.packets, &after.packets);
+            let fragments = fastpath::grown(b, a, "tc_to_netdev", "ipv4_fragment");
+            let encapsulated = fastpath::grown(b, a, "tc_to_netdev", "fast_ipip_egress");
+            ensure!(
+                fragments >= 6 && encapsulated >= fragments,
+                "node1's tc_to_netdev saw {fragments} fragments and encapsulated {encapsulated} \
+                 packets; what moved: {}",
+                fastpath::growth_text(b, a)
+            );
+            Ok(())
+        },
+    );
 }
 
 #[test]
@@ -543,6 +594,94 @@ fn ebpf_vxlan_carries_udp_gso_between_pods() {
             Ok(())
         },
     );
+}
+
+/// Pods with BIG TCP (`gso_max_size` and `gso_ipv4_max_size` of 66,000 bytes on both ends of
+/// their veths, pod MTU 1,361) on two VXLAN nodes on the fast path, whose agents run without
+/// `--ip-masq`, so the CNI bridge masquerades pod traffic that goes through netfilter: a
+/// transfer each way arrives intact. The senders' 50-segment GSO packets carry 65,450 bytes of
+/// TCP payload, 65,502 bytes of IP: encapsulated here they would need an outer IPv4 total
+/// length of 65,552. Such packets go to `flannel.1` itself (`fast_vxlan_device`), which
+/// segments them; the flow's other packets are encapsulated by the programs.
+#[test]
+fn ebpf_vxlan_carries_big_tcp_pods() {
+    require_root!();
+    with_cluster(
+        &named(EBPF, "vxlan/l2 BIG TCP"),
+        spec_on(EBPF, 2, Underlay::L2, "vxlan", 1),
+        |c| {
+            let t = c.topology();
+            for n in 1..=2 {
+                big_tcp(t.first_pod_on(n)?.ns(), t.node(n).ns())?;
+            }
+            let scrape = |n: usize| fastpath::counters(t.node(n).ns(), DEFAULT_HEALTHZ_PORT);
+            let before = [scrape(1)?, scrape(2)?];
+            for (a, b) in [(1, 2), (2, 1)] {
+                let (from, to) = (t.first_pod_on(a)?, t.first_pod_on(b)?);
+                let sent = probe::transfer(
+                    from.ns(),
+                    to.ns(),
+                    IpAddr::V4(to.ip()),
+                    64 << 20,
+                    Duration::from_secs(30),
+                )
+                .with_context(|| format!("transfer {} -> {}", from.name(), to.name()))?;
+                eprintln!("{} -> {}: {sent:?}", from.name(), to.name());
+            }
+            let after = [scrape(1)?, scrape(2)?];
+            for i in 0..2 {
+                let (b, a) = (&before[i].packets, &after[i].packets);
+                let device = fastpath::grown(b, a, "tc_from_bridge", "fast_vxlan_device");
+                let encapsulated = fastpath::grown(b, a, "tc_from_bridge", "fast_vxlan");
+                let bad = fastpath::grown(b, a, "tc_from_netdev", "malformed_ipv4_bad_length");
+                ensure!(
+                    bad == 0 && device > 0 && encapsulated > 0,
+                    "node{}: {device} packets to flannel.1, {encapsulated} encapsulated, {bad} \
+                     arrived with a bad IPv4 length; what moved: {}",
+                    i + 1,
+                    fastpath::growth_text(b, a)
+                );
+            }
+            Ok(())
+        },
+    );
+}
+
+/// Gives the pod in `pod` BIG TCP: MTU 1,361 and 66,000-byte GSO packets on its `eth0`, and
+/// the same GSO size on the host end of its veth (the only port of `cni0` in `node`).
+fn big_tcp(pod: &NetNs, node: &NetNs) -> Result<()> {
+    const GSO: u32 = 66_000;
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("tokio runtime")
+    };
+    pod.enter(|| {
+        runtime()?.block_on(async {
+            let nl = Netlink::new()?;
+            let eth0 = nl.link_by_name("eth0").await?.context("the pod's eth0")?;
+            nl.set_mtu(eth0.index, 1361).await?;
+            nl.set_gso_max_size(eth0.index, GSO).await?;
+            anyhow::Ok(())
+        })
+    })??;
+    node.enter(|| {
+        runtime()?.block_on(async {
+            let nl = Netlink::new()?;
+            let bridge = nl.link_by_name("cni0").await?.context("cni0")?;
+            let links = nl.list_links().await?;
+            let ports: Vec<_> = links
+                .iter()
+                .filter(|l| l.master == Some(bridge.index))
+                .collect();
+            let [port] = ports[..] else {
+                bail!("cni0 has {} ports, want the pod's one", ports.len());
+            };
+            nl.set_gso_max_size(port.index, GSO).await?;
+            anyhow::Ok(())
+        })
+    })?
 }
 
 /// `setsockopt(level, name, value)` for an `int` option.

@@ -2167,6 +2167,140 @@ fn netdev_egress_encapsulates_ipip_for_host_traffic() {
     });
 }
 
+/// Whatever IPv4 packet the kernel routes to an IPIP subnet is encapsulated, not only the ones
+/// the fast path forwards itself: fragments, IP options, other protocols and odd L4 headers
+/// (with no kernel IPIP device nothing else would, and a raw pod packet must not reach the
+/// underlay). The outer header is what a kernel IPIP device writes (ID random without DF);
+/// the inner packet is carried byte for byte.
+#[test]
+fn netdev_egress_encapsulates_whatever_the_kernel_routes_to_ipip() {
+    let Some(rig) = Rig::new("fpeu") else { return };
+    rig.with_fast_path(|fp, ifs| {
+        let skb = Skb {
+            ifindex: ifs.ext,
+            ..Skb::default()
+        };
+        let fragment = Ipv4 {
+            dont_fragment: false,
+            more_fragments: true,
+            ..Ipv4::new(PUB1, IPIP_POD, Udp::new(53, 5353).payload(&[9; 64]))
+        };
+        let later_fragment = Ipv4 {
+            dont_fragment: false,
+            fragment_offset: 9,
+            tos: 0x03,
+            ..Ipv4::new(
+                PUB1,
+                IPIP_POD,
+                Transport::Raw {
+                    proto: 17,
+                    bytes: vec![7; 40],
+                },
+            )
+        };
+        let options = Ipv4 {
+            options: vec![7, 7, 4, 0, 0, 0, 0],
+            ..Ipv4::new(POD, IPIP_POD, Udp::new(1000, 2000).payload(b"opt"))
+        };
+        let other_proto = Ipv4::new(
+            POD,
+            IPIP_POD,
+            Transport::Raw {
+                proto: 132,
+                bytes: vec![5; 3],
+            },
+        );
+        let odd_tcp = Ipv4::new(
+            PUB1,
+            IPIP_POD,
+            Tcp {
+                data_offset: Some(2),
+                ..tcp()
+            },
+        );
+        for (name, ip, class) in [
+            ("first fragment", fragment, Reason::Ipv4Fragment),
+            ("later fragment", later_fragment, Reason::Ipv4Fragment),
+            ("IP options", options, Reason::Ipv4Options),
+            ("other protocol", other_proto, Reason::Ipv4OtherProto),
+            ("TCP data offset 2", odd_tcp, Reason::TcpBadOffset),
+        ] {
+            let inner = ip.encode();
+            let frame = Ethernet::new(EXT_MAC, PEER5_MAC, ip.clone()).encode();
+            let r = run(fp, Hook::ToNetdev, &frame, skb);
+            assert_eq!(r.verdict, TC_ACT_OK, "{name}: same device, no redirect");
+            assert_counted(&r, &frame, &[class, Reason::FastIpipEgress], name);
+            let out = &r.out;
+            assert_eq!(out.len(), frame.len() + 20, "{name}: length");
+            assert_eq!(out[..14], frame[..14], "{name}: Ethernet");
+            let (outer, carried) = out[14..].split_at(20);
+            assert_eq!(
+                carried,
+                &inner[..],
+                "{name}: the inner packet, byte for byte"
+            );
+            let df = if ip.dont_fragment { 0x40 } else { 0 };
+            // The inner ECN bits, CE becoming ECT(0), as the kernel's tunnels encapsulate.
+            let ecn = if ip.tos & 0x03 == 0x03 {
+                0x02
+            } else {
+                ip.tos & 0x03
+            };
+            assert_eq!(
+                (outer[0], outer[1], outer[6], outer[7]),
+                (0x45, ecn, df, 0),
+                "{name}: version, ECN, flags"
+            );
+            let tot_len = u16::from_be_bytes([outer[2], outer[3]]);
+            assert_eq!(
+                usize::from(tot_len),
+                inner.len() + 20,
+                "{name}: total length"
+            );
+            assert_eq!(
+                (outer[8], outer[9]),
+                (ip.ttl, 4),
+                "{name}: TTL and protocol"
+            );
+            assert_eq!(&outer[12..16], &PUB1.octets(), "{name}: source");
+            assert_eq!(&outer[16..20], &PUB5.octets(), "{name}: destination");
+            assert_eq!(packet::checksum(outer), 0, "{name}: header checksum");
+        }
+
+        // Not for an IPIP subnet, or not an IPv4 header at all: out as they are, counted as
+        // before.
+        let host_gw_fragment = Ipv4 {
+            dont_fragment: false,
+            more_fragments: true,
+            ..Ipv4::new(PUB1, HOSTGW_POD, Udp::new(53, 5353).payload(&[9; 64]))
+        };
+        let not_ipv4 = Ipv4 {
+            version: Some(5),
+            ..Ipv4::new(PUB1, IPIP_POD, tcp())
+        };
+        for (name, ip, class, verdict) in [
+            (
+                "host-gw fragment",
+                host_gw_fragment,
+                Reason::Ipv4Fragment,
+                Reason::PassFragment,
+            ),
+            (
+                "version 5",
+                not_ipv4,
+                Reason::Ipv4BadVersion,
+                Reason::PassMalformed,
+            ),
+        ] {
+            let frame = Ethernet::new(EXT_MAC, PEER2_MAC, ip).encode();
+            let r = run(fp, Hook::ToNetdev, &frame, skb);
+            assert_eq!(r.verdict, TC_ACT_OK);
+            assert_bytes(&r.out, &frame, name);
+            assert_counted(&r, &frame, &[class, verdict], name);
+        }
+    });
+}
+
 #[test]
 fn kernel_flows_keep_their_replies_in_the_stack() {
     let Some(rig) = Rig::new("fpkf") else { return };
