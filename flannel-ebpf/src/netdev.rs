@@ -395,8 +395,8 @@ fn vxlan_in(
 }
 
 /// The start of `tc_to_netdev` for everything but IPv6 frames: `false` for the fast path's
-/// own packets (their mark or `tc_index` tag cleared; not counted), otherwise the headers pulled in for
-/// [`nat_egress`] and [`to_netdev`].
+/// own packets (their mark or `tc_index` tag cleared; not counted), otherwise the headers
+/// pulled in for [`nat_egress`] and [`to_netdev`].
 #[inline(always)]
 pub fn prepare_out(ctx: &TcContext) -> bool {
     // SAFETY: reading a field of the __sk_buff the kernel passed.
