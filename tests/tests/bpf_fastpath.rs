@@ -3031,7 +3031,8 @@ fn floor_program_forwards_only_its_destinations() {
 /// Each path of the three TC programs and of `xdp_from_netdev`, as one well-formed frame:
 /// pod egress (host-gw with and without a neighbour, DirectRouting, VXLAN, IPIP, a local pod,
 /// the outside, IPv6, ARP), arrivals (plain, VXLAN, IPIP; also through XDP) and node egress
-/// (a kernel-routed pod flow, host traffic to an IPIP subnet, `flannel.1`'s VXLAN).
+/// (a kernel-routed pod flow, host traffic and a pod's fragment to an IPIP subnet, `flannel.1`'s
+/// VXLAN).
 fn seeds_of_every_path(ifs: &Ifaces) -> Vec<mutate::Seed> {
     let seed = |name, program, skb, frame| mutate::Seed {
         name,
@@ -3121,6 +3122,20 @@ fn seeds_of_every_path(ifs: &Ifaces) -> Vec<mutate::Seed> {
         leaving(
             "host traffic to an IPIP subnet",
             Ethernet::new(EXT_MAC, PEER5_MAC, Ipv4::new(PUB1, IPIP_POD, tcp())).encode(),
+        ),
+        leaving(
+            "a pod's fragment to an IPIP subnet",
+            Ethernet::new(
+                EXT_MAC,
+                PEER5_MAC,
+                Ipv4 {
+                    ttl: 63,
+                    dont_fragment: false,
+                    more_fragments: true,
+                    ..Ipv4::new(POD, IPIP_POD, Udp::new(5353, 53).payload(&[1; 32]))
+                },
+            )
+            .encode(),
         ),
         leaving("flannel.1's VXLAN", flannel_1),
         seed("XDP VXLAN", Program::Xdp, Skb::default(), vxlan_in),
