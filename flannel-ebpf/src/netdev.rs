@@ -498,14 +498,15 @@ pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, [Option<Reason>; 2])> {
 }
 
 /// The IPv4 header of a packet [`ipv4::screen`] refused, for [`ipip_peer`]: with its L4 fields
-/// where the parser checked them (IP options), from the header alone otherwise (`None` if it
-/// is not an IPv4 header at all).
+/// where the parser checked them (IP options; a GSO packet's segment length needs its TCP
+/// header's), from the header alone otherwise (`None` if it is not an IPv4 header at all).
 #[inline(always)]
 fn refused_header(ctx: &TcContext, parsed: &Result<Packet, Reason>) -> Option<Ipv4Info> {
     match parsed {
-        Ok(p) if p.ethertype == ETH_P_IP => {
+        Ok(p) if p.class == Reason::Ipv4Options => {
             ipv4::read(ctx, p).or_else(|| ipv4::read_header(ctx, p.l3_offset))
         }
+        Ok(p) if p.ethertype == ETH_P_IP => ipv4::read_header(ctx, p.l3_offset),
         Ok(_) => None,
         Err(_) => {
             let ethertype = parse::ptr_at::<TcContext, [u8; 2]>(ctx, 12)?;
