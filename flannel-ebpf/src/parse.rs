@@ -76,6 +76,11 @@ pub trait PacketCtx {
     /// skbs can be non-linear; the default does nothing.
     #[inline(always)]
     fn pull_headers(&self, _len: usize) {}
+    /// Whether the packet is a GSO packet (only skbs can be).
+    #[inline(always)]
+    fn is_gso(&self) -> bool {
+        false
+    }
 }
 
 // The context's `data`/`data_end` are read with volatile loads. Otherwise LLVM proves a later
@@ -114,6 +119,12 @@ impl PacketCtx for TcContext {
             // On failure the packet stays as it was and the parser reports it truncated.
             let _ = self.pull_data(want as u32);
         }
+    }
+
+    #[inline(always)]
+    fn is_gso(&self) -> bool {
+        // SAFETY: reading a field of the __sk_buff the kernel passed.
+        unsafe { (*self.skb.skb).gso_size != 0 }
     }
 }
 
@@ -325,6 +336,11 @@ fn parse_ipv4<C: PacketCtx>(ctx: &C, l3: usize, limit: usize) -> Result<Packet, 
         return Err(Reason::Ipv4Truncated);
     }
     let total_len = u16::from_be_bytes(hdr.tot_len) as usize;
+    let total_len = if total_len == 0 && hdr.proto == proto::TCP {
+        big_tcp_len(ctx, l3, limit)
+    } else {
+        total_len
+    };
     if total_len < hdr_len || l3 + total_len > limit {
         return Err(Reason::Ipv4BadLength);
     }
@@ -364,6 +380,19 @@ fn parse_ipv4<C: PacketCtx>(ctx: &C, l3: usize, limit: usize) -> Result<Packet, 
         return Ok(packet(Reason::Ipv4Options));
     }
     Ok(packet(class))
+}
+
+/// The length of the IPv4 TCP packet at `l3` whose total length is 0: for a GSO packet (BIG
+/// TCP, longer than 64 KB) the packet's own up to `limit`, as the kernel's `iph_totlen` says;
+/// 0 (malformed) otherwise. A BPF subprogram of its own: inlined, its registers pushed the
+/// NAT's call chain past the 512-byte stack.
+#[inline(never)]
+fn big_tcp_len<C: PacketCtx>(ctx: &C, l3: usize, limit: usize) -> usize {
+    if ctx.is_gso() {
+        limit.saturating_sub(l3)
+    } else {
+        0
+    }
 }
 
 /// The IPv6 packet at `l3`, which must end by `limit`.
@@ -465,6 +494,24 @@ mod tests {
         }
         fn packet_len(&self) -> usize {
             self.0.len()
+        }
+    }
+
+    /// A GSO packet in a byte slice.
+    struct GsoSlice<'a>(&'a [u8]);
+
+    impl PacketCtx for GsoSlice<'_> {
+        fn data(&self) -> usize {
+            self.0.as_ptr() as usize
+        }
+        fn data_end(&self) -> usize {
+            self.0.as_ptr() as usize + self.0.len()
+        }
+        fn packet_len(&self) -> usize {
+            self.0.len()
+        }
+        fn is_gso(&self) -> bool {
+            true
         }
     }
 
@@ -588,6 +635,19 @@ mod tests {
         assert_eq!(reason(&ipv6(59, &[])), Reason::Ipv6OtherProto);
         assert_eq!(reason(&eth(ETH_P_ARP)), Reason::Arp);
         assert_eq!(reason(&eth(0x8100)), Reason::OtherEthertype);
+    }
+
+    #[test]
+    fn a_big_tcp_packet_takes_its_length_from_the_packet() {
+        let mut big = ipv4(proto::TCP, &[], 0, &[tcp(), vec![7; 100]].concat());
+        big[16..18].copy_from_slice(&[0, 0]);
+        let parsed = parse(&GsoSlice(&big)).expect("a GSO TCP packet with total length 0");
+        assert_eq!((parsed.class, parsed.ip_end), (Reason::Ipv4Tcp, big.len()));
+        // Not GSO, not TCP: total length 0 is malformed, as before.
+        assert_eq!(reason(&big), Reason::Ipv4BadLength);
+        let mut udp = ipv4(proto::UDP, &[], 0, &[0; 8]);
+        udp[16..18].copy_from_slice(&[0, 0]);
+        assert_eq!(classify(&GsoSlice(&udp)), Reason::Ipv4BadLength);
     }
 
     #[test]

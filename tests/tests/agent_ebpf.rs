@@ -596,61 +596,87 @@ fn ebpf_vxlan_carries_udp_gso_between_pods() {
     );
 }
 
-/// Pods with BIG TCP (`gso_max_size` and `gso_ipv4_max_size` of 66,000 bytes on both ends of
-/// their veths, pod MTU 1,361) on two VXLAN nodes on the fast path, whose agents run without
-/// `--ip-masq`, so the CNI bridge masquerades pod traffic that goes through netfilter: a
-/// transfer each way arrives intact. The senders' 50-segment GSO packets carry 65,450 bytes of
-/// TCP payload, 65,502 bytes of IP: encapsulated here they would need an outer IPv4 total
-/// length of 65,552. Such packets go to `flannel.1` itself (`fast_vxlan_device`), which
-/// segments them; the flow's other packets are encapsulated by the programs.
+/// Pods with BIG TCP on two VXLAN nodes on the fast path, whose agents run without
+/// `--ip-masq`, so the CNI bridge masquerades pod traffic that goes through netfilter: see
+/// [`big_tcp_pods`]. With 66,000-byte GSO and a pod MTU of 1,361 the senders' 50-segment
+/// packets are 65,502 bytes of IP, too long for the 50 bytes of VXLAN within IPv4's 65,535;
+/// with 150,000-byte GSO they are longer than 64 KB (total length 0). Both go to `flannel.1`
+/// itself (`fast_vxlan_device`), which segments them; the flows' other packets are
+/// encapsulated by the programs.
 #[test]
 fn ebpf_vxlan_carries_big_tcp_pods() {
     require_root!();
+    big_tcp_pods("vxlan", &["fast_vxlan", "fast_vxlan_device"]);
+}
+
+/// [`big_tcp_pods`] on host-gw: packets longer than 64 KB (total length 0) are forwarded by the
+/// programs like any other.
+#[test]
+fn ebpf_host_gw_carries_big_tcp_pods() {
+    require_root!();
+    big_tcp_pods("host-gw", &["fast_host_gw"]);
+}
+
+/// Two nodes of `backend` on the fast path whose pods have BIG TCP (pod MTU 1,361, GSO of
+/// 66,000 and then 150,000 bytes on both ends of their veths): for each size a 64 MB transfer
+/// each way arrives intact, both nodes' `tc_from_bridge` counted each of `verdicts`, and no
+/// program took a packet for one with a bad IPv4 length (the kernel path, which the CNI
+/// bridge's masquerade would translate, resetting the connection).
+fn big_tcp_pods(backend: &str, verdicts: &[&str]) {
     with_cluster(
-        &named(EBPF, "vxlan/l2 BIG TCP"),
-        spec_on(EBPF, 2, Underlay::L2, "vxlan", 1),
+        &named(EBPF, &format!("{backend}/l2 BIG TCP")),
+        spec_on(EBPF, 2, Underlay::L2, backend, 1),
         |c| {
             let t = c.topology();
-            for n in 1..=2 {
-                big_tcp(t.first_pod_on(n)?.ns(), t.node(n).ns())?;
-            }
-            let scrape = |n: usize| fastpath::counters(t.node(n).ns(), DEFAULT_HEALTHZ_PORT);
-            let before = [scrape(1)?, scrape(2)?];
-            for (a, b) in [(1, 2), (2, 1)] {
-                let (from, to) = (t.first_pod_on(a)?, t.first_pod_on(b)?);
-                let sent = probe::transfer(
-                    from.ns(),
-                    to.ns(),
-                    IpAddr::V4(to.ip()),
-                    64 << 20,
-                    Duration::from_secs(30),
-                )
-                .with_context(|| format!("transfer {} -> {}", from.name(), to.name()))?;
-                eprintln!("{} -> {}: {sent:?}", from.name(), to.name());
-            }
-            let after = [scrape(1)?, scrape(2)?];
-            for i in 0..2 {
-                let (b, a) = (&before[i].packets, &after[i].packets);
-                let device = fastpath::grown(b, a, "tc_from_bridge", "fast_vxlan_device");
-                let encapsulated = fastpath::grown(b, a, "tc_from_bridge", "fast_vxlan");
-                let bad = fastpath::grown(b, a, "tc_from_netdev", "malformed_ipv4_bad_length");
-                ensure!(
-                    bad == 0 && device > 0 && encapsulated > 0,
-                    "node{}: {device} packets to flannel.1, {encapsulated} encapsulated, {bad} \
-                     arrived with a bad IPv4 length; what moved: {}",
-                    i + 1,
-                    fastpath::growth_text(b, a)
-                );
+            for gso in [66_000, 150_000] {
+                for n in 1..=2 {
+                    big_tcp(t.first_pod_on(n)?.ns(), t.node(n).ns(), gso)?;
+                }
+                let scrape = |n: usize| fastpath::counters(t.node(n).ns(), DEFAULT_HEALTHZ_PORT);
+                let before = [scrape(1)?, scrape(2)?];
+                for (a, b) in [(1, 2), (2, 1)] {
+                    let (from, to) = (t.first_pod_on(a)?, t.first_pod_on(b)?);
+                    let sent = probe::transfer(
+                        from.ns(),
+                        to.ns(),
+                        IpAddr::V4(to.ip()),
+                        64 << 20,
+                        Duration::from_secs(30),
+                    )
+                    .with_context(|| {
+                        format!("GSO {gso}: transfer {} -> {}", from.name(), to.name())
+                    })?;
+                    eprintln!("GSO {gso}: {} -> {}: {sent:?}", from.name(), to.name());
+                }
+                let after = [scrape(1)?, scrape(2)?];
+                for i in 0..2 {
+                    let (b, a) = (&before[i].packets, &after[i].packets);
+                    let bad: u64 = ["tc_from_bridge", "tc_from_netdev"]
+                        .iter()
+                        .map(|p| fastpath::grown(b, a, p, "malformed_ipv4_bad_length"))
+                        .sum();
+                    let counted: Vec<u64> = verdicts
+                        .iter()
+                        .map(|v| fastpath::grown(b, a, "tc_from_bridge", v))
+                        .collect();
+                    ensure!(
+                        bad == 0 && counted.iter().all(|&n| n > 0),
+                        "GSO {gso}, node{}: {counted:?} packets under {verdicts:?}, {bad} with \
+                         a bad IPv4 length; what moved: {}",
+                        i + 1,
+                        fastpath::growth_text(b, a)
+                    );
+                }
             }
             Ok(())
         },
     );
 }
 
-/// Gives the pod in `pod` BIG TCP: MTU 1,361 and 66,000-byte GSO packets on its `eth0`, and
-/// the same GSO size on the host end of its veth (the only port of `cni0` in `node`).
-fn big_tcp(pod: &NetNs, node: &NetNs) -> Result<()> {
-    const GSO: u32 = 66_000;
+/// Gives the pod in `pod` BIG TCP: MTU 1,361 and GSO packets of up to `gso` bytes on its
+/// `eth0`, and the same GSO size on the host end of its veth (the only port of `cni0` in
+/// `node`).
+fn big_tcp(pod: &NetNs, node: &NetNs, gso: u32) -> Result<()> {
     let runtime = || {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -662,7 +688,7 @@ fn big_tcp(pod: &NetNs, node: &NetNs) -> Result<()> {
             let nl = Netlink::new()?;
             let eth0 = nl.link_by_name("eth0").await?.context("the pod's eth0")?;
             nl.set_mtu(eth0.index, 1361).await?;
-            nl.set_gso_max_size(eth0.index, GSO).await?;
+            nl.set_gso_max_size(eth0.index, gso).await?;
             anyhow::Ok(())
         })
     })??;
@@ -678,7 +704,7 @@ fn big_tcp(pod: &NetNs, node: &NetNs) -> Result<()> {
             let [port] = ports[..] else {
                 bail!("cni0 has {} ports, want the pod's one", ports.len());
             };
-            nl.set_gso_max_size(port.index, GSO).await?;
+            nl.set_gso_max_size(port.index, gso).await?;
             anyhow::Ok(())
         })
     })?
