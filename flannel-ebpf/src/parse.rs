@@ -497,18 +497,18 @@ mod tests {
         }
     }
 
-    /// A GSO packet in a byte slice.
-    struct GsoSlice<'a>(&'a [u8]);
+    /// A [`Slice`] that is a GSO packet.
+    struct GsoSlice<'a>(Slice<'a>);
 
     impl PacketCtx for GsoSlice<'_> {
         fn data(&self) -> usize {
-            self.0.as_ptr() as usize
+            self.0.data()
         }
         fn data_end(&self) -> usize {
-            self.0.as_ptr() as usize + self.0.len()
+            self.0.data_end()
         }
         fn packet_len(&self) -> usize {
-            self.0.len()
+            self.0.packet_len()
         }
         fn is_gso(&self) -> bool {
             true
@@ -641,13 +641,13 @@ mod tests {
     fn a_big_tcp_packet_takes_its_length_from_the_packet() {
         let mut big = ipv4(proto::TCP, &[], 0, &[tcp(), vec![7; 100]].concat());
         big[16..18].copy_from_slice(&[0, 0]);
-        let parsed = parse(&GsoSlice(&big)).expect("a GSO TCP packet with total length 0");
+        let parsed = parse(&GsoSlice(Slice(&big))).expect("a GSO TCP packet with total length 0");
         assert_eq!((parsed.class, parsed.ip_end), (Reason::Ipv4Tcp, big.len()));
         // Not GSO, not TCP: total length 0 is malformed, as before.
         assert_eq!(reason(&big), Reason::Ipv4BadLength);
         let mut udp = ipv4(proto::UDP, &[], 0, &[0; 8]);
         udp[16..18].copy_from_slice(&[0, 0]);
-        assert_eq!(classify(&GsoSlice(&udp)), Reason::Ipv4BadLength);
+        assert_eq!(classify(&GsoSlice(Slice(&udp))), Reason::Ipv4BadLength);
     }
 
     #[test]
