@@ -121,15 +121,14 @@ pub fn tc_from_netdev(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_to_netdev(ctx: TcContext) -> i32 {
     let bytes = ctx.packet_len() as u64;
-    let run = if v6::is_ipv6(&ctx) {
+    let run = if netdev::own_packet(&ctx) {
+        None
+    } else if v6::is_ipv6(&ctx) {
         v6::to_netdev(&ctx)
             .map(|(out, learnt)| (out, [learnt.then_some(Reason::LearnKernelFlow), None]))
-    } else if !netdev::prepare_out(&ctx) {
-        None
-    } else if let Some(run) = netdev::nat_egress(&ctx) {
-        Some(run)
     } else {
-        netdev::to_netdev(&ctx)
+        netdev::prepare_out(&ctx);
+        netdev::nat_egress(&ctx).or_else(|| netdev::to_netdev(&ctx))
     };
     match run {
         Some((out, events)) => {

@@ -21,8 +21,7 @@
 //! `tc_to_netdev` source-NATs pod traffic to the outside and registers the node's own flows.
 //!
 //! `tc_to_netdev` (TC egress), for packets the kernel sends out:
-//! - the fast path's own packets (marked [`FASTPATH_MARK`], or tagged [`FASTPATH_TC_INDEX`]
-//!   when they went through `flannel.<VNI>`) go out untouched, mark or tag cleared;
+//! - the fast path's own packets ([`own_packet`]) go out untouched, mark or tag cleared;
 //! - a local pod → remote pod packet (plain, or inside `flannel.<VNI>`'s VXLAN) is recorded in
 //!   `FLANNEL_KFLOWS4`, since conntrack saw it;
 //! - a packet routed to a remote subnet of kind IPIP (host-originated traffic, or a pod's
@@ -394,26 +393,33 @@ fn vxlan_in(
     }
 }
 
-/// The start of `tc_to_netdev` for everything but IPv6 frames: `false` for the fast path's
-/// own packets (their mark or `tc_index` tag cleared; not counted), otherwise the headers
-/// pulled in for [`nat_egress`] and [`to_netdev`].
+/// Whether the packet leaving by the external interface is the fast path's own, for
+/// `tc_to_netdev` to let through uncounted (either family): marked [`FASTPATH_MARK`] by a
+/// program that redirected it here, or tagged [`FASTPATH_TC_INDEX`] when a program handed it
+/// to a tunnel device (`bridge::vxlan_device`, `v6::vxlan_device`) whose outer packet this
+/// is. The mark or tag is cleared.
 #[inline(always)]
-pub fn prepare_out(ctx: &TcContext) -> bool {
+pub fn own_packet(ctx: &TcContext) -> bool {
     // SAFETY: reading a field of the __sk_buff the kernel passed.
     if unsafe { (*ctx.skb.skb).mark } == FASTPATH_MARK {
         ctx.set_mark(0);
-        return false;
+        return true;
     }
     // SAFETY: reading and writing a field of the __sk_buff the kernel passed.
     unsafe {
         if (*ctx.skb.skb).tc_index == FASTPATH_TC_INDEX {
-            // The outer packet of one `bridge::vxlan_device` handed to flannel.<VNI>.
             (*ctx.skb.skb).tc_index = 0;
-            return false;
+            return true;
         }
     }
+    false
+}
+
+/// The start of `tc_to_netdev` for everything but IPv6 frames that are not the fast path's
+/// own ([`own_packet`]): the headers pulled in for [`nat_egress`] and [`to_netdev`].
+#[inline(always)]
+pub fn prepare_out(ctx: &TcContext) {
     ctx.pull_headers(parse::PULL_LEN);
-    true
 }
 
 /// Masquerade ([`nat::egress`]), run after [`prepare_out`] and before [`to_netdev`] as a BPF

@@ -123,8 +123,7 @@ impl PacketCtx for TcContext {
 
     #[inline(always)]
     fn is_gso(&self) -> bool {
-        // SAFETY: reading a field of the __sk_buff the kernel passed.
-        unsafe { (*self.skb.skb).gso_size != 0 }
+        crate::fib::gso_size(self) != 0
     }
 }
 

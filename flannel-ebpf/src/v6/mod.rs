@@ -555,24 +555,11 @@ fn vxlan_in(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6, learnt: &mut Learn
     deliver(ctx, info, route, Reason::FastDeliverVxlan6)
 }
 
-/// `tc_to_netdev` for an IPv6 frame: `None` for the fast path's own packets (mark or
-/// `tc_index` cleared, not counted); otherwise records kernel flows (plain, or inside `flannel-v6.<VNI>`'s VXLAN)
+/// `tc_to_netdev` for an IPv6 frame that is not the fast path's own
+/// (`netdev::own_packet`): records kernel flows (plain, or inside `flannel-v6.<VNI>`'s VXLAN)
 /// and says whether one was learnt.
 #[inline(never)]
 pub fn to_netdev(ctx: &TcContext) -> Option<(Outcome, bool)> {
-    // SAFETY: reading a field of the __sk_buff the kernel passed.
-    if unsafe { (*ctx.skb.skb).mark } == FASTPATH_MARK {
-        ctx.set_mark(0);
-        return None;
-    }
-    // SAFETY: reading and writing a field of the __sk_buff the kernel passed.
-    unsafe {
-        if (*ctx.skb.skb).tc_index == FASTPATH_TC_INDEX {
-            // The outer packet of one `vxlan_device` handed to flannel-v6.<VNI>.
-            (*ctx.skb.skb).tc_index = 0;
-            return None;
-        }
-    }
     ctx.pull_headers(PULL_LEN);
     let Some(s) = scratch() else {
         return Some((
