@@ -401,12 +401,22 @@ fn parse_ipv6<C: PacketCtx>(ctx: &C, l3: usize, limit: usize) -> Result<Packet, 
     if hdr.vcf[0] >> 4 != 6 {
         return Err(Reason::Ipv6BadVersion);
     }
-    let l4 = l3 + IPV6_HDR_LEN;
-    let end = l4 + u16::from_be_bytes(hdr.payload_len) as usize;
+    let payload_len = u16::from_be_bytes(hdr.payload_len) as usize;
+    let big_l4 = if payload_len == 0 && (hdr.next_hdr == proto::TCP || hdr.next_hdr == HOP_BY_HOP) {
+        big_tcp6_l4(ctx, l3, limit, hdr.next_hdr)
+    } else {
+        0
+    };
+    let (next_hdr, l4, end) = if big_l4 == 0 {
+        let l4 = l3 + IPV6_HDR_LEN;
+        (hdr.next_hdr, l4, l4 + payload_len)
+    } else {
+        (proto::TCP, big_l4, limit)
+    };
     if end > limit {
         return Err(Reason::Ipv6BadLength);
     }
-    let class = match hdr.next_hdr {
+    let class = match next_hdr {
         proto::TCP => {
             check_tcp(ctx, l4, end)?;
             Reason::Ipv6Tcp
@@ -427,9 +437,41 @@ fn parse_ipv6<C: PacketCtx>(ctx: &C, l3: usize, limit: usize) -> Result<Packet, 
         ethertype: ETH_P_IPV6,
         l3_offset: l3,
         l4_offset: l4,
-        ip_proto: hdr.next_hdr,
+        ip_proto: next_hdr,
         ip_end: end,
     })
+}
+
+/// IPv6 hop-by-hop options header (next header value).
+const HOP_BY_HOP: u8 = 0;
+/// The jumbo payload option (RFC 2675).
+const JUMBO_OPTION: u8 = 0xc2;
+
+/// The offset of the TCP header of the IPv6 packet at `l3` whose payload length is 0 and
+/// whose next header is `next_hdr`, if it is a GSO packet longer than 64 KB (BIG TCP), as the
+/// kernel builds them: TCP right after the IPv6 header, or after a hop-by-hop header holding
+/// just the jumbo payload option, whose length (hop-by-hop header included) must be the
+/// packet's own up to `limit` (`ipv6_has_hopopt_jumbo`). 0 (malformed, or an extension header)
+/// otherwise. A BPF subprogram of its own, like [`big_tcp_len`].
+#[inline(never)]
+fn big_tcp6_l4<C: PacketCtx>(ctx: &C, l3: usize, limit: usize, next_hdr: u8) -> usize {
+    let l4 = l3 + IPV6_HDR_LEN;
+    if !ctx.is_gso() || limit < l4 {
+        return 0;
+    }
+    if next_hdr == proto::TCP {
+        return l4;
+    }
+    let Some(hbh) = read::<C, [u8; 8]>(ctx, l4) else {
+        return 0;
+    };
+    let jumbo = u32::from_be_bytes([hbh[4], hbh[5], hbh[6], hbh[7]]) as usize;
+    let head = u32::from_be_bytes([hbh[0], hbh[1], hbh[2], hbh[3]]);
+    if head == u32::from_be_bytes([proto::TCP, 0, JUMBO_OPTION, 4]) && jumbo == limit - l4 {
+        l4 + 8
+    } else {
+        0
+    }
 }
 
 /// Whether `next_header` is one of the IPv6 extension headers in IANA's registry (RFC 8200 §4,
@@ -647,6 +689,54 @@ mod tests {
         let mut udp = ipv4(proto::UDP, &[], 0, &[0; 8]);
         udp[16..18].copy_from_slice(&[0, 0]);
         assert_eq!(classify(&GsoSlice(Slice(&udp))), Reason::Ipv4BadLength);
+    }
+
+    #[test]
+    fn an_ipv6_big_tcp_packet_takes_its_length_from_the_packet() {
+        let segment = [tcp(), vec![7; 100]].concat();
+        // Payload length 0 and a hop-by-hop header with only the jumbo option (its length
+        // counts the hop-by-hop header), as this kernel builds them.
+        let jumbo = (8 + segment.len() as u32).to_be_bytes();
+        let hbh = [&[proto::TCP, 0, 0xc2, 4][..], &jumbo].concat();
+        let mut big = ipv6(0, &[hbh, segment.clone()].concat());
+        big[18..20].copy_from_slice(&[0, 0]);
+        let parsed = parse(&GsoSlice(Slice(&big))).expect("a GSO TCP packet with a jumbo option");
+        assert_eq!(
+            (
+                parsed.class,
+                parsed.ip_proto,
+                parsed.l4_offset,
+                parsed.ip_end
+            ),
+            (Reason::Ipv6Tcp, proto::TCP, 14 + 48, big.len())
+        );
+        // Kernels that leave the hop-by-hop header out: TCP right after the IPv6 header.
+        let mut bare = ipv6(proto::TCP, &segment);
+        bare[18..20].copy_from_slice(&[0, 0]);
+        let parsed = parse(&GsoSlice(Slice(&bare))).expect("a GSO TCP packet, payload length 0");
+        assert_eq!(
+            (parsed.class, parsed.l4_offset, parsed.ip_end),
+            (Reason::Ipv6Tcp, 14 + 40, bare.len())
+        );
+        // Not GSO: what it was before (an extension header, a truncated TCP header).
+        assert_eq!(reason(&big), Reason::Ipv6ExtHeader);
+        assert_eq!(reason(&bare), Reason::L4Truncated);
+        // A jumbo length that is not the packet's, another option, or not TCP after it.
+        let gso = |f: &[u8]| classify(&GsoSlice(Slice(f)));
+        // (The hop-by-hop header is bytes 54..62: next header, length, option type and
+        // length, the jumbo length.)
+        for (at, byte) in [(61, 0x11), (56, 0xc3), (54, proto::UDP), (55, 1)] {
+            let mut odd = big.clone();
+            odd[at] = byte;
+            assert_eq!(gso(&odd), Reason::Ipv6ExtHeader, "byte {at} = {byte:#x}");
+        }
+        // A payload length that is not 0 keeps its meaning.
+        let mut short = big.clone();
+        short[18..20].copy_from_slice(&[0, 8]);
+        assert_eq!(gso(&short), Reason::Ipv6ExtHeader);
+        let mut udp = ipv6(proto::UDP, &[0; 8]);
+        udp[18..20].copy_from_slice(&[0, 0]);
+        assert_eq!(gso(&udp), Reason::L4Truncated);
     }
 
     #[test]

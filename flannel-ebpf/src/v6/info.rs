@@ -9,8 +9,8 @@ pub const ICMPV6_ECHO_REQUEST: u8 = 128;
 /// ICMPv6 echo reply.
 pub const ICMPV6_ECHO_REPLY: u8 = 129;
 
-/// An IPv6 packet as the fast path sees it (no extension headers). Addresses and ports are
-/// network-order bytes.
+/// An IPv6 packet as the fast path sees it (no extension headers but a BIG TCP packet's jumbo
+/// option, see [`crate::parse`]). Addresses and ports are network-order bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Ipv6Info {
@@ -22,13 +22,13 @@ pub struct Ipv6Info {
     pub src: [u8; 16],
     /// Destination address.
     pub dst: [u8; 16],
-    /// Next header (TCP, UDP or ICMPv6).
+    /// The L4 protocol (TCP, UDP or ICMPv6).
     pub next_hdr: u8,
     /// Hop limit.
     pub hop_limit: u8,
     /// Traffic class (DSCP + ECN).
     pub tclass: u8,
-    /// Payload length field.
+    /// Payload length field (0 in a BIG TCP packet).
     pub payload_len: u16,
     /// TCP/UDP source port; the identifier for ICMPv6 echo; zero otherwise.
     pub sport: [u8; 2],
@@ -92,7 +92,7 @@ pub fn read_into<C: PacketCtx>(ctx: &C, packet: &Packet, info: &mut Ipv6Info) ->
     let (hdr, l4) = unsafe { (&*hdr, &*l4) };
     info.l3 = l3;
     info.l4 = packet.l4_offset;
-    info.next_hdr = hdr[6];
+    info.next_hdr = packet.ip_proto;
     info.hop_limit = hdr[7];
     info.tclass = (hdr[0] << 4) | (hdr[1] >> 4);
     info.payload_len = u16::from_be_bytes([hdr[4], hdr[5]]);
