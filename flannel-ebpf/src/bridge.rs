@@ -19,7 +19,7 @@
 //!   for up to a second, [`crate::hops`]), TTL decremented, `bpf_redirect` with the neighbour's
 //!   MACs or `bpf_redirect_neigh`;
 //! - VXLAN / IPIP: encapsulated ([`crate::encap`]) and redirected to the external interface
-//!   (a VXLAN GSO packet too long for that, to `flannel.<VNI>` itself: [`vxlan_device`]);
+//!   (a VXLAN GSO packet too long for that, to `flannel.<VNI>` itself: `vxlan_device`);
 //! - udp: encapsulated as the udp backend's TUN path would ([`crate::udp`]) and redirected.
 //!
 //! A host-gw, VXLAN or IPIP decision with a resolved next hop is remembered for the flow

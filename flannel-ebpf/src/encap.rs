@@ -288,7 +288,7 @@ const VXLAN_ROOM_FLAGS: u64 = (BPF_F_ADJ_ROOM_FIXED_GSO
 const IPIP_ROOM_FLAGS: u64 = (BPF_F_ADJ_ROOM_FIXED_GSO | BPF_F_ADJ_ROOM_ENCAP_L3_IPV4) as u64;
 
 /// The underlay route to `peer` out of the external interface (remembered for up to a second,
-/// [`crate::hops`]; the tunnel's size was checked by [`fits`]).
+/// [`crate::hops`]; the tunnel's size was checked by [`room`]).
 #[inline(always)]
 pub fn underlay_route(ctx: &TcContext, cfg: &Config, peer: &RemoteEntry) -> Result<Fib, Reason> {
     let key = HopKey {

@@ -17,7 +17,7 @@
 //! | [`nat`] | masquerade: source NAT out, reverse NAT in, port allocation, ICMP errors |
 //! | [`maps`] | every map of the object |
 //! | [`stats`] | counting packets per [`flannel_common::stats::Reason`] |
-//! | [`bench`] | measurement only: the collect_md alternative (`tc_bench_vxmd`) |
+//! | [`mod@bench`] | measurement only: the collect_md alternative (`tc_bench_vxmd`) |
 //! | [`udp`] | the udp backend's encapsulation, receive and its map |
 //! | [`v6`] | IPv6: host-gw and VXLAN over IPv6, receive, flow tables and maps |
 //!
