@@ -38,10 +38,11 @@ use flannel_tests::{
         agent::Dataplane,
         bins,
         cluster::{Cluster, ClusterSpec},
+        probe,
     },
     topology::{TopologySpec, Underlay},
 };
-use ipnet::Ipv4Net;
+use ipnet::{Ipv4Net, Ipv6Net};
 use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
 
 #[derive(Parser)]
@@ -159,6 +160,10 @@ struct UpArgs {
     /// The cluster network.
     #[arg(long, default_value = "10.244.0.0/16")]
     network: Ipv4Net,
+    /// An IPv6 cluster network too (dual stack: `EnableIPv6`, `IPv6Network`; the underlay and
+    /// the pods get IPv6 addresses), e.g. fd00:244::/48.
+    #[arg(long)]
+    ipv6_network: Option<Ipv6Net>,
     /// Underlay MTU.
     #[arg(long, default_value_t = 1500)]
     mtu: u32,
@@ -433,9 +438,11 @@ fn up(args: UpArgs) -> Result<()> {
     let cni = bins::resolve(args.cni.as_deref(), bins::CNI_PLUGIN, "flannel-cni")?;
     let topology = TopologySpec::new(args.nodes, args.underlay)
         .mtu(args.mtu)
+        .ipv6(args.ipv6_network.is_some())
         .cni_plugin(cni);
     let mut spec = ClusterSpec::new(topology, &args.backend, agent);
     spec.network = args.network;
+    spec.ipv6_network = args.ipv6_network;
     spec.dataplane = args.dataplane;
     spec.ip_masq = args.ip_masq;
     spec.pods_per_node = args.pods_per_node;
@@ -456,6 +463,18 @@ fn up(args: UpArgs) -> Result<()> {
             println!("  {} -> {}: {reason}", matrix.labels[i], matrix.labels[j]);
         }
     }
+    let ipv6 = match args.ipv6_network {
+        Some(_) => {
+            let pods: Vec<_> = cluster.topology().pods().iter().collect();
+            let talk = probe::pods_talk(&pods, false);
+            match &talk {
+                Ok(()) => println!("pod-to-pod over IPv6 (TCP, across nodes): every pair\n"),
+                Err(e) => println!("pod-to-pod over IPv6 (TCP, across nodes): {e:#}\n"),
+            }
+            talk
+        }
+        None => Ok(()),
+    };
     if args.once {
         println!("{}", cluster.status_text());
         eprintln!("==> removing the cluster");
@@ -467,7 +486,7 @@ fn up(args: UpArgs) -> Result<()> {
                 matrix.pairs()
             );
         }
-        return Ok(());
+        return ipv6;
     }
     eprintln!(
         "==> up; status every {} s, Ctrl-C to remove everything",

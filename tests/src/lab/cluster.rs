@@ -418,6 +418,10 @@ impl Cluster {
                     .map(Value::to_string)
                     .unwrap_or_default()
             );
+            if let Some(subnet6) = l.subnet6 {
+                let public6 = l.public_ipv6.as_deref().unwrap_or("-");
+                let _ = writeln!(out, "  {:<26} public {public6}", subnet6.to_string());
+            }
         }
         Ok(out)
     }
