@@ -66,7 +66,7 @@ pub fn list() -> Vec<String> {
 }
 
 /// Deletes namespaces left behind by runs of this kit whose process is gone: only when no
-/// pid the name may encode ([`prefix_pids`]) is this process or a live one.
+/// pid the name may encode (`prefix_pids`) is this process or a live one.
 pub fn sweep_stale() {
     for name in list() {
         let pids = prefix_pids(&name);

@@ -5,7 +5,7 @@
 //! |---|---|
 //! | `setup` | installs what is missing (see [`setup::REQUIREMENTS`]); quick when nothing is |
 //! | `build [--release]` | setup, then `cargo build` |
-//! | `test [--no-lint] [FILTER] [-- ARGS]` | setup, fmt, clippy, every test |
+//! | `test [--no-lint] [FILTER] [-- ARGS]` | setup, fmt, clippy, rustdoc, every test |
 //! | `run [ARGS]` | setup, release build, `flannel-lab up ARGS` |
 //! | `bench [ARGS]` | setup, release build, `flannel-lab bench ARGS` |
 

@@ -111,6 +111,11 @@ pub fn test(
                 "warnings",
             ]))
         })?;
+        steps.run("doc", || {
+            let mut cmd = env.cargo(&["doc", "--workspace", "--no-deps"]);
+            cmd.env("RUSTDOCFLAGS", "-D warnings");
+            system::run(&mut cmd).context("rustdoc warnings (broken or private links, HTML)")
+        })?;
     }
     // --workspace also runs flannel-ebpf's host unit tests (the parser), which are not a
     // default member because its binary only builds for the bpf target. --no-fail-fast: one

@@ -30,7 +30,7 @@
 //!   path is really the one in use.
 //! - `ebpf`: loads or fails ([`BpfError`]); pins of an earlier run stay in place.
 //! - `auto`: loads; on any failure removes leftovers like `kernel` and reports the reason for
-//!   the daemon's single "falling back to the kernel path: <reason>" line.
+//!   the daemon's single `falling back to the kernel path: <reason>` line.
 //!
 //! # What the kernel applier must provide for the programs
 //!

@@ -1,7 +1,7 @@
 //! [`Remote`]: how to reach one remote pod subnet, as the reconciler computes it, and the pure
 //! diff that [`super::FastPath::sync`] applies to the maps. The conversion to map entries is
-//! shared with IPv6 ([`super::Remote6`]): [`Via`] ↔ [`Way`], and [`desired_entries`] over
-//! a [`FamilyRemote`].
+//! shared with IPv6 ([`super::Remote6`]): [`Via`] ↔ `Way`, and `desired_entries` over
+//! a `FamilyRemote`.
 
 use std::{collections::BTreeMap, fmt, net::Ipv4Addr};
 

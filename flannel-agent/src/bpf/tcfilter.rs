@@ -73,7 +73,7 @@ fn absent(errno: Option<i32>) -> bool {
 }
 
 /// Removes this agent's filter from `if_name`'s `attach_type` hook: `Ok(false)` when there was
-/// none ([`absent`]).
+/// none (`absent`).
 pub fn detach(if_name: &str, attach_type: TcAttachType) -> Result<bool, String> {
     let link = match SchedClassifierLink::attached(if_name, attach_type, PRIORITY, HANDLE, None) {
         Ok(link) => link,

@@ -137,7 +137,7 @@ impl SubnetManager {
     }
 
     /// After the dataplane runs: etcd keeps (renews and watches) the lease until `cancel`, or
-    /// returns [`DaemonError::LeaseRevoked`]; kube marks the node's network available.
+    /// returns [`EtcdError::LeaseRevoked`](crate::subnet::etcd::EtcdError::LeaseRevoked); kube marks the node's network available.
     pub async fn complete_lease(
         &self,
         lease: Lease,

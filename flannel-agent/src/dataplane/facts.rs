@@ -166,7 +166,7 @@ impl RouteIndex {
     }
 }
 
-/// What [`desired`](super::desired) may ask about the kernel.
+/// What [`desired()`](super::desired()) may ask about the kernel.
 #[derive(Debug, Clone, Default)]
 pub struct Facts {
     source: Source,

@@ -2,7 +2,7 @@
 //! and ipip backends (and the udp backend's `flannel0`, whose per-peer table lives in
 //! [`crate::udp`]), kept equal to the lease set by one level-triggered reconciler.
 //!
-//! One desired model, several appliers: [`desired`] is a pure function of this node
+//! One desired model, several appliers: [`desired()`] is a pure function of this node
 //! ([`Local`]), the remote leases ([`LeaseSnapshot`](crate::subnet::LeaseSnapshot)) and a few
 //! kernel [`Facts`]; it yields one [`Peer`] per remote lease. Every [`Applier`] makes its own
 //! state match that model: the [`KernelApplier`] programs routes/neighbours/FDB through

@@ -342,7 +342,7 @@ impl fmt::Display for IgnoreReason {
     }
 }
 
-/// Something [`desired`](super::desired) noticed. The reconciler logs each note once (while
+/// Something [`desired()`](super::desired()) noticed. The reconciler logs each note once (while
 /// it persists) and counts them in its status.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Note {

@@ -1,7 +1,7 @@
 //! Packet and byte counters of the udp forwarder, by reason. The forwarder counts into a
 //! per-batch [`Tally`] and adds it to the shared [`UdpCounters`] once per batch, so the
 //! per-packet cost is a local add. `/metrics` reads them at scrape time
-//! ([`CounterSource`](crate::metrics::CounterSource)).
+//! ([`crate::metrics::CounterSource`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -1,6 +1,6 @@
 //! The TUN device `flannel0`: `/dev/net/tun` opened non-blocking and attached with
 //! `TUNSETIFF` (`IFF_TUN | IFF_NO_PI`, so every read and write is exactly one IPv4 packet),
-//! registered with tokio through [`AsyncFd`](tokio::io::unix::AsyncFd).
+//! registered with tokio through [`tokio::io::unix::AsyncFd`].
 //!
 //! The device is not persistent: it exists while the file descriptor is open and disappears
 //! with the agent, as upstream's. Its address, MTU, link state and the route to the cluster

@@ -119,8 +119,8 @@ pub struct ProgramsOptions {
     pub name: String,
     /// Repetitions (round-robin across the variants).
     pub reps: usize,
-    /// `BPF_PROG_TEST_RUN` calls per metric and repetition (each [`REPEAT`] runs); the
-    /// metric is the time of the fastest tenth of them ([`fastest_tenth`]).
+    /// `BPF_PROG_TEST_RUN` calls per metric and repetition (each `REPEAT` runs); the
+    /// metric is the time of the fastest tenth of them (`fastest_tenth`).
     pub calls: usize,
 }
 

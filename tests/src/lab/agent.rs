@@ -275,7 +275,7 @@ impl Agent {
         self.restart()
     }
 
-    /// Peak resident set size (`VmHWM` of /proc/<pid>/status) in KiB, while it runs.
+    /// Peak resident set size (`VmHWM` of `/proc/<pid>/status`) in KiB, while it runs.
     pub fn peak_rss_kib(&self) -> Option<u64> {
         proc_status_kib(self.pid(), "VmHWM")
     }
@@ -316,7 +316,7 @@ fn spawn(
     Process::start(&format!("flannel-agent on {node}"), cmd, output)
 }
 
-/// A `kB` field of /proc/<pid>/status.
+/// A `kB` field of `/proc/<pid>/status`.
 pub fn proc_status_kib(pid: u32, field: &str) -> Option<u64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     text.lines()

@@ -790,7 +790,7 @@ const FLOW_CHUNK: usize = 16 * 1024;
 
 impl TcpFlow {
     /// Connects from `from` to a receiver bound on `ip` in `to` and starts sending
-    /// `bytes_per_sec` (in [`FLOW_CHUNK`] writes).
+    /// `bytes_per_sec` (in `FLOW_CHUNK` writes).
     pub fn start(from: &NetNs, to: &NetNs, ip: IpAddr, bytes_per_sec: u64) -> Result<TcpFlow> {
         let listener = to
             .enter(move || TcpListener::bind(SocketAddr::new(ip, 0)))?
