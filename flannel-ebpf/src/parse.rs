@@ -448,15 +448,15 @@ const HOP_BY_HOP: u8 = 0;
 const JUMBO_OPTION: u8 = 0xc2;
 
 /// The offset of the TCP header of the IPv6 packet at `l3` whose payload length is 0 and
-/// whose next header is `next_hdr`, if it is a GSO packet longer than 64 KB (BIG TCP), as the
-/// kernel builds them: TCP right after the IPv6 header, or after a hop-by-hop header holding
-/// just the jumbo payload option, whose length (hop-by-hop header included) must be the
-/// packet's own up to `limit` (`ipv6_has_hopopt_jumbo`). 0 (malformed, or an extension header)
-/// otherwise. A BPF subprogram of its own, like [`big_tcp_len`].
+/// whose next header is `next_hdr`, if it is a GSO packet whose payload up to `limit` is longer
+/// than 65,535 bytes (BIG TCP), as the kernel builds them: TCP right after the IPv6 header, or
+/// after a hop-by-hop header holding just the jumbo payload option, whose length (hop-by-hop
+/// header included) must be that payload's (`ipv6_has_hopopt_jumbo`; RFC 2675). 0 (malformed,
+/// or an extension header) otherwise. A BPF subprogram of its own, like [`big_tcp_len`].
 #[inline(never)]
 fn big_tcp6_l4<C: PacketCtx>(ctx: &C, l3: usize, limit: usize, next_hdr: u8) -> usize {
     let l4 = l3 + IPV6_HDR_LEN;
-    if !ctx.is_gso() || limit < l4 {
+    if !ctx.is_gso() || limit <= l4 + 0xffff {
         return 0;
     }
     if next_hdr == proto::TCP {
@@ -693,7 +693,7 @@ mod tests {
 
     #[test]
     fn an_ipv6_big_tcp_packet_takes_its_length_from_the_packet() {
-        let segment = [tcp(), vec![7; 100]].concat();
+        let segment = [tcp(), vec![7; 70_000]].concat();
         // Payload length 0 and a hop-by-hop header with only the jumbo option (its length
         // counts the hop-by-hop header), as this kernel builds them.
         let jumbo = (8 + segment.len() as u32).to_be_bytes();
@@ -730,6 +730,12 @@ mod tests {
             odd[at] = byte;
             assert_eq!(gso(&odd), Reason::Ipv6ExtHeader, "byte {at} = {byte:#x}");
         }
+        // Payload length 0 on a payload that fits 65,535 bytes is not a jumbogram.
+        let small = [tcp(), vec![7; 65_535 - 20 - 8]].concat();
+        let jumbo = (8 + small.len() as u32).to_be_bytes();
+        let mut fits = ipv6(0, &[&[proto::TCP, 0, 0xc2, 4][..], &jumbo, &small].concat());
+        fits[18..20].copy_from_slice(&[0, 0]);
+        assert_eq!(gso(&fits), Reason::Ipv6ExtHeader);
         // A payload length that is not 0 keeps its meaning.
         let mut short = big.clone();
         short[18..20].copy_from_slice(&[0, 8]);
