@@ -17,6 +17,9 @@
 //!   with a kubelet-style rule dropping locally sent packets marked 0x8000.
 //! * `ipv6_traffic_crosses_an_agent_restart`: ICMPv6 echoes and a TCP ping-pong over IPv6
 //!   lose nothing while node 1's agent is down and restarts.
+//! * `ipv6_packets_left_to_the_kernel_arrive` (vxlan over a routed underlay, host-gw): IPv6
+//!   fragments and packets with extension headers, which the programs leave to the kernel,
+//!   reach the remote pod intact.
 //!
 //! Run: `cargo test -p flannel-tests --test bpf_v6_cluster -- --nocapture` (as root; skipped
 //! otherwise and without the eBPF object).
@@ -233,6 +236,106 @@ fn vxlan_dual_stack() -> Result<()> {
     // A bulk transfer (its GSO packets take flannel-v6.1, its flow follows) arrives intact.
     let mbit = probe::transfer_mbit(p1.ns(), p3.ns(), IpAddr::V6(p3.ip6_required()?), 8 << 20)?;
     eprintln!("8 MiB TCP over IPv6 node1 → node3: {mbit:.0} Mbit/s");
+    Ok(())
+}
+
+/// IPv6 packets the programs leave to the kernel still arrive, on VXLAN over a routed
+/// underlay (where a packet that left unencapsulated would be lost) and on host-gw: see
+/// [`left_to_the_kernel_arrive`].
+#[test]
+fn ipv6_packets_left_to_the_kernel_arrive() {
+    require_root!();
+    require_ebpf_object!();
+    check(left_to_the_kernel_arrive("vxlan", Underlay::L3));
+    check(left_to_the_kernel_arrive("host-gw", Underlay::L2));
+}
+
+/// Two dual-stack nodes of `backend` on the fast path, agents without `--ip-masq` (so the CNI
+/// bridge masquerades what crosses netfilter): UDP datagrams over IPv6 that the programs leave
+/// to the kernel path reach the remote pod intact: a pod's 3,000-byte datagram (fragments,
+/// the pod MTU being 1,430 or 1,500), the node's own 5,000-byte one, and a pod's 300-byte
+/// datagrams with destination options and with hop-by-hop options; node1's `tc_from_bridge`
+/// passed them as extension headers.
+fn left_to_the_kernel_arrive(backend: &str, underlay: Underlay) -> Result<()> {
+    let cluster = dual_stack_cluster_masq(2, backend, underlay, Dataplane::Ebpf, false)?;
+    let topo = cluster.topology();
+    let (from, to) = (topo.first_pod_on(1)?, topo.first_pod_on(2)?);
+    // Routes, neighbours and the flows' paths in place first (a fragment waiting for a
+    // neighbour can be dropped from its queue).
+    probe::pods_talk(&[from, to], false)?;
+    let node1 = topo.node(1);
+    let dst = to.ip6_required()?;
+    let node1_addr = node1.addr6().context("node1 has no IPv6 address")?;
+    let passed_before = fast(node1.ns(), "pass_ipv6_ext_header")?;
+    let rx = to.ns().enter(|| std::net::UdpSocket::bind((dst, 6000)))??;
+    rx.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let mut buf = vec![0u8; 65536];
+    // Hop-by-hop and destination options headers holding only padding (PadN, 4 bytes).
+    let padding = [0u8, 0, 1, 4, 0, 0, 0, 0];
+    let cases = [
+        (
+            "a pod's fragments",
+            from.ns(),
+            from.ip6_required()?,
+            3000,
+            None,
+        ),
+        ("the node's fragments", node1.ns(), node1_addr, 5000, None),
+        (
+            "destination options",
+            from.ns(),
+            from.ip6_required()?,
+            300,
+            Some(libc::IPV6_DSTOPTS),
+        ),
+        (
+            "hop-by-hop options",
+            from.ns(),
+            from.ip6_required()?,
+            300,
+            Some(libc::IPV6_HOPOPTS),
+        ),
+    ];
+    for (what, ns, src, size, option) in cases {
+        let tx = ns.enter(|| std::net::UdpSocket::bind((src, 0)))??;
+        if let Some(name) = option {
+            set_ipv6_option(&tx, name, &padding).context(what)?;
+        }
+        let payload: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        tx.send_to(&payload, (dst, 6000))?;
+        let (n, _) = rx
+            .recv_from(&mut buf)
+            .with_context(|| format!("{backend}: {what}: the {size}-byte datagram"))?;
+        ensure!(
+            buf[..n] == payload[..],
+            "{backend}: {what}: {n} bytes arrived, not the {size} sent"
+        );
+    }
+    let passed = fast(node1.ns(), "pass_ipv6_ext_header")? - passed_before;
+    ensure!(
+        passed >= 4.0,
+        "{backend}: node1 passed {passed} packets with extension headers, want at least 4"
+    );
+    Ok(())
+}
+
+/// `setsockopt(IPPROTO_IPV6, name, value)` for an option whose value is bytes.
+fn set_ipv6_option(socket: &std::net::UdpSocket, name: libc::c_int, value: &[u8]) -> Result<()> {
+    // SAFETY: the option value is a valid buffer of the length given.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::IPPROTO_IPV6,
+            name,
+            value.as_ptr().cast(),
+            value.len() as libc::socklen_t,
+        )
+    };
+    ensure!(
+        rc == 0,
+        "setsockopt(IPPROTO_IPV6, {name}): {}",
+        std::io::Error::last_os_error()
+    );
     Ok(())
 }
 
