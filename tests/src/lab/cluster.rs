@@ -203,7 +203,8 @@ impl Cluster {
         for n in 1..=cluster.topology.nodes().len() {
             for _ in 0..cluster.spec.pods_per_node {
                 let pod = cluster.topology.add_pod(n)?;
-                progress(&format!("node{n}: pod {} {}", pod.name(), pod.ip_net()));
+                let ip6 = pod.ip6().map(|ip| format!(" {ip}")).unwrap_or_default();
+                progress(&format!("node{n}: pod {} {}{ip6}", pod.name(), pod.ip_net()));
             }
         }
         cluster.wait_pod_ports(Duration::from_secs(20))?;
