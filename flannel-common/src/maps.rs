@@ -20,6 +20,7 @@
 //! | [`NO_MASQ4`] | LPM trie | destination prefix → `u32` | agent |
 //! | the IPv6 maps of [`crate::v6`] but the memos | | | pinned like their IPv4 twins |
 //! | [`crate::pods::PORTS`] (not pinned) | hash | [`crate::pods::PortKey`] (pod MAC) → [`crate::pods::PodPort`] | agent (bridge FDB mirror) |
+//! | [`FRAGS4`] (not pinned) | LRU hash | [`crate::nat::FragKey`] → `u32` | `tc_from_bridge` (fragments following their first) |
 //! | [`crate::hops::HOPS4`] (not pinned) | LRU hash | [`crate::hops::HopKey`] → [`crate::hops::Hop`] | `tc_from_netdev`, `tc_from_bridge` (remembered route lookups) |
 //! | [`crate::memo::MEMO4`] (not pinned) | LRU hash | [`crate::memo::MemoKey`] → [`crate::memo::FlowMemo`] | `tc_from_netdev`, `tc_from_bridge` (remembered per-flow decisions) |
 //! | [`crate::memo::MEMO6`] (not pinned) | LRU hash | [`crate::memo::MemoKey6`] → [`crate::memo::FlowMemo6`] | `tc_from_netdev`, `tc_from_bridge` (IPv6 per-flow decisions) |
@@ -76,6 +77,15 @@ pub const NAT4_DEFAULT_MAX_ENTRIES: u32 = 131_072;
 pub const NAT_FRAG4: &str = "FLANNEL_NATFRG4";
 /// Size of [`NAT_FRAG4`].
 pub const NAT_FRAG4_MAX_ENTRIES: u32 = 8192;
+
+/// LRU of a local pod's fragmented IPv4 datagrams to remote pods whose first fragment the fast
+/// path sent ([`crate::nat::FragKey`] → `u32`, unused): their later fragments follow it. Not
+/// pinned (a datagram's fragments are microseconds apart).
+pub const FRAGS4: &str = "FLANNEL_FRAGS4";
+/// Size of [`FRAGS4`].
+pub const FRAGS4_MAX_ENTRIES: u32 = 8192;
+
+const _: () = assert!(FRAGS4.len() <= MAX_OBJ_NAME_LEN);
 
 /// LPM trie of destinations pod traffic is never masqueraded to (`--ip-masq-exclude-cidrs`).
 pub const NO_MASQ4: &str = "FLANNEL_NOMASQ4";

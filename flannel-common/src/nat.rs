@@ -199,14 +199,14 @@ pub struct NatRevEntry {
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for NatRevEntry {}
 
-/// A fragmented datagram arriving for the masquerade address: [`crate::maps::NAT_FRAG4`]'s
-/// key. 12 bytes.
+/// A fragmented IPv4 datagram: [`crate::maps::NAT_FRAG4`]'s key (one arriving for the
+/// masquerade address) and [`crate::maps::FRAGS4`]'s (one a local pod sends). 12 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct FragKey {
     /// Source address.
     pub saddr: [u8; 4],
-    /// Destination address (the masquerade address).
+    /// Destination address (for `NAT_FRAG4`, the masquerade address).
     pub daddr: [u8; 4],
     /// IP identification (host order).
     pub id: u16,

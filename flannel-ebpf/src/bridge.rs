@@ -24,6 +24,8 @@
 //!
 //! A host-gw, VXLAN or IPIP decision with a resolved next hop is remembered for the flow
 //! ([`crate::memo`]): the flow's next packets are sent from that memo before this body runs.
+//! The fragments of a UDP datagram to a host-gw or VXLAN peer follow their first fragment
+//! ([`crate::frag`]).
 //!
 //! IPv6 frames are handled by [`crate::v6`]. Everything else is handed to the kernel path
 //! unchanged (`TC_ACT_OK`), counted with a reason.
@@ -42,9 +44,7 @@ use crate::{
     deliver,
     encap::{self, VXLAN_OVERHEAD},
     fib::{self, Fib},
-    hops, ipv4, maps, memo,
-    parse::{self, Packet},
-    udp,
+    frag, hops, ipv4, maps, memo, parse, udp,
 };
 
 /// What one run did: the TC action, the packet's class and the verdict to count.
@@ -80,15 +80,24 @@ pub fn run(ctx: &TcContext) -> Outcome {
     let Some(cfg) = maps::config() else {
         return Outcome::pass(class, Reason::PassNotConfigured);
     };
-    let packet: Packet = match ipv4::screen(&parsed) {
-        Ok(p) => p,
+    // A fragment ([`crate::frag`]): a first one takes the checks with its datagram's ports, a
+    // later one of a remembered datagram those of its destination; neither is a flow's memo.
+    let (info, fragment) = match ipv4::screen(&parsed) {
+        Ok(packet) => match ipv4::read(ctx, &packet) {
+            Some(info) => (info, None),
+            None => return Outcome::pass(class, Reason::PassMalformed),
+        },
+        Err(Reason::PassFragment) => match frag::read(ctx) {
+            Ok(f) if f.first || frag::followed(&f.key) => (f.info, Some((f.key, f.first))),
+            Ok(_) => return Outcome::pass(class, Reason::PassFragment),
+            Err(reason) => return Outcome::pass(class, reason),
+        },
         Err(reason) => return Outcome::pass(class, reason),
     };
-    let Some(info) = ipv4::read(ctx, &packet) else {
-        return Outcome::pass(class, Reason::PassMalformed);
-    };
     // Read before the checks: a change while they run retires what they decide.
-    let generation = memo::current_for(&info, DIR_OUT);
+    let generation = fragment
+        .is_none()
+        .then(|| memo::current_for(&info, DIR_OUT));
     let action = decide::from_bridge(
         cfg,
         &info,
@@ -106,13 +115,21 @@ pub fn run(ctx: &TcContext) -> Outcome {
         }
         BridgeAction::Vxlan(peer) => encap::vxlan(ctx, cfg, &peer, &info)
             .and_then(|(route, mtu)| {
-                remember(&info, route, mtu, generation, (TUNNEL_VXLAN, &peer));
+                if let Some(generation) = generation {
+                    remember(&info, route, mtu, generation, (TUNNEL_VXLAN, &peer));
+                }
                 send(ctx, route)
             })
             .map(|action| (action, Reason::FastVxlan)),
+        // IPIP's and udp's fragments: `tc_to_netdev` and `flannel0` carry what the kernel routes.
+        BridgeAction::Ipip(_) | BridgeAction::Udp(_) if fragment.is_some() => {
+            Err(Reason::PassFragment)
+        }
         BridgeAction::Ipip(peer) => encap::ipip(ctx, cfg, &peer, &info, true)
             .and_then(|(route, mtu)| {
-                remember(&info, route, mtu, generation, (TUNNEL_IPIP, &peer));
+                if let Some(generation) = generation {
+                    remember(&info, route, mtu, generation, (TUNNEL_IPIP, &peer));
+                }
                 send(ctx, route)
             })
             .map(|action| (action, Reason::FastIpip)),
@@ -120,6 +137,15 @@ pub fn run(ctx: &TcContext) -> Outcome {
             .and_then(|route| send(ctx, route))
             .map(|action| (action, Reason::FastUdp)),
     };
+    if let (Ok(_), Some((key, true))) = (&sent, fragment) {
+        frag::remember(&key);
+    }
+    outcome(sent, class)
+}
+
+/// The outcome of a packet of `class` that was sent (`Ok`: action and verdict) or not.
+#[inline(always)]
+fn outcome(sent: Result<(i32, Reason), Reason>, class: Reason) -> Outcome {
     match sent {
         Ok((action, verdict)) => Outcome {
             action,
@@ -136,13 +162,14 @@ pub fn run(ctx: &TcContext) -> Outcome {
 }
 
 /// Host-gw: route by the kernel FIB (the answer remembered for up to a second per destination
-/// and peer, see [`crate::hops`]), decrement the TTL and redirect.
+/// and peer, see [`crate::hops`]), decrement the TTL and redirect; the decision remembered for
+/// the flow when a `generation` is given (not for fragments).
 #[inline(always)]
 fn host_gw(
     ctx: &TcContext,
     peer: &RemoteEntry,
     info: &ipv4::Ipv4Info,
-    generation: u64,
+    generation: Option<u64>,
 ) -> Result<(i32, Reason), Reason> {
     let key = HopKey {
         dst: info.dst,
@@ -165,7 +192,9 @@ fn host_gw(
     if !ipv4::decrement_ttl(ctx, info.l3) {
         return Err(Reason::PassMalformed);
     }
-    remember(info, route, mtu, generation, (TUNNEL_NONE, peer));
+    if let Some(generation) = generation {
+        remember(info, route, mtu, generation, (TUNNEL_NONE, peer));
+    }
     send(ctx, route).map(|action| (action, Reason::FastHostGw))
 }
 

@@ -34,6 +34,7 @@ pub mod decide;
 pub mod deliver;
 pub mod encap;
 pub mod fib;
+pub mod frag;
 pub mod hops;
 pub mod ipv4;
 pub mod maps;

@@ -103,6 +103,12 @@ pub static FLANNEL_PORTS: HashMap<PortKey, PodPort, { PORTS_MAX_ENTRIES as usize
 pub static FLANNEL_HOPS4: LruHashMap<HopKey, Hop, { HOPS4_MAX_ENTRIES as usize }> =
     LruHashMap::new();
 
+/// A local pod's fragmented datagrams whose first fragment was sent
+/// (`flannel_common::maps::FRAGS4`, see [`crate::frag`]).
+#[btf_map]
+pub static FLANNEL_FRAGS4: LruHashMap<FragKey, u32, { names::FRAGS4_MAX_ENTRIES as usize }> =
+    LruHashMap::new();
+
 /// Counters of `tc_from_bridge` (`flannel_common::maps::CNT_FROM_BRIDGE`).
 #[btf_map]
 pub static FLANNEL_CNT_FBR: PerCpuArray<Counter, COUNTER_SLOTS> = PerCpuArray::new();

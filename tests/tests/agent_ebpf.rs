@@ -130,6 +130,59 @@ fn ebpf_ipip_carries_fragments_over_l3() {
     );
 }
 
+/// A pod's UDP datagrams larger than its MTU (IPv4 fragments) to a remote pod keep the flow's
+/// source, as its small ones do, on VXLAN (routed underlay) and host-gw: the agents run
+/// without `--ip-masq`, so the CNI bridge masquerades what crosses netfilter, and the
+/// fragments, sent by node1's `tc_from_bridge` like the rest of the flow
+/// (`flannel_ebpf::frag`), do not cross it. Before, they arrived from an address and port of
+/// node1, which a connected socket on the remote pod never receives.
+#[test]
+fn ebpf_pod_fragments_keep_their_flows_source() {
+    require_root!();
+    for (backend, underlay) in [("vxlan", Underlay::L3), ("host-gw", Underlay::L2)] {
+        with_cluster(
+            &named(EBPF, &format!("{backend} pod fragments")),
+            spec_on(EBPF, 2, underlay, backend, 1),
+            |c| {
+                let t = c.topology();
+                let (from, to) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
+                let before = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
+                let rx = to
+                    .ns()
+                    .enter(|| std::net::UdpSocket::bind((to.ip(), 6000)))??;
+                rx.set_read_timeout(Some(Duration::from_secs(2)))?;
+                let tx = from
+                    .ns()
+                    .enter(|| std::net::UdpSocket::bind((from.ip(), 0)))??;
+                let source = tx.local_addr()?;
+                let mut buf = vec![0u8; 65536];
+                for size in [100, 3000, 100, 8000] {
+                    let payload: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+                    tx.send_to(&payload, (to.ip(), 6000))?;
+                    let (n, seen) = rx
+                        .recv_from(&mut buf)
+                        .with_context(|| format!("{backend}: the {size}-byte datagram"))?;
+                    ensure!(
+                        buf[..n] == payload[..] && seen == source,
+                        "{backend}: {n} bytes from {seen}, want the {size} sent from {source}"
+                    );
+                }
+                let after = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
+                let (b, a) = (&before.packets, &after.packets);
+                let fragments = fastpath::grown(b, a, "tc_from_bridge", "ipv4_fragment");
+                let passed = fastpath::grown(b, a, "tc_from_bridge", "pass_fragment");
+                ensure!(
+                    fragments >= 8 && passed == 0,
+                    "{backend}: node1's tc_from_bridge saw {fragments} fragments and passed \
+                     {passed}; what moved: {}",
+                    fastpath::growth_text(b, a)
+                );
+                Ok(())
+            },
+        );
+    }
+}
+
 #[test]
 fn ebpf_direct_routing_over_mixed_underlay() {
     require_root!();

@@ -453,6 +453,140 @@ fn bridge_ipip_encapsulates_with_inherited_ttl_and_df() {
     });
 }
 
+/// The fragments of a pod's UDP datagram to a host-gw or VXLAN peer are sent like the rest
+/// of its flow, the later ones (no ports) because their first was ([`FLANNEL_FRAGS4`]): each
+/// comes out as the kernel would forward it (TTL decremented; VXLAN: encapsulated, all with
+/// one outer source port). A later fragment whose first was not sent, a first fragment of a
+/// kernel flow and its later ones, fragments to an IPIP peer and TCP fragments are passed
+/// unchanged.
+#[test]
+fn a_pods_fragments_follow_their_first_fragment() {
+    let Some(rig) = Rig::new("fpfrag") else {
+        return;
+    };
+    rig.with_fast_path(|fp, ifs| {
+        let framed = |ip_bytes: &[u8]| {
+            let mut f = Ethernet::new(POD_MAC, BR_MAC, Ipv4::new(POD, VXLAN_POD, tcp())).encode();
+            f.truncate(14);
+            f.extend_from_slice(ip_bytes);
+            f
+        };
+        let datagram = |dst, id| Ipv4 {
+            id,
+            dont_fragment: false,
+            ..from_pod(dst, Udp::new(5353, 6000).payload(&[7; 100]))
+        };
+        // Host-gw: every fragment forwarded, TTL decremented, to the peer's MAC.
+        let ip = datagram(HOSTGW_POD, 0x1111);
+        let want = forwarded(&ip).fragments(32);
+        for (i, fragment) in ip.fragments(32).iter().enumerate() {
+            let frame = framed(fragment);
+            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+            assert_eq!(r.verdict, TC_ACT_REDIRECT, "host-gw fragment {i}");
+            let mut expected =
+                Ethernet::new(EXT_MAC, PEER2_MAC, Ipv4::new(POD, POD, tcp())).encode();
+            expected.truncate(14);
+            expected.extend_from_slice(&want[i]);
+            assert_bytes(&r.out, &expected, &format!("host-gw fragment {i}"));
+            assert_counted(
+                &r,
+                &frame,
+                &[Reason::Ipv4Fragment, Reason::FastHostGw],
+                &format!("host-gw fragment {i}"),
+            );
+        }
+        // VXLAN: every fragment encapsulated for the peer, with the same outer source port.
+        let ip = datagram(VXLAN_POD, 0x2222);
+        let want = forwarded(&ip).fragments(32);
+        let mut ports = std::collections::BTreeSet::new();
+        for (i, fragment) in ip.fragments(32).iter().enumerate() {
+            let frame = framed(fragment);
+            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+            assert_eq!(r.verdict, TC_ACT_REDIRECT, "VXLAN fragment {i}");
+            let parsed = packet::verify(&r.out).expect("outer headers");
+            let ParsedL3::Ipv4(outer) = &parsed.l3 else {
+                panic!("not IPv4")
+            };
+            assert_eq!((outer.src, outer.dst), (PUB1, PUB3), "VXLAN fragment {i}");
+            ports.insert(outer_fields(&r.out).1);
+            let udp = parsed.l4().and_then(|l4| l4.udp_payload()).expect("UDP");
+            let (vni, inner) = packet::parse_vxlan(udp).expect("VXLAN");
+            assert_eq!(vni, 1);
+            assert_eq!(&inner[..12], &[VTEP3, LOCAL_VTEP].concat()[..]);
+            assert_eq!(
+                &inner[14..],
+                &want[i][..],
+                "VXLAN fragment {i}: the inner packet"
+            );
+            assert_counted(
+                &r,
+                &frame,
+                &[Reason::Ipv4Fragment, Reason::FastVxlan],
+                &format!("VXLAN fragment {i}"),
+            );
+        }
+        assert_eq!(ports.len(), 1, "one datagram, outer source ports {ports:?}");
+        // Passed unchanged: a later fragment of a datagram whose first was not seen, fragments
+        // of a kernel flow (learnt from a packet the kernel sent), to an IPIP peer, of TCP.
+        let out = Ethernet::new(
+            EXT_MAC,
+            PEER2_MAC,
+            Ipv4 {
+                ttl: 63,
+                ..Ipv4::new(POD, HOSTGW_POD, Udp::new(5454, 6000))
+            },
+        )
+        .encode();
+        run(fp, Hook::ToNetdev, &out, Skb::egress(ifs.ext));
+        let kernel_flow = Ipv4 {
+            id: 0x3333,
+            dont_fragment: false,
+            ..from_pod(HOSTGW_POD, Udp::new(5454, 6000).payload(&[7; 100]))
+        };
+        let tcp_datagram = Ipv4 {
+            id: 0x5555,
+            dont_fragment: false,
+            ..from_pod(HOSTGW_POD, Tcp::new(40000, 80).payload(&[7; 100]))
+        };
+        let mut passed = vec![
+            (
+                "unseen first",
+                datagram(HOSTGW_POD, 0x4444).fragments(32)[1].clone(),
+            ),
+            ("TCP", tcp_datagram.fragments(32)[0].clone()),
+        ];
+        for (i, f) in kernel_flow.fragments(32).into_iter().enumerate() {
+            passed.push((
+                if i == 0 {
+                    "kernel flow, first"
+                } else {
+                    "kernel flow"
+                },
+                f,
+            ));
+        }
+        for (i, f) in datagram(IPIP_POD, 0x6666)
+            .fragments(32)
+            .into_iter()
+            .enumerate()
+        {
+            passed.push((if i == 0 { "IPIP, first" } else { "IPIP" }, f));
+        }
+        for (what, fragment) in passed {
+            let frame = framed(&fragment);
+            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+            assert_eq!(r.verdict, TC_ACT_OK, "{what}");
+            assert_bytes(&r.out, &frame, what);
+            let verdict = if what == "kernel flow, first" {
+                Reason::PassKernelFlow
+            } else {
+                Reason::PassFragment
+            };
+            assert_counted(&r, &frame, &[Reason::Ipv4Fragment, verdict], what);
+        }
+    });
+}
+
 #[test]
 fn bridge_passes_everything_else_unchanged() {
     let Some(rig) = Rig::new("fppass") else {
@@ -488,13 +622,13 @@ fn bridge_passes_everything_else_unchanged() {
                 Reason::PassNotIpv4,
             ),
             (
-                "first fragment",
+                "a later fragment whose first was not sent",
                 {
                     let mut f =
                         Ethernet::new(POD_MAC, BR_MAC, Ipv4::new(POD, VXLAN_POD, Udp::new(1, 2)))
                             .encode();
                     f.truncate(14);
-                    f.extend_from_slice(&fragments[0]);
+                    f.extend_from_slice(&fragments[1]);
                     f
                 },
                 Reason::Ipv4Fragment,
@@ -3068,6 +3202,19 @@ fn seeds_of_every_path(ifs: &Ifaces) -> Vec<mutate::Seed> {
         &Ipv4::new(IPIP_POD, POD, Udp::new(5353, 53).payload(b"q")),
     );
     let udp = || Udp::new(5353, 53).payload(b"query").into();
+    // Fragment `n` of a pod's datagram to `dst` (the first one is sent first, so the
+    // datagram is remembered when the later one's variants run).
+    let pod_fragment = |name, dst, n: usize| {
+        let datagram = Ipv4 {
+            id: 0x7777,
+            dont_fragment: false,
+            ..from_pod(dst, Udp::new(5353, 53).payload(&[1; 64]))
+        };
+        let mut frame = pod_frame(&from_pod(dst, tcp()));
+        frame.truncate(14);
+        frame.extend_from_slice(&datagram.fragments(32)[n]);
+        seed(name, Program::Tc(Hook::FromBridge), Skb::on(ifs.br), frame)
+    };
     let flannel_1 = underlay(
         EXT_MAC,
         Ipv4::new(
@@ -3138,6 +3285,10 @@ fn seeds_of_every_path(ifs: &Ifaces) -> Vec<mutate::Seed> {
             .encode(),
         ),
         leaving("flannel.1's VXLAN", flannel_1),
+        pod_fragment("a pod's first fragment to a host-gw subnet", HOSTGW_POD, 0),
+        pod_fragment("a pod's later fragment to a host-gw subnet", HOSTGW_POD, 1),
+        pod_fragment("a pod's first fragment to a VXLAN subnet", VXLAN_POD, 0),
+        pod_fragment("a pod's later fragment to a VXLAN subnet", VXLAN_POD, 1),
         seed("XDP VXLAN", Program::Xdp, Skb::default(), vxlan_in),
         seed("XDP IPIP", Program::Xdp, Skb::default(), ipip_in),
         seed("XDP plain", Program::Xdp, Skb::default(), plain_in),

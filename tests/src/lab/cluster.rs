@@ -204,7 +204,11 @@ impl Cluster {
             for _ in 0..cluster.spec.pods_per_node {
                 let pod = cluster.topology.add_pod(n)?;
                 let ip6 = pod.ip6().map(|ip| format!(" {ip}")).unwrap_or_default();
-                progress(&format!("node{n}: pod {} {}{ip6}", pod.name(), pod.ip_net()));
+                progress(&format!(
+                    "node{n}: pod {} {}{ip6}",
+                    pod.name(),
+                    pod.ip_net()
+                ));
             }
         }
         cluster.wait_pod_ports(Duration::from_secs(20))?;
