@@ -20,7 +20,7 @@
 //! | [`NO_MASQ4`] | LPM trie | destination prefix → `u32` | agent |
 //! | the IPv6 maps of [`crate::v6`] but the memos | | | pinned like their IPv4 twins |
 //! | [`crate::pods::PORTS`] (not pinned) | hash | [`crate::pods::PortKey`] (pod MAC) → [`crate::pods::PodPort`] | agent (bridge FDB mirror) |
-//! | [`FRAGS4`] (not pinned) | LRU hash | [`crate::nat::FragKey`] → `u32` | `tc_from_bridge` (fragments following their first) |
+//! | [`FRAGS4`], [`crate::v6::FRAGS6`] (not pinned) | LRU hash | [`crate::nat::FragKey`], [`crate::v6::FragKey6`] → `u32` | `tc_from_bridge` (fragments following their first) |
 //! | [`crate::hops::HOPS4`] (not pinned) | LRU hash | [`crate::hops::HopKey`] → [`crate::hops::Hop`] | `tc_from_netdev`, `tc_from_bridge` (remembered route lookups) |
 //! | [`crate::memo::MEMO4`] (not pinned) | LRU hash | [`crate::memo::MemoKey`] → [`crate::memo::FlowMemo`] | `tc_from_netdev`, `tc_from_bridge` (remembered per-flow decisions) |
 //! | [`crate::memo::MEMO6`] (not pinned) | LRU hash | [`crate::memo::MemoKey6`] → [`crate::memo::FlowMemo6`] | `tc_from_netdev`, `tc_from_bridge` (IPv6 per-flow decisions) |

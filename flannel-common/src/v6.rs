@@ -193,7 +193,34 @@ pub struct FlowKey6 {
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for FlowKey6 {}
 
+/// LRU of a local pod's fragmented IPv6 datagrams to remote pods whose first fragment the fast
+/// path sent ([`FragKey6`] → `u32`, unused): their later fragments follow it. Not pinned.
+pub const FRAGS6: &str = "FLANNEL_FRAGS6";
+/// Size of [`FRAGS6`].
+pub const FRAGS6_MAX_ENTRIES: u32 = 8192;
+
+/// A fragmented IPv6 datagram: [`FRAGS6`]'s key. 40 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FragKey6 {
+    /// Source address.
+    pub saddr: [u8; 16],
+    /// Destination address.
+    pub daddr: [u8; 16],
+    /// The fragment header's identification (network order).
+    pub id: [u8; 4],
+    /// The protocol after the fragment header.
+    pub proto: u8,
+    /// Explicit padding; always zero.
+    pub _pad: [u8; 3],
+}
+
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for FragKey6 {}
+
 const _: () = {
+    assert!(core::mem::size_of::<FragKey6>() == 40);
+    assert!(FRAGS6.len() <= MAX_OBJ_NAME_LEN);
     assert!(core::mem::size_of::<Config6>() == 84);
     assert!(core::mem::size_of::<PeerKey6>() == 20);
     assert!(core::mem::size_of::<FlowKey6>() == 40);

@@ -671,6 +671,36 @@ impl Ipv6 {
         }
     }
 
+    /// Splits the packet into fragments with identification `id` carrying at most
+    /// `max_payload` bytes of the upper-layer payload each (rounded down to a multiple of 8),
+    /// as its sender would: the L4 header and its checksum are computed over the whole
+    /// datagram; the extension headers are kept in every fragment, the fragment header after
+    /// them.
+    pub fn fragments(&self, max_payload: usize, id: u32) -> Vec<Vec<u8>> {
+        let upper = self.payload.encode(Pseudo::V6(self.src, self.dst));
+        let step = (max_payload / 8).max(1) * 8;
+        let proto = self.payload.proto();
+        let chunks: Vec<&[u8]> = upper.chunks(step).collect();
+        let last = chunks.len().saturating_sub(1);
+        chunks
+            .iter()
+            .enumerate()
+            .map(|(i, chunk)| {
+                let mut extensions = self.extensions.clone();
+                extensions.push(Ipv6Ext::fragment((i * step / 8) as u16, i != last, id));
+                Ipv6 {
+                    extensions,
+                    payload: Transport::Raw {
+                        proto,
+                        bytes: chunk.to_vec(),
+                    },
+                    ..self.clone()
+                }
+                .encode()
+            })
+            .collect()
+    }
+
     /// The fixed header, extension headers and payload bytes.
     pub fn encode(&self) -> Vec<u8> {
         let upper = self.payload.encode(Pseudo::V6(self.src, self.dst));

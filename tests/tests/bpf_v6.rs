@@ -321,6 +321,117 @@ fn vxlan_over_ipv6_is_built_like_flannel_v6() {
     });
 }
 
+/// The fragments of a pod's UDP datagram over IPv6 to a host-gw or VXLAN peer are sent like
+/// the rest of its flow, the later ones (no ports) because their first was (`FLANNEL_FRAGS6`),
+/// as for IPv4: each comes out as the kernel would forward it (hop limit decremented; VXLAN:
+/// to `flannel-v6.1` by the kernel's route, without one to the kernel). A later fragment whose
+/// first was not sent and TCP fragments are passed unchanged.
+#[test]
+fn a_pods_ipv6_fragments_follow_their_first_fragment() {
+    let Some(rig) = Rig::new("f6frag") else {
+        return;
+    };
+    rig.with_fast_path(false, |fp, ifs| {
+        let framed = |eth: Ethernet, ip_bytes: &[u8]| {
+            let mut f = eth.encode();
+            f.truncate(14);
+            f.extend_from_slice(ip_bytes);
+            f
+        };
+        let dummy = |dst| Ipv6::new(pod(), dst, Tcp::new(1, 2));
+        let datagram = |dst| Ipv6::new(pod(), dst, Udp::new(5353, 6000).payload(&[7; 100]));
+        // Host-gw.
+        let ip = datagram(hostgw_pod());
+        let want = hop(&ip).fragments(32, 0x1111);
+        for (i, fragment) in ip.fragments(32, 0x1111).iter().enumerate() {
+            let frame = framed(
+                Ethernet::new(POD_MAC, BR_MAC, dummy(hostgw_pod())),
+                fragment,
+            );
+            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+            assert_eq!(r.verdict, TC_ACT_REDIRECT, "host-gw fragment {i}");
+            let expected = framed(
+                Ethernet::new(EXT_MAC, PEER2_MAC, dummy(hostgw_pod())),
+                &want[i],
+            );
+            assert_bytes(&r.out, &expected, &format!("host-gw fragment {i}"));
+            assert_counted(
+                &r,
+                &[Reason::Ipv6ExtHeader, Reason::FastHostGw6],
+                &format!("host-gw fragment {i}"),
+            );
+        }
+        // VXLAN over IPv6: without the kernel's route through flannel-v6.1 the first fragment
+        // goes to the kernel, and so do the later ones.
+        let ip = datagram(vxlan_pod());
+        for (i, fragment) in ip.fragments(32, 0x2222).iter().enumerate() {
+            let frame = framed(Ethernet::new(POD_MAC, BR_MAC, dummy(vxlan_pod())), fragment);
+            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+            assert_eq!(r.verdict, TC_ACT_OK, "VXLAN fragment {i}, no device route");
+            assert_bytes(&r.out, &frame, "no device route");
+            let verdict = if i == 0 {
+                Reason::PassGso
+            } else {
+                Reason::PassFragment
+            };
+            assert_counted(&r, &[Reason::Ipv6ExtHeader, verdict], "no device route");
+        }
+        // With it, every fragment goes to flannel-v6.1 itself (the outer UDP checksum the
+        // programs build rests on the inner one, which covers the datagram, not a fragment),
+        // past the stack, as the route says.
+        for cmd in [
+            "ip link add flannel-v6.1 type vxlan id 1 local fd00:77::1 dstport 8472 nolearning dev ext0",
+            "ip link set flannel-v6.1 address 0e:06:00:00:00:01",
+            "ip link set flannel-v6.1 up",
+            "ip -6 route add fd00:10:244:3::/64 via fd00:10:244:3:: dev flannel-v6.1 onlink",
+            "ip -6 neigh replace fd00:10:244:3:: lladdr 0e:06:00:00:00:03 dev flannel-v6.1 nud permanent",
+        ] {
+            let argv: Vec<&str> = cmd.split_whitespace().collect();
+            let status = std::process::Command::new(argv[0])
+                .args(&argv[1..])
+                .status()
+                .expect(cmd);
+            assert!(status.success(), "{cmd}");
+        }
+        let want = hop(&ip).fragments(32, 0x2323);
+        for (i, fragment) in ip.fragments(32, 0x2323).iter().enumerate() {
+            let frame = framed(Ethernet::new(POD_MAC, BR_MAC, dummy(vxlan_pod())), fragment);
+            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+            assert_eq!(r.verdict, TC_ACT_REDIRECT, "VXLAN fragment {i}");
+            let expected = framed(Ethernet::new(LOCAL_VTEP6, VTEP3, dummy(vxlan_pod())), &want[i]);
+            assert_bytes(&r.out, &expected, &format!("VXLAN fragment {i}"));
+            assert_counted(
+                &r,
+                &[Reason::Ipv6ExtHeader, Reason::FastVxlan6Device],
+                &format!("VXLAN fragment {i}"),
+            );
+        }
+        // Passed unchanged.
+        let tcp = Ipv6::new(pod(), hostgw_pod(), Tcp::new(40000, 80).payload(&[7; 100]));
+        for (what, fragment, verdict) in [
+            (
+                "a later fragment whose first was not sent",
+                datagram(hostgw_pod()).fragments(32, 0x3333)[1].clone(),
+                Reason::PassFragment,
+            ),
+            (
+                "TCP",
+                tcp.fragments(32, 0x4444)[0].clone(),
+                Reason::PassIpv6ExtHeader,
+            ),
+        ] {
+            let frame = framed(
+                Ethernet::new(POD_MAC, BR_MAC, dummy(hostgw_pod())),
+                &fragment,
+            );
+            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+            assert_eq!(r.verdict, TC_ACT_OK, "{what}");
+            assert_bytes(&r.out, &frame, what);
+            assert_counted(&r, &[Reason::Ipv6ExtHeader, verdict], what);
+        }
+    });
+}
+
 #[test]
 fn ipv6_the_fast_path_does_not_take_goes_to_the_kernel() {
     let Some(rig) = Rig::new("f6pass") else {
@@ -1396,7 +1507,28 @@ fn seeds_of_every_ipv6_path(ifs: &Ifaces) -> Vec<mutate::Seed> {
         ),
     )
     .encode();
+    // Fragment `n` of a pod's datagram to `dst` (the first is sent first, so the datagram is
+    // remembered when the later one's variants run).
+    let fragment = |name, dst, n: usize| {
+        let datagram = Ipv6::new(pod(), dst, Udp::new(5353, 53).payload(&[1; 64]));
+        let mut frame = pod_frame(&Ipv6::new(pod(), dst, Tcp::new(1, 2)));
+        frame.truncate(14);
+        frame.extend_from_slice(&datagram.fragments(32, 0x7777)[n]);
+        seed(name, Hook::FromBridge, Skb::on(ifs.br), frame)
+    };
     vec![
+        fragment(
+            "a pod's first fragment to a host-gw subnet",
+            hostgw_pod(),
+            0,
+        ),
+        fragment(
+            "a pod's later fragment to a host-gw subnet",
+            hostgw_pod(),
+            1,
+        ),
+        fragment("a pod's first fragment to a VXLAN subnet", vxlan_pod(), 0),
+        fragment("a pod's later fragment to a VXLAN subnet", vxlan_pod(), 1),
         from_pod("host-gw", hostgw_pod(), tcp.clone()),
         from_pod("host-gw, no neighbour", hostgw_no_neigh_pod(), icmp),
         from_pod("VXLAN", vxlan_pod(), tcp),

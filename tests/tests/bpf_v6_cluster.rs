@@ -17,9 +17,9 @@
 //!   with a kubelet-style rule dropping locally sent packets marked 0x8000.
 //! * `ipv6_traffic_crosses_an_agent_restart`: ICMPv6 echoes and a TCP ping-pong over IPv6
 //!   lose nothing while node 1's agent is down and restarts.
-//! * `ipv6_packets_left_to_the_kernel_arrive` (vxlan over a routed underlay, host-gw): IPv6
-//!   fragments and packets with extension headers, which the programs leave to the kernel,
-//!   reach the remote pod intact.
+//! * `ipv6_fragments_and_extension_headers_arrive` (vxlan over a routed underlay, host-gw):
+//!   IPv6 fragments and packets with extension headers reach the remote pod intact, a pod's
+//!   fragments sent like the rest of its flow, from its own address.
 //!
 //! Run: `cargo test -p flannel-tests --test bpf_v6_cluster -- --nocapture` (as root; skipped
 //! otherwise and without the eBPF object).
@@ -239,24 +239,25 @@ fn vxlan_dual_stack() -> Result<()> {
     Ok(())
 }
 
-/// IPv6 packets the programs leave to the kernel still arrive, on VXLAN over a routed
-/// underlay (where a packet that left unencapsulated would be lost) and on host-gw: see
-/// [`left_to_the_kernel_arrive`].
+/// IPv6 fragments and packets with extension headers arrive, on VXLAN over a routed underlay
+/// (where a packet that left unencapsulated would be lost) and on host-gw, a pod's fragments
+/// with its own source: see [`fragments_and_options_arrive`].
 #[test]
-fn ipv6_packets_left_to_the_kernel_arrive() {
+fn ipv6_fragments_and_extension_headers_arrive() {
     require_root!();
     require_ebpf_object!();
-    check(left_to_the_kernel_arrive("vxlan", Underlay::L3));
-    check(left_to_the_kernel_arrive("host-gw", Underlay::L2));
+    check(fragments_and_options_arrive("vxlan", Underlay::L3));
+    check(fragments_and_options_arrive("host-gw", Underlay::L2));
 }
 
 /// Two dual-stack nodes of `backend` on the fast path, agents without `--ip-masq` (so the CNI
-/// bridge masquerades what crosses netfilter): UDP datagrams over IPv6 that the programs leave
-/// to the kernel path reach the remote pod intact: a pod's 3,000-byte datagram (fragments,
-/// the pod MTU being 1,430 or 1,500), the node's own 5,000-byte one, and a pod's 300-byte
-/// datagrams with destination options and with hop-by-hop options; node1's `tc_from_bridge`
-/// passed them as extension headers.
-fn left_to_the_kernel_arrive(backend: &str, underlay: Underlay) -> Result<()> {
+/// bridge masquerades what crosses netfilter): UDP datagrams over IPv6 reach the remote pod
+/// intact: a pod's 3,000-byte datagram (fragments, the pod MTU being 1,430 or 1,500), which
+/// node1's `tc_from_bridge` sends like the rest of the flow, from the pod's own address and
+/// port (`fast_host_gw6`, or `fast_vxlan6_device` through `flannel-v6.1`); the node's own
+/// 5,000-byte one; and a pod's 300-byte datagrams with destination options and with
+/// hop-by-hop options, which the programs leave to the kernel (`pass_ipv6_ext_header`).
+fn fragments_and_options_arrive(backend: &str, underlay: Underlay) -> Result<()> {
     let cluster = dual_stack_cluster_masq(2, backend, underlay, Dataplane::Ebpf, false)?;
     let topo = cluster.topology();
     let (from, to) = (topo.first_pod_on(1)?, topo.first_pod_on(2)?);
@@ -266,7 +267,14 @@ fn left_to_the_kernel_arrive(backend: &str, underlay: Underlay) -> Result<()> {
     let node1 = topo.node(1);
     let dst = to.ip6_required()?;
     let node1_addr = node1.addr6().context("node1 has no IPv6 address")?;
-    let passed_before = fast(node1.ns(), "pass_ipv6_ext_header")?;
+    let sent_as = match backend {
+        "vxlan" => "fast_vxlan6_device",
+        _ => "fast_host_gw6",
+    };
+    let (passed_before, sent_before) = (
+        fast(node1.ns(), "pass_ipv6_ext_header")?,
+        fast(node1.ns(), sent_as)?,
+    );
     let rx = to.ns().enter(|| std::net::UdpSocket::bind((dst, 6000)))??;
     rx.set_read_timeout(Some(Duration::from_secs(2)))?;
     let mut buf = vec![0u8; 65536];
@@ -303,18 +311,25 @@ fn left_to_the_kernel_arrive(backend: &str, underlay: Underlay) -> Result<()> {
         }
         let payload: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
         tx.send_to(&payload, (dst, 6000))?;
-        let (n, _) = rx
+        let (n, seen) = rx
             .recv_from(&mut buf)
             .with_context(|| format!("{backend}: {what}: the {size}-byte datagram"))?;
         ensure!(
             buf[..n] == payload[..],
             "{backend}: {what}: {n} bytes arrived, not the {size} sent"
         );
+        let source = tx.local_addr()?;
+        ensure!(
+            what != "a pod's fragments" || seen == source,
+            "{backend}: {what} arrived from {seen}, not from {source}"
+        );
     }
     let passed = fast(node1.ns(), "pass_ipv6_ext_header")? - passed_before;
+    let sent = fast(node1.ns(), sent_as)? - sent_before;
     ensure!(
-        passed >= 4.0,
-        "{backend}: node1 passed {passed} packets with extension headers, want at least 4"
+        passed >= 2.0 && sent >= 3.0,
+        "{backend}: node1 passed {passed} packets with extension headers (want at least 2) and \
+         counted {sent} under {sent_as} (want the pod's 3 fragments)"
     );
     Ok(())
 }

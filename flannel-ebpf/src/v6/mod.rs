@@ -48,10 +48,11 @@ use flannel_common::{
     config::{FASTPATH_MARK, FASTPATH_TC_INDEX},
     memo::{DIR_IN, DIR_OUT, FlowMemo6},
     route::{NODE_F_VXLAN, NodeEntry, RemoteEntry6},
-    stats::Reason,
+    stats::{Reason, ReasonKind},
     v6::{
-        CFG6_ROUTED_RX, CFG6_VXLAN_RX, Config6, FlowKey6, KERNEL_FLOWS6_MAX_ENTRIES,
-        NAT_GUARD6_MAX_ENTRIES, NODES6_MAX_ENTRIES, PeerKey6, ROUTES6_MAX_ENTRIES, VXLAN6_OVERHEAD,
+        CFG6_ROUTED_RX, CFG6_VXLAN_RX, Config6, FRAGS6_MAX_ENTRIES, FlowKey6, FragKey6,
+        KERNEL_FLOWS6_MAX_ENTRIES, NAT_GUARD6_MAX_ENTRIES, NODES6_MAX_ENTRIES, PeerKey6,
+        ROUTES6_MAX_ENTRIES, VXLAN6_OVERHEAD,
     },
 };
 
@@ -114,7 +115,24 @@ pub struct Scratch6 {
     pub generation: u64,
     /// The remembered decision being used ([`memo`]).
     pub memo: FlowMemo6,
+    /// The datagram of a fragment being sent ([`read_fragment`]).
+    pub frag: FragKey6,
+    /// [`FRAG_NONE`], [`FRAG_FIRST`] or [`FRAG_LATER`]: what the packet being sent is.
+    pub frag_state: u8,
 }
+
+/// [`Scratch6::frag_state`]: not a fragment.
+pub const FRAG_NONE: u8 = 0;
+/// [`Scratch6::frag_state`]: the first fragment of a datagram (it carries the ports).
+pub const FRAG_FIRST: u8 = 1;
+/// [`Scratch6::frag_state`]: a later fragment of a datagram whose first was sent.
+pub const FRAG_LATER: u8 = 2;
+
+/// A local pod's fragmented IPv6 datagrams whose first fragment was sent
+/// (`flannel_common::v6::FRAGS6`, see [`read_fragment`]).
+#[btf_map]
+pub static FLANNEL_FRAGS6: LruHashMap<FragKey6, u32, { FRAGS6_MAX_ENTRIES as usize }> =
+    LruHashMap::new();
 
 /// [`Scratch6`], one per CPU.
 #[btf_map]
@@ -319,6 +337,11 @@ pub fn from_bridge(ctx: &TcContext) -> Outcome {
     let Some(cfg) = config() else {
         return Verdict::pass(Reason::PassNotIpv4).outcome(class);
     };
+    s.frag_state = FRAG_NONE;
+    let refused = match refused {
+        Some(Reason::PassIpv6ExtHeader) => read_fragment(ctx, s).err(),
+        refused => refused,
+    };
     if let Some(reason) = refused {
         return Verdict::pass(reason).outcome(class);
     }
@@ -326,16 +349,91 @@ pub fn from_bridge(ctx: &TcContext) -> Outcome {
     s.generation = memo::generation_for(&s.outer, DIR_OUT, crate::memo::agent_generation());
     let verdict = match decide_bridge(cfg, &s.outer, &mut s.peer) {
         BridgeStep::Pass(reason) => Verdict::pass(reason),
-        BridgeStep::HostGw => host_gw(ctx, &s.outer, s.generation),
+        BridgeStep::HostGw => host_gw(ctx, &s.outer, s.generation, s.frag_state == FRAG_NONE),
         BridgeStep::Vxlan => vxlan_out(ctx, cfg, s),
     };
+    if s.frag_state == FRAG_FIRST && verdict.reason.kind() == ReasonKind::Fast {
+        // By reference: the key stays in the scratch entry, off the stack.
+        let key: &FragKey6 = &s.frag;
+        let _ = FLANNEL_FRAGS6.insert(key, 0, 0);
+    }
     verdict.outcome(class)
 }
 
-/// Host-gw: route by the kernel FIB, decrement the hop limit, redirect; the decision
-/// remembered for the flow ([`memo`]).
+/// IPv6 fragment header (next header value).
+const FRAGMENT: u8 = 44;
+
+/// If the frame is a fragment of a local pod's UDP datagram the fast path may send, as IPv4's
+/// are ([`crate::frag`]): a fragment header right after the IPv6 header and UDP after it; a
+/// first fragment (offset 0, more to come) long enough to carry the ports, or a later one of a
+/// datagram whose first was sent ([`FLANNEL_FRAGS6`]). Reads it into `s.outer` (L4 after the
+/// fragment header; the ports of a first fragment, none for a later one) and `s.frag`; the
+/// pass reason otherwise. A BPF subprogram of its own.
 #[inline(never)]
-fn host_gw(ctx: &TcContext, info: &Ipv6Info, generation: u64) -> Verdict {
+fn read_fragment(ctx: &TcContext, s: &mut Scratch6) -> Result<(), Reason> {
+    let l3 = ETH_HDR_LEN;
+    let Some(hdr) = ptr_at::<TcContext, [u8; 48]>(ctx, l3) else {
+        return Err(Reason::PassIpv6ExtHeader);
+    };
+    // SAFETY: ptr_at checked the 48 bytes (IPv6 and fragment headers) are readable.
+    let hdr = unsafe { hdr.read_unaligned() };
+    if hdr[6] != FRAGMENT || hdr[40] != proto::UDP {
+        return Err(Reason::PassIpv6ExtHeader);
+    }
+    let offset_m = u16::from_be_bytes([hdr[42], hdr[43]]);
+    let first = offset_m & 0xfff8 == 0;
+    if first && offset_m & 1 == 0 {
+        // An atomic fragment (RFC 6946): not part of a datagram in pieces.
+        return Err(Reason::PassIpv6ExtHeader);
+    }
+    // The parser checked the payload length against the packet.
+    let payload_len = u16::from_be_bytes([hdr[4], hdr[5]]);
+    let l4 = l3 + IPV6_HDR_LEN + 8;
+    let info = &mut s.outer;
+    info.l3 = l3;
+    info.l4 = l4;
+    info.src.copy_from_slice(&hdr[8..24]);
+    info.dst.copy_from_slice(&hdr[24..40]);
+    info.next_hdr = proto::UDP;
+    info.hop_limit = hdr[7];
+    info.tclass = (hdr[0] << 4) | (hdr[1] >> 4);
+    info.payload_len = payload_len;
+    info.icmp_type = 0;
+    info.sport = [0; 2];
+    info.dport = [0; 2];
+    info.l4_hdr_len = 0;
+    s.frag = FragKey6 {
+        saddr: info.src,
+        daddr: info.dst,
+        id: [hdr[44], hdr[45], hdr[46], hdr[47]],
+        proto: proto::UDP,
+        _pad: [0; 3],
+    };
+    if first {
+        if l4 + 8 > l3 + IPV6_HDR_LEN + usize::from(payload_len) {
+            return Err(Reason::PassIpv6ExtHeader);
+        }
+        let Some(ports) = ptr_at::<TcContext, [u8; 4]>(ctx, l4) else {
+            return Err(Reason::PassIpv6ExtHeader);
+        };
+        // SAFETY: ptr_at checked the 4 bytes are readable.
+        let ports = unsafe { ports.read_unaligned() };
+        info.sport = [ports[0], ports[1]];
+        info.dport = [ports[2], ports[3]];
+        info.l4_hdr_len = 8;
+        s.frag_state = FRAG_FIRST;
+    } else if FLANNEL_FRAGS6.get_ptr(&s.frag as &FragKey6).is_some() {
+        s.frag_state = FRAG_LATER;
+    } else {
+        return Err(Reason::PassFragment);
+    }
+    Ok(())
+}
+
+/// Host-gw: route by the kernel FIB, decrement the hop limit, redirect; the decision
+/// remembered for the flow ([`memo`]) if `remember` (not for fragments).
+#[inline(never)]
+fn host_gw(ctx: &TcContext, info: &Ipv6Info, generation: u64, remember: bool) -> Verdict {
     let mut mtu = 0;
     let route = fib::lookup(ctx, crate::pods::routing_iif(ctx), info, &mut mtu);
     if route == Fib6::Failed {
@@ -346,7 +444,9 @@ fn host_gw(ctx: &TcContext, info: &Ipv6Info, generation: u64) -> Verdict {
     if let Err(reason) = decrement_hop_limit(ctx, ETH_HDR_LEN, info.hop_limit) {
         return Verdict::pass(reason);
     }
-    memo::remember_transmit(info, &route, mtu, generation, None);
+    if remember {
+        memo::remember_transmit(info, &route, mtu, generation, None);
+    }
     match send(ctx, route) {
         Ok(action) => Verdict {
             action,
@@ -360,7 +460,9 @@ fn host_gw(ctx: &TcContext, info: &Ipv6Info, generation: u64) -> Verdict {
 /// decision remembered for the flow ([`memo`]).
 #[inline(never)]
 fn vxlan_out(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6) -> Verdict {
-    if gso_size(ctx) != 0 {
+    // A fragment too: the outer UDP checksum is built from the inner one, which covers the
+    // whole datagram, not the fragment.
+    if gso_size(ctx) != 0 || s.frag_state != FRAG_NONE {
         return vxlan_device(ctx, &s.outer);
     }
     match vxlan::encap(
@@ -377,7 +479,7 @@ fn vxlan_out(ctx: &TcContext, cfg: &Config6, s: &mut Scratch6) -> Verdict {
     }
 }
 
-/// A GSO packet for a VXLAN peer, sent where the kernel's route for its destination says
+/// A GSO packet (or a fragment) for a VXLAN peer, sent where the kernel's route for its destination says
 /// (`<subnet> via <peer's VTEP address> dev flannel-v6.<VNI> onlink`, the VTEP's MAC in the
 /// neighbour entry): its MACs set as the kernel would set them and its hop limit decremented,
 /// redirected to `flannel-v6.<VNI>`, which encapsulates it (its FDB has the peer) and segments
@@ -412,7 +514,9 @@ fn vxlan_device(ctx: &TcContext, info: &Ipv6Info) -> Verdict {
 /// its frame is not on the stack while the headers are built (the deepest call chain).
 #[inline(never)]
 fn vxlan_send(ctx: &TcContext, s: &Scratch6, route: &Fib6) -> Verdict {
-    memo::remember_transmit(&s.outer, route, s.room, s.generation, Some(&s.peer));
+    if s.frag_state == FRAG_NONE {
+        memo::remember_transmit(&s.outer, route, s.room, s.generation, Some(&s.peer));
+    }
     match send(ctx, *route) {
         Ok(action) => Verdict {
             action,
