@@ -13,7 +13,8 @@
 //! pod sends them in order, as Linux does. Fragments with IP options, of other protocols (TCP
 //! does not fragment, ICMP keeps working through the masquerade) or to IPIP and udp peers (whose
 //! kernel-routed packets `tc_to_netdev` and `flannel0` carry) stay with the kernel. Arriving
-//! fragments are the kernel's on the receiving node, as before.
+//! fragments are the kernel's on the receiving node, as before. IPv6 does the same in
+//! `crate::v6` (`read_fragment`).
 
 use flannel_common::{nat::FragKey, stats::Reason};
 

@@ -20,8 +20,9 @@
 //! A TCP or UDP flow's decision to send or deliver is remembered ([`memo`]), as for IPv4.
 //!
 //! Neighbour discovery, ICMPv6 errors, extension headers (but the jumbo option of a BIG TCP
-//! packet, see [`crate::parse`]), hop limit 1 and everything else goes to the kernel unchanged
-//! with its reason counted. Without an enabled IPv6
+//! packet, see [`crate::parse`], and the fragment header of a pod's UDP datagram, see
+//! [`read_fragment`]), hop limit 1 and everything else goes to the kernel unchanged with its
+//! reason counted. Without an enabled IPv6
 //! configuration, IPv6 frames are passed as [`Reason::PassNotIpv4`] (as before IPv6 support).
 //!
 //! | module | job |
