@@ -21,7 +21,7 @@
 //!
 //! Neighbour discovery, ICMPv6 errors, extension headers (but the jumbo option of a BIG TCP
 //! packet, see [`crate::parse`], and the fragment header of a pod's UDP datagram, see
-//! [`read_fragment`]), hop limit 1 and everything else goes to the kernel unchanged with its
+//! `read_fragment`), hop limit 1 and everything else goes to the kernel unchanged with its
 //! reason counted. Without an enabled IPv6
 //! configuration, IPv6 frames are passed as [`Reason::PassNotIpv4`] (as before IPv6 support).
 //!
@@ -116,7 +116,7 @@ pub struct Scratch6 {
     pub generation: u64,
     /// The remembered decision being used ([`memo`]).
     pub memo: FlowMemo6,
-    /// The datagram of a fragment being sent ([`read_fragment`]).
+    /// The datagram of a fragment being sent (`read_fragment`).
     pub frag: FragKey6,
     /// [`FRAG_NONE`], [`FRAG_FIRST`] or [`FRAG_LATER`]: what the packet being sent is.
     pub frag_state: u8,
@@ -130,7 +130,7 @@ pub const FRAG_FIRST: u8 = 1;
 pub const FRAG_LATER: u8 = 2;
 
 /// A local pod's fragmented IPv6 datagrams whose first fragment was sent
-/// (`flannel_common::v6::FRAGS6`, see [`read_fragment`]).
+/// (`flannel_common::v6::FRAGS6`, see `read_fragment`).
 #[btf_map]
 pub static FLANNEL_FRAGS6: LruHashMap<FragKey6, u32, { FRAGS6_MAX_ENTRIES as usize }> =
     LruHashMap::new();
