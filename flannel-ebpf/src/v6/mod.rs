@@ -376,8 +376,9 @@ fn read_fragment(ctx: &TcContext, s: &mut Scratch6) -> Result<(), Reason> {
     let Some(hdr) = ptr_at::<TcContext, [u8; 48]>(ctx, l3) else {
         return Err(Reason::PassIpv6ExtHeader);
     };
-    // SAFETY: ptr_at checked the 48 bytes (IPv6 and fragment headers) are readable.
-    let hdr = unsafe { hdr.read_unaligned() };
+    // SAFETY: ptr_at checked the 48 bytes (IPv6 and fragment headers) are readable; nothing
+    // changes them while the reference is used.
+    let hdr = unsafe { &*hdr };
     if hdr[6] != FRAGMENT || hdr[40] != proto::UDP {
         return Err(Reason::PassIpv6ExtHeader);
     }
@@ -403,13 +404,14 @@ fn read_fragment(ctx: &TcContext, s: &mut Scratch6) -> Result<(), Reason> {
     info.sport = [0; 2];
     info.dport = [0; 2];
     info.l4_hdr_len = 0;
-    s.frag = FragKey6 {
-        saddr: info.src,
-        daddr: info.dst,
-        id: [hdr[44], hdr[45], hdr[46], hdr[47]],
-        proto: proto::UDP,
-        _pad: [0; 3],
-    };
+    // Field by field, the padding left alone (see below).
+    let key = &mut s.frag;
+    key.saddr = info.src;
+    key.daddr = info.dst;
+    key.id = [hdr[44], hdr[45], hdr[46], hdr[47]];
+    key.proto = proto::UDP;
+    // (`_pad` stays zero: the scratch entry starts zeroed and nothing else writes the key; a
+    // write of the three bytes would be a `memset` call.)
     if first {
         if l4 + 8 > l3 + IPV6_HDR_LEN + usize::from(payload_len) {
             return Err(Reason::PassIpv6ExtHeader);
