@@ -140,12 +140,6 @@ pub fn run(ctx: &TcContext) -> Outcome {
     if let (Ok(_), Some((key, true))) = (&sent, fragment) {
         frag::remember(&key);
     }
-    outcome(sent, class)
-}
-
-/// The outcome of a packet of `class` that was sent (`Ok`: action and verdict) or not.
-#[inline(always)]
-fn outcome(sent: Result<(i32, Reason), Reason>, class: Reason) -> Outcome {
     match sent {
         Ok((action, verdict)) => Outcome {
             action,

@@ -21,12 +21,8 @@ use flannel_common::{nat::FragKey, stats::Reason};
 use crate::{
     ipv4::{self, Ipv4Info},
     maps::FLANNEL_FRAGS4,
-    parse::{ETH_HDR_LEN, PacketCtx, proto, ptr_at},
+    parse::{ETH_HDR_LEN, IPV4_MF, IPV4_OFFSET_MASK, PacketCtx, proto, ptr_at},
 };
-
-/// "More fragments" and the offset mask of the IPv4 flags/offset field.
-const IP_MF: u16 = 0x2000;
-const IP_OFFSET: u16 = 0x1fff;
 
 /// A fragment of a local pod's UDP datagram, as the fast path decides on it.
 pub struct Fragment {
@@ -53,8 +49,8 @@ pub fn read<C: PacketCtx>(ctx: &C) -> Result<Fragment, Reason> {
     let field = unsafe { p.read_unaligned() };
     let id = u16::from_be_bytes([field[0], field[1]]);
     let frags = u16::from_be_bytes([field[2], field[3]]);
-    let first = frags & IP_OFFSET == 0;
-    if first && frags & IP_MF == 0 {
+    let first = frags & IPV4_OFFSET_MASK == 0;
+    if first && frags & IPV4_MF == 0 {
         // Not a fragment at all (the parser would not have said so).
         return Err(Reason::PassFragment);
     }

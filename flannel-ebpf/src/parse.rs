@@ -59,9 +59,9 @@ pub const ICMP_HDR_LEN: usize = 8;
 pub const PULL_LEN: usize = 128;
 
 /// IPv4 "more fragments" flag, in the flags/fragment-offset field (host order).
-const IPV4_MF: u16 = 0x2000;
+pub const IPV4_MF: u16 = 0x2000;
 /// IPv4 fragment offset mask, in the flags/fragment-offset field (host order).
-const IPV4_OFFSET_MASK: u16 = 0x1fff;
+pub const IPV4_OFFSET_MASK: u16 = 0x1fff;
 
 /// What a program needs from its context to parse a packet.
 pub trait PacketCtx {

@@ -580,18 +580,13 @@ impl Ipv4 {
     /// the whole datagram; options are copied into every fragment.
     pub fn fragments(&self, max_payload: usize) -> Vec<Vec<u8>> {
         let payload = self.payload.encode(Pseudo::V4(self.src, self.dst));
-        let step = (max_payload / 8).max(1) * 8;
         let proto = self.payload.proto();
-        let chunks: Vec<&[u8]> = payload.chunks(step).collect();
-        let last = chunks.len().saturating_sub(1);
-        chunks
-            .iter()
-            .enumerate()
-            .map(|(i, chunk)| {
+        pieces(&payload, max_payload)
+            .map(|(offset, more, chunk)| {
                 let fragment = Ipv4 {
                     dont_fragment: false,
-                    more_fragments: i != last || self.more_fragments,
-                    fragment_offset: self.fragment_offset + (i * step / 8) as u16,
+                    more_fragments: more || self.more_fragments,
+                    fragment_offset: self.fragment_offset + offset,
                     proto: Some(proto),
                     ..self.clone()
                 };
@@ -599,6 +594,18 @@ impl Ipv4 {
             })
             .collect()
     }
+}
+
+/// `payload` in pieces of at most `max_payload` bytes (rounded down to a multiple of 8, at
+/// least 8), each with its offset in 8-byte units and whether more pieces follow: a
+/// fragmenter's split, IPv4's and IPv6's alike.
+fn pieces(payload: &[u8], max_payload: usize) -> impl Iterator<Item = (u16, bool, &[u8])> {
+    let step = (max_payload / 8).max(1) * 8;
+    let count = payload.len().div_ceil(step);
+    payload
+        .chunks(step)
+        .enumerate()
+        .map(move |(i, chunk)| ((i * step / 8) as u16, i + 1 < count, chunk))
 }
 
 /// An IPv6 extension header in the common format: next header, length in 8-byte units minus
@@ -678,16 +685,11 @@ impl Ipv6 {
     /// them.
     pub fn fragments(&self, max_payload: usize, id: u32) -> Vec<Vec<u8>> {
         let upper = self.payload.encode(Pseudo::V6(self.src, self.dst));
-        let step = (max_payload / 8).max(1) * 8;
         let proto = self.payload.proto();
-        let chunks: Vec<&[u8]> = upper.chunks(step).collect();
-        let last = chunks.len().saturating_sub(1);
-        chunks
-            .iter()
-            .enumerate()
-            .map(|(i, chunk)| {
+        pieces(&upper, max_payload)
+            .map(|(offset, more, chunk)| {
                 let mut extensions = self.extensions.clone();
-                extensions.push(Ipv6Ext::fragment((i * step / 8) as u16, i != last, id));
+                extensions.push(Ipv6Ext::fragment(offset, more, id));
                 Ipv6 {
                     extensions,
                     payload: Transport::Raw {
@@ -880,6 +882,16 @@ impl Ethernet {
             payload: payload.into(),
             trailer: Vec::new(),
         }
+    }
+
+    /// A frame from `src` to `dst` carrying the encoded packet `l3` of `ethertype` (an IP
+    /// fragment, a packet built by hand).
+    pub fn carrying(src: Mac, dst: Mac, ethertype: u16, l3: &[u8]) -> Self {
+        let payload = L3::Raw {
+            ethertype,
+            bytes: l3.to_vec(),
+        };
+        Ethernet::new(src, dst, payload)
     }
 
     /// The frame's bytes.

@@ -29,8 +29,8 @@ use flannel_common::{
     stats::{Reason, ReasonKind},
 };
 use flannel_tests::packet::{
-    self, Arp, Checksum, Ethernet, IPPROTO_GRE, IPPROTO_IPIP, Icmp, Ipv4, Ipv6, MAC_BROADCAST,
-    ParsedL3, ParsedL4, Tcp, Transport, Udp, hexdump,
+    self, Arp, Checksum, ETH_P_IP, Ethernet, IPPROTO_GRE, IPPROTO_IPIP, Icmp, Ipv4, Ipv6,
+    MAC_BROADCAST, ParsedL3, ParsedL4, Tcp, Transport, Udp, hexdump,
 };
 use ipnet::Ipv4Net;
 
@@ -465,12 +465,8 @@ fn a_pods_fragments_follow_their_first_fragment() {
         return;
     };
     rig.with_fast_path(|fp, ifs| {
-        let framed = |ip_bytes: &[u8]| {
-            let mut f = Ethernet::new(POD_MAC, BR_MAC, Ipv4::new(POD, VXLAN_POD, tcp())).encode();
-            f.truncate(14);
-            f.extend_from_slice(ip_bytes);
-            f
-        };
+        let framed =
+            |ip_bytes: &[u8]| Ethernet::carrying(POD_MAC, BR_MAC, ETH_P_IP, ip_bytes).encode();
         let datagram = |dst, id| Ipv4 {
             id,
             dont_fragment: false,
@@ -483,10 +479,7 @@ fn a_pods_fragments_follow_their_first_fragment() {
             let frame = framed(fragment);
             let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
             assert_eq!(r.verdict, TC_ACT_REDIRECT, "host-gw fragment {i}");
-            let mut expected =
-                Ethernet::new(EXT_MAC, PEER2_MAC, Ipv4::new(POD, POD, tcp())).encode();
-            expected.truncate(14);
-            expected.extend_from_slice(&want[i]);
+            let expected = Ethernet::carrying(EXT_MAC, PEER2_MAC, ETH_P_IP, &want[i]).encode();
             assert_bytes(&r.out, &expected, &format!("host-gw fragment {i}"));
             assert_counted(
                 &r,
@@ -623,14 +616,7 @@ fn bridge_passes_everything_else_unchanged() {
             ),
             (
                 "a later fragment whose first was not sent",
-                {
-                    let mut f =
-                        Ethernet::new(POD_MAC, BR_MAC, Ipv4::new(POD, VXLAN_POD, Udp::new(1, 2)))
-                            .encode();
-                    f.truncate(14);
-                    f.extend_from_slice(&fragments[1]);
-                    f
-                },
+                Ethernet::carrying(POD_MAC, BR_MAC, ETH_P_IP, &fragments[1]).encode(),
                 Reason::Ipv4Fragment,
                 Reason::PassFragment,
             ),
@@ -1996,11 +1982,7 @@ fn netdev_leaves_foreign_vxlan_to_the_kernel() {
                     }
                     .fragments(32)
                     .remove(0);
-                    let mut inner =
-                        Ethernet::new(VTEP3, LOCAL_VTEP, Ipv4::new(VXLAN_POD, POD, Udp::new(1, 2)))
-                            .encode();
-                    inner.truncate(14);
-                    inner.extend_from_slice(&fragment);
+                    let inner = Ethernet::carrying(VTEP3, LOCAL_VTEP, ETH_P_IP, &fragment).encode();
                     underlay(
                         PEER3_MAC,
                         Ipv4::new(
@@ -3210,10 +3192,13 @@ fn seeds_of_every_path(ifs: &Ifaces) -> Vec<mutate::Seed> {
             dont_fragment: false,
             ..from_pod(dst, Udp::new(5353, 53).payload(&[1; 64]))
         };
-        let mut frame = pod_frame(&from_pod(dst, tcp()));
-        frame.truncate(14);
-        frame.extend_from_slice(&datagram.fragments(32)[n]);
-        seed(name, Program::Tc(Hook::FromBridge), Skb::on(ifs.br), frame)
+        let frame = Ethernet::carrying(POD_MAC, BR_MAC, ETH_P_IP, &datagram.fragments(32)[n]);
+        seed(
+            name,
+            Program::Tc(Hook::FromBridge),
+            Skb::on(ifs.br),
+            frame.encode(),
+        )
     };
     let flannel_1 = underlay(
         EXT_MAC,

@@ -26,7 +26,7 @@ use flannel_common::{
     stats::{Reason, ReasonKind},
 };
 use flannel_tests::packet::{
-    self, Ethernet, Icmp, Ipv4, Ipv6, Ipv6Ext, ParsedL3, Tcp, Transport, Udp, hexdump,
+    self, ETH_P_IPV6, Ethernet, Icmp, Ipv4, Ipv6, Ipv6Ext, ParsedL3, Tcp, Transport, Udp, hexdump,
 };
 use ipnet::{Ipv4Net, Ipv6Net};
 
@@ -332,28 +332,17 @@ fn a_pods_ipv6_fragments_follow_their_first_fragment() {
         return;
     };
     rig.with_fast_path(false, |fp, ifs| {
-        let framed = |eth: Ethernet, ip_bytes: &[u8]| {
-            let mut f = eth.encode();
-            f.truncate(14);
-            f.extend_from_slice(ip_bytes);
-            f
-        };
-        let dummy = |dst| Ipv6::new(pod(), dst, Tcp::new(1, 2));
+        let framed =
+            |src, dst, ip_bytes: &[u8]| Ethernet::carrying(src, dst, ETH_P_IPV6, ip_bytes).encode();
         let datagram = |dst| Ipv6::new(pod(), dst, Udp::new(5353, 6000).payload(&[7; 100]));
         // Host-gw.
         let ip = datagram(hostgw_pod());
         let want = hop(&ip).fragments(32, 0x1111);
         for (i, fragment) in ip.fragments(32, 0x1111).iter().enumerate() {
-            let frame = framed(
-                Ethernet::new(POD_MAC, BR_MAC, dummy(hostgw_pod())),
-                fragment,
-            );
+            let frame = framed(POD_MAC, BR_MAC, fragment);
             let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
             assert_eq!(r.verdict, TC_ACT_REDIRECT, "host-gw fragment {i}");
-            let expected = framed(
-                Ethernet::new(EXT_MAC, PEER2_MAC, dummy(hostgw_pod())),
-                &want[i],
-            );
+            let expected = framed(EXT_MAC, PEER2_MAC, &want[i]);
             assert_bytes(&r.out, &expected, &format!("host-gw fragment {i}"));
             assert_counted(
                 &r,
@@ -365,7 +354,7 @@ fn a_pods_ipv6_fragments_follow_their_first_fragment() {
         // goes to the kernel, and so do the later ones.
         let ip = datagram(vxlan_pod());
         for (i, fragment) in ip.fragments(32, 0x2222).iter().enumerate() {
-            let frame = framed(Ethernet::new(POD_MAC, BR_MAC, dummy(vxlan_pod())), fragment);
+            let frame = framed(POD_MAC, BR_MAC, fragment);
             let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
             assert_eq!(r.verdict, TC_ACT_OK, "VXLAN fragment {i}, no device route");
             assert_bytes(&r.out, &frame, "no device route");
@@ -379,26 +368,13 @@ fn a_pods_ipv6_fragments_follow_their_first_fragment() {
         // With it, every fragment goes to flannel-v6.1 itself (the outer UDP checksum the
         // programs build rests on the inner one, which covers the datagram, not a fragment),
         // past the stack, as the route says.
-        for cmd in [
-            "ip link add flannel-v6.1 type vxlan id 1 local fd00:77::1 dstport 8472 nolearning dev ext0",
-            "ip link set flannel-v6.1 address 0e:06:00:00:00:01",
-            "ip link set flannel-v6.1 up",
-            "ip -6 route add fd00:10:244:3::/64 via fd00:10:244:3:: dev flannel-v6.1 onlink",
-            "ip -6 neigh replace fd00:10:244:3:: lladdr 0e:06:00:00:00:03 dev flannel-v6.1 nud permanent",
-        ] {
-            let argv: Vec<&str> = cmd.split_whitespace().collect();
-            let status = std::process::Command::new(argv[0])
-                .args(&argv[1..])
-                .status()
-                .expect(cmd);
-            assert!(status.success(), "{cmd}");
-        }
+        add_flannel_v6_route();
         let want = hop(&ip).fragments(32, 0x2323);
         for (i, fragment) in ip.fragments(32, 0x2323).iter().enumerate() {
-            let frame = framed(Ethernet::new(POD_MAC, BR_MAC, dummy(vxlan_pod())), fragment);
+            let frame = framed(POD_MAC, BR_MAC, fragment);
             let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
             assert_eq!(r.verdict, TC_ACT_REDIRECT, "VXLAN fragment {i}");
-            let expected = framed(Ethernet::new(LOCAL_VTEP6, VTEP3, dummy(vxlan_pod())), &want[i]);
+            let expected = framed(LOCAL_VTEP6, VTEP3, &want[i]);
             assert_bytes(&r.out, &expected, &format!("VXLAN fragment {i}"));
             assert_counted(
                 &r,
@@ -420,10 +396,7 @@ fn a_pods_ipv6_fragments_follow_their_first_fragment() {
                 Reason::PassIpv6ExtHeader,
             ),
         ] {
-            let frame = framed(
-                Ethernet::new(POD_MAC, BR_MAC, dummy(hostgw_pod())),
-                &fragment,
-            );
+            let frame = framed(POD_MAC, BR_MAC, &fragment);
             let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
             assert_eq!(r.verdict, TC_ACT_OK, "{what}");
             assert_bytes(&r.out, &frame, what);
@@ -523,20 +496,7 @@ fn ipv6_the_fast_path_does_not_take_goes_to_the_kernel() {
         // With the kernel's route to the peer's subnet through flannel-v6.1, a GSO packet goes
         // to that device as the route says (its MACs, hop limit), not through the stack.
         // (The flow's next small packets still take the fast path's own encapsulation.)
-        for cmd in [
-            "ip link add flannel-v6.1 type vxlan id 1 local fd00:77::1 dstport 8472 nolearning dev ext0",
-            "ip link set flannel-v6.1 address 0e:06:00:00:00:01",
-            "ip link set flannel-v6.1 up",
-            "ip -6 route add fd00:10:244:3::/64 via fd00:10:244:3:: dev flannel-v6.1 onlink",
-            "ip -6 neigh replace fd00:10:244:3:: lladdr 0e:06:00:00:00:03 dev flannel-v6.1 nud permanent",
-        ] {
-            let argv: Vec<&str> = cmd.split_whitespace().collect();
-            let status = std::process::Command::new(argv[0])
-                .args(&argv[1..])
-                .status()
-                .expect(cmd);
-            assert!(status.success(), "{cmd}");
-        }
+        add_flannel_v6_route();
         let r = run(fp, Hook::FromBridge, &big, gso);
         assert_eq!(r.verdict, TC_ACT_REDIRECT, "{:?}", r.counted);
         // Not marked: its outer packet meets netfilter, where mark bits mean something to
@@ -548,7 +508,11 @@ fn ipv6_the_fast_path_does_not_take_goes_to_the_kernel() {
             "GSO to the device",
         );
         // (Only flannel-v6.1's route and neighbour give these MACs: its own and the VTEP's.)
-        assert_counted(&r, &[Reason::Ipv6Tcp, Reason::FastVxlan6Device], "GSO to the device");
+        assert_counted(
+            &r,
+            &[Reason::Ipv6Tcp, Reason::FastVxlan6Device],
+            "GSO to the device",
+        );
         // Host-gw takes GSO packets (no encapsulation).
         let big = pod_frame(&Ipv6::new(
             pod(),
@@ -558,6 +522,25 @@ fn ipv6_the_fast_path_does_not_take_goes_to_the_kernel() {
         let r = run(fp, Hook::FromBridge, &big, gso);
         assert_eq!(r.verdict, TC_ACT_REDIRECT);
     });
+}
+
+/// In the rig's namespace: `flannel-v6.1` (VNI 1, our VTEP MAC) with the kernel's route to the
+/// VXLAN pod subnet through it and the peer VTEP's neighbour entry, as the agent sets them up.
+fn add_flannel_v6_route() {
+    for cmd in [
+        "ip link add flannel-v6.1 type vxlan id 1 local fd00:77::1 dstport 8472 nolearning dev ext0",
+        "ip link set flannel-v6.1 address 0e:06:00:00:00:01",
+        "ip link set flannel-v6.1 up",
+        "ip -6 route add fd00:10:244:3::/64 via fd00:10:244:3:: dev flannel-v6.1 onlink",
+        "ip -6 neigh replace fd00:10:244:3:: lladdr 0e:06:00:00:00:03 dev flannel-v6.1 nud permanent",
+    ] {
+        let argv: Vec<&str> = cmd.split_whitespace().collect();
+        let status = std::process::Command::new(argv[0])
+            .args(&argv[1..])
+            .status()
+            .expect(cmd);
+        assert!(status.success(), "{cmd}");
+    }
 }
 
 /// A frame from the underlay to us.
@@ -1511,9 +1494,8 @@ fn seeds_of_every_ipv6_path(ifs: &Ifaces) -> Vec<mutate::Seed> {
     // remembered when the later one's variants run).
     let fragment = |name, dst, n: usize| {
         let datagram = Ipv6::new(pod(), dst, Udp::new(5353, 53).payload(&[1; 64]));
-        let mut frame = pod_frame(&Ipv6::new(pod(), dst, Tcp::new(1, 2)));
-        frame.truncate(14);
-        frame.extend_from_slice(&datagram.fragments(32, 0x7777)[n]);
+        let fragment = &datagram.fragments(32, 0x7777)[n];
+        let frame = Ethernet::carrying(POD_MAC, BR_MAC, ETH_P_IPV6, fragment).encode();
         seed(name, Hook::FromBridge, Skb::on(ifs.br), frame)
     };
     vec![

@@ -76,6 +76,24 @@ pub fn screen(parsed: &Result<Packet, Reason>) -> Result<Packet, Reason> {
     }
 }
 
+/// Writes the fields of the IPv6 header `hdr` found at `l3`, with L4 protocol `next_hdr` at
+/// `l4`, into `info`, its L4 fields cleared (ports, ICMPv6 type, header length).
+#[inline(always)]
+pub fn header_into(hdr: &[u8; 40], l3: usize, l4: usize, next_hdr: u8, info: &mut Ipv6Info) {
+    info.l3 = l3;
+    info.l4 = l4;
+    info.next_hdr = next_hdr;
+    info.hop_limit = hdr[7];
+    info.tclass = (hdr[0] << 4) | (hdr[1] >> 4);
+    info.payload_len = u16::from_be_bytes([hdr[4], hdr[5]]);
+    info.src.copy_from_slice(&hdr[8..24]);
+    info.dst.copy_from_slice(&hdr[24..40]);
+    info.sport = [0; 2];
+    info.dport = [0; 2];
+    info.icmp_type = 0;
+    info.l4_hdr_len = 0;
+}
+
 /// Reads the fields of an IPv6 packet [`screen`] accepted into `info` (in place: the programs
 /// keep it in a per-CPU scratch map, off their stack). False if the bytes are not readable.
 #[inline(always)]
@@ -90,18 +108,7 @@ pub fn read_into<C: PacketCtx>(ctx: &C, packet: &Packet, info: &mut Ipv6Info) ->
     // SAFETY: ptr_at checked the 40 (and 8) bytes are readable; the parser checked the L4
     // header is at least 8 bytes.
     let (hdr, l4) = unsafe { (&*hdr, &*l4) };
-    info.l3 = l3;
-    info.l4 = packet.l4_offset;
-    info.next_hdr = packet.ip_proto;
-    info.hop_limit = hdr[7];
-    info.tclass = (hdr[0] << 4) | (hdr[1] >> 4);
-    info.payload_len = u16::from_be_bytes([hdr[4], hdr[5]]);
-    info.src.copy_from_slice(&hdr[8..24]);
-    info.dst.copy_from_slice(&hdr[24..40]);
-    info.sport = [0; 2];
-    info.dport = [0; 2];
-    info.icmp_type = 0;
-    info.l4_hdr_len = 0;
+    header_into(hdr, l3, packet.l4_offset, packet.ip_proto, info);
     match info.next_hdr {
         proto::TCP => {
             info.sport = [l4[0], l4[1]];

@@ -22,8 +22,8 @@
 //! Neighbour discovery, ICMPv6 errors, extension headers (but the jumbo option of a BIG TCP
 //! packet, see [`crate::parse`], and the fragment header of a pod's UDP datagram, see
 //! `read_fragment`), hop limit 1 and everything else goes to the kernel unchanged with its
-//! reason counted. Without an enabled IPv6
-//! configuration, IPv6 frames are passed as [`Reason::PassNotIpv4`] (as before IPv6 support).
+//! reason counted. Without an enabled IPv6 configuration, IPv6 frames are passed as
+//! [`Reason::PassNotIpv4`] (as before IPv6 support).
 //!
 //! | module | job |
 //! |---|---|
@@ -388,22 +388,12 @@ fn read_fragment(ctx: &TcContext, s: &mut Scratch6) -> Result<(), Reason> {
         // An atomic fragment (RFC 6946): not part of a datagram in pieces.
         return Err(Reason::PassIpv6ExtHeader);
     }
-    // The parser checked the payload length against the packet.
-    let payload_len = u16::from_be_bytes([hdr[4], hdr[5]]);
     let l4 = l3 + IPV6_HDR_LEN + 8;
     let info = &mut s.outer;
-    info.l3 = l3;
-    info.l4 = l4;
-    info.src.copy_from_slice(&hdr[8..24]);
-    info.dst.copy_from_slice(&hdr[24..40]);
-    info.next_hdr = proto::UDP;
-    info.hop_limit = hdr[7];
-    info.tclass = (hdr[0] << 4) | (hdr[1] >> 4);
-    info.payload_len = payload_len;
-    info.icmp_type = 0;
-    info.sport = [0; 2];
-    info.dport = [0; 2];
-    info.l4_hdr_len = 0;
+    let Some(fixed) = hdr.first_chunk::<40>() else {
+        return Err(Reason::PassIpv6ExtHeader);
+    };
+    info::header_into(fixed, l3, l4, proto::UDP, info);
     // Field by field, the padding left alone (see below).
     let key = &mut s.frag;
     key.saddr = info.src;
@@ -413,7 +403,8 @@ fn read_fragment(ctx: &TcContext, s: &mut Scratch6) -> Result<(), Reason> {
     // (`_pad` stays zero: the scratch entry starts zeroed and nothing else writes the key; a
     // write of the three bytes would be a `memset` call.)
     if first {
-        if l4 + 8 > l3 + IPV6_HDR_LEN + usize::from(payload_len) {
+        // The parser checked the payload length against the packet.
+        if l4 + 8 > info.end() {
             return Err(Reason::PassIpv6ExtHeader);
         }
         let Some(ports) = ptr_at::<TcContext, [u8; 4]>(ctx, l4) else {
