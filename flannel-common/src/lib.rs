@@ -16,6 +16,7 @@
 //! | [`memo`] | remembered per-flow decisions ([`memo::FlowMemo`]) and their generation |
 //! | [`csum`] | checksums and the VXLAN source port, as pure functions |
 //! | [`nat`] | masquerade in eBPF: NAT map layouts, configuration, states, decisions |
+//! | [`pmtu`] | ICMP "fragmentation needed" about IPIP packets, rewritten for their sender |
 //! | [`udp`] | the udp backend's configuration entry and wire format |
 //! | [`pods`] | local pods' bridge ports, for delivery into their namespace |
 //! | [`v6`] | IPv6: configuration, flow keys, map names |
@@ -28,6 +29,7 @@ pub mod hops;
 pub mod maps;
 pub mod memo;
 pub mod nat;
+pub mod pmtu;
 pub mod pods;
 pub mod programs;
 pub mod route;

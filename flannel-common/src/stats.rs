@@ -260,11 +260,15 @@ pub enum Reason {
     /// (MACs and TTL set) and redirected straight to it, which encapsulates and segments it: no
     /// netfilter, as for the flow's other packets.
     FastVxlanDevice = 85,
+    /// `tc_from_netdev`: an ICMP "fragmentation needed" about an IPIP packet this node sent,
+    /// rewritten into the error about the inner packet for its sender (see
+    /// `flannel_common::pmtu`) and delivered into the pod, or handed to the stack.
+    FastIpipFragNeeded = 86,
 }
 
 impl Reason {
     /// Number of reasons: the `max_entries` of the stats maps.
-    pub const COUNT: usize = 86;
+    pub const COUNT: usize = 87;
 
     /// Every reason, in index order.
     pub const ALL: [Reason; Reason::COUNT] = [
@@ -354,6 +358,7 @@ impl Reason {
         Reason::MemoHit,
         Reason::MemoConfirmed,
         Reason::FastVxlanDevice,
+        Reason::FastIpipFragNeeded,
     ];
 
     /// The map index of this reason.
@@ -444,6 +449,7 @@ impl Reason {
             Reason::FastDeliverVxlan6 => "fast_deliver_vxlan6",
             Reason::FastVxlan6Device => "fast_vxlan6_device",
             Reason::FastVxlanDevice => "fast_vxlan_device",
+            Reason::FastIpipFragNeeded => "fast_ipip_frag_needed",
             Reason::PassIpv6ExtHeader => "pass_ipv6_ext_header",
             Reason::FastSnat => "fast_snat",
             Reason::FastSnatReply => "fast_snat_reply",
@@ -508,6 +514,7 @@ impl Reason {
             | Reason::FastDeliverVxlan6
             | Reason::FastVxlan6Device
             | Reason::FastVxlanDevice
+            | Reason::FastIpipFragNeeded
             | Reason::FastSnat
             | Reason::FastSnatReply
             | Reason::FastSnatIcmpError

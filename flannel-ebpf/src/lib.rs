@@ -42,6 +42,7 @@ pub mod memo;
 pub mod nat;
 pub mod netdev;
 pub mod parse;
+pub mod pmtu;
 pub mod pods;
 pub mod stats;
 pub mod udp;

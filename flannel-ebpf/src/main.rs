@@ -33,6 +33,7 @@ use flannel_ebpf::{
     },
     memo, netdev,
     parse::{self, PULL_LEN, PacketCtx as _},
+    pmtu,
     stats::{self, Slots},
     v6, xdp,
 };
@@ -97,6 +98,8 @@ pub fn tc_from_netdev(ctx: TcContext) -> i32 {
         if v6::is_ipv6(&ctx) {
             v6::from_netdev(&ctx)
         } else if let Some(run) = netdev::nat_ingress(&ctx) {
+            run
+        } else if let Some(run) = pmtu::from_netdev(&ctx) {
             run
         } else {
             netdev::from_netdev(&ctx)

@@ -9,6 +9,8 @@
 //!   `flannel.<VNI>` untouched;
 //! - a plain (host-gw) packet from a remote pod to a local pod: delivered to the pod;
 //! - a udp-backend datagram to our interface address and port: see [`crate::udp`];
+//! - an ICMP "fragmentation needed" about an IPIP packet we sent: see [`crate::pmtu`] (run
+//!   before the rest, as the masquerade's reverse NAT is);
 //! - and on the way it records remote pods that address a host address in the NAT guard.
 //!
 //! IPv6 frames go to [`crate::v6`] instead (the entry points choose).

@@ -130,6 +130,56 @@ fn ebpf_ipip_carries_fragments_over_l3() {
     );
 }
 
+/// On the routed underlay with a path narrower than the interfaces (the router's route to
+/// node2's segment says MTU 1,400, every interface 1,500): TCP transfers from a pod and from
+/// node1 itself to a pod on node2 complete, each sender learnt the path MTU less the IPIP
+/// header (1,380), and node1's `tc_from_netdev` rewrote the router's "fragmentation needed"
+/// errors for them (`flannel_ebpf::pmtu`). Without the rewrite nothing here (no `ipip`
+/// module) takes those errors, and the DF packets vanish at the router: the transfers stall.
+#[test]
+fn ebpf_ipip_discovers_a_narrower_path_mtu() {
+    require_root!();
+    with_cluster(
+        &named(EBPF, "ipip/l3 path mtu"),
+        spec_on(EBPF, 2, Underlay::L3, "ipip", 1),
+        |c| {
+            let t = c.topology();
+            let segment2 = t.node(2).addr_net().trunc().to_string();
+            let gateway2 = t.node(2).gateway().to_string();
+            t.hub().run(&[
+                "ip", "route", "replace", &segment2, "dev", "br2", "proto", "kernel", "scope",
+                "link", "src", &gateway2, "mtu", "1400",
+            ])?;
+            let to = t.first_pod_on(2)?;
+            let before = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
+            for (who, ns) in [("pod", t.first_pod_on(1)?.ns()), ("node", t.node(1).ns())] {
+                probe::transfer(
+                    ns,
+                    to.ns(),
+                    IpAddr::V4(to.ip()),
+                    4 << 20,
+                    Duration::from_secs(20),
+                )
+                .with_context(|| format!("the {who}'s transfer across the narrower path"))?;
+                let route = ns.run(&["ip", "route", "get", &to.ip().to_string()])?;
+                ensure!(
+                    route.contains("mtu 1380"),
+                    "the {who} has not learnt the path MTU: {route}"
+                );
+            }
+            let after = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
+            let (b, a) = (&before.packets, &after.packets);
+            let rewritten = fastpath::grown(b, a, "tc_from_netdev", "fast_ipip_frag_needed");
+            ensure!(
+                rewritten >= 2,
+                "node1 rewrote {rewritten} errors; what moved: {}",
+                fastpath::growth_text(b, a)
+            );
+            Ok(())
+        },
+    );
+}
+
 /// A pod's UDP datagrams larger than its MTU (IPv4 fragments) to a remote pod keep the flow's
 /// source, as its small ones do, on VXLAN (routed underlay) and host-gw: the agents run
 /// without `--ip-masq`, so the CNI bridge masquerades what crosses netfilter, and the

@@ -1866,6 +1866,194 @@ fn netdev_decapsulates_ipip_for_the_stack_and_refuses_unknown_nodes() {
     });
 }
 
+/// A router's ICMP "fragmentation needed" (MTU `mtu`) to this node about the IPIP packet that
+/// carried `inner` to the IPIP peer, quoting `quote` bytes of it (as Linux routers do, up to
+/// 576 in all), from `router`.
+fn frag_needed_about_ipip(router: Ipv4Addr, inner: &Ipv4, mtu: u16, quote: usize) -> Ipv4 {
+    let outer = ipip_packet(PUB1, PUB5, inner);
+    frag_needed(router, PUB1, mtu, &outer[..quote.min(outer.len())])
+}
+
+/// The IPIP packet from `src` to `dst` carrying `inner`, as bytes.
+fn ipip_packet(src: Ipv4Addr, dst: Ipv4Addr, inner: &Ipv4) -> Vec<u8> {
+    let bytes = inner.encode();
+    Ipv4::new(
+        src,
+        dst,
+        Transport::Raw {
+            proto: IPPROTO_IPIP,
+            bytes,
+        },
+    )
+    .encode()
+}
+
+/// An ICMP "fragmentation needed" from `src` to `dst` with `mtu`, quoting `quoted`.
+fn frag_needed(src: Ipv4Addr, dst: Ipv4Addr, mtu: u16, quoted: &[u8]) -> Ipv4 {
+    let mut rest = [0u8; 4];
+    rest[2..].copy_from_slice(&mtu.to_be_bytes());
+    Ipv4 {
+        dont_fragment: false,
+        ..Ipv4::new(
+            src,
+            dst,
+            Icmp {
+                ty: 3,
+                code: 4,
+                rest,
+                checksum: Checksum::Correct,
+                payload: quoted.to_vec(),
+            },
+        )
+    }
+}
+
+/// Path MTU discovery through the programs' IPIP (`flannel_ebpf::pmtu`): a router's
+/// "fragmentation needed" about an IPIP packet this node sent becomes the error about the
+/// inner packet, for the inner packet's sender: the quoted outer header removed, the MTU 20
+/// less, the checksums right; into the pod for a pod's flow the programs carry, to the stack
+/// for the node's own packet and for a flow the kernel carries. Errors about anything else,
+/// or that cannot be matched to a socket, pass unchanged.
+#[test]
+fn netdev_rewrites_frag_needed_about_ipip_for_the_inner_sender() {
+    let Some(rig) = Rig::new("fppmtu") else {
+        return;
+    };
+    rig.with_fast_path(|fp, ifs| {
+        let skb = Skb::on(ifs.ext);
+        let router = Ipv4Addr::new(192, 168, 77, 254);
+        let rewritten = |inner: &Ipv4, to: Ipv4Addr, quote: usize| {
+            let bytes = inner.encode();
+            frag_needed(router, to, 1380, &bytes[..(quote - 20).min(bytes.len())])
+        };
+        // A pod's TCP segment (TTL already decremented when it was sent), quoted in full
+        // (576 bytes in all) and with the minimum that names the socket (its header and 8
+        // bytes), and a pod's echo request: into the pod, TTL decremented.
+        let segment = Ipv4 {
+            ttl: 63,
+            ..from_pod(IPIP_POD, Tcp::new(40000, 80).payload(&[7; 1400]))
+        };
+        let echo = Ipv4 {
+            ttl: 63,
+            ..from_pod(IPIP_POD, Icmp::echo_request(9, 1))
+        };
+        for (inner, quote) in [(&segment, 548), (&segment, 48), (&echo, 548)] {
+            let error = frag_needed_about_ipip(router, inner, 1400, quote);
+            let frame = underlay(PEER2_MAC, error);
+            let r = run(fp, Hook::FromNetdev, &frame, skb);
+            let what = format!(
+                "a pod's packet of protocol {}, {quote} bytes quoted",
+                inner.payload.proto()
+            );
+            assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
+            let want = forwarded(&rewritten(inner, POD, quote));
+            assert_bytes(
+                &r.out,
+                &Ethernet::new(BR_MAC, POD_MAC, want).encode(),
+                &what,
+            );
+            assert_counted(
+                &r,
+                &frame,
+                &[Reason::Ipv4Icmp, Reason::FastIpipFragNeeded],
+                &what,
+            );
+            packet::verify(&r.out).unwrap_or_else(|e| panic!("{what}: {e:#}"));
+        }
+
+        // The node's own packet, and a pod's flow the kernel carries: rewritten for the stack.
+        let own = Ipv4 {
+            ttl: 64,
+            ..Ipv4::new(PUB1, IPIP_POD, Tcp::new(40001, 80).payload(&[7; 1400]))
+        };
+        let kernels = Ipv4 {
+            ttl: 63,
+            ..from_pod(IPIP_POD, Tcp::new(40002, 80).payload(&[7; 1400]))
+        };
+        // The kernel routed it (from a ClusterIP, say): tc_to_netdev learnt its flow.
+        let sent = Ethernet::new(EXT_MAC, PEER5_MAC, kernels.clone()).encode();
+        let r = run(fp, Hook::ToNetdev, &sent, Skb::egress(ifs.ext));
+        assert!(
+            r.counted.iter().any(|c| c.0 == Reason::LearnKernelFlow),
+            "{:?}",
+            r.counted
+        );
+        for (what, inner, to) in [
+            ("the node's packet", &own, PUB1),
+            ("a kernel flow", &kernels, POD),
+        ] {
+            let frame = underlay(PEER2_MAC, frag_needed_about_ipip(router, inner, 1400, 548));
+            let r = run(fp, Hook::FromNetdev, &frame, skb);
+            assert_eq!(r.verdict, TC_ACT_OK, "{what}");
+            let want = rewritten(inner, to, 548);
+            assert_bytes(
+                &r.out,
+                &Ethernet::new(PEER2_MAC, EXT_MAC, want).encode(),
+                what,
+            );
+            assert_counted(
+                &r,
+                &frame,
+                &[Reason::Ipv4Icmp, Reason::FastIpipFragNeeded],
+                what,
+            );
+        }
+
+        // Left as they are: quoting too little to name the socket, an MTU that leaves the
+        // inner packet less than 68 bytes, about IPIP to a node that is no IPIP peer or from
+        // another node, about a packet that is not IPIP, another ICMP error, for another
+        // address.
+        let unchanged = [
+            (
+                "47 bytes quoted",
+                frag_needed_about_ipip(router, &segment, 1400, 47),
+            ),
+            ("MTU 87", frag_needed_about_ipip(router, &segment, 87, 548)),
+            (
+                "to a VXLAN peer",
+                frag_needed(
+                    router,
+                    PUB1,
+                    1400,
+                    &ipip_packet(PUB1, PUB3, &segment)[..100],
+                ),
+            ),
+            (
+                "from another node",
+                frag_needed(
+                    router,
+                    PUB1,
+                    1400,
+                    &ipip_packet(PUB9, PUB5, &segment)[..100],
+                ),
+            ),
+            (
+                "about TCP",
+                frag_needed(router, PUB1, 1400, &Ipv4::new(PUB1, PUB5, tcp()).encode()),
+            ),
+            ("host unreachable", {
+                let mut error = frag_needed_about_ipip(router, &segment, 1400, 100);
+                if let Transport::Icmp(icmp) = &mut error.payload {
+                    icmp.code = 1;
+                }
+                error
+            }),
+            ("for another address", {
+                let mut error = frag_needed_about_ipip(router, &segment, 1400, 100);
+                error.dst = PUB2;
+                error
+            }),
+        ];
+        for (what, error) in unchanged {
+            let frame = underlay(PEER2_MAC, error);
+            let r = run(fp, Hook::FromNetdev, &frame, skb);
+            assert_eq!(r.verdict, TC_ACT_OK, "{what}");
+            assert_bytes(&r.out, &frame, what);
+            assert_ne!(r.counted[1].0, Reason::FastIpipFragNeeded, "{what}");
+        }
+    });
+}
+
 /// `frame` (Ethernet + IPv4 without options) with the IPv4 total length `len` and the header
 /// checksum made right for it.
 fn with_total_length(mut frame: Vec<u8>, len: u16) -> Vec<u8> {
@@ -3250,6 +3438,18 @@ fn seeds_of_every_path(ifs: &Ifaces) -> Vec<mutate::Seed> {
         arriving("plain arrival", plain_in.clone()),
         arriving("VXLAN arrival", vxlan_in.clone()),
         arriving("IPIP arrival", ipip_in.clone()),
+        arriving(
+            "fragmentation needed about a pod's IPIP",
+            underlay(
+                PEER2_MAC,
+                frag_needed_about_ipip(
+                    Ipv4Addr::new(192, 168, 77, 254),
+                    &from_pod(IPIP_POD, tcp()),
+                    1400,
+                    100,
+                ),
+            ),
+        ),
         leaving("kernel-routed pod flow", kernel_sent_to_host_gw_pod()),
         leaving(
             "host traffic to an IPIP subnet",
@@ -3302,6 +3502,7 @@ fn mutated_packets_keep_the_verdicts_and_counters_contract() {
                 Reason::FastDeliver,
                 Reason::FastDeliverVxlan,
                 Reason::FastDeliverIpip,
+                Reason::FastIpipFragNeeded,
                 Reason::FastXdpDecapVxlan,
                 Reason::FastXdpDecapIpip,
                 Reason::MemoHit,

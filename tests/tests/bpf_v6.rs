@@ -321,6 +321,57 @@ fn vxlan_over_ipv6_is_built_like_flannel_v6() {
     });
 }
 
+/// VXLAN over IPv6 keeps to the path MTU to the peer, not just the external interface's: with
+/// a route to the peer of locked MTU 1,400 (which the lookup reads as it reads the kernel's
+/// exception after a router's Packet Too Big), a pod's packet whose outer packet would be
+/// longer is left to the kernel (whose `flannel-v6.1` answers the pod with a Packet Too Big),
+/// before and after a smaller packet of its flow was sent (and remembered); without the route
+/// it is encapsulated again.
+#[test]
+fn ipv6_vxlan_keeps_to_the_path_mtu() {
+    let Some(rig) = Rig::new("f6pmtu") else {
+        return;
+    };
+    rig.sh("ip -6 route replace fd00:77::3/128 dev ext0 mtu lock 1400");
+    rig.with_fast_path(false, |fp, ifs| {
+        let packet = |payload: usize| {
+            let ip = Ipv6::new(
+                pod(),
+                vxlan_pod(),
+                Tcp::new(41000, 80).payload(&vec![7; payload]),
+            );
+            pod_frame(&ip)
+        };
+        // 40 + 20 + 1,271 bytes: 1,401 with the 70 of VXLAN over IPv6.
+        let (big, fits) = (packet(1271), packet(1270));
+        for (what, frame) in [
+            ("too big, first", &big),
+            ("fits", &fits),
+            ("too big, after", &big),
+        ] {
+            let r = run(fp, Hook::FromBridge, frame, Skb::on(ifs.br));
+            if frame.len() == fits.len() {
+                assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}: {:?}", r.counted);
+                assert_eq!(r.out.len(), fits.len() + 70, "{what}");
+                assert!(
+                    r.counted.iter().any(|c| c.0 == Reason::FastVxlan6),
+                    "{what}"
+                );
+            } else {
+                assert_passed(&r, frame, Reason::Ipv6Tcp, Reason::PassFibFailed, what);
+            }
+        }
+        rig.sh("ip -6 route del fd00:77::3/128 dev ext0");
+        let r = run(fp, Hook::FromBridge, &big, Skb::on(ifs.br));
+        assert_eq!(
+            r.verdict, TC_ACT_REDIRECT,
+            "without the route: {:?}",
+            r.counted
+        );
+        assert_eq!(r.out.len(), big.len() + 70);
+    });
+}
+
 /// The fragments of a pod's UDP datagram over IPv6 to a host-gw or VXLAN peer are sent like
 /// the rest of its flow, the later ones (no ports) because their first was (`FLANNEL_FRAGS6`),
 /// as for IPv4: each comes out as the kernel would forward it (hop limit decremented; VXLAN:

@@ -334,6 +334,47 @@ fn fragments_and_options_arrive(backend: &str, underlay: Underlay) -> Result<()>
     Ok(())
 }
 
+#[test]
+fn vxlan_v6_learns_a_narrower_path_mtu() {
+    require_root!();
+    require_ebpf_object!();
+    check(narrower_path_v6());
+}
+
+/// Two dual-stack VXLAN nodes behind a router whose link to node2 has MTU 1,400 (the nodes'
+/// 1,500): a pod's UDP datagrams over IPv6 of 1,400 bytes (1,470 with VXLAN over IPv6, too
+/// big for that link) to a pod on node2 arrive once the first ones taught the path MTU: the
+/// pod learnt it less the tunnel's 70 bytes (1,330) and fragments its datagrams.
+fn narrower_path_v6() -> Result<()> {
+    let cluster = dual_stack_cluster(2, "vxlan", Underlay::L3, Dataplane::Ebpf)?;
+    let topo = cluster.topology();
+    let (from, to) = (topo.first_pod_on(1)?, topo.first_pod_on(2)?);
+    probe::pods_talk(&[from, to], false)?;
+    topo.hub()
+        .run(&["ip", "link", "set", "br2", "mtu", "1400"])?;
+    let dst = to.ip6_required()?;
+    let rx = to.ns().enter(|| std::net::UdpSocket::bind((dst, 6000)))??;
+    rx.set_read_timeout(Some(Duration::from_millis(300)))?;
+    let src = from.ip6_required()?;
+    let tx = from.ns().enter(|| std::net::UdpSocket::bind((src, 0)))??;
+    let payload = vec![0x5a; 1400 - 48];
+    let mut buf = vec![0u8; 4096];
+    let mut arrived = 0;
+    for _ in 0..20 {
+        // A send may fail while the pod's stack takes in a Packet Too Big.
+        let _ = tx.send_to(&payload, (dst, 6000));
+        if let Ok((n, _)) = rx.recv_from(&mut buf) {
+            arrived += usize::from(buf[..n] == payload[..]);
+        }
+    }
+    let route = from.run(&["ip", "-6", "route", "get", &dst.to_string()])?;
+    ensure!(
+        arrived >= 15 && route.contains("mtu 1330"),
+        "{arrived} of 20 datagrams of 1,400 bytes arrived; the pod's route: {route}"
+    );
+    Ok(())
+}
+
 /// `setsockopt(IPPROTO_IPV6, name, value)` for an option whose value is bytes.
 fn set_ipv6_option(socket: &std::net::UdpSocket, name: libc::c_int, value: &[u8]) -> Result<()> {
     // SAFETY: the option value is a valid buffer of the length given.

@@ -13,6 +13,7 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
 };
+use flannel_common::v6::Config6;
 
 use super::info::Ipv6Info;
 use crate::parse::{PacketCtx as _, write_macs};
@@ -86,16 +87,22 @@ pub fn lookup(ctx: &TcContext, ifindex: u32, info: &Ipv6Info, len: &mut u16) -> 
     run(ctx, params, 0, len)
 }
 
-/// Looks up the route of an outer (tunnel) packet from `src` to `dst` leaving through `oif`.
+/// Looks up the route of an outer (tunnel) packet from our public IP to `dst`, leaving
+/// through the external interface (`cfg`'s). `len` holds on entry the outer packet's length,
+/// checked against the path MTU (the route's, or a smaller one the kernel learnt from an
+/// ICMPv6 Packet Too Big): a packet too big for it gets [`Fib6::Failed`]. On return it holds
+/// that path MTU when the route resolved (0 otherwise).
 #[inline(never)]
-pub fn lookup_output(ctx: &TcContext, oif: u32, src: &[u8; 16], dst: &[u8; 16]) -> Fib6 {
+pub fn lookup_output(ctx: &TcContext, cfg: &Config6, dst: &[u8; 16], len: &mut u16) -> Fib6 {
     let mut slot = core::mem::MaybeUninit::uninit();
     let params = crate::fib::zeroed_params(&mut slot);
     params.family = AF_INET6;
-    params.ifindex = oif;
-    params.__bindgen_anon_3.ipv6_src = words(src);
+    params.ifindex = cfg.ext_ifindex;
+    params.__bindgen_anon_1.tot_len = *len;
+    *len = 0;
+    params.__bindgen_anon_3.ipv6_src = words(&cfg.public_ip);
     params.__bindgen_anon_4.ipv6_dst = words(dst);
-    run(ctx, params, BPF_FIB_LOOKUP_OUTPUT, &mut 0)
+    run(ctx, params, BPF_FIB_LOOKUP_OUTPUT, len)
 }
 
 #[inline(always)]

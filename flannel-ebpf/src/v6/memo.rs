@@ -26,7 +26,7 @@ use flannel_common::{
     },
     route::{RemoteEntry6, RouteKind},
     stats::Reason,
-    v6::{CFG6_VXLAN_RX, Config6},
+    v6::{CFG6_VXLAN_RX, Config6, VXLAN6_OVERHEAD},
 };
 
 use super::{
@@ -242,8 +242,11 @@ fn confirmed(ctx: &TcContext, cfg: &Config6, info: &Ipv6Info, dir: u8, memo: &Fl
         let Some(room) = vxlan::room(ctx, cfg) else {
             return false;
         };
-        tunnel_mtu = room;
-        fib::lookup_output(ctx, cfg.ext_ifindex, &cfg.public_ip, &memo.peer)
+        // And the room on the path to the peer (see `vxlan::encap`), checked for the memo's.
+        let mut path_mtu = memo.mtu.saturating_add(VXLAN6_OVERHEAD as u16);
+        let route = fib::lookup_output(ctx, cfg, &memo.peer, &mut path_mtu);
+        tunnel_mtu = room.min(path_mtu.saturating_sub(VXLAN6_OVERHEAD as u16));
+        route
     };
     let Fib6::Resolved {
         ifindex,

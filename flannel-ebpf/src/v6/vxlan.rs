@@ -191,7 +191,8 @@ pub fn encapsulable(ctx: &TcContext, info: &Ipv6Info) -> Result<(), Reason> {
 }
 
 /// Encapsulates a local pod's IPv6 packet for `peer` and returns the underlay route, with
-/// the room inner packets have on it in `room`; `inner` and `outer` are scratch space (in a
+/// the room inner packets have on it (the external interface's and the path's MTU) in
+/// `room`; `inner` and `outer` are scratch space (in a
 /// per-CPU map, off the stack). On `Err` the packet is unchanged, except for
 /// [`Reason::DropRewriteFailed`].
 #[inline(always)]
@@ -206,10 +207,19 @@ pub fn encap(
 ) -> Result<Fib6, Reason> {
     encapsulable(ctx, info)?;
     *room = self::room(ctx, cfg).ok_or(Reason::PassTooBig)?;
-    let route = match fib::lookup_output(ctx, cfg.ext_ifindex, &cfg.public_ip, &peer.public_ip) {
-        Fib6::Failed => return Err(Reason::PassFibFailed),
-        route => route,
-    };
+    // Checked against the path MTU to the peer too: too big for it (a router sent
+    // `flannel-v6.<VNI>`'s socket a Packet Too Big), the packet takes the kernel path, whose
+    // tunnel answers the pod with a Packet Too Big of its own.
+    let mut path_mtu = (skb_len(ctx) - ETH_HDR_LEN as u32 + VXLAN6_OVERHEAD as u32) as u16;
+    let route = fib::lookup_output(ctx, cfg, &peer.public_ip, &mut path_mtu);
+    if route == Fib6::Failed {
+        return Err(Reason::PassFibFailed);
+    }
+    if let Some(path_room) = path_mtu.checked_sub(VXLAN6_OVERHEAD as u16)
+        && path_room > 0
+    {
+        *room = (*room).min(path_room);
+    }
     push(ctx, cfg, peer, info.hop_limit, inner, outer)?;
     Ok(route)
 }

@@ -523,12 +523,14 @@ fn judge(program: Program, input: &[u8], r: &Run, tunnel: Tunnel) -> Result<Reas
             if !sent {
                 return Err(format!("{verdict:?}: unexpected action"));
             }
+            // The NAT's and path MTU discovery's rewrites change the packet by design.
             let translated = matches!(
                 verdict,
                 Reason::FastSnat
                     | Reason::FastSnatReply
                     | Reason::FastSnatIcmpError
                     | Reason::FastSnatFragment
+                    | Reason::FastIpipFragNeeded
             );
             if !translated
                 && let Some(carried) = innermost(input, tunnel)
