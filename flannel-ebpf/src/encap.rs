@@ -239,13 +239,16 @@ pub fn ipv4_tot_len(len: u32) -> u16 {
 #[inline(always)]
 pub fn room(ctx: &TcContext, cfg: &Config, info: &Ipv4Info, overhead: usize) -> Option<u16> {
     let room = device_room(ctx, cfg, overhead)?;
-    let gso = fib::gso_size(ctx);
-    let l3_len = if gso == 0 {
-        fib::skb_len(ctx).saturating_sub(ETH_HDR_LEN as u32)
-    } else {
-        info.segment_len(gso)
-    };
-    (u32::from(room) >= l3_len).then_some(room)
+    (u32::from(room) >= segment_len(ctx, info)).then_some(room)
+}
+
+/// The IP length of the packet, or of each of its segments for a GSO packet.
+#[inline(always)]
+pub fn segment_len(ctx: &TcContext, info: &Ipv4Info) -> u32 {
+    match fib::gso_size(ctx) {
+        0 => fib::skb_len(ctx).saturating_sub(ETH_HDR_LEN as u32),
+        gso => info.segment_len(gso),
+    }
 }
 
 /// The length of the packet's IP datagram (everything after its Ethernet header), if the

@@ -102,14 +102,18 @@ pub fn lookup(ctx: &TcContext, ifindex: u32, info: &Ipv4Info, tot_len: u16, mtu:
 }
 
 /// Looks up the route of an outer (tunnel) packet from `src` to `dst` leaving through `oif`,
-/// as the kernel would for a locally generated packet, storing the route's MTU in `mtu` as
-/// [`lookup`] does. The skb's mark plays no part, so policy routing by fwmark cannot divert
-/// tunnel packets.
+/// as the kernel would for a locally generated packet. `mtu` holds on entry the outer
+/// packet's length to check against the path MTU (the route's, or a smaller one the kernel
+/// learnt from an ICMP "fragmentation needed"; too big: [`Fib::Failed`]), or 0 to leave the
+/// check to the kernel's device MTU; on success it gets the MTU the lookup found (the path's
+/// when checked, the device's otherwise). The skb's mark plays no part, so policy routing by
+/// fwmark cannot divert tunnel packets.
 #[inline(always)]
 pub fn lookup_output(ctx: &TcContext, oif: u32, src: [u8; 4], dst: [u8; 4], mtu: &mut u16) -> Fib {
     let mut slot = MaybeUninit::uninit();
     let params = zeroed_params(&mut slot);
     params.family = AF_INET;
+    params.__bindgen_anon_1.tot_len = *mtu;
     params.ifindex = oif;
     params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(src);
     params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(dst);

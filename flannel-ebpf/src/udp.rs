@@ -152,14 +152,25 @@ pub fn encap(
     let Some(udp) = config() else {
         return Err(Reason::PassBadRoute);
     };
-    if encap::room(ctx, cfg, info, UDP_OVERHEAD).is_none() {
+    let Some(room) = encap::room(ctx, cfg, info, UDP_OVERHEAD) else {
         return Err(Reason::PassTooBig);
-    }
-    let route =
-        match fib::lookup_output(ctx, cfg.ext_ifindex, udp.iface_addr, peer.public_ip, &mut 0) {
-            Fib::Failed => return Err(Reason::PassFibFailed),
-            route => route,
-        };
+    };
+    // The outer datagram (each one, for a GSO packet) against the path MTU to the peer too:
+    // it carries DF, as the forwarder's socket sends it, so a router on a narrower path drops
+    // it, and its "fragmentation needed" teaches the kernel that path MTU (for the
+    // forwarder's socket). Too big for it, the packet takes the TUN path, whose socket
+    // fragments it to fit.
+    let mut len = encap::segment_len(ctx, info).min(u32::from(room)) as u16 + UDP_OVERHEAD as u16;
+    let route = match fib::lookup_output(
+        ctx,
+        cfg.ext_ifindex,
+        udp.iface_addr,
+        peer.public_ip,
+        &mut len,
+    ) {
+        Fib::Failed => return Err(Reason::PassFibFailed),
+        route => route,
+    };
     let l3_len = encap::inner_len(ctx, UDP_OVERHEAD)?;
     let outer = headers(udp, cfg.outer_ttl, peer.public_ip, l3_len);
     let ttl = ttl_field(info);

@@ -7,6 +7,10 @@
 //!   what the TUN path would send for the pod's packet (compared byte for byte with the TUN
 //!   path's own functions), the pod on the far side gets exactly what forwarder + kernel would
 //!   deliver, and host-originated traffic still goes through `flannel0`.
+//! * `udp_fast_path_keeps_to_a_narrower_path_mtu`: two nodes behind a router whose link to
+//!   node2 has MTU 1,400: a pod's TCP transfer to node2's pod arrives, its segments too big
+//!   for the path (the outer datagrams carry DF) going the TUN path, whose socket fragments
+//!   them, once the router's error taught the kernel the path MTU.
 //! * `udp_mixed_pair_fast_path_and_tun_path`: one node on the fast path, the other on the TUN
 //!   path only (`--dataplane=kernel`), both directions (ICMP, TCP), and a datagram built by
 //!   hand as an upstream udp node sends it, delivered by the fast path.
@@ -251,6 +255,37 @@ fn three_nodes() -> Result<()> {
 }
 
 // ---------------------------------------------------------------------------------------
+
+#[test]
+fn udp_fast_path_keeps_to_a_narrower_path_mtu() {
+    require_root!();
+    require_ebpf_object!();
+    check(narrower_path());
+}
+
+fn narrower_path() -> Result<()> {
+    let cluster = cluster(2, Underlay::L3, Dataplane::Ebpf)?;
+    let topo = cluster.topology();
+    topo.hub()
+        .run(&["ip", "link", "set", "br2", "mtu", "1400"])?;
+    let (from, to) = (topo.first_pod_on(1)?, topo.first_pod_on(2)?);
+    let node1 = topo.node(1).ns();
+    let passed_before = fast(node1, "pass_fib_failed")?;
+    probe::transfer(
+        from.ns(),
+        to.ns(),
+        IpAddr::V4(to.ip()),
+        4 << 20,
+        Duration::from_secs(20),
+    )
+    .context("the pod's transfer across the narrower path")?;
+    let passed = fast(node1, "pass_fib_failed")? - passed_before;
+    ensure!(
+        passed >= 10.0,
+        "node1 left {passed} packets too big for the path to the TUN path"
+    );
+    Ok(())
+}
 
 #[test]
 fn udp_mixed_pair_fast_path_and_tun_path() {
