@@ -11,8 +11,9 @@
 //!
 //! The sender learns the path MTU from the first error, as it would behind a kernel `ipip`
 //! device, and sends smaller packets from then on. An error that quotes less than the inner
-//! packet's header and first 8 bytes (RFC 792's minimum after the outer header) cannot be
-//! matched to a socket and is left to the kernel as it is.
+//! packet's header and its first 8 bytes cannot be matched to a socket and is left to the
+//! kernel as it is (RFC 792 asks a router for only 8 bytes after the header it quotes, RFC
+//! 1812 for as much as fits in 576 bytes, which Linux routers send).
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},

@@ -191,10 +191,9 @@ pub fn encapsulable(ctx: &TcContext, info: &Ipv6Info) -> Result<(), Reason> {
 }
 
 /// Encapsulates a local pod's IPv6 packet for `peer` and returns the underlay route, with
-/// the room inner packets have on it (the external interface's and the path's MTU) in
-/// `room`; `inner` and `outer` are scratch space (in a
-/// per-CPU map, off the stack). On `Err` the packet is unchanged, except for
-/// [`Reason::DropRewriteFailed`].
+/// the room inner packets have on it (by the external interface's and the path's MTU) in
+/// `room`; `inner` and `outer` are scratch space (in a per-CPU map, off the stack). On `Err`
+/// the packet is unchanged, except for [`Reason::DropRewriteFailed`].
 #[inline(always)]
 pub fn encap(
     ctx: &TcContext,
