@@ -360,6 +360,47 @@ fn bridge_leaves_to_flannel0_what_the_fast_path_must_not_take() {
     });
 }
 
+/// The outer datagram (DF, as the forwarder's socket sends it) keeps to the path MTU to the
+/// peer, not just the external interface's: with a route to the peer of locked MTU 1,400
+/// (which the lookup reads as it reads the kernel's exception after a router's
+/// "fragmentation needed"), a pod's packet whose datagram would be longer is left to
+/// `flannel0`, whose socket fragments it; one that fits is sent; without the route the longer
+/// one is sent again.
+#[test]
+fn bridge_keeps_to_the_path_mtu_to_the_peer() {
+    let Some(rig) = Rig::new("fupmtu") else {
+        return;
+    };
+    rig.sh(&format!(
+        "ip route replace {PEER2}/32 dev ext0 mtu lock 1400"
+    ));
+    rig.with_fast_path(|fp, ifs| {
+        // 1,373 and 1,372 bytes: 1,401 and 1,400 with the 28 of the udp backend.
+        let packet =
+            |len: usize| Ipv4::new(POD, REMOTE2, Udp::new(1, 2).payload(&vec![0; len - 28]));
+        let (big, fits) = (pod_frame(&packet(1373)), pod_frame(&packet(1372)));
+        let r = run(fp, Hook::FromBridge, &big, Skb::on(ifs.br));
+        assert_eq!(r.verdict, TC_ACT_OK, "too big for the path");
+        assert_bytes(&r.out, &big, "too big for the path");
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Udp, Reason::PassFibFailed],
+            "too big for the path",
+        );
+        let r = run(fp, Hook::FromBridge, &fits, Skb::on(ifs.br));
+        assert_eq!(r.verdict, TC_ACT_REDIRECT, "fits the path: {:?}", r.counted);
+        assert_eq!(r.out.len(), fits.len() + 28);
+        rig.sh(&format!("ip route del {PEER2}/32 dev ext0"));
+        let r = run(fp, Hook::FromBridge, &big, Skb::on(ifs.br));
+        assert_eq!(
+            r.verdict, TC_ACT_REDIRECT,
+            "without the route: {:?}",
+            r.counted
+        );
+        assert_eq!(r.out.len(), big.len() + 28);
+    });
+}
+
 #[test]
 fn netdev_delivers_exactly_what_forwarder_and_kernel_would() {
     let Some(rig) = Rig::new("furx") else { return };
