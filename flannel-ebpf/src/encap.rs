@@ -62,7 +62,13 @@
 //!
 //! IPIP matches a kernel `ipip` device created by flannel (TTL inherit, no pmtudisc): outer TOS
 //! = inner ECN, DF and TTL copied from the (decremented) inner header, ID 0 with DF and random
-//! without, protocol 4.
+//! without, protocol 4. Except for DF on a node without a kernel IPIP device (no `ipip`
+//! module, where the fast path is the only IPIP): the outer header always carries it, as a
+//! kernel IPIP tunnel with `pmtudisc` (`ip tunnel add`'s default) sends it. A router on a
+//! narrower path must not fragment it, as a peer without the module cannot take a reassembled
+//! IPIP packet (its kernel drops it); the router's "fragmentation needed" reaches the inner
+//! packet's sender instead ([`crate::pmtu`]), which sends smaller packets, or smaller
+//! fragments, from then on.
 //!
 //! GSO packets keep their segment size (`BPF_F_ADJ_ROOM_FIXED_GSO`): the pod MTU already
 //! leaves room for the tunnel header, and the kernel's GSO (`SKB_GSO_UDP_TUNNEL` /
@@ -79,7 +85,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use flannel_common::{
-    config::Config,
+    config::{CFG_IPIP_KERNEL_RX, Config},
     csum,
     hops::{HopKey, UNDERLAY_VIA},
     route::RemoteEntry,
@@ -203,7 +209,9 @@ pub fn vxlan_headers(
 }
 
 /// The 20-byte outer header of IPIP for an inner packet of `l3_len` bytes whose (already
-/// decremented, if forwarded) TTL is `inner_ttl`.
+/// decremented, if forwarded) TTL is `inner_ttl`. DF: the inner packet's where this node has
+/// a kernel IPIP device ([`CFG_IPIP_KERNEL_RX`], as upstream's `flannel.ipip` sends it),
+/// always otherwise (see the module documentation).
 #[inline(always)]
 pub fn ipip_header(
     cfg: &Config,
@@ -213,13 +221,14 @@ pub fn ipip_header(
     l3_len: u32,
     random_id: u16,
 ) -> [u8; IPIP_OVERHEAD] {
+    let dont_fragment = inner.dont_fragment || cfg.flags & CFG_IPIP_KERNEL_RX == 0;
     ipv4_header(&Outer {
         src: cfg.public_ip,
         dst: peer.public_ip,
         tos: csum::ecn_encapsulate(inner.tos),
         ttl: inner_ttl,
-        id: if inner.dont_fragment { 0 } else { random_id },
-        dont_fragment: inner.dont_fragment,
+        id: if dont_fragment { 0 } else { random_id },
+        dont_fragment,
         proto: IPPROTO_IPIP,
         tot_len: ipv4_tot_len(l3_len + IPIP_OVERHEAD as u32),
     })
@@ -519,6 +528,11 @@ mod tests {
 
     #[test]
     fn ipip_header_inherits_df_and_ttl() {
+        // A node with a kernel IPIP device, as upstream's `flannel.ipip` sends.
+        let cfg = || Config {
+            flags: CFG_IPIP_KERNEL_RX,
+            ..self::cfg()
+        };
         let df = Ipv4Info {
             dont_fragment: true,
             tos: 0x10,
@@ -546,5 +560,9 @@ mod tests {
         assert_eq!(sum(&big), 0xffff, "valid header checksum");
         let edge = ipip_header(&cfg(), &peer(), &df, 63, 65_515, 0x5555);
         assert_eq!(u16::from_be_bytes([edge[2], edge[3]]), 65_535);
+        // Without one (no `ipip` module): DF always, ID 0.
+        let h = ipip_header(&self::cfg(), &peer(), &no_df, 7, 84, 0x5555);
+        assert_eq!((h[4], h[5], h[6], h[8]), (0, 0, 0x40, 7));
+        assert_eq!(sum(&h), 0xffff);
     }
 }

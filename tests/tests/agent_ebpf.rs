@@ -131,16 +131,22 @@ fn ebpf_ipip_carries_fragments_over_l3() {
 }
 
 /// On the routed underlay with a path narrower than the interfaces (the router's route to
-/// node2's segment says MTU 1,400, every interface 1,500): TCP transfers from a pod and from
-/// node1 itself to a pod on node2 complete, each sender learnt the path MTU less the IPIP
-/// header (1,380), and node1's `tc_from_netdev` rewrote the router's "fragmentation needed"
-/// errors for them (`flannel_ebpf::pmtu`). Without the rewrite nothing here (no `ipip`
-/// module) takes those errors, and the DF packets vanish at the router: the transfers stall.
+/// node2's segment says MTU 1,400, every interface 1,500), where nothing here (no `ipip`
+/// module) takes a router's "fragmentation needed" about an IPIP packet, nor a reassembled
+/// IPIP packet:
+/// - a pod's 3,000-byte UDP datagrams to a pod on node2 arrive after the first: their
+///   fragments' IPIP packets carry DF (`flannel_ebpf::encap`), so the router sends an error
+///   instead of fragmenting them, which node1 rewrites for the pod (`flannel_ebpf::pmtu`);
+///   the pod then fragments to fit. Before, the router fragmented every one and node2's
+///   kernel dropped them reassembled;
+/// - TCP transfers from the pod and from node1 itself complete, each sender having learnt
+///   the path MTU less the IPIP header (1,380). Before, the DF packets vanished at the router
+///   and the transfers stalled.
 #[test]
-fn ebpf_ipip_discovers_a_narrower_path_mtu() {
+fn ebpf_ipip_crosses_a_narrower_path() {
     require_root!();
     with_cluster(
-        &named(EBPF, "ipip/l3 path mtu"),
+        &named(EBPF, "ipip/l3 narrower path"),
         spec_on(EBPF, 2, Underlay::L3, "ipip", 1),
         |c| {
             let t = c.topology();
@@ -152,6 +158,26 @@ fn ebpf_ipip_discovers_a_narrower_path_mtu() {
             ])?;
             let to = t.first_pod_on(2)?;
             let before = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
+            let rx = to
+                .ns()
+                .enter(|| std::net::UdpSocket::bind((to.ip(), 6000)))??;
+            rx.set_read_timeout(Some(Duration::from_millis(500)))?;
+            let from = t.first_pod_on(1)?;
+            let tx = from
+                .ns()
+                .enter(|| std::net::UdpSocket::bind((from.ip(), 0)))??;
+            let (mut buf, mut arrived) = (vec![0u8; 65536], Vec::new());
+            for n in 0..5u8 {
+                let payload = vec![n; 3000];
+                tx.send_to(&payload, (to.ip(), 6000))?;
+                if let Ok((got, _)) = rx.recv_from(&mut buf) {
+                    arrived.push(buf[..got] == payload[..]);
+                }
+            }
+            ensure!(
+                arrived.iter().filter(|ok| **ok).count() >= 3,
+                "of five 3,000-byte datagrams across the narrower path, these arrived: {arrived:?}"
+            );
             for (who, ns) in [("pod", t.first_pod_on(1)?.ns()), ("node", t.node(1).ns())] {
                 probe::transfer(
                     ns,

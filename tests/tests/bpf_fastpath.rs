@@ -411,11 +411,22 @@ fn bridge_vxlan_encapsulates_like_the_kernel() {
     });
 }
 
+/// IPIP from a pod: the outer TTL the inner packet's, DF the inner packet's where the node has
+/// a kernel IPIP device (as upstream's `flannel.ipip`), always where it has none (the fast
+/// path is its only IPIP; see `flannel_ebpf::encap`).
 #[test]
 fn bridge_ipip_encapsulates_with_inherited_ttl_and_df() {
     let Some(rig) = Rig::new("fpip") else { return };
     rig.with_fast_path(|fp, ifs| {
-        for df in [true, false] {
+        for (kernel_device, df) in [(false, true), (false, false), (true, true), (true, false)] {
+            if df {
+                // A new configuration retires the memos: the DF packet goes first.
+                let local = LocalConfig {
+                    ipip_kernel_device: kernel_device,
+                    ..config(ifs.ext)
+                };
+                fp.set_config(&local).expect("config");
+            }
             let ip = Ipv4 {
                 dont_fragment: df,
                 ..from_pod(IPIP_POD, tcp())
@@ -428,9 +439,10 @@ fn bridge_ipip_encapsulates_with_inherited_ttl_and_df() {
                 panic!("not IPv4")
             };
             let inner_ip = forwarded(&ip).encode();
+            let outer_df = df || !kernel_device;
             let want_outer = Ipv4 {
-                id: if df { 0 } else { outer.id },
-                dont_fragment: df,
+                id: if outer_df { 0 } else { outer.id },
+                dont_fragment: outer_df,
                 ttl: 63,
                 ..Ipv4::new(
                     PUB1,
@@ -1481,7 +1493,8 @@ const IPIP_TUNNEL: Tunnel = Tunnel {
     sent: |ip, out| {
         let outer = Ipv4 {
             id: outer_id(out),
-            dont_fragment: ip.dont_fragment,
+            // No kernel IPIP device on the rig's node: DF always.
+            dont_fragment: true,
             ttl: ip.ttl - 1,
             ..Ipv4::new(
                 PUB1,
@@ -2543,7 +2556,8 @@ fn netdev_egress_encapsulates_whatever_the_kernel_routes_to_ipip() {
                 &inner[..],
                 "{name}: the inner packet, byte for byte"
             );
-            let df = if ip.dont_fragment { 0x40 } else { 0 };
+            // DF always: no kernel IPIP device on the rig's node.
+            let df = 0x40;
             // The inner ECN bits, CE becoming ECT(0), as the kernel's tunnels encapsulate.
             let ecn = if ip.tos & 0x03 == 0x03 {
                 0x02
