@@ -4,8 +4,9 @@
 //! host tests.
 //!
 //! IPIP copies the inner packet's DF into the outer header (as flannel's kernel `ipip`
-//! device, without `pmtudisc`, does), so a router on a path narrower than the interfaces drops
-//! a pod's DF packet and sends the error to the node, quoting the outer header. The kernel's
+//! device, without `pmtudisc`, does; on a node without a kernel IPIP device the fast path
+//! sets it always), so a router on a path narrower than the interfaces drops a pod's packet
+//! and sends the error to the node, quoting the outer header. The kernel's
 //! `ipip` module takes such an error (`ipip_err`) to lower its tunnel's path MTU and answers
 //! the next too-big inner packet with an error of its own; the fast path's IPIP has no tunnel
 //! device in the way, and a kernel without the module drops the error. Rewritten, the error
