@@ -26,7 +26,11 @@
 
 mod agent_support;
 
-use std::{collections::BTreeMap, net::IpAddr, time::Duration};
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
 
 use agent_support::{
     CONVERGE, PROBE, Path, named, routes_text,
@@ -53,6 +57,11 @@ use ipnet::Ipv4Net;
 use serde_json::json;
 
 const EBPF: Dataplane = Dataplane::Ebpf;
+
+/// A UDP payload of `size` bytes that no shift or cut of it repeats.
+fn pattern(size: usize) -> Vec<u8> {
+    (0..size).map(|i| (i % 251) as u8).collect()
+}
 
 #[test]
 fn ebpf_host_gw_over_l2() {
@@ -95,25 +104,14 @@ fn ebpf_ipip_carries_fragments_over_l3() {
             let t = c.topology();
             let (from, to) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
             let before = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
-            let rx = to
-                .ns()
-                .enter(|| std::net::UdpSocket::bind((to.ip(), 6000)))??;
-            rx.set_read_timeout(Some(Duration::from_secs(2)))?;
-            let mut buf = vec![0u8; 65536];
+            let rx = probe::udp_listener(to.ns(), SocketAddr::new(IpAddr::V4(to.ip()), 6000))?;
             for (who, ns, src, size) in [
                 ("pod", from.ns(), IpAddr::V4(from.ip()), 3000),
                 ("node", t.node(1).ns(), IpAddr::V4(t.node(1).addr()), 5000),
             ] {
-                let tx = ns.enter(|| std::net::UdpSocket::bind((src, 0)))??;
-                let payload: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
-                tx.send_to(&payload, (to.ip(), 6000))?;
-                let (n, _) = rx
-                    .recv_from(&mut buf)
+                let tx = probe::udp_listener(ns, SocketAddr::new(src, 0))?;
+                probe::send_and_receive(&tx, &rx, &pattern(size), Duration::from_secs(2))
                     .with_context(|| format!("the {who}'s {size}-byte datagram"))?;
-                ensure!(
-                    buf[..n] == payload[..],
-                    "the {who}'s datagram: {n} bytes, not the {size} sent"
-                );
             }
             let after = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
             let (b, a) = (&before.packets, &after.packets);
@@ -158,22 +156,15 @@ fn ebpf_ipip_crosses_a_narrower_path() {
             ])?;
             let to = t.first_pod_on(2)?;
             let before = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
-            let rx = to
-                .ns()
-                .enter(|| std::net::UdpSocket::bind((to.ip(), 6000)))??;
-            rx.set_read_timeout(Some(Duration::from_millis(500)))?;
+            let rx = probe::udp_listener(to.ns(), SocketAddr::new(IpAddr::V4(to.ip()), 6000))?;
             let from = t.first_pod_on(1)?;
-            let tx = from
-                .ns()
-                .enter(|| std::net::UdpSocket::bind((from.ip(), 0)))??;
-            let (mut buf, mut arrived) = (vec![0u8; 65536], Vec::new());
-            for n in 0..5u8 {
-                let payload = vec![n; 3000];
-                tx.send_to(&payload, (to.ip(), 6000))?;
-                if let Ok((got, _)) = rx.recv_from(&mut buf) {
-                    arrived.push(buf[..got] == payload[..]);
-                }
-            }
+            let tx = probe::udp_listener(from.ns(), SocketAddr::new(IpAddr::V4(from.ip()), 0))?;
+            let arrived: Vec<bool> = (0..5u8)
+                .map(|n| {
+                    let payload = vec![n; 3000];
+                    probe::send_and_receive(&tx, &rx, &payload, Duration::from_millis(500)).is_ok()
+                })
+                .collect();
             ensure!(
                 arrived.iter().filter(|ok| **ok).count() >= 3,
                 "of five 3,000-byte datagrams across the narrower path, these arrived: {arrived:?}"
@@ -223,24 +214,16 @@ fn ebpf_pod_fragments_keep_their_flows_source() {
                 let t = c.topology();
                 let (from, to) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
                 let before = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
-                let rx = to
-                    .ns()
-                    .enter(|| std::net::UdpSocket::bind((to.ip(), 6000)))??;
-                rx.set_read_timeout(Some(Duration::from_secs(2)))?;
-                let tx = from
-                    .ns()
-                    .enter(|| std::net::UdpSocket::bind((from.ip(), 0)))??;
+                let rx = probe::udp_listener(to.ns(), SocketAddr::new(IpAddr::V4(to.ip()), 6000))?;
+                let tx = probe::udp_listener(from.ns(), SocketAddr::new(IpAddr::V4(from.ip()), 0))?;
                 let source = tx.local_addr()?;
-                let mut buf = vec![0u8; 65536];
                 for size in [100, 3000, 100, 8000] {
-                    let payload: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
-                    tx.send_to(&payload, (to.ip(), 6000))?;
-                    let (n, seen) = rx
-                        .recv_from(&mut buf)
-                        .with_context(|| format!("{backend}: the {size}-byte datagram"))?;
+                    let seen =
+                        probe::send_and_receive(&tx, &rx, &pattern(size), Duration::from_secs(2))
+                            .with_context(|| format!("{backend}: the {size}-byte datagram"))?;
                     ensure!(
-                        buf[..n] == payload[..] && seen == source,
-                        "{backend}: {n} bytes from {seen}, want the {size} sent from {source}"
+                        seen == source,
+                        "{backend}: the {size}-byte datagram came from {seen}, not {source}"
                     );
                 }
                 let after = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;

@@ -26,7 +26,7 @@
 
 use std::{
     collections::BTreeSet,
-    net::{IpAddr, Ipv6Addr},
+    net::{IpAddr, Ipv6Addr, SocketAddr},
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
     time::{Duration, Instant},
 };
@@ -275,9 +275,7 @@ fn fragments_and_options_arrive(backend: &str, underlay: Underlay) -> Result<()>
         fast(node1.ns(), "pass_ipv6_ext_header")?,
         fast(node1.ns(), sent_as)?,
     );
-    let rx = to.ns().enter(|| std::net::UdpSocket::bind((dst, 6000)))??;
-    rx.set_read_timeout(Some(Duration::from_secs(2)))?;
-    let mut buf = vec![0u8; 65536];
+    let rx = probe::udp_listener(to.ns(), SocketAddr::new(IpAddr::V6(dst), 6000))?;
     // Hop-by-hop and destination options headers holding only padding (PadN, 4 bytes).
     let padding = [0u8, 0, 1, 4, 0, 0, 0, 0];
     let cases = [
@@ -305,19 +303,13 @@ fn fragments_and_options_arrive(backend: &str, underlay: Underlay) -> Result<()>
         ),
     ];
     for (what, ns, src, size, option) in cases {
-        let tx = ns.enter(|| std::net::UdpSocket::bind((src, 0)))??;
+        let tx = probe::udp_listener(ns, SocketAddr::new(IpAddr::V6(src), 0))?;
         if let Some(name) = option {
             set_ipv6_option(&tx, name, &padding).context(what)?;
         }
         let payload: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
-        tx.send_to(&payload, (dst, 6000))?;
-        let (n, seen) = rx
-            .recv_from(&mut buf)
+        let seen = probe::send_and_receive(&tx, &rx, &payload, Duration::from_secs(2))
             .with_context(|| format!("{backend}: {what}: the {size}-byte datagram"))?;
-        ensure!(
-            buf[..n] == payload[..],
-            "{backend}: {what}: {n} bytes arrived, not the {size} sent"
-        );
         let source = tx.local_addr()?;
         ensure!(
             what != "a pod's fragments" || seen == source,
@@ -353,20 +345,14 @@ fn narrower_path_v6() -> Result<()> {
     topo.hub()
         .run(&["ip", "link", "set", "br2", "mtu", "1400"])?;
     let dst = to.ip6_required()?;
-    let rx = to.ns().enter(|| std::net::UdpSocket::bind((dst, 6000)))??;
-    rx.set_read_timeout(Some(Duration::from_millis(300)))?;
+    let rx = probe::udp_listener(to.ns(), SocketAddr::new(IpAddr::V6(dst), 6000))?;
     let src = from.ip6_required()?;
-    let tx = from.ns().enter(|| std::net::UdpSocket::bind((src, 0)))??;
+    let tx = probe::udp_listener(from.ns(), SocketAddr::new(IpAddr::V6(src), 0))?;
     let payload = vec![0x5a; 1400 - 48];
-    let mut buf = vec![0u8; 4096];
-    let mut arrived = 0;
-    for _ in 0..20 {
-        // A send may fail while the pod's stack takes in a Packet Too Big.
-        let _ = tx.send_to(&payload, (dst, 6000));
-        if let Ok((n, _)) = rx.recv_from(&mut buf) {
-            arrived += usize::from(buf[..n] == payload[..]);
-        }
-    }
+    // A send may fail while the pod's stack takes in a Packet Too Big: not arrived.
+    let arrived = (0..20)
+        .filter(|_| probe::send_and_receive(&tx, &rx, &payload, Duration::from_millis(300)).is_ok())
+        .count();
     let route = from.run(&["ip", "-6", "route", "get", &dst.to_string()])?;
     ensure!(
         arrived >= 15 && route.contains("mtu 1330"),

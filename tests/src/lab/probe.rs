@@ -424,10 +424,11 @@ pub fn udp_listener(ns: &NetNs, addr: SocketAddr) -> Result<UdpSocket> {
     Ok(s)
 }
 
-/// Receives on `s` until a datagram carrying exactly `payload` arrives; returns its source.
+/// Receives on `s` until a datagram carrying exactly `payload` arrives (of any size a UDP
+/// datagram can have: fragmented ones too); returns its source.
 pub fn recv_payload(s: &UdpSocket, payload: &[u8], timeout: Duration) -> Result<SocketAddr> {
     let deadline = Instant::now() + timeout;
-    let mut buf = [0u8; 2048];
+    let mut buf = vec![0u8; 65536];
     while Instant::now() < deadline {
         match s.recv_from(&mut buf) {
             Ok((n, from)) if &buf[..n] == payload => return Ok(from),
@@ -441,9 +442,22 @@ pub fn recv_payload(s: &UdpSocket, payload: &[u8], timeout: Duration) -> Result<
         }
     }
     bail!(
-        "no datagram {:?} within {timeout:?}",
-        String::from_utf8_lossy(payload)
+        "no datagram {:?} ({} bytes) within {timeout:?}",
+        String::from_utf8_lossy(&payload[..payload.len().min(32)]),
+        payload.len()
     )
+}
+
+/// Sends `payload` from `tx` to `rx`'s address and waits up to `timeout` for exactly it on
+/// `rx` ([`recv_payload`]); returns the source `rx` saw.
+pub fn send_and_receive(
+    tx: &UdpSocket,
+    rx: &UdpSocket,
+    payload: &[u8],
+    timeout: Duration,
+) -> Result<SocketAddr> {
+    tx.send_to(payload, rx.local_addr()?)?;
+    recv_payload(rx, payload, timeout)
 }
 
 /// Accepts one TCP connection on `ip` in `to` from a client in `from` and returns the source
