@@ -11,8 +11,8 @@ use std::fmt;
 pub use data::{DataError, MacAddr, VxlanLeaseData, WgKey, WireguardLeaseData};
 pub use mtu::{MtuError, MtuPlan};
 pub use options::{
-    BackendOptions, ExtensionOptions, IpipOptions, IpsecOptions, OptionsError, Secret, UdpOptions,
-    VxlanOptions, WireguardMode, WireguardOptions,
+    BackendOptions, IpipOptions, IpsecOptions, OptionsError, Secret, UdpOptions, VxlanOptions,
+    WireguardMode, WireguardOptions,
 };
 
 /// The backends this implementation runs.
@@ -32,8 +32,6 @@ pub enum BackendType {
     Wireguard,
     /// Subnet allocation only, no data path.
     Alloc,
-    /// Operator commands run per remote lease (upstream's prototype backend).
-    Extension,
 }
 
 /// Errors selecting a backend.
@@ -49,7 +47,7 @@ pub enum BackendError {
 
 impl BackendType {
     /// All supported backends.
-    pub const ALL: [BackendType; 8] = [
+    pub const ALL: [BackendType; 7] = [
         BackendType::Vxlan,
         BackendType::HostGw,
         BackendType::Udp,
@@ -57,12 +55,10 @@ impl BackendType {
         BackendType::Ipsec,
         BackendType::Wireguard,
         BackendType::Alloc,
-        BackendType::Extension,
     ];
 
-    /// Looks up `Backend.Type`, lower-cased first like upstream (`"VXLAN"` works).
-    /// `tencent-vpc` (a cloud provider's route table) is the one upstream backend this
-    /// implementation does not provide.
+    /// Looks up `Backend.Type`, lower-cased first like upstream (`"VXLAN"` works). `extension`
+    /// and `tencent-vpc` are upstream backends this implementation does not provide.
     pub fn parse(name: &str) -> Result<Self, BackendError> {
         let lower = name.to_lowercase();
         match lower.as_str() {
@@ -73,8 +69,7 @@ impl BackendType {
             "ipsec" => Ok(BackendType::Ipsec),
             "wireguard" => Ok(BackendType::Wireguard),
             "alloc" => Ok(BackendType::Alloc),
-            "extension" => Ok(BackendType::Extension),
-            "tencent-vpc" => Err(BackendError::Unsupported(lower)),
+            "extension" | "tencent-vpc" => Err(BackendError::Unsupported(lower)),
             _ => Err(BackendError::Unknown(lower)),
         }
     }
@@ -89,7 +84,6 @@ impl BackendType {
             BackendType::Ipsec => "ipsec",
             BackendType::Wireguard => "wireguard",
             BackendType::Alloc => "alloc",
-            BackendType::Extension => "extension",
         }
     }
 
@@ -147,10 +141,9 @@ mod tests {
             BackendType::parse("GRE").unwrap_err().to_string(),
             "unknown backend type: gre"
         );
-        assert_eq!(BackendType::parse("Extension"), Ok(BackendType::Extension));
         assert_eq!(
-            BackendType::parse("tencent-vpc").unwrap_err().to_string(),
-            "backend type tencent-vpc is not supported by this implementation"
+            BackendType::parse("Extension").unwrap_err().to_string(),
+            "backend type extension is not supported by this implementation"
         );
         assert_eq!(
             BackendType::parse("tencent-vpc"),
@@ -167,7 +160,6 @@ mod tests {
         assert_eq!(BackendType::Ipsec.lease_type(), "ipsec");
         assert_eq!(BackendType::Udp.lease_type(), "");
         assert_eq!(BackendType::Alloc.lease_type(), "");
-        assert_eq!(BackendType::Extension.lease_type(), "extension");
         assert!(BackendType::Wireguard.supports_ipv6());
         assert!(!BackendType::Ipip.supports_ipv6());
     }

@@ -319,7 +319,6 @@ mod tests {
                 })
                 .collect(),
             notes: Vec::new(),
-            extension: Vec::new(),
         }
     }
 

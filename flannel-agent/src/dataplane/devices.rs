@@ -97,8 +97,7 @@ pub async fn ensure_devices(
             let device = crate::udp::ensure_tun_device(nl, local, &mut report).await?;
             local.devices.tun = Some(device);
         }
-        // extension: whatever its commands set up is theirs (`crate::extension`).
-        BackendOptions::Alloc | BackendOptions::Extension(_) => {}
+        BackendOptions::Alloc => {}
         // Their devices (flannel-wg, none for ipsec) belong to their own appliers
         // (`crate::wireguard`, `crate::ipsec`), which set them up in every sync.
         BackendOptions::Wireguard(_) | BackendOptions::Ipsec(_) => {}

@@ -543,7 +543,6 @@ mod tests {
                 },
             ],
             notes: vec![],
-            extension: vec![],
         }
     }
 
@@ -663,7 +662,6 @@ mod tests {
                 v6: None,
             }],
             notes: vec![],
-            extension: vec![],
         };
         let mut l = local();
         l.mtu.flannel_mtu = 1480;

@@ -121,7 +121,6 @@ mod tests {
         Desired {
             peers,
             notes: Vec::new(),
-            extension: Vec::new(),
         }
     }
 
