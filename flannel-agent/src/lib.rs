@@ -34,6 +34,7 @@ pub mod child_mount;
 pub mod cli;
 pub mod daemon;
 pub mod dataplane;
+pub mod extension;
 pub mod gojson;
 pub mod health;
 pub mod hostnet;

@@ -11,8 +11,8 @@ use std::fmt;
 pub use data::{DataError, MacAddr, VxlanLeaseData, WgKey, WireguardLeaseData};
 pub use mtu::{MtuError, MtuPlan};
 pub use options::{
-    BackendOptions, IpipOptions, IpsecOptions, OptionsError, Secret, UdpOptions, VxlanOptions,
-    WireguardMode, WireguardOptions,
+    BackendOptions, ExtensionOptions, IpipOptions, IpsecOptions, OptionsError, Secret, UdpOptions,
+    VxlanOptions, WireguardMode, WireguardOptions,
 };
 
 /// The backends this implementation runs.
@@ -32,6 +32,8 @@ pub enum BackendType {
     Wireguard,
     /// Subnet allocation only, no data path.
     Alloc,
+    /// Operator commands run per remote lease (upstream's prototype backend).
+    Extension,
 }
 
 /// Errors selecting a backend.
@@ -47,7 +49,7 @@ pub enum BackendError {
 
 impl BackendType {
     /// All supported backends.
-    pub const ALL: [BackendType; 7] = [
+    pub const ALL: [BackendType; 8] = [
         BackendType::Vxlan,
         BackendType::HostGw,
         BackendType::Udp,
@@ -55,10 +57,12 @@ impl BackendType {
         BackendType::Ipsec,
         BackendType::Wireguard,
         BackendType::Alloc,
+        BackendType::Extension,
     ];
 
-    /// Looks up `Backend.Type`, lower-cased first like upstream (`"VXLAN"` works). `extension`
-    /// and `tencent-vpc` are upstream backends this implementation does not provide.
+    /// Looks up `Backend.Type`, lower-cased first like upstream (`"VXLAN"` works).
+    /// `tencent-vpc` (a cloud provider's route table) is the one upstream backend this
+    /// implementation does not provide.
     pub fn parse(name: &str) -> Result<Self, BackendError> {
         let lower = name.to_lowercase();
         match lower.as_str() {
@@ -69,7 +73,8 @@ impl BackendType {
             "ipsec" => Ok(BackendType::Ipsec),
             "wireguard" => Ok(BackendType::Wireguard),
             "alloc" => Ok(BackendType::Alloc),
-            "extension" | "tencent-vpc" => Err(BackendError::Unsupported(lower)),
+            "extension" => Ok(BackendType::Extension),
+            "tencent-vpc" => Err(BackendError::Unsupported(lower)),
             _ => Err(BackendError::Unknown(lower)),
         }
     }
@@ -84,6 +89,7 @@ impl BackendType {
             BackendType::Ipsec => "ipsec",
             BackendType::Wireguard => "wireguard",
             BackendType::Alloc => "alloc",
+            BackendType::Extension => "extension",
         }
     }
 
@@ -141,9 +147,10 @@ mod tests {
             BackendType::parse("GRE").unwrap_err().to_string(),
             "unknown backend type: gre"
         );
+        assert_eq!(BackendType::parse("Extension"), Ok(BackendType::Extension));
         assert_eq!(
-            BackendType::parse("Extension").unwrap_err().to_string(),
-            "backend type extension is not supported by this implementation"
+            BackendType::parse("tencent-vpc").unwrap_err().to_string(),
+            "backend type tencent-vpc is not supported by this implementation"
         );
         assert_eq!(
             BackendType::parse("tencent-vpc"),
@@ -160,6 +167,7 @@ mod tests {
         assert_eq!(BackendType::Ipsec.lease_type(), "ipsec");
         assert_eq!(BackendType::Udp.lease_type(), "");
         assert_eq!(BackendType::Alloc.lease_type(), "");
+        assert_eq!(BackendType::Extension.lease_type(), "extension");
         assert!(BackendType::Wireguard.supports_ipv6());
         assert!(!BackendType::Ipip.supports_ipv6());
     }

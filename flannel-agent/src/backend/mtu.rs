@@ -115,7 +115,9 @@ impl BackendOptions {
                     };
                 no_device(sub(ext_mtu, overhead)?)
             }
-            BackendOptions::HostGw | BackendOptions::Alloc => no_device(sub(ext_mtu, 0)?),
+            BackendOptions::HostGw | BackendOptions::Alloc | BackendOptions::Extension(_) => {
+                no_device(sub(ext_mtu, 0)?)
+            }
         };
         Ok(plan)
     }

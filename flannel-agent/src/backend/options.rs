@@ -197,6 +197,20 @@ impl Default for WireguardOptions {
     }
 }
 
+/// extension options (§2.8): commands, each split on whitespace and run without a shell
+/// (`crate::extension`). `None`: not configured.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExtensionOptions {
+    /// `PreStartupCommand`: run before the lease; its output becomes the lease's BackendData.
+    pub pre_startup_command: Option<String>,
+    /// `PostStartupCommand`: run once the lease is held.
+    pub post_startup_command: Option<String>,
+    /// `SubnetAddCommand`: run for every remote lease that appears or changes.
+    pub subnet_add_command: Option<String>,
+    /// `SubnetRemoveCommand`: run for every remote lease that goes away or changes.
+    pub subnet_remove_command: Option<String>,
+}
+
 /// A backend with its options.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BackendOptions {
@@ -214,6 +228,8 @@ pub enum BackendOptions {
     Wireguard(WireguardOptions),
     /// alloc (no options)
     Alloc,
+    /// extension
+    Extension(ExtensionOptions),
 }
 
 /// Errors parsing backend options.
@@ -261,7 +277,9 @@ fn decode_prefix(backend: BackendType) -> &'static str {
         BackendType::Ipsec => "error decoding IPSEC backend config",
         BackendType::Udp => "error decoding UDP backend config",
         BackendType::Ipip => "error decoding IPIP backend config",
-        BackendType::HostGw | BackendType::Alloc => "error decoding backend config",
+        BackendType::HostGw | BackendType::Alloc | BackendType::Extension => {
+            "error decoding backend config"
+        }
     }
 }
 
@@ -288,6 +306,7 @@ impl BackendOptions {
             BackendType::Ipsec => BackendOptions::Ipsec(fields.ipsec()?),
             BackendType::Wireguard => BackendOptions::Wireguard(fields.wireguard()?),
             BackendType::Alloc => BackendOptions::Alloc,
+            BackendType::Extension => BackendOptions::Extension(fields.extension()?),
         })
     }
 
@@ -301,6 +320,7 @@ impl BackendOptions {
             BackendOptions::Ipsec(_) => BackendType::Ipsec,
             BackendOptions::Wireguard(_) => BackendType::Wireguard,
             BackendOptions::Alloc => BackendType::Alloc,
+            BackendOptions::Extension(_) => BackendType::Extension,
         }
     }
 }
@@ -410,6 +430,33 @@ impl Fields<'_> {
                 .string("ESPProposal")?
                 .filter(|s| !s.is_empty())
                 .unwrap_or_else(|| DEFAULT_ESP_PROPOSAL.to_owned()),
+        })
+    }
+
+    /// An empty command is no command, as upstream (`len(cmd) > 0`); one of only spaces
+    /// would make upstream index an empty argument list and panic: refused here.
+    fn command(&self, field: &'static str) -> Result<Option<String>, OptionsError> {
+        match self.get(field, gojson::string)? {
+            None => Ok(None),
+            Some((s, _)) if s.is_empty() => Ok(None),
+            Some((s, text)) if s.split_whitespace().next().is_none() => {
+                Err(OptionsError::Invalid {
+                    backend: self.backend,
+                    field,
+                    value: text,
+                    reason: "a command needs a program name".into(),
+                })
+            }
+            Some((s, _)) => Ok(Some(s)),
+        }
+    }
+
+    fn extension(&self) -> Result<ExtensionOptions, OptionsError> {
+        Ok(ExtensionOptions {
+            pre_startup_command: self.command("PreStartupCommand")?,
+            post_startup_command: self.command("PostStartupCommand")?,
+            subnet_add_command: self.command("SubnetAddCommand")?,
+            subnet_remove_command: self.command("SubnetRemoveCommand")?,
         })
     }
 
@@ -619,6 +666,33 @@ mod tests {
     }
 
     #[test]
+    fn extension_commands() {
+        let ext = |json: &str| match parse("extension", json) {
+            Ok(BackendOptions::Extension(o)) => Ok(o),
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(ext("{}"), Ok(ExtensionOptions::default()));
+        assert_eq!(
+            ext(
+                r#"{"subnetaddcommand":"ip route replace $SUBNET via $PUBLIC_IP","PreStartupCommand":"","SubnetRemoveCommand":null}"#
+            ),
+            Ok(ExtensionOptions {
+                subnet_add_command: Some("ip route replace $SUBNET via $PUBLIC_IP".into()),
+                ..ExtensionOptions::default()
+            })
+        );
+        assert_eq!(
+            ext(r#"{"PostStartupCommand":"  "}"#),
+            Err(r#"invalid extension option PostStartupCommand="  ": a command needs a program name"#.into())
+        );
+        assert_eq!(
+            ext(r#"{"SubnetAddCommand":7}"#),
+            Err(r#"error decoding backend config: field "SubnetAddCommand": cannot use 7 as string"#.into())
+        );
+    }
+
+    #[test]
     fn ipsec_options() {
         let long = "a".repeat(96);
         let o = parse("ipsec", &format!(r#"{{"PSK":"{long}","UDPEncap":true}}"#)).unwrap();
@@ -703,6 +777,7 @@ mod tests {
                 "ipsec",
                 "host-gw",
                 "alloc",
+                "extension",
             ] {
                 if let Ok(BackendOptions::Vxlan(o)) = BackendOptions::parse(t, Some(&raw)) {
                     accepted += 1;

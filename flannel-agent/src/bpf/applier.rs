@@ -319,6 +319,7 @@ mod tests {
                 })
                 .collect(),
             notes: Vec::new(),
+            extension: Vec::new(),
         }
     }
 

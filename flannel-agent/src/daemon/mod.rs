@@ -35,6 +35,7 @@ use crate::{
         self, DataplaneError, DataplaneStatus, Local, MacStore, Reconciler, ReconcilerConfig,
         VtepMacs,
     },
+    extension,
     health::{self, Readiness},
     hostnet, iface,
     ip::IpStack,
@@ -79,6 +80,8 @@ pub enum DaemonError {
     Wireguard(Box<wireguard::WireguardError>),
     #[error("failed to register network: {0}")]
     Ipsec(Box<ipsec::IpsecError>),
+    #[error("failed to register network: {0}")]
+    Extension(Box<extension::Failed>),
     #[error("failed to set up masquerade/forward rules: {0}")]
     Traffic(#[from] TrafficError),
     #[error("failed to start the udp backend: {0}")]
@@ -106,6 +109,12 @@ pub enum DaemonError {
 impl From<wireguard::WireguardError> for DaemonError {
     fn from(e: wireguard::WireguardError) -> Self {
         DaemonError::Wireguard(Box::new(e))
+    }
+}
+
+impl From<extension::Failed> for DaemonError {
+    fn from(e: extension::Failed) -> Self {
+        DaemonError::Extension(Box::new(e))
     }
 }
 
@@ -197,6 +206,9 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         }
         _ => None,
     };
+    if let BackendOptions::Extension(opts) = &backend {
+        attrs.backend_data = extension::pre_startup(opts).await?;
+    }
     let ipsec_backend = match &backend {
         // Before the lease: a node that cannot encrypt must not announce itself.
         BackendOptions::Ipsec(opts) => Some(ipsec::IpsecBackend::prepare(opts, &ext).await?),
@@ -208,6 +220,16 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         lease = manager.acquire_lease(&attrs, &previous) => lease?,
     };
     info!(subnet = ?lease.subnet, ipv6_subnet = ?lease.ipv6_subnet, "lease acquired");
+    if let BackendOptions::Extension(opts) = &backend {
+        let node = extension::NodeVars {
+            network: config.network,
+            subnet: lease.subnet,
+            ipv6_subnet: lease.ipv6_subnet,
+            public_ip: Some(attrs.public_ip).filter(|ip| !ip.is_unspecified()),
+            public_ipv6: attrs.public_ipv6,
+        };
+        extension::post_startup(opts, &node).await?;
+    }
 
     // 5. Devices, traffic rules, subnet.env.
     let mut local = Local::new(
@@ -285,6 +307,9 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     }
     if let Some(ipsec_backend) = ipsec_backend {
         backend_appliers.push(Box::new(ipsec_backend.start(&local).await?));
+    }
+    if let BackendOptions::Extension(opts) = &backend {
+        backend_appliers.push(Box::new(extension::ExtensionApplier::new(opts)));
     }
     if let Some(fp) = active.fast_path()
         && let Err(err) = fastpath::configure(fp, &local)

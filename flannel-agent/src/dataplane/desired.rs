@@ -16,6 +16,9 @@
 //! * ipsec (2.6, IPv4): the peer's public IP.
 //! * udp (IPv4): the peer's public IP and this node's `Port`; leases of every `BackendType`
 //!   are used, as upstream's udp backend does not filter (its own leases have none).
+//! * extension (2.8): no paths; each `extension` lease with its subnets, public IPs and
+//!   BackendData (which must be a JSON string) for the backend's commands
+//!   ([`Desired::extension`]).
 //!
 //! Leases are taken in id order. A subnet that overlaps this node's subnet or one taken by an
 //! earlier lease is dropped with a [`Note::Overlap`]; a VTEP MAC already used by an earlier
@@ -38,23 +41,23 @@ use crate::{
 
 use super::{
     facts::{Facts, Reachability},
-    model::{Desired, IgnoreReason, Local, Note, Peer, PeerPath, Reach, is_unspecified},
+    model::{
+        Desired, ExtensionPeer, IgnoreReason, Local, Note, Peer, PeerPath, Reach, is_unspecified,
+    },
 };
 
 /// Computes the desired dataplane. See the module documentation for the rules.
 pub fn desired(local: &Local, snapshot: &LeaseSnapshot, facts: &Facts) -> Desired {
+    if let BackendOptions::Extension(_) = local.backend {
+        return extension(local, snapshot);
+    }
     let Some(backend) = Backend::of(&local.backend) else {
         // alloc: nothing for this module to program.
         return Desired::default();
     };
     let lease_type = local.backend.backend_type().lease_type();
     let mut out = Desired::default();
-    let mut claims = Claims::default();
-    for family in [IpFamily::V4, IpFamily::V6] {
-        if let Some(own) = local.own_subnet(family) {
-            claims.own(own);
-        }
-    }
+    let mut claims = Claims::with_own(local);
     let mut macs: HashMap<(IpFamily, MacAddr), (LeaseId, IpAddr)> = HashMap::new();
 
     for (id, lease) in snapshot.leases.iter() {
@@ -93,13 +96,7 @@ pub fn desired(local: &Local, snapshot: &LeaseSnapshot, facts: &Facts) -> Desire
             if subnet == own_subnet && Some(public_ip) == local.public_ip(family) {
                 continue;
             }
-            if let Err(winner) = claims.claim(subnet, id) {
-                out.notes.push(Note::Overlap {
-                    id: id.clone(),
-                    subnet,
-                    winner: winner.0,
-                    winner_subnet: winner.1,
-                });
+            if !claims.take(subnet, id, &mut out.notes) {
                 continue;
             }
             let own_ip = local.public_ip(family);
@@ -145,6 +142,59 @@ pub fn desired(local: &Local, snapshot: &LeaseSnapshot, facts: &Facts) -> Desire
         if peer.v4.is_some() || peer.v6.is_some() {
             out.peers.push(peer);
         }
+    }
+    out
+}
+
+/// The extension backend's leases: those of its type, the own one and overlapping ones left
+/// out as for the other backends.
+fn extension(local: &Local, snapshot: &LeaseSnapshot) -> Desired {
+    let mut out = Desired::default();
+    let mut claims = Claims::with_own(local);
+    let lease_type = local.backend.backend_type().lease_type();
+    'leases: for (id, lease) in snapshot.leases.iter() {
+        let ignore = |reason| Note::Ignored {
+            id: id.clone(),
+            reason,
+        };
+        if lease.attrs.backend_type != lease_type {
+            out.notes.push(ignore(IgnoreReason::OtherBackend {
+                found: lease.attrs.backend_type.clone(),
+            }));
+            continue;
+        }
+        let data = match lease.attrs.backend_data.as_ref().filter(|d| !d.is_null()) {
+            None => String::new(),
+            Some(raw) => match serde_json::from_str::<String>(raw.as_str()) {
+                Ok(s) => s,
+                Err(e) => {
+                    out.notes.push(ignore(IgnoreReason::BadBackendData {
+                        family: IpFamily::V4,
+                        error: format!("not a JSON string: {e}"),
+                    }));
+                    continue;
+                }
+            },
+        };
+        if lease_subnet(lease, IpFamily::V4) == local.own_subnet(IpFamily::V4)
+            && Some(IpAddr::V4(lease.attrs.public_ip)) == local.public_ip(IpFamily::V4)
+        {
+            continue;
+        }
+        let subnets = [IpFamily::V4, IpFamily::V6].map(|f| lease_subnet(lease, f));
+        for subnet in subnets.into_iter().flatten() {
+            if !claims.take(subnet, id, &mut out.notes) {
+                continue 'leases;
+            }
+        }
+        out.extension.push(ExtensionPeer {
+            id: id.clone(),
+            subnet: lease.subnet.map(|n| n.trunc()),
+            ipv6_subnet: lease.ipv6_subnet.map(|n| n.trunc()),
+            public_ip: lease.attrs.public_ip,
+            public_ipv6: lease.attrs.public_ipv6,
+            data,
+        });
     }
     out
 }
@@ -449,6 +499,33 @@ impl Claims {
         match net {
             IpNet::V4(_) => &mut self.v4,
             IpNet::V6(_) => &mut self.v6,
+        }
+    }
+
+    /// The claims of a node: its own subnets taken.
+    fn with_own(local: &Local) -> Self {
+        let mut claims = Claims::default();
+        for family in [IpFamily::V4, IpFamily::V6] {
+            if let Some(own) = local.own_subnet(family) {
+                claims.own(own);
+            }
+        }
+        claims
+    }
+
+    /// [`claim`](Self::claim), an overlap noted in `notes`: whether `id` got `net`.
+    fn take(&mut self, net: IpNet, id: &LeaseId, notes: &mut Vec<Note>) -> bool {
+        match self.claim(net, id) {
+            Ok(()) => true,
+            Err(winner) => {
+                notes.push(Note::Overlap {
+                    id: id.clone(),
+                    subnet: net,
+                    winner: winner.0,
+                    winner_subnet: winner.1,
+                });
+                false
+            }
         }
     }
 
@@ -1076,6 +1153,67 @@ pub(crate) mod tests {
         let local = local(BackendOptions::Alloc, IpStack::V4);
         let snap = snapshot(vec![("a", lease("10.244.2.0-24", "", [192, 168, 10, 2]))]);
         assert_eq!(desired(&local, &snap, &facts()), Desired::default());
+    }
+
+    #[test]
+    fn extension_leases_are_handed_to_its_commands() {
+        let local = local(
+            BackendOptions::Extension(crate::backend::ExtensionOptions::default()),
+            IpStack::Dual,
+        );
+        let mut with_data = lease(
+            "10.244.2.0-24&fd00:244:2::-64",
+            "extension",
+            [192, 168, 10, 2],
+        );
+        with_data.attrs.backend_data =
+            Some(RawJson::from_json(r#""aa:bb \u003cx\u003e""#).unwrap());
+        with_data.attrs.public_ipv6 = Some("fd00:10::2".parse().unwrap());
+        let plain = lease("10.244.3.0-24", "extension", [192, 168, 10, 3]);
+        let mut not_a_string = lease("10.244.4.0-24", "extension", [192, 168, 10, 4]);
+        not_a_string.attrs.backend_data = Some(RawJson::from_json(r#"{"VtepMAC":"x"}"#).unwrap());
+        let overlapping = lease("10.244.2.128-25", "extension", [192, 168, 10, 5]);
+        let own = lease("10.244.1.0-24", "extension", [192, 168, 10, 1]);
+        let snap = snapshot(vec![
+            ("a", with_data),
+            ("b", plain),
+            ("c", not_a_string),
+            ("d", overlapping),
+            ("e", own),
+            ("f", lease("10.244.6.0-24", "vxlan", [192, 168, 10, 6])),
+        ]);
+        let d = desired(&local, &snap, &facts());
+        assert!(d.peers.is_empty());
+        assert_eq!(
+            d.extension,
+            vec![
+                ExtensionPeer {
+                    id: "a".into(),
+                    subnet: Some("10.244.2.0/24".parse().unwrap()),
+                    ipv6_subnet: Some("fd00:244:2::/64".parse().unwrap()),
+                    public_ip: Ipv4Addr::new(192, 168, 10, 2),
+                    public_ipv6: Some("fd00:10::2".parse().unwrap()),
+                    data: "aa:bb <x>".into(),
+                },
+                ExtensionPeer {
+                    id: "b".into(),
+                    subnet: Some("10.244.3.0/24".parse().unwrap()),
+                    ipv6_subnet: None,
+                    public_ip: Ipv4Addr::new(192, 168, 10, 3),
+                    public_ipv6: None,
+                    data: String::new(),
+                },
+            ]
+        );
+        let notes: Vec<String> = d.notes.iter().map(|n| format!("{n:?}")).collect();
+        assert_eq!(notes.len(), 3, "{notes:?}");
+        assert!(
+            matches!(&d.notes[0], Note::Ignored { id, reason: IgnoreReason::BadBackendData { .. } } if id == "c")
+        );
+        assert!(matches!(&d.notes[1], Note::Overlap { id, .. } if id == "d"));
+        assert!(
+            matches!(&d.notes[2], Note::Ignored { id, reason: IgnoreReason::OtherBackend { found } } if id == "f" && found == "vxlan")
+        );
     }
 
     #[test]

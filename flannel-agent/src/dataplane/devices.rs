@@ -97,7 +97,8 @@ pub async fn ensure_devices(
             let device = crate::udp::ensure_tun_device(nl, local, &mut report).await?;
             local.devices.tun = Some(device);
         }
-        BackendOptions::Alloc => {}
+        // extension: whatever its commands set up is theirs (`crate::extension`).
+        BackendOptions::Alloc | BackendOptions::Extension(_) => {}
         // Their devices (flannel-wg, none for ipsec) belong to their own appliers
         // (`crate::wireguard`, `crate::ipsec`), which set them up in every sync.
         BackendOptions::Wireguard(_) | BackendOptions::Ipsec(_) => {}

@@ -543,6 +543,7 @@ mod tests {
                 },
             ],
             notes: vec![],
+            extension: vec![],
         }
     }
 
@@ -662,6 +663,7 @@ mod tests {
                 v6: None,
             }],
             notes: vec![],
+            extension: vec![],
         };
         let mut l = local();
         l.mtu.flannel_mtu = 1480;

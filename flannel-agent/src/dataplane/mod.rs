@@ -48,8 +48,8 @@ pub use facts::{Facts, Reachability, RouteIndex};
 pub use kernel::{KernelApplier, KernelObjects, Observed, Plan, expand, plan};
 pub use macs::{MacStore, prepare_vtep_macs, resolve_vtep_mac};
 pub use model::{
-    Desired, DeviceInfo, Devices, IgnoreReason, Local, Note, Peer, PeerPath, Reach, VtepMacs,
-    subnet_address,
+    Desired, DeviceInfo, Devices, ExtensionPeer, IgnoreReason, Local, Note, Peer, PeerPath, Reach,
+    VtepMacs, subnet_address,
 };
 pub use reconciler::{ReconcileOutcome, Reconciler, ReconcilerConfig};
 pub use status::DataplaneStatus;

@@ -287,6 +287,23 @@ impl PeerPath {
     }
 }
 
+/// A remote lease as the extension backend's commands see it (upstream 2.8).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExtensionPeer {
+    /// The lease id.
+    pub id: LeaseId,
+    /// Its IPv4 subnet (`SUBNET`).
+    pub subnet: Option<Ipv4Net>,
+    /// Its IPv6 subnet (`IPV6SUBNET`).
+    pub ipv6_subnet: Option<Ipv6Net>,
+    /// Its public IP (`PUBLIC_IP`).
+    pub public_ip: Ipv4Addr,
+    /// Its public IPv6 address (`PUBLIC_IPV6`).
+    pub public_ipv6: Option<Ipv6Addr>,
+    /// Its BackendData, a JSON string, decoded (the commands' input); empty when absent.
+    pub data: String,
+}
+
 /// A remote node: its lease id and one path per family it can be reached on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Peer {
@@ -449,6 +466,9 @@ impl fmt::Display for Note {
 pub struct Desired {
     /// Peers, ordered by lease id.
     pub peers: Vec<Peer>,
+    /// The extension backend's remote leases, ordered by lease id (its commands program
+    /// them; `peers` stays empty).
+    pub extension: Vec<ExtensionPeer>,
     /// Notes, in the order they were found.
     pub notes: Vec<Note>,
 }

@@ -121,6 +121,7 @@ mod tests {
         Desired {
             peers,
             notes: Vec::new(),
+            extension: Vec::new(),
         }
     }
 
