@@ -157,15 +157,31 @@ pub fn deliverable(
 }
 
 /// `tc_from_netdev`: whether a packet (plain, or the inner packet of a tunnel) should be
-/// recorded in the NAT guard: TCP or UDP from a remote pod (cluster network, not our subnet) to
-/// an address of this node that is not a local pod (node IP, gateway, tunnel address), where a
-/// hostPort/NodePort DNAT may forward it to a local pod.
+/// recorded in the NAT guard: a TCP SYN (without ACK) or a UDP datagram from a remote pod
+/// (cluster network, not our subnet) to an address of this node that is not a local pod (node
+/// IP, gateway, tunnel address), where a hostPort/NodePort DNAT may forward it to a local pod.
+///
+/// Not any TCP packet: the replies to a local pod's connection that left through the kernel
+/// and was masqueraded (the CNI bridge's `ipMasq`, on when flannel's `--ip-masq` is off) come
+/// to a host address too, from the *server's* endpoint. Learnt, that endpoint would send every
+/// other local pod's packets to it through the kernel, including those of connections that
+/// began on the fast path: conntrack would pick such a connection up in the middle, the
+/// masquerade rule would rewrite its source and the server would reset it (seen at pod
+/// start-up, when a new pod's first connection took the kernel path). A connection a remote
+/// pod opens to a hostPort or NodePort starts with a SYN.
+/// `opens_a_flow` says whether the packet could open one ([`crate::ipv4::opens_a_flow`]),
+/// asked last.
 #[inline(always)]
-pub fn nat_guard_candidate(cfg: &Config, info: &Ipv4Info) -> bool {
+pub fn nat_guard_candidate(
+    cfg: &Config,
+    info: &Ipv4Info,
+    opens_a_flow: impl FnOnce() -> bool,
+) -> bool {
     info.has_ports()
         && cfg.in_cluster(info.src)
         && !flannel_common::config::in_prefix(info.src, cfg.local_subnet, cfg.local_prefix_len)
         && !cfg.is_local_pod(info.dst)
+        && opens_a_flow()
 }
 
 /// `tc_to_netdev`: whether a packet leaving through the kernel belongs to a local pod →
@@ -434,14 +450,51 @@ mod tests {
     #[test]
     fn guard_and_flow_candidates() {
         // Remote pod → gateway / node IP: guarded. Remote pod → pod: not.
-        assert!(nat_guard_candidate(&cfg(), &tcp(REMOTE, [10, 244, 1, 1])));
-        assert!(nat_guard_candidate(&cfg(), &tcp(REMOTE, [192, 168, 0, 1])));
-        assert!(!nat_guard_candidate(&cfg(), &tcp(REMOTE, POD)));
+        let syn = || true;
+        assert!(nat_guard_candidate(
+            &cfg(),
+            &tcp(REMOTE, [10, 244, 1, 1]),
+            syn
+        ));
+        assert!(nat_guard_candidate(
+            &cfg(),
+            &tcp(REMOTE, [192, 168, 0, 1]),
+            syn
+        ));
+        assert!(!nat_guard_candidate(&cfg(), &tcp(REMOTE, POD), syn));
         assert!(!nat_guard_candidate(
             &cfg(),
-            &tcp([192, 168, 0, 9], [192, 168, 0, 1])
+            &tcp([192, 168, 0, 9], [192, 168, 0, 1]),
+            syn
         ));
-        assert!(!nat_guard_candidate(&cfg(), &tcp(POD, [10, 244, 1, 1])));
+        assert!(!nat_guard_candidate(
+            &cfg(),
+            &tcp(POD, [10, 244, 1, 1]),
+            syn
+        ));
+        // Only what could open a connection.
+        assert!(!nat_guard_candidate(
+            &cfg(),
+            &tcp(REMOTE, [192, 168, 0, 1]),
+            || false
+        ));
+        // A SYN, any UDP datagram; not the SYN-ACK, ACK or RST of a connection a local pod
+        // opened through the kernel and that was masqueraded.
+        use crate::ipv4::{TCP_ACK, TCP_RST, TCP_SYN, opens_a_flow};
+        for (flags, opens) in [
+            (TCP_SYN, true),
+            (TCP_SYN | 0x08 | 0x01, true),
+            (TCP_SYN | TCP_ACK, false),
+            (TCP_ACK, false),
+            (TCP_ACK | 0x08, false),
+            (TCP_RST, false),
+            (TCP_SYN | TCP_RST, false),
+            (0, false),
+        ] {
+            assert_eq!(opens_a_flow(proto::TCP, flags), opens, "flags {flags:#x}");
+        }
+        assert!(opens_a_flow(proto::UDP, 0));
+        assert!(!opens_a_flow(proto::ICMP, 0));
         // Local pod → remote pod through the kernel: tracked.
         assert!(kernel_flow_candidate(&cfg(), &tcp(POD, REMOTE)));
         assert!(!kernel_flow_candidate(&cfg(), &tcp(POD, [10, 244, 1, 9])));

@@ -18,8 +18,10 @@
 //!   they left through the kernel; `tc_to_netdev` records such local-pod → remote-pod flows in
 //!   [`flannel_common::maps::KERNEL_FLOWS4`] and `tc_from_netdev` hands their replies to the
 //!   stack ([`Reason::PassKernelFlow`]) so conntrack un-DNATs them;
-//! - a remote pod reached a host address (node IP, `cni0` gateway, tunnel address; a hostPort or
-//!   NodePort) and a DNAT sent it to a local pod: `tc_from_netdev` records the remote endpoint in
+//! - a remote pod opened a connection (a TCP SYN, any UDP datagram: not the answers to a local
+//!   pod's masqueraded connection, see [`decide::nat_guard_candidate`]) to a host address (node
+//!   IP, `cni0` gateway, tunnel address; a hostPort or NodePort) and a DNAT sent it to a local
+//!   pod: `tc_from_netdev` records the remote endpoint in
 //!   [`flannel_common::maps::NAT_GUARD4`] and `tc_from_bridge` sends the local pod's replies to
 //!   it through the kernel ([`Reason::PassNatReply`]) so conntrack un-DNATs them.
 //!
@@ -160,8 +162,8 @@ pub fn is_nat_guarded(key: &flannel_common::flow::PeerKey) -> bool {
 /// Records the remote endpoint of `info` in the NAT guard if it is a candidate; true when a new
 /// entry was added.
 #[inline(always)]
-pub fn learn_nat_guard(cfg: &Config, info: &Ipv4Info) -> bool {
-    if !decide::nat_guard_candidate(cfg, info) {
+pub fn learn_nat_guard(ctx: &TcContext, cfg: &Config, info: &Ipv4Info) -> bool {
+    if !decide::nat_guard_candidate(cfg, info, || info.opens_a_flow(ctx)) {
         return false;
     }
     let key = decide::peer_key_from(info);

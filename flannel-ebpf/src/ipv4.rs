@@ -10,6 +10,13 @@ pub const ICMP_ECHO_REPLY: u8 = 0;
 /// ICMP echo request.
 pub const ICMP_ECHO_REQUEST: u8 = 8;
 
+/// TCP flag bits.
+pub const TCP_SYN: u8 = 0x02;
+/// TCP RST.
+pub const TCP_RST: u8 = 0x04;
+/// TCP ACK.
+pub const TCP_ACK: u8 = 0x10;
+
 /// IPv4 "don't fragment" flag in the first byte of the flags/offset field.
 const IPV4_DF_BYTE: u8 = 0x40;
 
@@ -67,10 +74,38 @@ impl Ipv4Info {
             && (self.icmp_type == ICMP_ECHO_REQUEST || self.icmp_type == ICMP_ECHO_REPLY)
     }
 
+    /// Whether the packet, read by `ctx`, could open a connection ([`opens_a_flow`]; the TCP
+    /// flags are read from the packet: kept out of this struct, which the programs' deepest
+    /// call chains carry on their stack).
+    #[inline(always)]
+    pub fn opens_a_flow<C: PacketCtx>(&self, ctx: &C) -> bool {
+        let flags = if self.proto == proto::TCP {
+            match ptr_at::<C, u8>(ctx, self.l4 + 13) {
+                // SAFETY: ptr_at checked the byte is readable.
+                Some(p) => unsafe { *p },
+                None => return false,
+            }
+        } else {
+            0
+        };
+        opens_a_flow(self.proto, flags)
+    }
+
     /// Whether the packet has ports (TCP or UDP).
     #[inline(always)]
     pub fn has_ports(&self) -> bool {
         self.proto == proto::TCP || self.proto == proto::UDP
+    }
+}
+
+/// Whether a packet of protocol `proto` with TCP flags `tcp_flags` could open a connection: a
+/// TCP SYN without ACK (nor RST), or any UDP datagram (UDP does not say).
+#[inline(always)]
+pub fn opens_a_flow(proto: u8, tcp_flags: u8) -> bool {
+    match proto {
+        proto::TCP => tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN,
+        proto::UDP => true,
+        _ => false,
     }
 }
 

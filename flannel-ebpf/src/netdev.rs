@@ -185,7 +185,7 @@ fn plain_in(
     }
     // Read before the checks: a change while they run retires what they decide.
     let generation = memo::current_for(info, DIR_IN);
-    *learnt = deliver::learn_nat_guard(cfg, info);
+    *learnt = deliver::learn_nat_guard(ctx, cfg, info);
     if let Err(reason) = decide::deliverable(
         cfg,
         info,
@@ -257,7 +257,7 @@ fn ipip_in(
         if let Ok(inner) = ipv4::screen(&parse::parse_ipv4_at(ctx, IPIP_INNER_L3, outer.end()))
             && let Some(inner) = ipv4::read(ctx, &inner)
         {
-            *learnt = deliver::learn_nat_guard(cfg, &inner);
+            *learnt = deliver::learn_nat_guard(ctx, cfg, &inner);
             if cfg.is_local_pod(inner.dst) {
                 *kernel_flow = deliver::hand_to_kernel(&inner);
             }
@@ -286,7 +286,7 @@ fn ipip_in(
     let mut mtu = 0;
     let route = match &info {
         Some(info) => {
-            *learnt = deliver::learn_nat_guard(cfg, info);
+            *learnt = deliver::learn_nat_guard(ctx, cfg, info);
             let deliverable = decide::deliverable(
                 cfg,
                 info,
@@ -351,7 +351,7 @@ fn vxlan_in(
     };
     // Read before the NAT-guard and kernel-flow checks (the agent's part above).
     let generation = memo::generation_for(&info, DIR_IN, agent);
-    *learnt = deliver::learn_nat_guard(cfg, &info);
+    *learnt = deliver::learn_nat_guard(ctx, cfg, &info);
     if cfg.flags & CFG_VXLAN_RX == 0 {
         return Verdict::pass(Reason::PassVxlanRxOff);
     }

@@ -275,7 +275,7 @@ pub fn receive(ctx: &TcContext, cfg: &Config, outer: &Ipv4Info, nat_learnt: &mut
         Ok(info) => info,
         Err(reason) => return Received::pass(reason),
     };
-    *nat_learnt = deliver::learn_nat_guard(cfg, &info);
+    *nat_learnt = deliver::learn_nat_guard(ctx, cfg, &info);
     let mut deliverable = decide::deliverable(
         cfg,
         &info,

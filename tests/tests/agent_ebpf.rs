@@ -242,6 +242,149 @@ fn ebpf_pod_fragments_keep_their_flows_source() {
     }
 }
 
+/// A pod's connection that leaves through the kernel path (here: its packets carry IP options,
+/// which the programs leave to the kernel) is masqueraded by the CNI bridge (the agents run
+/// without `--ip-masq`), so its server answers to a host address of the node. That answer must
+/// not put the server's endpoint in the NAT guard: another pod's connection to the same server,
+/// begun on the fast path, would be sent through the kernel midway, picked up by conntrack,
+/// masqueraded and reset by the server (seen at pod start-up, when a new pod's first
+/// connection took the kernel path before its port had the program). Pod A's connection must
+/// carry on after pod B's, and node1 must learn nothing.
+#[test]
+fn ebpf_masqueraded_kernel_flow_leaves_other_pods_alone() {
+    require_root!();
+    with_cluster(
+        &named(EBPF, "masqueraded kernel flow"),
+        spec_on(EBPF, 2, Underlay::L2, "vxlan", 2),
+        |c| {
+            let t = c.topology();
+            let (a, b) = (t.pods_on(1)[0], t.pods_on(1)[1]);
+            let server = t.first_pod_on(2)?;
+            let addr = SocketAddr::new(IpAddr::V4(server.ip()), 7100);
+            let peers = echo_server(server.ns(), addr)?;
+            let before = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
+            let mut first = a.ns().enter(move || std::net::TcpStream::connect(addr))??;
+            first.set_read_timeout(Some(Duration::from_secs(3)))?;
+            line_round_trip(&mut first, "a1").context("pod A's first message")?;
+            let mut second = b.ns().enter(move || connect_with_ip_options(addr))??;
+            second.set_read_timeout(Some(Duration::from_secs(3)))?;
+            line_round_trip(&mut second, "b1").context("pod B's message (kernel path)")?;
+            for i in 2..5 {
+                line_round_trip(&mut first, &format!("a{i}"))
+                    .with_context(|| format!("pod A's message {i} after pod B's connection"))?;
+            }
+            let seen = peers
+                .lock()
+                .map_err(|_| anyhow::anyhow!("poisoned"))?
+                .clone();
+            let node1_masq = c.subnet_of(1).context("node1's subnet")?.network();
+            ensure!(
+                seen.len() == 2 && seen[0] == a.ip() && seen[1] == node1_masq,
+                "the server saw {seen:?}: pod A ({}) and then node1's flannel.1 address \
+                 ({node1_masq}, pod B masqueraded) expected",
+                a.ip()
+            );
+            let after = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
+            let (b, a) = (&before.packets, &after.packets);
+            let learnt = fastpath::grown(b, a, "tc_from_netdev", "learn_nat_guard");
+            let passed = fastpath::grown(b, a, "tc_from_bridge", "pass_nat_reply");
+            ensure!(
+                learnt == 0 && passed == 0,
+                "node1 learnt {learnt} NAT guards and passed {passed} packets as NAT replies; \
+                 what moved: {}",
+                fastpath::growth_text(b, a)
+            );
+            Ok(())
+        },
+    );
+}
+
+/// A TCP server in `ns` on `addr` that echoes each line back, on every connection; the peer
+/// address of each connection it accepted, in order.
+fn echo_server(
+    ns: &NetNs,
+    addr: SocketAddr,
+) -> Result<std::sync::Arc<std::sync::Mutex<Vec<std::net::Ipv4Addr>>>> {
+    use std::io::{BufRead as _, Write as _};
+    let listener = ns.enter(move || std::net::TcpListener::bind(addr))??;
+    let peers = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = peers.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            if let Ok(SocketAddr::V4(peer)) = conn.peer_addr()
+                && let Ok(mut list) = seen.lock()
+            {
+                list.push(*peer.ip());
+            }
+            std::thread::spawn(move || {
+                let Ok(mut out) = conn.try_clone() else {
+                    return;
+                };
+                for line in std::io::BufReader::new(conn).lines() {
+                    let Ok(line) = line else { return };
+                    if writeln!(out, "{line}").is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    Ok(peers)
+}
+
+/// Sends `text` and a newline on `stream` and reads the same line back.
+fn line_round_trip(stream: &mut std::net::TcpStream, text: &str) -> Result<()> {
+    use std::io::{Read as _, Write as _};
+    stream.write_all(format!("{text}\n").as_bytes())?;
+    let mut got = vec![0u8; text.len() + 1];
+    stream.read_exact(&mut got)?;
+    ensure!(got == format!("{text}\n").as_bytes(), "echoed {got:?}");
+    Ok(())
+}
+
+/// A TCP connection to `addr` whose every packet carries IP options (three NOPs and an end of
+/// list), which the fast path leaves to the kernel.
+fn connect_with_ip_options(addr: SocketAddr) -> Result<std::net::TcpStream> {
+    use std::os::fd::FromRawFd as _;
+    let SocketAddr::V4(v4) = addr else {
+        bail!("IPv4 only")
+    };
+    // SAFETY: plain socket calls on a descriptor this function owns until it is wrapped.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        ensure!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let stream = std::net::TcpStream::from_raw_fd(fd);
+        let options: [u8; 4] = [1, 1, 1, 0];
+        let rc = libc::setsockopt(
+            fd,
+            libc::IPPROTO_IP,
+            libc::IP_OPTIONS,
+            options.as_ptr().cast(),
+            options.len() as libc::socklen_t,
+        );
+        ensure!(rc == 0, "IP_OPTIONS: {}", std::io::Error::last_os_error());
+        let sin = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: v4.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(*v4.ip()).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let rc = libc::connect(
+            fd,
+            (&raw const sin).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        );
+        ensure!(
+            rc == 0,
+            "connect {addr}: {}",
+            std::io::Error::last_os_error()
+        );
+        Ok(stream)
+    }
+}
+
 #[test]
 fn ebpf_direct_routing_over_mixed_underlay() {
     require_root!();

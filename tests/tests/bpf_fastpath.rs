@@ -30,7 +30,7 @@ use flannel_common::{
 };
 use flannel_tests::packet::{
     self, Arp, Checksum, ETH_P_IP, Ethernet, IPPROTO_GRE, IPPROTO_IPIP, Icmp, Ipv4, Ipv6,
-    MAC_BROADCAST, ParsedL3, ParsedL4, Tcp, Transport, Udp, hexdump,
+    MAC_BROADCAST, ParsedL3, ParsedL4, Tcp, Transport, Udp, hexdump, tcp_flags,
 };
 use ipnet::Ipv4Net;
 
@@ -2380,6 +2380,31 @@ fn nat_guard_sends_replies_to_dnat_clients_through_the_kernel() {
         let other = pod_frame(&from_pod(HOSTGW_POD, Tcp::new(80, 5556)));
         let r = run(fp, Hook::FromBridge, &other, Skb::on(ifs.br));
         assert_eq!(r.verdict, TC_ACT_REDIRECT);
+
+        // A server's SYN-ACK and ACK to the node's IP answer a local pod's connection that
+        // left through the kernel and was masqueraded (the CNI bridge's ipMasq): not learnt,
+        // so another local pod's connection to that server keeps the fast path (it was reset
+        // once it went through the kernel midway).
+        for flags in [tcp_flags::SYN | tcp_flags::ACK, tcp_flags::ACK] {
+            let answer = underlay(
+                PEER2_MAC,
+                Ipv4::new(HOSTGW_POD, PUB1, Tcp::new(7777, 40000).flags(flags)),
+            );
+            let r = run(fp, Hook::FromNetdev, &answer, Skb::on(ifs.ext));
+            assert_eq!(r.verdict, TC_ACT_OK);
+            assert_counted(
+                &r,
+                &answer,
+                &[Reason::Ipv4Tcp, Reason::PassNotForPod],
+                "answer to a masqueraded connection",
+            );
+        }
+        let client = pod_frame(&from_pod(
+            HOSTGW_POD,
+            Tcp::new(40001, 7777).flags(tcp_flags::ACK),
+        ));
+        let r = run(fp, Hook::FromBridge, &client, Skb::on(ifs.br));
+        assert_eq!(r.verdict, TC_ACT_REDIRECT, "{:?}", r.counted);
     });
 }
 

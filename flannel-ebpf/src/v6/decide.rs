@@ -136,11 +136,12 @@ pub fn deliverable(
     Ok(())
 }
 
-/// Whether a received packet goes in the NAT guard: TCP or UDP from a remote pod to an
-/// address of this node that is not a local pod.
+/// Whether a received packet goes in the NAT guard: a TCP SYN or a UDP datagram from a remote
+/// pod to an address of this node that is not a local pod (as IPv4's,
+/// [`crate::decide::nat_guard_candidate`]).
 #[inline(always)]
 pub fn nat_guard_candidate(cfg: &Config6, info: &Ipv6Info) -> bool {
-    info.has_ports()
+    info.opens_a_flow()
         && cfg.in_cluster(&info.src)
         && !cfg.in_local_subnet(&info.src)
         && !cfg.is_local_pod(&info.dst)
@@ -186,6 +187,7 @@ mod tests {
             hop_limit: 64,
             sport: [0x9c, 0x40],
             dport: [0, 80],
+            tcp_flags: crate::ipv4::TCP_SYN,
             ..Ipv6Info::default()
         }
     }
@@ -347,6 +349,9 @@ mod tests {
             &tcp(REMOTE, "fd00:10:244:1::1")
         ));
         assert!(!nat_guard_candidate(&cfg(), &tcp(REMOTE, POD)));
+        let mut syn_ack = tcp(REMOTE, "fd00:10:244:1::1");
+        syn_ack.tcp_flags |= crate::ipv4::TCP_ACK;
+        assert!(!nat_guard_candidate(&cfg(), &syn_ack));
         assert!(kernel_flow_candidate(&cfg(), &tcp(POD, REMOTE)));
         assert!(!kernel_flow_candidate(
             &cfg(),

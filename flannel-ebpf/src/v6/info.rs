@@ -38,6 +38,8 @@ pub struct Ipv6Info {
     pub icmp_type: u8,
     /// Length of the L4 header: TCP data offset × 4, 8 for UDP and ICMPv6.
     pub l4_hdr_len: u16,
+    /// TCP flags (0 for other protocols).
+    pub tcp_flags: u8,
 }
 
 impl Ipv6Info {
@@ -58,6 +60,12 @@ impl Ipv6Info {
     #[inline(always)]
     pub fn has_ports(&self) -> bool {
         self.next_hdr == proto::TCP || self.next_hdr == proto::UDP
+    }
+
+    /// Whether the packet could open a connection ([`crate::ipv4::Ipv4Info::opens_a_flow`]).
+    #[inline(always)]
+    pub fn opens_a_flow(&self) -> bool {
+        crate::ipv4::opens_a_flow(self.next_hdr, self.tcp_flags)
     }
 }
 
@@ -92,6 +100,7 @@ pub fn header_into(hdr: &[u8; 40], l3: usize, l4: usize, next_hdr: u8, info: &mu
     info.dport = [0; 2];
     info.icmp_type = 0;
     info.l4_hdr_len = 0;
+    info.tcp_flags = 0;
 }
 
 /// Reads the fields of an IPv6 packet [`screen`] accepted into `info` (in place: the programs
@@ -113,11 +122,12 @@ pub fn read_into<C: PacketCtx>(ctx: &C, packet: &Packet, info: &mut Ipv6Info) ->
         proto::TCP => {
             info.sport = [l4[0], l4[1]];
             info.dport = [l4[2], l4[3]];
-            let Some(p) = ptr_at::<C, [u8; 13]>(ctx, packet.l4_offset) else {
+            let Some(p) = ptr_at::<C, [u8; 14]>(ctx, packet.l4_offset) else {
                 return false;
             };
             // SAFETY: as above (the parser checked the 20-byte TCP header).
-            let offset_byte = unsafe { (*p)[12] };
+            let [offset_byte, flags] = unsafe { [(*p)[12], (*p)[13]] };
+            info.tcp_flags = flags;
             info.l4_hdr_len = u16::from(offset_byte >> 4) * 4;
         }
         proto::UDP => {
