@@ -215,9 +215,11 @@ impl Cluster {
         Ok(cluster)
     }
 
-    /// Waits until the fast path of every `--dataplane=ebpf` node takes the packets of all its
-    /// pods: the agent attaches to new bridge ports a moment after the pod appears, and tests
-    /// that count fast-path packets need it there.
+    /// Waits until the fast path of every node on it (`--dataplane=ebpf`, or `auto` where the
+    /// agent says `path="ebpf"`) takes the packets of all its pods: the agent attaches to new
+    /// bridge ports a moment after the pod appears, and a pod connection begun before would
+    /// change paths midway (without `--ip-masq` the CNI bridge masquerades the kernel path's
+    /// packets and not the fast path's, and the server resets it; `cargo xtask run` saw that).
     pub fn wait_pod_ports(&mut self, timeout: Duration) -> Result<()> {
         let pods_on = |n: usize| {
             self.topology
@@ -231,9 +233,15 @@ impl Cluster {
             .nodes()
             .iter()
             .map(|node| match self.dataplane_of(node.index()) {
-                Dataplane::Ebpf => pods_on(node.index()),
-                _ => 0,
+                Dataplane::Kernel => 0,
+                Dataplane::Ebpf | Dataplane::Auto => pods_on(node.index()),
             })
+            .collect();
+        let auto: Vec<bool> = self
+            .topology
+            .nodes()
+            .iter()
+            .map(|node| self.dataplane_of(node.index()) == Dataplane::Auto)
             .collect();
         let nodes = self.topology.nodes();
         poll_agents(
@@ -242,6 +250,16 @@ impl Cluster {
             timeout,
             |node, port| match wanted[node.index() - 1] {
                 0 => Ok(()),
+                _ if auto[node.index() - 1]
+                    && status::metric_sum(
+                        node.ns(),
+                        port,
+                        "flannel_dataplane_info",
+                        "path=\"ebpf\"",
+                    )? == 0.0 =>
+                {
+                    Ok(())
+                }
                 pods => fastpath::expect_pod_ports(node.ns(), port, pods),
             },
         )
