@@ -262,6 +262,24 @@ mod tests {
     }
 
     #[test]
+    fn extension_publishes_its_json_string_and_v6_address() {
+        let attrs = LeaseAttrs {
+            public_ip: Ipv4Addr::new(10, 0, 0, 1),
+            public_ipv6: Some("2001:db8::1".parse().unwrap()),
+            backend_type: "extension".into(),
+            backend_data: Some(
+                crate::gojson::RawJson::from_json(r#""0e:2a \u003cx\u003e""#).unwrap(),
+            ),
+            ..LeaseAttrs::default()
+        };
+        let changes = annotation_changes(&keys(), &BTreeMap::new(), &attrs);
+        assert_eq!(
+            annotations_patch(&changes),
+            r#"{"metadata":{"annotations":{"flannel.alpha.coreos.com/backend-data":"\"0e:2a \\u003cx\\u003e\"","flannel.alpha.coreos.com/backend-type":"extension","flannel.alpha.coreos.com/backend-v6-data":"null","flannel.alpha.coreos.com/kube-subnet-manager":"true","flannel.alpha.coreos.com/public-ip":"10.0.0.1","flannel.alpha.coreos.com/public-ipv6":"2001:db8::1"}}}"#
+        );
+    }
+
+    #[test]
     fn go_escaping_in_patch() {
         let mut m = BTreeMap::new();
         m.insert("a/b".to_owned(), "<&>".to_owned());
