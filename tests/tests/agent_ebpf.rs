@@ -261,7 +261,7 @@ fn ebpf_masqueraded_kernel_flow_leaves_other_pods_alone() {
             let (a, b) = (t.pods_on(1)[0], t.pods_on(1)[1]);
             let server = t.first_pod_on(2)?;
             let addr = SocketAddr::new(IpAddr::V4(server.ip()), 7100);
-            let peers = echo_server(server.ns(), addr)?;
+            let peers = echo_server(server.ns(), addr, 2)?;
             let before = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
             let mut first = a.ns().enter(move || std::net::TcpStream::connect(addr))??;
             first.set_read_timeout(Some(Duration::from_secs(3)))?;
@@ -299,18 +299,20 @@ fn ebpf_masqueraded_kernel_flow_leaves_other_pods_alone() {
     );
 }
 
-/// A TCP server in `ns` on `addr` that echoes each line back, on every connection; the peer
-/// address of each connection it accepted, in order.
+/// A TCP server in `ns` on `addr` that accepts `connections` connections and echoes each line
+/// back on every one until its client closes it; the peer address of each connection it
+/// accepted, in order. (Bounded, so that no socket outlives the test's namespaces.)
 fn echo_server(
     ns: &NetNs,
     addr: SocketAddr,
+    connections: usize,
 ) -> Result<std::sync::Arc<std::sync::Mutex<Vec<std::net::Ipv4Addr>>>> {
     use std::io::{BufRead as _, Write as _};
     let listener = ns.enter(move || std::net::TcpListener::bind(addr))??;
     let peers = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let seen = peers.clone();
     std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
+        for conn in listener.incoming().flatten().take(connections) {
             if let Ok(SocketAddr::V4(peer)) = conn.peer_addr()
                 && let Ok(mut list) = seen.lock()
             {

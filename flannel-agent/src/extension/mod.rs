@@ -202,10 +202,12 @@ impl ExtensionApplier {
             }
         }
         if mode == SyncMode::Full {
+            let wanted: std::collections::BTreeSet<&LeaseId> =
+                desired.extension.iter().map(|p| &p.id).collect();
             let gone: Vec<ExtensionPeer> = self
                 .applied
                 .values()
-                .filter(|p| !desired.extension.iter().any(|d| d.id == p.id))
+                .filter(|p| !wanted.contains(&p.id))
                 .cloned()
                 .collect();
             for peer in gone {

@@ -228,20 +228,16 @@ impl Cluster {
                 .filter(|p| p.node() == n)
                 .count()
         };
-        let wanted: Vec<usize> = self
+        // Per node: the pods to wait for, and whether the agent chooses its path (`auto`).
+        let wanted: Vec<(usize, bool)> = self
             .topology
             .nodes()
             .iter()
             .map(|node| match self.dataplane_of(node.index()) {
-                Dataplane::Kernel => 0,
-                Dataplane::Ebpf | Dataplane::Auto => pods_on(node.index()),
+                Dataplane::Kernel => (0, false),
+                Dataplane::Ebpf => (pods_on(node.index()), false),
+                Dataplane::Auto => (pods_on(node.index()), true),
             })
-            .collect();
-        let auto: Vec<bool> = self
-            .topology
-            .nodes()
-            .iter()
-            .map(|node| self.dataplane_of(node.index()) == Dataplane::Auto)
             .collect();
         let nodes = self.topology.nodes();
         poll_agents(
@@ -249,9 +245,9 @@ impl Cluster {
             nodes,
             timeout,
             |node, port| match wanted[node.index() - 1] {
-                0 => Ok(()),
-                _ if auto[node.index() - 1]
-                    && status::metric_sum(
+                (0, _) => Ok(()),
+                (_, true)
+                    if status::metric_sum(
                         node.ns(),
                         port,
                         "flannel_dataplane_info",
@@ -260,7 +256,7 @@ impl Cluster {
                 {
                     Ok(())
                 }
-                pods => fastpath::expect_pod_ports(node.ns(), port, pods),
+                (pods, _) => fastpath::expect_pod_ports(node.ns(), port, pods),
             },
         )
     }
