@@ -38,8 +38,11 @@
 //! - `bpf_redirect` to the bridge otherwise (a pod that has not sent anything yet, a MAC the
 //!   mirror does not have yet), which keeps the bridge's FDB/ARP semantics.
 //!
-//! Flows that change path midway (the fast path attached or detached under live connections,
-//! an LRU entry evicted) are picked up by conntrack's loose TCP tracking as established flows.
+//! Connections conntrack NATed before the programs were attached (to the node, or to a new
+//! pod's port) are written into these tables by the agent before it attaches, from a dump of
+//! conntrack (`flannel_agent::bpf::seed`). Other flows that change path midway (the fast path
+//! attached or detached under live connections, an LRU entry evicted) are picked up by
+//! conntrack's loose TCP tracking as established flows.
 //!
 //! GSO packets (GRO aggregates of a real NIC; GSO packets a peer's fast path sent over a veth)
 //! need care when they arrive in a tunnel. `bpf_skb_adjust_room` leaves `skb->encapsulation`

@@ -299,6 +299,105 @@ fn ebpf_masqueraded_kernel_flow_leaves_other_pods_alone() {
     );
 }
 
+/// Connections a node's kernel path NATed must survive the fast path taking the node over
+/// (a node moving from upstream flannel or from `--dataplane kernel`): the agent reads
+/// conntrack before attaching and keeps them on the kernel path (`bpf::seed`). Both nodes run
+/// the kernel path while a pod on node1 opens two connections to a pod on node2, both
+/// masqueraded by node1's CNI bridge: one straight to the pod, one to a hostPort-style DNAT on
+/// node2's `cni0` gateway. Then both agents restart with the fast path, and both connections
+/// must go on: node1 must keep sending them through the kernel (masqueraded, else the server
+/// resets what it does not know) and node2 the server's answers on the DNATed one (un-DNATed,
+/// else the client resets an answer from the pod's own address).
+#[test]
+fn ebpf_taking_over_keeps_open_nated_connections() {
+    require_root!();
+    with_cluster(
+        &named(EBPF, "take over NATed connections"),
+        spec_on(EBPF, 2, Underlay::L2, "vxlan", 1),
+        |c| {
+            let set_dataplane = |dataplane: Dataplane| {
+                move |args: &mut Vec<String>| {
+                    args.retain(|a| !a.starts_with("--dataplane"));
+                    args.push(format!("--dataplane={dataplane}"));
+                }
+            };
+            let server = c.topology().first_pod_on(2)?;
+            let direct = SocketAddr::new(IpAddr::V4(server.ip()), 7100);
+            let peers = echo_server(server.ns(), direct, 2)?;
+            let node1_masq = c.subnet_of(1).context("node1's subnet")?.network();
+            let gateway = {
+                let net = c.subnet_of(2).context("node2's subnet")?.network();
+                std::net::Ipv4Addr::from(u32::from(net) + 1)
+            };
+            let host_port = SocketAddr::new(IpAddr::V4(gateway), 30080);
+            scenarios::dnat_tcp(c.topology().node(2), host_port, direct)?;
+            for n in [1, 2] {
+                restart_with(c, n, set_dataplane(Dataplane::Kernel))?;
+            }
+            let client = c.topology().first_pod_on(1)?;
+            let connect = |to: SocketAddr| -> Result<std::net::TcpStream> {
+                let stream = client
+                    .ns()
+                    .enter(move || std::net::TcpStream::connect(to))??;
+                stream.set_read_timeout(Some(Duration::from_secs(3)))?;
+                Ok(stream)
+            };
+            let mut to_pod = connect(direct)?;
+            line_round_trip(&mut to_pod, "p1").context("to the pod on the kernel path")?;
+            let mut to_host_port = connect(host_port)?;
+            line_round_trip(&mut to_host_port, "h1")
+                .context("to the hostPort on the kernel path")?;
+            let seen = peers
+                .lock()
+                .map_err(|_| anyhow::anyhow!("poisoned"))?
+                .clone();
+            ensure!(
+                seen == [node1_masq, node1_masq],
+                "the server saw {seen:?}: node1's flannel.1 address ({node1_masq}) twice \
+                 expected (both connections masqueraded by node1's CNI bridge)"
+            );
+            for n in [1, 2] {
+                restart_with(c, n, set_dataplane(Dataplane::Ebpf))?;
+            }
+            c.wait_pod_ports(CONVERGE)?;
+            let t = c.topology();
+            let before = [1, 2].map(|n| fastpath::counters(t.node(n).ns(), DEFAULT_HEALTHZ_PORT));
+            for i in 2..5 {
+                line_round_trip(&mut to_pod, &format!("p{i}")).with_context(|| {
+                    format!("message {i} to the pod after the fast path took over")
+                })?;
+                line_round_trip(&mut to_host_port, &format!("h{i}")).with_context(|| {
+                    format!("message {i} to the hostPort after the fast path took over")
+                })?;
+            }
+            let after = [1, 2].map(|n| fastpath::counters(t.node(n).ns(), DEFAULT_HEALTHZ_PORT));
+            let [Ok(b1), Ok(b2)] = before else {
+                bail!("reading the counters before: {before:?}")
+            };
+            let [Ok(a1), Ok(a2)] = after else {
+                bail!("reading the counters after: {after:?}")
+            };
+            let kept = fastpath::grown(
+                &b1.packets,
+                &a1.packets,
+                "tc_from_bridge",
+                "pass_kernel_flow",
+            );
+            let guarded =
+                fastpath::grown(&b2.packets, &a2.packets, "tc_from_bridge", "pass_nat_reply");
+            ensure!(
+                kept >= 6 && guarded >= 3,
+                "node1 passed {kept} of the client's packets as kernel flows (6 or more \
+                 expected) and node2 {guarded} of the server's as NAT replies (3 or more); \
+                 node1: {}; node2: {}",
+                fastpath::growth_text(&b1.packets, &a1.packets),
+                fastpath::growth_text(&b2.packets, &a2.packets)
+            );
+            Ok(())
+        },
+    );
+}
+
 /// A TCP server in `ns` on `addr` that accepts `connections` connections and echoes each line
 /// back on every one until its client closes it; the peer address of each connection it
 /// accepted, in order. (Bounded, so that no socket outlives the test's namespaces.)

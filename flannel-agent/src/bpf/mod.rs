@@ -13,8 +13,10 @@
 //! if let Startup::FastPath(mut fp) = startup {
 //!     fp.set_config(&LocalConfig { .. })?;          // after the lease: public IP, subnet, VTEP
 //!     fp.sync(&desired)?;                            // reconciler: subnet -> Remote, every pass
+//!     fp.seed(&seed::collect(&fp.seed_scope()?)?)?;  // open NATed connections stay in the kernel
 //!     fp.attach_netdev(ext_ifindex, false)?;         // external interface (XDP: opt-in)
 //!     fp.sync_ports(&macs)?; fp.attach_ports(&veths)?; // port watcher: cni0's FDB and veth ports
+//!                                                    // (seeding again before new ports)
 //!     fp.counters()?;                                // metrics / status
 //! }
 //! ```
@@ -53,6 +55,7 @@
 //! | [`config`] | [`LocalConfig`] |
 //! | [`nat`] | masquerade in eBPF: [`NatSettings`], map sizing, flows read-out, sweep |
 //! | [`remote`] | [`Remote`] / [`Via`] and the diff behind `sync` |
+//! | [`seed`] | open NATed connections (from conntrack) written into the flow tables before attaching |
 //! | [`pins`] | the pin layout, adopted-map checks, cleanup |
 //! | [`probe`] | kernel feature probes |
 //! | [`programs`] | loading the programs (in parallel) and what the verifier reported |
@@ -74,6 +77,7 @@ pub mod ports;
 pub mod probe;
 pub mod programs;
 pub mod remote;
+pub mod seed;
 pub mod tcfilter;
 pub mod udp;
 pub mod v6;

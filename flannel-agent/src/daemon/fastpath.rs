@@ -3,6 +3,7 @@
 //! CNI plugin recreates the bridge), and say which path is active.
 
 use std::{
+    collections::BTreeSet,
     path::Path,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -152,6 +153,15 @@ pub fn configure(fast_path: &SharedFastPath, local: &Local) -> Result<(), Daemon
         .map_err(|e| fail("configuring IPv6", e))?;
     fp.set_udp(udp.as_ref())
         .map_err(|e| fail("configuring the udp encapsulation", e))?;
+    // Before the programs see the node's traffic: a one-off blocking dump at start-up.
+    match fp.seed_scope() {
+        Ok(scope) => seed(
+            &mut fp,
+            bpf::seed::collect(&scope),
+            "the external interface",
+        ),
+        Err(err) => warn!("reading the fast path's configuration back: {err}"),
+    }
     fp.attach_netdev(local.ext.index, false)
         .map_err(|e| fail("attaching to the external interface", e))?;
     Ok(())
@@ -369,9 +379,36 @@ async fn sync_ports(fast_path: &SharedFastPath, nl: &Netlink, bridge: u32) -> Op
     };
     let desired = bpf::ports::desired_ports(bridge, &links, &fdb);
     let veths = bpf::ports::veth_ports(bridge, &links);
+    // New ports: their pods' open connections are read from conntrack before the program
+    // goes on (the dump without the lock, so the reconciler is not held up by it).
+    let scope = {
+        let fp = fast_path.lock().ok()?;
+        let attached: BTreeSet<u32> = fp
+            .attachments()
+            .iter()
+            .filter(|(hook, _)| *hook == bpf::Hook::FromBridge)
+            .map(|(_, index)| *index)
+            .collect();
+        if veths.is_subset(&attached) {
+            None
+        } else {
+            fp.seed_scope().ok()
+        }
+    };
+    let seeds = match scope {
+        Some(scope) => Some(
+            tokio::task::spawn_blocking(move || bpf::seed::collect(&scope))
+                .await
+                .ok()?,
+        ),
+        None => None,
+    };
     let Ok(mut fp) = fast_path.lock() else {
         return None;
     };
+    if let Some(seeds) = seeds {
+        seed(&mut fp, seeds, "new pod ports");
+    }
     let mut complete = true;
     // The map first: a program adopted by the attach reads it at once.
     let pods = match fp.sync_ports(&desired) {
@@ -417,6 +454,42 @@ async fn sync_ports(fast_path: &SharedFastPath, nl: &Netlink, bridge: u32) -> Op
         pods,
         complete,
     })
+}
+
+/// Writes what conntrack's table called for ([`bpf::seed`]) into the flow tables before the
+/// programs take over `what`, and says so when it kept connections on the kernel path. A
+/// table that could not be read only costs those connections (logged).
+fn seed(
+    fp: &mut bpf::FastPath,
+    seeds: Result<bpf::seed::Seeds, crate::netlink::raw::RawError>,
+    what: &str,
+) {
+    let seeds = match seeds {
+        Ok(seeds) => seeds,
+        Err(err) => {
+            warn!(
+                "cannot read conntrack's table before attaching to {what} ({err}); NATed \
+                 connections already open may be reset"
+            );
+            return;
+        }
+    };
+    match fp.seed(&seeds) {
+        Ok(0) => {}
+        Ok(added) => info!(
+            connections = added,
+            kernel_flows = seeds.flows4.len() + seeds.flows6.len(),
+            nat_guards = seeds.guards4.len() + seeds.guards6.len(),
+            "open NATed connections kept on the kernel path before attaching to {what}"
+        ),
+        Err(err) => warn!("writing open NATed connections into the flow tables: {err}"),
+    }
+    if seeds.unreadable > 0 {
+        debug!(
+            entries = seeds.unreadable,
+            "conntrack entries that could not be read"
+        );
+    }
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@
 //! | [`batch`] | many operations per datagram, results matched back per operation |
 //! | [`events`] | a stream of link added/removed notifications |
 //! | [`raw`] | hand-built messages for generic netlink (WireGuard) and XFRM |
+//! | [`conntrack`] | a dump of the connection tracking table (ctnetlink), built on [`raw`] |
 //! | [`errors`] | [`NetlinkError`] |
 //!
 //! The socket is opened in the network namespace of the calling thread when [`Netlink::new`]
@@ -27,6 +28,7 @@
 
 pub mod addresses;
 pub mod batch;
+pub mod conntrack;
 pub mod errors;
 pub mod events;
 pub mod links;

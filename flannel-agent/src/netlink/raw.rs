@@ -264,13 +264,24 @@ impl RawSocket {
     /// answers of type other than ERROR/DONE, with their types. A request with `NLM_F_DUMP`
     /// collects until `NLMSG_DONE`; any other until the ACK (set `NLM_F_ACK`) or an error.
     pub fn request(&mut self, message: MessageBuilder) -> Result<Vec<(u16, Vec<u8>)>, RawError> {
+        let mut out = Vec::new();
+        self.request_each(message, |ty, payload| out.push((ty, payload.to_vec())))?;
+        Ok(out)
+    }
+
+    /// [`request`](Self::request) handing each answer's type and payload to `each` as it
+    /// arrives instead of collecting them (a dump of a large table need not be held whole).
+    pub fn request_each(
+        &mut self,
+        message: MessageBuilder,
+        mut each: impl FnMut(u16, &[u8]),
+    ) -> Result<(), RawError> {
         self.seq = self.seq.wrapping_add(1);
         let seq = self.seq;
         let bytes = message.finish(seq);
         let flags = u16::from_ne_bytes([bytes[6], bytes[7]]);
         let dump = flags & NLM_F_DUMP == NLM_F_DUMP;
         self.socket.send(&bytes, 0)?;
-        let mut out = Vec::new();
         loop {
             let (datagram, _) = self.socket.recv_from_full()?;
             for m in messages(&datagram)? {
@@ -287,13 +298,13 @@ impl RawSocket {
                         if code != 0 {
                             return Err(RawError::Errno(-code));
                         }
-                        return Ok(out);
+                        return Ok(());
                     }
-                    NLMSG_DONE => return Ok(out),
+                    NLMSG_DONE => return Ok(()),
                     ty => {
-                        out.push((ty, m.payload.to_vec()));
+                        each(ty, m.payload);
                         if !dump && flags & NLM_F_ACK == 0 {
-                            return Ok(out);
+                            return Ok(());
                         }
                     }
                 }

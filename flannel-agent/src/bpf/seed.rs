@@ -1,0 +1,543 @@
+//! Connections that were open before the fast path took over: kept on the kernel path.
+//!
+//! The programs learn the flows conntrack must keep seeing from packets
+//! (`flannel_ebpf::deliver`): a local pod's flow that left through the kernel goes into the
+//! kernel-flow table, a remote pod's connection to a host address (hostPort, NodePort) into
+//! the NAT guard. A connection that was already open when the programs were attached (a node
+//! moving from upstream flannel or from `--dataplane kernel`, pods running while the agent was
+//! down, a pod's first connection begun before its port had the program) was never seen by
+//! them; if conntrack NATed it, changing path midway breaks it:
+//! - a local pod's connection to a remote pod that the CNI bridge masqueraded (`ipMasq`, on
+//!   when the agent runs without `--ip-masq`): its next packets would leave unmasqueraded and
+//!   the remote end, which knows the node's address, resets them;
+//! - a local pod's connection DNATed to a remote pod (a Service): the answers would reach the
+//!   pod with the remote pod's address, not the Service's;
+//! - a remote pod's connection DNATed to a local pod (hostPort, NodePort): the local pod's
+//!   answers would leave with its own address instead of the one the client connected to.
+//!
+//! So before the programs take a node's interfaces or a pod's port, the agent reads
+//! conntrack's table ([`crate::netlink::conntrack`]) and writes the same keys the programs
+//! would have learnt for every NATed connection between a local pod and a remote pod
+//! ([`Seeds::add`], a pure function of each entry and the configuration); the programs then keep
+//! them on the kernel path for their whole life (LRU entries, like the learnt ones).
+//! Connections conntrack holds no NAT state for change path harmlessly and are left alone.
+
+use std::{
+    collections::HashSet,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
+
+use aya::maps::{HashMap, MapData};
+use flannel_common::{
+    config::{Config, in_prefix},
+    flow::{FlowKey, PeerKey},
+    maps as names,
+    v6::{self, Config6, FlowKey6, PeerKey6},
+};
+
+use super::{BpfError, FastPath, fastpath::missing};
+use crate::netlink::{
+    conntrack::{self, CtEntry, CtTuple, Family},
+    raw::RawError,
+};
+
+/// The families the programs handle on this node: the configuration of each that is enabled.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Scope {
+    /// IPv4, when enabled.
+    pub v4: Option<Config>,
+    /// IPv6, when enabled.
+    pub v6: Option<Config6>,
+}
+
+/// The flow-table keys that keep open NATed connections on the kernel path.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Seeds {
+    /// Kernel-flow keys (IPv4).
+    pub flows4: HashSet<FlowKey>,
+    /// NAT-guard keys (IPv4).
+    pub guards4: HashSet<PeerKey>,
+    /// Kernel-flow keys (IPv6).
+    pub flows6: HashSet<FlowKey6>,
+    /// NAT-guard keys (IPv6).
+    pub guards6: HashSet<PeerKey6>,
+    /// Conntrack entries that could not be read.
+    pub unreadable: usize,
+}
+
+impl Seeds {
+    /// How many keys in all.
+    pub fn len(&self) -> usize {
+        self.flows4.len() + self.guards4.len() + self.flows6.len() + self.guards6.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Adds the keys `entry` calls for under `scope` (see the module documentation):
+    /// - the connection was NATed and is not over (a TCP entry lingering in `TIME_WAIT` would
+    ///   send a new connection that reuses its ports to the kernel midway), else nothing;
+    /// - it left a local pod for a remote pod (its original destination, a masqueraded
+    ///   connection): the kernel-flow key the pod's next packets have;
+    /// - its answers come from a remote pod to a local pod (DNATed to the remote pod): the
+    ///   kernel-flow key the answers have, as `tc_to_netdev` learns it;
+    /// - a remote pod's TCP or UDP connection whose answers come from a local pod (DNATed to
+    ///   it): the NAT-guard key of the remote end the answers go to.
+    pub fn add(&mut self, scope: &Scope, entry: &CtEntry) {
+        if !entry.is_nated() || entry.is_closed() {
+            return;
+        }
+        let CtEntry { orig, reply, .. } = entry;
+        let has_ports = matches!(orig.proto, PROTO_TCP | PROTO_UDP);
+        let echo = matches!(orig.proto, PROTO_ICMP | PROTO_ICMPV6);
+        if !has_ports && !echo {
+            return;
+        }
+        if let Some(cfg) = &scope.v4 {
+            let side = |a: IpAddr| v4_side(cfg, a);
+            if side(orig.src) == Side::LocalPod && side(orig.dst) == Side::RemotePod {
+                self.flows4.insert(flow_key(orig));
+            }
+            if side(reply.dst) == Side::LocalPod && side(reply.src) == Side::RemotePod {
+                self.flows4.insert(flow_key(&reply.inverse()));
+            }
+            if has_ports && side(reply.src) == Side::LocalPod && side(reply.dst) == Side::RemotePod
+            {
+                self.guards4.insert(peer_key(reply));
+            }
+        }
+        if let Some(cfg) = &scope.v6 {
+            let side = |a: IpAddr| v6_side(cfg, a);
+            if side(orig.src) == Side::LocalPod && side(orig.dst) == Side::RemotePod {
+                self.flows6.insert(flow_key6(orig));
+            }
+            if side(reply.dst) == Side::LocalPod && side(reply.src) == Side::RemotePod {
+                self.flows6.insert(flow_key6(&reply.inverse()));
+            }
+            if has_ports && side(reply.src) == Side::LocalPod && side(reply.dst) == Side::RemotePod
+            {
+                self.guards6.insert(peer_key6(reply));
+            }
+        }
+    }
+}
+
+const PROTO_ICMP: u8 = 1;
+const PROTO_TCP: u8 = 6;
+const PROTO_UDP: u8 = 17;
+const PROTO_ICMPV6: u8 = 58;
+
+/// Where an address stands, as the programs' learning rules see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Side {
+    /// A pod of this node (not the subnet's host addresses).
+    LocalPod,
+    /// In the cluster network, outside this node's subnet.
+    RemotePod,
+    /// Anything else: this node's host addresses, outside the cluster, the other family.
+    Other,
+}
+
+fn v4_side(cfg: &Config, addr: IpAddr) -> Side {
+    let IpAddr::V4(a) = addr else {
+        return Side::Other;
+    };
+    let a = a.octets();
+    if cfg.is_local_pod(a) {
+        Side::LocalPod
+    } else if cfg.in_cluster(a) && !in_prefix(a, cfg.local_subnet, cfg.local_prefix_len) {
+        Side::RemotePod
+    } else {
+        Side::Other
+    }
+}
+
+fn v6_side(cfg: &Config6, addr: IpAddr) -> Side {
+    let IpAddr::V6(a) = addr else {
+        return Side::Other;
+    };
+    let a = a.octets();
+    if cfg.is_local_pod(&a) {
+        Side::LocalPod
+    } else if cfg.in_cluster(&a) && !cfg.in_local_subnet(&a) {
+        Side::RemotePod
+    } else {
+        Side::Other
+    }
+}
+
+fn v4(addr: IpAddr) -> [u8; 4] {
+    match addr {
+        IpAddr::V4(a) => a.octets(),
+        IpAddr::V6(_) => Ipv4Addr::UNSPECIFIED.octets(),
+    }
+}
+
+fn v6(addr: IpAddr) -> [u8; 16] {
+    match addr {
+        IpAddr::V6(a) => a.octets(),
+        IpAddr::V4(_) => Ipv6Addr::UNSPECIFIED.octets(),
+    }
+}
+
+/// The kernel-flow key of a packet with tuple `t` leaving a local pod (source = local side).
+fn flow_key(t: &CtTuple) -> FlowKey {
+    FlowKey {
+        local_addr: v4(t.src),
+        remote_addr: v4(t.dst),
+        local_port: t.sport.to_be_bytes(),
+        remote_port: t.dport.to_be_bytes(),
+        proto: t.proto,
+        _pad: [0; 3],
+    }
+}
+
+fn flow_key6(t: &CtTuple) -> FlowKey6 {
+    FlowKey6 {
+        local_addr: v6(t.src),
+        remote_addr: v6(t.dst),
+        local_port: t.sport.to_be_bytes(),
+        remote_port: t.dport.to_be_bytes(),
+        proto: t.proto,
+        _pad: [0; 3],
+    }
+}
+
+/// The NAT-guard key of the destination of a packet with tuple `t` (a local pod's answer).
+fn peer_key(t: &CtTuple) -> PeerKey {
+    PeerKey {
+        addr: v4(t.dst),
+        port: t.dport.to_be_bytes(),
+        proto: t.proto,
+        _pad: 0,
+    }
+}
+
+fn peer_key6(t: &CtTuple) -> PeerKey6 {
+    PeerKey6 {
+        addr: v6(t.dst),
+        port: t.dport.to_be_bytes(),
+        proto: t.proto,
+        _pad: 0,
+    }
+}
+
+/// Reads conntrack's table (the families `scope` enables) in the calling thread's network
+/// namespace and returns the keys it calls for. Blocking: run it on
+/// `tokio::task::spawn_blocking`.
+pub fn collect(scope: &Scope) -> Result<Seeds, RawError> {
+    let mut seeds = Seeds::default();
+    for (family, enabled) in [
+        (Family::V4, scope.v4.is_some()),
+        (Family::V6, scope.v6.is_some()),
+    ] {
+        if enabled {
+            let mut found = Seeds::default();
+            found.unreadable = conntrack::dump(family, |entry| found.add(scope, &entry))?;
+            seeds.flows4.extend(found.flows4);
+            seeds.guards4.extend(found.guards4);
+            seeds.flows6.extend(found.flows6);
+            seeds.guards6.extend(found.guards6);
+            seeds.unreadable += found.unreadable;
+        }
+    }
+    Ok(seeds)
+}
+
+impl FastPath {
+    /// The families the programs handle now, from the configuration they read.
+    pub fn seed_scope(&self) -> Result<Scope, BpfError> {
+        Ok(Scope {
+            v4: Some(self.config_entry()?).filter(Config::enabled),
+            v6: Some(self.config6_entry()?).filter(Config6::enabled),
+        })
+    }
+
+    /// Writes `seeds` into the kernel-flow and NAT-guard tables (keys already there stay);
+    /// returns how many were new. Retires the programs' remembered decisions when any was, as
+    /// a learnt entry does.
+    pub fn seed(&mut self, seeds: &Seeds) -> Result<usize, BpfError> {
+        let mut added = 0;
+        added += self.seed_table(names::KERNEL_FLOWS4, &seeds.flows4)?;
+        added += self.seed_table(names::NAT_GUARD4, &seeds.guards4)?;
+        added += self.seed_table(v6::KERNEL_FLOWS6, &seeds.flows6)?;
+        added += self.seed_table(v6::NAT_GUARD6, &seeds.guards6)?;
+        if added > 0 {
+            self.retire_memos()?;
+        }
+        Ok(added)
+    }
+
+    /// Whether the kernel-flow table (IPv4) holds `key`.
+    pub fn has_kernel_flow(&self, key: &FlowKey) -> Result<bool, BpfError> {
+        self.table_has(names::KERNEL_FLOWS4, key)
+    }
+
+    /// Whether the NAT guard (IPv4) holds `key`.
+    pub fn has_nat_guard(&self, key: &PeerKey) -> Result<bool, BpfError> {
+        self.table_has(names::NAT_GUARD4, key)
+    }
+
+    fn table_has<K: aya::Pod>(&self, name: &'static str, key: &K) -> Result<bool, BpfError> {
+        let map = self.ebpf().map(name).ok_or_else(|| missing(name))?;
+        let table: HashMap<&MapData, K, u32> =
+            HashMap::try_from(map).map_err(|e| BpfError::map(name, e))?;
+        match table.get(key, 0) {
+            Ok(_) => Ok(true),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(false),
+            Err(e) => Err(BpfError::map(name, e)),
+        }
+    }
+
+    fn seed_table<K: aya::Pod + std::hash::Hash + Eq>(
+        &mut self,
+        name: &'static str,
+        keys: &HashSet<K>,
+    ) -> Result<usize, BpfError> {
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let map = self.ebpf_mut().map_mut(name).ok_or_else(|| missing(name))?;
+        let mut table: HashMap<&mut MapData, K, u32> =
+            HashMap::try_from(map).map_err(|e| BpfError::map(name, e))?;
+        let mut added = 0;
+        for key in keys {
+            match table.get(key, 0) {
+                Ok(_) => continue,
+                Err(aya::maps::MapError::KeyNotFound) => {}
+                Err(e) => return Err(BpfError::map(name, e)),
+            }
+            table
+                .insert(key, 1u32, 0)
+                .map_err(|e| BpfError::map(name, e))?;
+            added += 1;
+        }
+        Ok(added)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests fail loudly by design
+mod tests {
+    use flannel_common::config::CFG_ENABLED;
+
+    use super::*;
+
+    fn scope() -> Scope {
+        Scope {
+            v4: Some(Config {
+                flags: CFG_ENABLED,
+                local_subnet: [10, 244, 1, 0],
+                local_prefix_len: 24,
+                cluster_net: [10, 244, 0, 0],
+                cluster_prefix_len: 16,
+                ..Config::default()
+            }),
+            v6: Some(Config6 {
+                flags: v6::CFG6_ENABLED,
+                local_subnet: "fd00:0:0:1::".parse::<Ipv6Addr>().unwrap().octets(),
+                local_prefix_len: 64,
+                cluster_net: "fd00::".parse::<Ipv6Addr>().unwrap().octets(),
+                cluster_prefix_len: 48,
+                ..Config6::default()
+            }),
+        }
+    }
+
+    use CtTuple as T;
+
+    fn entry(orig: CtTuple, reply: CtTuple) -> CtEntry {
+        CtEntry {
+            orig,
+            reply,
+            tcp_state: None,
+        }
+    }
+
+    fn tcp_flow(local: [u8; 4], remote: [u8; 4], local_port: u16, remote_port: u16) -> FlowKey {
+        FlowKey {
+            local_addr: local,
+            remote_addr: remote,
+            local_port: local_port.to_be_bytes(),
+            remote_port: remote_port.to_be_bytes(),
+            proto: PROTO_TCP,
+            _pad: [0; 3],
+        }
+    }
+
+    fn seeds_of(entries: &[CtEntry]) -> Seeds {
+        let mut seeds = Seeds::default();
+        for e in entries {
+            seeds.add(&scope(), e);
+        }
+        seeds
+    }
+
+    #[test]
+    fn a_masqueraded_pod_connection_keeps_its_outgoing_key() {
+        // Pod 10.244.1.5 -> remote pod 10.244.2.7:7100, masqueraded to flannel.1's 10.244.1.0.
+        let orig = T::of("10.244.1.5", "10.244.2.7", PROTO_TCP, 40000, 7100);
+        let reply = T::of("10.244.2.7", "10.244.1.0", PROTO_TCP, 7100, 40001);
+        let seeds = seeds_of(&[entry(orig, reply)]);
+        assert_eq!(
+            seeds.flows4,
+            HashSet::from([tcp_flow([10, 244, 1, 5], [10, 244, 2, 7], 40000, 7100)])
+        );
+        assert!(seeds.guards4.is_empty());
+    }
+
+    #[test]
+    fn a_service_dnat_to_a_remote_pod_keeps_the_answers_key() {
+        // Pod -> ClusterIP 10.96.0.10:80, DNATed to 10.244.2.7:8080, not masqueraded.
+        let orig = T::of("10.244.1.5", "10.96.0.10", PROTO_TCP, 40000, 80);
+        let reply = T::of("10.244.2.7", "10.244.1.5", PROTO_TCP, 8080, 40000);
+        let seeds = seeds_of(&[entry(orig, reply)]);
+        assert_eq!(
+            seeds.flows4,
+            HashSet::from([tcp_flow([10, 244, 1, 5], [10, 244, 2, 7], 40000, 8080)])
+        );
+        assert!(seeds.guards4.is_empty());
+    }
+
+    #[test]
+    fn a_remote_pods_hostport_connection_guards_its_endpoint() {
+        // Remote pod 10.244.2.7 -> cni0 gateway 10.244.1.1:8080, DNATed to pod 10.244.1.5:80.
+        let orig = T::of("10.244.2.7", "10.244.1.1", PROTO_UDP, 5353, 8080);
+        let reply = T::of("10.244.1.5", "10.244.2.7", PROTO_UDP, 80, 5353);
+        let seeds = seeds_of(&[entry(orig, reply)]);
+        assert_eq!(
+            seeds.guards4,
+            HashSet::from([PeerKey {
+                addr: [10, 244, 2, 7],
+                port: 5353u16.to_be_bytes(),
+                proto: PROTO_UDP,
+                _pad: 0,
+            }])
+        );
+        assert!(seeds.flows4.is_empty());
+    }
+
+    #[test]
+    fn unnated_host_and_outside_connections_are_left_alone() {
+        let entries = [
+            // Pod to remote pod, no NAT (--ip-masq): changing path is harmless.
+            {
+                let orig = T::of("10.244.1.5", "10.244.2.7", PROTO_TCP, 40000, 7100);
+                CtEntry {
+                    orig,
+                    reply: orig.inverse(),
+                    tcp_state: None,
+                }
+            },
+            // Pod to the internet, masqueraded: the programs never take it.
+            CtEntry {
+                orig: T::of("10.244.1.5", "1.1.1.1", PROTO_TCP, 40000, 443),
+                reply: T::of("1.1.1.1", "192.168.0.2", PROTO_TCP, 443, 40000),
+                tcp_state: Some(3),
+            },
+            // The cni0 gateway (a host address) to a remote pod, masqueraded.
+            CtEntry {
+                orig: T::of("10.244.1.1", "10.244.2.7", PROTO_TCP, 40000, 80),
+                reply: T::of("10.244.2.7", "192.168.0.2", PROTO_TCP, 80, 40000),
+                tcp_state: Some(3),
+            },
+            // GRE between pods, DNATed: no ports, no key.
+            CtEntry {
+                orig: T::of("10.244.1.5", "10.96.0.1", 47, 0, 0),
+                reply: T::of("10.244.2.7", "10.244.1.5", 47, 0, 0),
+                tcp_state: Some(3),
+            },
+            // Two local pods.
+            CtEntry {
+                orig: T::of("10.244.1.5", "10.96.0.10", PROTO_TCP, 40000, 80),
+                reply: T::of("10.244.1.6", "10.244.1.5", PROTO_TCP, 80, 40000),
+                tcp_state: Some(3),
+            },
+        ];
+        assert_eq!(seeds_of(&entries), Seeds::default());
+    }
+
+    #[test]
+    fn icmp_echo_and_ipv6_get_their_keys() {
+        let echo = CtEntry {
+            orig: T::of("10.244.1.5", "10.244.2.7", PROTO_ICMP, 77, 77),
+            reply: T::of("10.244.2.7", "10.244.1.0", PROTO_ICMP, 78, 78),
+            tcp_state: Some(3),
+        };
+        let seeds = seeds_of(&[echo]);
+        assert_eq!(seeds.flows4.len(), 1);
+        // No NAT guard for ICMP (it has no ports).
+        let echo_dnat = CtEntry {
+            orig: T::of("10.244.2.7", "10.244.1.1", PROTO_ICMP, 9, 9),
+            reply: T::of("10.244.1.5", "10.244.2.7", PROTO_ICMP, 9, 9),
+            tcp_state: Some(3),
+        };
+        assert!(seeds_of(&[echo_dnat]).guards4.is_empty());
+
+        let masq6 = CtEntry {
+            orig: T::of("fd00:0:0:1::5", "fd00:0:0:2::7", PROTO_TCP, 40000, 7100),
+            reply: T::of("fd00:0:0:2::7", "fd00:0:0:1::", PROTO_TCP, 7100, 40000),
+            tcp_state: Some(3),
+        };
+        let hostport6 = CtEntry {
+            orig: T::of("fd00:0:0:2::7", "fd00:0:0:1::1", PROTO_TCP, 40000, 8080),
+            reply: T::of("fd00:0:0:1::5", "fd00:0:0:2::7", PROTO_TCP, 80, 40000),
+            tcp_state: Some(3),
+        };
+        let seeds = seeds_of(&[masq6, hostport6]);
+        assert_eq!(
+            seeds.flows6,
+            HashSet::from([FlowKey6 {
+                local_addr: "fd00:0:0:1::5".parse::<Ipv6Addr>().unwrap().octets(),
+                remote_addr: "fd00:0:0:2::7".parse::<Ipv6Addr>().unwrap().octets(),
+                local_port: 40000u16.to_be_bytes(),
+                remote_port: 7100u16.to_be_bytes(),
+                proto: PROTO_TCP,
+                _pad: [0; 3],
+            }])
+        );
+        assert_eq!(
+            seeds.guards6,
+            HashSet::from([PeerKey6 {
+                addr: "fd00:0:0:2::7".parse::<Ipv6Addr>().unwrap().octets(),
+                port: 40000u16.to_be_bytes(),
+                proto: PROTO_TCP,
+                _pad: 0,
+            }])
+        );
+        assert!(seeds.flows4.is_empty() && seeds.guards4.is_empty());
+    }
+
+    #[test]
+    fn a_closed_connection_lingering_in_conntrack_gets_nothing() {
+        let orig = T::of("10.244.1.5", "10.244.2.7", PROTO_TCP, 40000, 7100);
+        let reply = T::of("10.244.2.7", "10.244.1.0", PROTO_TCP, 7100, 40000);
+        for (state, keys) in [(3, 1), (7, 0), (8, 0)] {
+            let seeds = seeds_of(&[CtEntry {
+                orig,
+                reply,
+                tcp_state: Some(state),
+            }]);
+            assert_eq!(seeds.len(), keys, "TCP state {state}");
+        }
+    }
+
+    #[test]
+    fn a_disabled_family_gets_nothing() {
+        let scope = Scope { v4: None, v6: None };
+        let mut seeds = Seeds::default();
+        let orig = T::of("10.244.1.5", "10.244.2.7", PROTO_TCP, 40000, 7100);
+        let reply = T::of("10.244.2.7", "10.244.1.0", PROTO_TCP, 7100, 40000);
+        seeds.add(
+            &scope,
+            &CtEntry {
+                orig,
+                reply,
+                tcp_state: None,
+            },
+        );
+        assert!(seeds.is_empty());
+    }
+}

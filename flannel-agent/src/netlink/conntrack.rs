@@ -1,0 +1,365 @@
+//! Reading the kernel's connection tracking table through ctnetlink (`NETLINK_NETFILTER`,
+//! subsystem `CTNETLINK`): a dump of one address family, each entry reduced to its two tuples
+//! ([`CtEntry`]). Used by the fast path to find the flows conntrack holds NAT state for before
+//! it takes a node's or a pod's traffic over (`crate::bpf::seed`).
+//!
+//! Blocking, like [`super::raw`]: run [`dump`] on `tokio::task::spawn_blocking`. Entries are
+//! handed over one at a time as they arrive, so a table of a million connections is never
+//! held whole.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use super::raw::{self, Malformed, MessageBuilder, NLM_F_DUMP, NLM_F_REQUEST, RawError, RawSocket};
+
+/// `NETLINK_NETFILTER`.
+const NETLINK_NETFILTER: isize = 12;
+/// `NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_GET`.
+const CT_GET: u16 = 1 << 8 | 1;
+/// `NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW`: each entry of a dump.
+const CT_NEW: u16 = 1 << 8;
+/// `struct nfgenmsg` is 4 bytes: family, version, resource id.
+const NFGENMSG_LEN: usize = 4;
+
+// `enum ctattr_type`, `ctattr_tuple`, `ctattr_ip`, `ctattr_l4proto`.
+const CTA_TUPLE_ORIG: u16 = 1;
+const CTA_TUPLE_REPLY: u16 = 2;
+const CTA_PROTOINFO: u16 = 4;
+const CTA_PROTOINFO_TCP: u16 = 1;
+const CTA_PROTOINFO_TCP_STATE: u16 = 1;
+/// `TCP_CONNTRACK_TIME_WAIT` and `TCP_CONNTRACK_CLOSE`: a connection that is over.
+const TCP_CONNTRACK_TIME_WAIT: u8 = 7;
+const TCP_CONNTRACK_CLOSE: u8 = 8;
+const CTA_TUPLE_IP: u16 = 1;
+const CTA_TUPLE_PROTO: u16 = 2;
+const CTA_IP_V4_SRC: u16 = 1;
+const CTA_IP_V4_DST: u16 = 2;
+const CTA_IP_V6_SRC: u16 = 3;
+const CTA_IP_V6_DST: u16 = 4;
+const CTA_PROTO_NUM: u16 = 1;
+const CTA_PROTO_SRC_PORT: u16 = 2;
+const CTA_PROTO_DST_PORT: u16 = 3;
+const CTA_PROTO_ICMP_ID: u16 = 4;
+const CTA_PROTO_ICMPV6_ID: u16 = 7;
+
+/// The address family of a dump.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// `AF_INET`.
+    V4,
+    /// `AF_INET6`.
+    V6,
+}
+
+impl Family {
+    fn af(self) -> u8 {
+        match self {
+            Family::V4 => libc::AF_INET as u8,
+            Family::V6 => libc::AF_INET6 as u8,
+        }
+    }
+}
+
+/// One direction of a tracked connection, as conntrack records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CtTuple {
+    /// Source address.
+    pub src: IpAddr,
+    /// Destination address.
+    pub dst: IpAddr,
+    /// IP protocol.
+    pub proto: u8,
+    /// Source port; the echo identifier for ICMP/ICMPv6; 0 for protocols without ports.
+    pub sport: u16,
+    /// Destination port; the echo identifier for ICMP/ICMPv6 (so that both sides carry it,
+    /// as the fast path's flow keys do); 0 for protocols without ports.
+    pub dport: u16,
+}
+
+impl CtTuple {
+    /// A tuple from address text (tests).
+    #[cfg(test)]
+    #[allow(clippy::unwrap_used)] // tests fail loudly by design
+    pub(crate) fn of(src: &str, dst: &str, proto: u8, sport: u16, dport: u16) -> CtTuple {
+        CtTuple {
+            src: src.parse().unwrap(),
+            dst: dst.parse().unwrap(),
+            proto,
+            sport,
+            dport,
+        }
+    }
+
+    /// The tuple a packet going the other way, untranslated, would have.
+    pub fn inverse(&self) -> CtTuple {
+        CtTuple {
+            src: self.dst,
+            dst: self.src,
+            proto: self.proto,
+            sport: self.dport,
+            dport: self.sport,
+        }
+    }
+}
+
+/// A tracked connection: the tuple of the packets that opened it and the tuple its answers
+/// have. They are each other's inverse unless a NAT rewrote one side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CtEntry {
+    /// As the first packet arrived (before any NAT).
+    pub orig: CtTuple,
+    /// As the answers arrive (before the NAT is undone).
+    pub reply: CtTuple,
+    /// Conntrack's TCP state (`TCP_CONNTRACK_*`), for TCP.
+    pub tcp_state: Option<u8>,
+}
+
+impl CtEntry {
+    /// Whether this is a TCP connection that is over (closed, or in `TIME_WAIT`): its entry
+    /// only lingers.
+    pub fn is_closed(&self) -> bool {
+        matches!(
+            self.tcp_state,
+            Some(TCP_CONNTRACK_TIME_WAIT | TCP_CONNTRACK_CLOSE)
+        )
+    }
+
+    /// Whether a NAT (source or destination) rewrote the connection.
+    pub fn is_nated(&self) -> bool {
+        self.reply != self.orig.inverse()
+    }
+}
+
+/// Dumps the conntrack table of `family` in the calling thread's network namespace, calling
+/// `each` for every entry; returns how many entries could not be read (skipped). An error
+/// means the table could not be dumped at all (no ctnetlink in this kernel, no permission).
+pub fn dump(family: Family, mut each: impl FnMut(CtEntry)) -> Result<usize, RawError> {
+    let mut socket = RawSocket::open(NETLINK_NETFILTER)?;
+    let mut message = MessageBuilder::new(CT_GET, NLM_F_REQUEST | NLM_F_DUMP);
+    // nfgenmsg: family, NFNETLINK_V0, resource id 0 (big endian).
+    message.header(&[family.af(), 0, 0, 0]);
+    let mut skipped = 0;
+    socket.request_each(message, |ty, payload| {
+        if ty != CT_NEW {
+            return;
+        }
+        match parse_entry(payload) {
+            Ok(Some(entry)) => each(entry),
+            Ok(None) | Err(_) => skipped += 1,
+        }
+    })?;
+    Ok(skipped)
+}
+
+/// Parses one `IPCTNL_MSG_CT_NEW` payload (`nfgenmsg` and attributes); `None` when it lacks
+/// a tuple.
+pub fn parse_entry(payload: &[u8]) -> Result<Option<CtEntry>, Malformed> {
+    let attrs = raw::attributes(payload.get(NFGENMSG_LEN..).unwrap_or_default())?;
+    let mut orig = None;
+    let mut reply = None;
+    let mut tcp_state = None;
+    for (ty, value) in attrs {
+        match ty {
+            CTA_TUPLE_ORIG => orig = parse_tuple(value)?,
+            CTA_TUPLE_REPLY => reply = parse_tuple(value)?,
+            CTA_PROTOINFO => tcp_state = parse_tcp_state(value)?,
+            _ => {}
+        }
+    }
+    Ok(orig.zip(reply).map(|(orig, reply)| CtEntry {
+        orig,
+        reply,
+        tcp_state,
+    }))
+}
+
+/// The TCP state in a `CTA_PROTOINFO` nest, if it holds one.
+fn parse_tcp_state(buf: &[u8]) -> Result<Option<u8>, Malformed> {
+    for (ty, value) in raw::attributes(buf)? {
+        if ty == CTA_PROTOINFO_TCP {
+            for (ty, v) in raw::attributes(value)? {
+                if ty == CTA_PROTOINFO_TCP_STATE {
+                    return Ok(v.first().copied());
+                }
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Parses a `CTA_TUPLE_*` nest; `None` when its addresses or protocol are missing.
+fn parse_tuple(buf: &[u8]) -> Result<Option<CtTuple>, Malformed> {
+    let (mut src, mut dst, mut proto) = (None, None, None);
+    let (mut sport, mut dport) = (0, 0);
+    for (ty, value) in raw::attributes(buf)? {
+        match ty {
+            CTA_TUPLE_IP => {
+                for (ty, bytes) in raw::attributes(value)? {
+                    let addr = match ty {
+                        CTA_IP_V4_SRC | CTA_IP_V4_DST => <[u8; 4]>::try_from(bytes)
+                            .ok()
+                            .map(|a| IpAddr::V4(Ipv4Addr::from(a))),
+                        CTA_IP_V6_SRC | CTA_IP_V6_DST => <[u8; 16]>::try_from(bytes)
+                            .ok()
+                            .map(|a| IpAddr::V6(Ipv6Addr::from(a))),
+                        _ => continue,
+                    };
+                    let Some(addr) = addr else {
+                        return Err(Malformed(format!(
+                            "conntrack address attribute {ty} of {} bytes",
+                            bytes.len()
+                        )));
+                    };
+                    match ty {
+                        CTA_IP_V4_SRC | CTA_IP_V6_SRC => src = Some(addr),
+                        _ => dst = Some(addr),
+                    }
+                }
+            }
+            CTA_TUPLE_PROTO => {
+                for (ty, v) in raw::attributes(value)? {
+                    let be16 = || v.get(..2).map(|b| u16::from_be_bytes([b[0], b[1]]));
+                    match ty {
+                        CTA_PROTO_NUM => proto = v.first().copied(),
+                        CTA_PROTO_SRC_PORT => sport = be16().unwrap_or(0),
+                        CTA_PROTO_DST_PORT => dport = be16().unwrap_or(0),
+                        CTA_PROTO_ICMP_ID | CTA_PROTO_ICMPV6_ID => {
+                            let id = be16().unwrap_or(0);
+                            (sport, dport) = (id, id);
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(match (src, dst, proto) {
+        (Some(src), Some(dst), Some(proto)) => Some(CtTuple {
+            src,
+            dst,
+            proto,
+            sport,
+            dport,
+        }),
+        _ => None,
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests fail loudly by design
+mod tests {
+    use super::*;
+
+    /// An entry as the kernel sends it (attribute layout of `ctnetlink_dump_tuples`).
+    fn message(orig: &CtTuple, reply: &CtTuple) -> Vec<u8> {
+        message_in(orig, reply, 3)
+    }
+
+    /// The same with TCP state `state` (`TCP_CONNTRACK_ESTABLISHED` is 3).
+    fn message_in(orig: &CtTuple, reply: &CtTuple, state: u8) -> Vec<u8> {
+        let mut b = MessageBuilder::new(CT_NEW, 0);
+        b.header(&[libc::AF_INET as u8, 0, 0, 0]);
+        for (ty, t) in [(CTA_TUPLE_ORIG, orig), (CTA_TUPLE_REPLY, reply)] {
+            b.nest_start(ty);
+            b.nest_start(CTA_TUPLE_IP);
+            for (v4, v6, addr) in [
+                (CTA_IP_V4_SRC, CTA_IP_V6_SRC, t.src),
+                (CTA_IP_V4_DST, CTA_IP_V6_DST, t.dst),
+            ] {
+                match addr {
+                    IpAddr::V4(a) => b.attr(v4, &a.octets()),
+                    IpAddr::V6(a) => b.attr(v6, &a.octets()),
+                };
+            }
+            b.nest_end();
+            b.nest_start(CTA_TUPLE_PROTO);
+            b.attr_u8(CTA_PROTO_NUM, t.proto);
+            if t.proto == 1 {
+                b.attr(CTA_PROTO_ICMP_ID, &t.sport.to_be_bytes());
+                b.attr_u8(5, 8); // type
+                b.attr_u8(6, 0); // code
+            } else {
+                b.attr(CTA_PROTO_SRC_PORT, &t.sport.to_be_bytes());
+                b.attr(CTA_PROTO_DST_PORT, &t.dport.to_be_bytes());
+            }
+            b.nest_end();
+            b.nest_end();
+        }
+        b.attr(3, &0x18e_u32.to_be_bytes()); // CTA_STATUS
+        if orig.proto == 6 {
+            b.nest_start(CTA_PROTOINFO);
+            b.nest_start(CTA_PROTOINFO_TCP);
+            b.attr_u8(CTA_PROTOINFO_TCP_STATE, state);
+            b.attr_u8(2, 7); // window scale, original
+            b.nest_end();
+            b.nest_end();
+        }
+        b.finish(1)
+    }
+
+    #[test]
+    fn entries_round_trip_and_nat_is_seen() {
+        let orig = CtTuple::of("10.244.1.5", "10.244.2.7", 6, 40000, 7100);
+        let masqueraded = CtTuple::of("10.244.2.7", "10.244.1.0", 6, 7100, 40000);
+        let bytes = message(&orig, &masqueraded);
+        let msgs = raw::messages(&bytes).unwrap();
+        let entry = parse_entry(msgs[0].payload).unwrap().unwrap();
+        assert_eq!(entry.orig, orig);
+        assert_eq!(entry.reply, masqueraded);
+        assert!(entry.is_nated());
+        assert_eq!(entry.tcp_state, Some(3));
+        assert!(!entry.is_closed());
+        for over in [TCP_CONNTRACK_TIME_WAIT, TCP_CONNTRACK_CLOSE] {
+            let bytes = message_in(&orig, &masqueraded, over);
+            let entry = parse_entry(raw::messages(&bytes).unwrap()[0].payload)
+                .unwrap()
+                .unwrap();
+            assert!(entry.is_closed());
+        }
+
+        let plain = orig.inverse();
+        let bytes = message(&orig, &plain);
+        let entry = parse_entry(raw::messages(&bytes).unwrap()[0].payload)
+            .unwrap()
+            .unwrap();
+        assert!(!entry.is_nated());
+
+        let v6 = CtTuple::of("fd00:1::5", "fd00:2::7", 17, 5353, 53);
+        let bytes = message(&v6, &v6.inverse());
+        let entry = parse_entry(raw::messages(&bytes).unwrap()[0].payload)
+            .unwrap()
+            .unwrap();
+        assert_eq!(entry.orig, v6);
+        assert_eq!(entry.tcp_state, None);
+    }
+
+    #[test]
+    fn icmp_echo_carries_the_identifier_on_both_sides() {
+        let echo = CtTuple::of("10.244.1.5", "10.244.2.7", 1, 77, 77);
+        let bytes = message(&echo, &echo.inverse());
+        let entry = parse_entry(raw::messages(&bytes).unwrap()[0].payload)
+            .unwrap()
+            .unwrap();
+        assert_eq!((entry.orig.sport, entry.orig.dport), (77, 77));
+    }
+
+    #[test]
+    fn damaged_entries_are_errors_or_skipped_never_panics() {
+        let orig = CtTuple::of("10.244.1.5", "10.244.2.7", 6, 40000, 7100);
+        let bytes = message(&orig, &orig.inverse());
+        let payload = raw::messages(&bytes).unwrap()[0].payload.to_vec();
+        for cut in 0..payload.len() {
+            let _ = parse_entry(&payload[..cut]);
+        }
+        // No tuples at all: nothing to report.
+        assert_eq!(parse_entry(&[2, 0, 0, 0]).unwrap(), None);
+        // An address of the wrong length.
+        let mut b = MessageBuilder::new(CT_NEW, 0);
+        b.header(&[2, 0, 0, 0]);
+        b.nest_start(CTA_TUPLE_ORIG);
+        b.nest_start(CTA_TUPLE_IP);
+        b.attr(CTA_IP_V4_SRC, &[10, 0, 0]);
+        let bytes = b.finish(1);
+        assert!(parse_entry(raw::messages(&bytes).unwrap()[0].payload).is_err());
+    }
+}
