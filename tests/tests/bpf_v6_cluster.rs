@@ -15,6 +15,8 @@
 //!   masquerading, bulk IPv6 transfers over VXLAN arrive (their GSO packets go to
 //!   `flannel-v6.1` past netfilter, not masqueraded unlike the flow's first packets), also
 //!   with a kubelet-style rule dropping locally sent packets marked 0x8000.
+//! * `ipv6_nated_connection_crosses_the_move_to_the_fast_path`: a pod's IPv6 connection the
+//!   CNI bridge masqueraded on the kernel path goes on when its node moves to the fast path.
 //! * `ipv6_traffic_crosses_an_agent_restart`: ICMPv6 echoes and a TCP ping-pong over IPv6
 //!   lose nothing while node 1's agent is down and restarts.
 //! * `ipv6_fragments_and_extension_headers_arrive` (vxlan over a routed underlay, host-gw):
@@ -570,6 +572,106 @@ fn restart_under_ipv6_traffic(
         text.trim()
     );
     Ok(())
+}
+
+/// A pod's IPv6 connection to a remote pod, opened on the kernel path and masqueraded there
+/// by the CNI bridge (agents without `--ip-masq`), goes on when node 1's agent restarts on the
+/// fast path: the agent finds it in conntrack before attaching (`flannel_agent::bpf::seed`)
+/// and its programs keep it on the kernel path (`pass_kernel_flow`). A TCP ping-pong running
+/// across the move must not fail; without the seed the next packets leave unmasqueraded and
+/// pod 2 resets them.
+#[test]
+fn ipv6_nated_connection_crosses_the_move_to_the_fast_path() {
+    require_root!();
+    require_ebpf_object!();
+    check(nated_connection_moves_to_the_fast_path());
+}
+
+fn nated_connection_moves_to_the_fast_path() -> Result<()> {
+    let mut cluster = dual_stack_cluster_masq(2, "vxlan", Underlay::L2, Dataplane::Kernel, false)?;
+    let (p1_path, p2_path, dst) = {
+        let topo = cluster.topology();
+        let (p1, p2) = (topo.first_pod_on(1)?, topo.first_pod_on(2)?);
+        (p1.ns().path(), p2.ns().path(), p2.ip6_required()?)
+    };
+    let lab = bins::lab_tool()?;
+    let lab_str = lab.to_str().context("flannel-lab path")?.to_owned();
+    let server = SocketAddr::new(IpAddr::V6(dst), 11114).to_string();
+    let mut rr_server = std::process::Command::new("nsenter")
+        .arg(format!("--net={}", p2_path.display()))
+        .arg("--")
+        .arg(&lab)
+        .args(["rr", "server", "--listen", &server])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("flannel-lab rr server")?;
+    let outcome = (|| -> Result<()> {
+        let rr = |seconds: &str| {
+            std::process::Command::new("nsenter")
+                .arg(format!("--net={}", p1_path.display()))
+                .arg("--")
+                .args([
+                    &lab_str,
+                    "rr",
+                    "client",
+                    "--server",
+                    &server,
+                    "--seconds",
+                    seconds,
+                ])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .context("flannel-lab rr client")
+        };
+        wait::until_ok(Duration::from_secs(20), "the rr server over IPv6", || {
+            let out = rr("0.2")?.wait_with_output()?;
+            ensure!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            Ok(())
+        })?;
+        let pingpong = rr("8")?;
+        std::thread::sleep(Duration::from_secs(1));
+        cluster
+            .agent_mut(1)
+            .context("node 1's agent")?
+            .restart_with(|args| {
+                args.retain(|a| !a.starts_with("--dataplane"));
+                args.push(format!("--dataplane={}", Dataplane::Ebpf));
+            })?;
+        let node1 = cluster.topology().node(1).ns();
+        wait::until_ok(Duration::from_secs(30), "node 1 on the fast path", || {
+            on_fast_path(node1)?;
+            fastpath::expect_pod_ports(node1, DEFAULT_HEALTHZ_PORT, 1)
+        })?;
+        let out = pingpong
+            .wait_with_output()
+            .context("flannel-lab rr client")?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        ensure!(
+            out.status.success(),
+            "the masqueraded TCP ping-pong across the move to the fast path: {}",
+            text.trim()
+        );
+        let kept = fast(node1, "pass_kernel_flow")?;
+        ensure!(
+            kept >= 10.0,
+            "node 1's programs passed {kept} packets of the connection to the kernel"
+        );
+        eprintln!(
+            "across the move: {}; {kept} packets kept on the kernel path",
+            text.trim()
+        );
+        Ok(())
+    })();
+    let _ = rr_server.kill();
+    let _ = rr_server.wait();
+    outcome
 }
 
 #[test]
