@@ -205,6 +205,9 @@ pub struct Metrics {
     pub peers_unreachable: Gauge,
     /// Pod bridge ports the fast path's pod-side program is attached to.
     pub fastpath_pod_ports: Gauge,
+    /// Open NATed connections read from conntrack and kept on the kernel path before the fast
+    /// path attached, by table (`kernel_flow`, `nat_guard`).
+    pub fastpath_conntrack_kept: Family<KindLabel, Counter>,
     /// Per fast-path program: the instructions the verifier processed to load it.
     fastpath_program_verified: Family<ProgramLabel, Gauge>,
     /// Per fast-path program: how long its load took, in seconds.
@@ -260,6 +263,13 @@ impl Metrics {
             "Pod bridge ports whose pods' packets the eBPF fast path takes",
             fastpath_pod_ports.clone(),
         );
+        let fastpath_conntrack_kept = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "fastpath_conntrack_kept",
+            "Open connections conntrack had NATed, kept on the kernel path before the fast path \
+             attached (kind: kernel_flow, nat_guard)",
+            fastpath_conntrack_kept.clone(),
+        );
         let fastpath_program_verified = Family::<ProgramLabel, Gauge>::default();
         registry.register(
             "fastpath_program_verified_instructions",
@@ -307,6 +317,7 @@ impl Metrics {
             bpf_entries,
             peers_unreachable,
             fastpath_pod_ports,
+            fastpath_conntrack_kept,
             fastpath_program_verified,
             fastpath_program_load,
             reconcile_runs,
@@ -443,6 +454,17 @@ mod tests {
             m.render()
                 .lines()
                 .any(|l| l == "flannel_fastpath_pod_ports 2"),
+            "{text}"
+        );
+        m.fastpath_conntrack_kept
+            .get_or_create(&KindLabel {
+                kind: "nat_guard".into(),
+            })
+            .inc_by(3);
+        assert!(
+            m.render()
+                .lines()
+                .any(|l| l == "flannel_fastpath_conntrack_kept_total{kind=\"nat_guard\"} 3"),
             "{text}"
         );
 

@@ -47,7 +47,7 @@ use flannel_tests::{
         bins,
         cluster::Cluster,
         fastpath::{self, Route},
-        kube, probe, wait,
+        kube, probe, status, wait,
     },
     netns::NetNs,
     require_root,
@@ -392,6 +392,22 @@ fn ebpf_taking_over_keeps_open_nated_connections() {
                  node1: {}; node2: {}",
                 fastpath::growth_text(&b1.packets, &a1.packets),
                 fastpath::growth_text(&b2.packets, &a2.packets)
+            );
+            // What each agent says it kept: node1 both connections' outgoing keys, node2 the
+            // hostPort client's endpoint.
+            let kept_metric = |n: usize, kind: &str| {
+                status::metric_sum(
+                    t.node(n).ns(),
+                    DEFAULT_HEALTHZ_PORT,
+                    "flannel_fastpath_conntrack_kept_total",
+                    &format!("kind=\"{kind}\""),
+                )
+            };
+            let (flows1, guards2) = (kept_metric(1, "kernel_flow")?, kept_metric(2, "nat_guard")?);
+            ensure!(
+                flows1 >= 2.0 && guards2 >= 1.0,
+                "node1 reports {flows1} kernel flows kept (2 expected), node2 {guards2} NAT \
+                 guards (1 expected)"
             );
             Ok(())
         },

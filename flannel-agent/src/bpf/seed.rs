@@ -224,6 +224,15 @@ fn peer_key6(t: &CtTuple) -> PeerKey6 {
     }
 }
 
+/// What [`FastPath::seed`] added (both families).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Seeded {
+    /// New kernel-flow entries.
+    pub kernel_flows: usize,
+    /// New NAT-guard entries.
+    pub nat_guards: usize,
+}
+
 /// Reads conntrack's table (the families `scope` enables) in the calling thread's network
 /// namespace and returns the keys it calls for. Blocking: run it on
 /// `tokio::task::spawn_blocking`.
@@ -256,15 +265,16 @@ impl FastPath {
     }
 
     /// Writes `seeds` into the kernel-flow and NAT-guard tables (keys already there stay);
-    /// returns how many were new. Retires the programs' remembered decisions when any was, as
-    /// a learnt entry does.
-    pub fn seed(&mut self, seeds: &Seeds) -> Result<usize, BpfError> {
-        let mut added = 0;
-        added += self.seed_table(names::KERNEL_FLOWS4, &seeds.flows4)?;
-        added += self.seed_table(names::NAT_GUARD4, &seeds.guards4)?;
-        added += self.seed_table(v6::KERNEL_FLOWS6, &seeds.flows6)?;
-        added += self.seed_table(v6::NAT_GUARD6, &seeds.guards6)?;
-        if added > 0 {
+    /// returns how many were new in each. Retires the programs' remembered decisions when any
+    /// was, as a learnt entry does.
+    pub fn seed(&mut self, seeds: &Seeds) -> Result<Seeded, BpfError> {
+        let added = Seeded {
+            kernel_flows: self.seed_table(names::KERNEL_FLOWS4, &seeds.flows4)?
+                + self.seed_table(v6::KERNEL_FLOWS6, &seeds.flows6)?,
+            nat_guards: self.seed_table(names::NAT_GUARD4, &seeds.guards4)?
+                + self.seed_table(v6::NAT_GUARD6, &seeds.guards6)?,
+        };
+        if added.kernel_flows + added.nat_guards > 0 {
             self.retire_memos()?;
         }
         Ok(added)

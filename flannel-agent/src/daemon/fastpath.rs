@@ -121,7 +121,11 @@ pub fn vxlan_vni(backend: &BackendOptions) -> Option<u32> {
 /// Writes this node's configuration into the fast path (IPv4 and IPv6 sides, each when that
 /// family is enabled and leased) and attaches it to the external interface (TC ingress and
 /// egress; XDP stays off: it measured slower on veth).
-pub fn configure(fast_path: &SharedFastPath, local: &Local) -> Result<(), DaemonError> {
+pub fn configure(
+    fast_path: &SharedFastPath,
+    local: &Local,
+    metrics: &Metrics,
+) -> Result<(), DaemonError> {
     let fail =
         |what: &str, err: bpf::BpfError| DaemonError::FastPathUnavailable(format!("{what}: {err}"));
     let (config, config6) = local_configs(local)?;
@@ -159,6 +163,7 @@ pub fn configure(fast_path: &SharedFastPath, local: &Local) -> Result<(), Daemon
             &mut fp,
             bpf::seed::collect(&scope),
             "the external interface",
+            metrics,
         ),
         Err(err) => warn!("reading the fast path's configuration back: {err}"),
     }
@@ -318,7 +323,7 @@ pub async fn follow_bridge_ports(
             () = sleep_until_some(settle) => {
                 settle = None;
                 if let Some(index) = bridge_index {
-                    let synced = sync_ports(&fast_path, &nl, index).await;
+                    let synced = sync_ports(&fast_path, &nl, index, &metrics).await;
                     if let Some(synced) = &synced {
                         metrics.fastpath_pod_ports.set(synced.attached as i64);
                         metrics
@@ -363,7 +368,12 @@ struct PortsSynced {
 
 /// Re-reads the ports and FDB of bridge `bridge` and writes the difference into the fast
 /// path's pod ports; `None` when the bridge could not be read.
-async fn sync_ports(fast_path: &SharedFastPath, nl: &Netlink, bridge: u32) -> Option<PortsSynced> {
+async fn sync_ports(
+    fast_path: &SharedFastPath,
+    nl: &Netlink,
+    bridge: u32,
+    metrics: &Metrics,
+) -> Option<PortsSynced> {
     let read = async {
         Ok::<_, crate::netlink::NetlinkError>((
             nl.list_links().await?,
@@ -407,7 +417,7 @@ async fn sync_ports(fast_path: &SharedFastPath, nl: &Netlink, bridge: u32) -> Op
         return None;
     };
     if let Some(seeds) = seeds {
-        seed(&mut fp, seeds, "new pod ports");
+        seed(&mut fp, seeds, "new pod ports", metrics);
     }
     let mut complete = true;
     // The map first: a program adopted by the attach reads it at once.
@@ -463,6 +473,7 @@ fn seed(
     fp: &mut bpf::FastPath,
     seeds: Result<bpf::seed::Seeds, crate::netlink::raw::RawError>,
     what: &str,
+    metrics: &Metrics,
 ) {
     let seeds = match seeds {
         Ok(seeds) => seeds,
@@ -475,13 +486,23 @@ fn seed(
         }
     };
     match fp.seed(&seeds) {
-        Ok(0) => {}
-        Ok(added) => info!(
-            connections = added,
-            kernel_flows = seeds.flows4.len() + seeds.flows6.len(),
-            nat_guards = seeds.guards4.len() + seeds.guards6.len(),
-            "open NATed connections kept on the kernel path before attaching to {what}"
-        ),
+        Ok(added) if added.kernel_flows + added.nat_guards > 0 => {
+            info!(
+                kernel_flows = added.kernel_flows,
+                nat_guards = added.nat_guards,
+                "open NATed connections kept on the kernel path before attaching to {what}"
+            );
+            for (kind, n) in [
+                ("kernel_flow", added.kernel_flows),
+                ("nat_guard", added.nat_guards),
+            ] {
+                metrics
+                    .fastpath_conntrack_kept
+                    .get_or_create(&KindLabel { kind: kind.into() })
+                    .inc_by(n as u64);
+            }
+        }
+        Ok(_) => {}
         Err(err) => warn!("writing open NATed connections into the flow tables: {err}"),
     }
     if seeds.unreadable > 0 {

@@ -312,7 +312,7 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         backend_appliers.push(Box::new(extension::ExtensionApplier::new(opts)));
     }
     if let Some(fp) = active.fast_path()
-        && let Err(err) = fastpath::configure(fp, &local)
+        && let Err(err) = fastpath::configure(fp, &local, &metrics)
     {
         if cli.dataplane == Dataplane::Ebpf || local.ipip_via_ebpf {
             return Err(err);
