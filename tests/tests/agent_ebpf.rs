@@ -315,12 +315,6 @@ fn ebpf_taking_over_keeps_open_nated_connections() {
         &named(EBPF, "take over NATed connections"),
         spec_on(EBPF, 2, Underlay::L2, "vxlan", 1),
         |c| {
-            let set_dataplane = |dataplane: Dataplane| {
-                move |args: &mut Vec<String>| {
-                    args.retain(|a| !a.starts_with("--dataplane"));
-                    args.push(format!("--dataplane={dataplane}"));
-                }
-            };
             let server = c.topology().first_pod_on(2)?;
             let direct = SocketAddr::new(IpAddr::V4(server.ip()), 7100);
             let peers = echo_server(server.ns(), direct, 2)?;
@@ -408,6 +402,66 @@ fn ebpf_taking_over_keeps_open_nated_connections() {
                 flows1 >= 2.0 && guards2 >= 1.0,
                 "node1 reports {flows1} kernel flows kept (2 expected), node2 {guards2} NAT \
                  guards (1 expected)"
+            );
+            Ok(())
+        },
+    );
+}
+
+/// The way back: node1 moves from the fast path to the kernel path (`--dataplane kernel`)
+/// while a pod's TCP connection to a pod on node2 is open, without `--ip-masq` (the CNI bridge
+/// masquerades what crosses netfilter). Before detaching, the agent enters the programs'
+/// flows into conntrack as established connections without NAT (`bpf::handover`), so the
+/// masquerade does not apply to the connection when the kernel path takes it over: its next
+/// three messages come back, and node1's conntrack holds it unmasqueraded. Without the
+/// handover the first of them is reset.
+#[test]
+fn ebpf_moving_back_to_the_kernel_path_keeps_pod_connections() {
+    require_root!();
+    with_cluster(
+        &named(EBPF, "back to the kernel path"),
+        spec_on(EBPF, 2, Underlay::L2, "vxlan", 1),
+        |c| {
+            let (server_ip, client_ip) = {
+                let t = c.topology();
+                (t.first_pod_on(2)?.ip(), t.first_pod_on(1)?.ip())
+            };
+            let addr = SocketAddr::new(IpAddr::V4(server_ip), 7100);
+            let peers = echo_server(c.topology().first_pod_on(2)?.ns(), addr, 1)?;
+            let mut stream = c
+                .topology()
+                .first_pod_on(1)?
+                .ns()
+                .enter(move || std::net::TcpStream::connect(addr))??;
+            stream.set_read_timeout(Some(Duration::from_secs(3)))?;
+            line_round_trip(&mut stream, "m1").context("on the fast path")?;
+            restart_with(c, 1, set_dataplane(Dataplane::Kernel))?;
+            fastpath::expect_path(c.topology().node(1).ns(), DEFAULT_HEALTHZ_PORT, "kernel")?;
+            for i in 2..5 {
+                line_round_trip(&mut stream, &format!("m{i}"))
+                    .with_context(|| format!("message {i} after the move to the kernel path"))?;
+            }
+            let seen = peers
+                .lock()
+                .map_err(|_| anyhow::anyhow!("poisoned"))?
+                .clone();
+            ensure!(seen == [client_ip], "the server saw {seen:?}");
+            let table = c
+                .topology()
+                .node(1)
+                .run(&["cat", "/proc/net/nf_conntrack"])?;
+            let local = format!("src={client_ip} dst={server_ip} ");
+            let entry = table
+                .lines()
+                .find(|l| l.contains(&local) && l.contains("dport=7100"))
+                .with_context(|| {
+                    format!("no conntrack entry for the connection on node1: {table}")
+                })?;
+            ensure!(
+                entry.contains(&format!("src={server_ip} dst={client_ip} "))
+                    && entry.contains("ESTABLISHED"),
+                "node1's conntrack entry is not the connection unmasqueraded and established: \
+                 {entry}"
             );
             Ok(())
         },
@@ -619,6 +673,14 @@ fn no_filters(c: &Cluster, n: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A flag change for [`restart_with`]: `--dataplane=<dataplane>` in place of the current one.
+fn set_dataplane(dataplane: Dataplane) -> impl FnOnce(&mut Vec<String>) {
+    move |args| {
+        args.retain(|a| !a.starts_with("--dataplane"));
+        args.push(format!("--dataplane={dataplane}"));
+    }
 }
 
 /// Restarts node `n`'s agent with its flags changed by `change`, and waits for `/readyz`.

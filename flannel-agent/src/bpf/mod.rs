@@ -52,6 +52,7 @@
 //! |---|---|
 //! | [`applier`] | the reconciler's eBPF applier (desired model → route map) and the metrics source |
 //! | [`fastpath`] | [`FastPath`]: load, config, sync, attach/detach, counters |
+//! | [`handover`] | the way back: the fast path's connections entered into conntrack before detaching |
 //! | [`config`] | [`LocalConfig`] |
 //! | [`nat`] | masquerade in eBPF: [`NatSettings`], map sizing, flows read-out, sweep |
 //! | [`remote`] | [`Remote`] / [`Via`] and the diff behind `sync` |
@@ -71,6 +72,7 @@ pub mod config;
 pub mod counters;
 pub mod error;
 pub mod fastpath;
+pub mod handover;
 pub mod nat;
 pub mod pins;
 pub mod ports;
@@ -196,11 +198,14 @@ pub fn start_with(
     }
 }
 
-/// Removes every pin under `pin_path` (links first, which detaches the programs, then the maps
-/// of every layout version) and the programs' `clsact` filters on every interface of this
+/// Removes every pin under `pin_path` (links first, which detaches the programs once the
+/// connections they carried are entered into conntrack, see [`handover`]; then the maps of
+/// every layout version) and the programs' `clsact` filters on every interface of this
 /// network namespace. Returns how many pins and filters were removed; a missing directory is
 /// fine.
 pub fn cleanup(pin_path: &Path) -> Result<usize, BpfError> {
+    let layout = PinLayout::new(pin_path);
+    let handed = handover::detach_handing_over(&layout);
     let filters: usize = Hook::ALL
         .iter()
         .map(|hook| {
@@ -211,7 +216,7 @@ pub fn cleanup(pin_path: &Path) -> Result<usize, BpfError> {
             )
         })
         .sum();
-    Ok(PinLayout::new(pin_path).remove_all()? + filters)
+    Ok(handed.links + layout.remove_all()? + filters)
 }
 
 #[cfg(test)]

@@ -9,7 +9,10 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use super::raw::{self, Malformed, MessageBuilder, NLM_F_DUMP, NLM_F_REQUEST, RawError, RawSocket};
+use super::raw::{
+    self, Malformed, MessageBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL,
+    NLM_F_REQUEST, RawError, RawSocket,
+};
 
 /// `NETLINK_NETFILTER`.
 const NETLINK_NETFILTER: isize = 12;
@@ -23,9 +26,20 @@ const NFGENMSG_LEN: usize = 4;
 // `enum ctattr_type`, `ctattr_tuple`, `ctattr_ip`, `ctattr_l4proto`.
 const CTA_TUPLE_ORIG: u16 = 1;
 const CTA_TUPLE_REPLY: u16 = 2;
+const CTA_STATUS: u16 = 3;
+const CTA_TIMEOUT: u16 = 7;
 const CTA_PROTOINFO: u16 = 4;
 const CTA_PROTOINFO_TCP: u16 = 1;
 const CTA_PROTOINFO_TCP_STATE: u16 = 1;
+const CTA_PROTOINFO_TCP_FLAGS_ORIGINAL: u16 = 4;
+const CTA_PROTOINFO_TCP_FLAGS_REPLY: u16 = 5;
+/// `IP_CT_TCP_FLAG_BE_LIBERAL`: no window checks for this side (the entry starts midway).
+const IP_CT_TCP_FLAG_BE_LIBERAL: u8 = 0x08;
+/// `TCP_CONNTRACK_ESTABLISHED`.
+const TCP_CONNTRACK_ESTABLISHED: u8 = 3;
+/// `IPS_SEEN_REPLY | IPS_ASSURED | IPS_CONFIRMED` (the kernel marks an entry it creates for
+/// ctnetlink confirmed before applying the status, and refuses a status that clears it).
+const STATUS_ESTABLISHED: u32 = 1 << 1 | 1 << 2 | 1 << 3;
 /// `TCP_CONNTRACK_TIME_WAIT` and `TCP_CONNTRACK_CLOSE`: a connection that is over.
 const TCP_CONNTRACK_TIME_WAIT: u8 = 7;
 const TCP_CONNTRACK_CLOSE: u8 = 8;
@@ -60,7 +74,7 @@ impl Family {
 }
 
 /// One direction of a tracked connection, as conntrack records it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CtTuple {
     /// Source address.
     pub src: IpAddr,
@@ -148,6 +162,100 @@ pub fn dump(family: Family, mut each: impl FnMut(CtEntry)) -> Result<usize, RawE
         }
     })?;
     Ok(skipped)
+}
+
+/// What [`insert_established`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Inserted {
+    /// Entries created.
+    pub created: usize,
+    /// Connections conntrack already tracked (left as they are).
+    pub existed: usize,
+    /// Entries the kernel refused (another error than "exists").
+    pub refused: usize,
+    /// The kernel's errno for the first refusal.
+    pub first_refusal: Option<i32>,
+}
+
+/// Enters each of `flows` (the tuple of its packets in one direction; TCP or UDP, one family
+/// or both) into the conntrack table of the calling thread's network namespace as an
+/// established connection without NAT: seen both ways, assured, TCP in `ESTABLISHED` with no
+/// window checks (its sequence numbers are not known). Packets of such a connection are
+/// `ESTABLISHED` to netfilter, so no NAT rule (a masquerade) is applied to them, as none was
+/// when they first passed. A connection conntrack already tracks is left alone. An error means
+/// conntrack could not be reached at all.
+pub fn insert_established(flows: &[CtTuple]) -> Result<Inserted, RawError> {
+    let mut socket = RawSocket::open(NETLINK_NETFILTER)?;
+    let mut out = Inserted::default();
+    for flow in flows {
+        let message = established_message(flow);
+        match socket.request(message) {
+            Ok(_) => out.created += 1,
+            Err(RawError::Errno(libc::EEXIST)) => out.existed += 1,
+            Err(RawError::Errno(errno)) => {
+                out.refused += 1;
+                out.first_refusal.get_or_insert(errno);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
+/// The `IPCTNL_MSG_CT_NEW` request of [`insert_established`] for `flow`.
+fn established_message(flow: &CtTuple) -> MessageBuilder {
+    let family = match flow.src {
+        IpAddr::V4(_) => Family::V4,
+        IpAddr::V6(_) => Family::V6,
+    };
+    let mut m = MessageBuilder::new(
+        CT_NEW,
+        NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL,
+    );
+    m.header(&[family.af(), 0, 0, 0]);
+    for (ty, t) in [(CTA_TUPLE_ORIG, *flow), (CTA_TUPLE_REPLY, flow.inverse())] {
+        m.nest_start(ty);
+        m.nest_start(CTA_TUPLE_IP);
+        match (t.src, t.dst) {
+            (IpAddr::V4(src), IpAddr::V4(dst)) => {
+                m.attr(CTA_IP_V4_SRC, &src.octets());
+                m.attr(CTA_IP_V4_DST, &dst.octets());
+            }
+            (src, dst) => {
+                m.attr(CTA_IP_V6_SRC, &v6_octets(src));
+                m.attr(CTA_IP_V6_DST, &v6_octets(dst));
+            }
+        }
+        m.nest_end();
+        m.nest_start(CTA_TUPLE_PROTO);
+        m.attr_u8(CTA_PROTO_NUM, t.proto);
+        m.attr(CTA_PROTO_SRC_PORT, &t.sport.to_be_bytes());
+        m.attr(CTA_PROTO_DST_PORT, &t.dport.to_be_bytes());
+        m.nest_end();
+        m.nest_end();
+    }
+    m.attr(CTA_STATUS, &STATUS_ESTABLISHED.to_be_bytes());
+    // Conntrack sets its own timeout from the state at the next packet.
+    let timeout: u32 = if flow.proto == 6 { 3600 } else { 180 };
+    m.attr(CTA_TIMEOUT, &timeout.to_be_bytes());
+    if flow.proto == 6 {
+        m.nest_start(CTA_PROTOINFO);
+        m.nest_start(CTA_PROTOINFO_TCP);
+        m.attr_u8(CTA_PROTOINFO_TCP_STATE, TCP_CONNTRACK_ESTABLISHED);
+        let liberal = [IP_CT_TCP_FLAG_BE_LIBERAL, IP_CT_TCP_FLAG_BE_LIBERAL];
+        m.attr(CTA_PROTOINFO_TCP_FLAGS_ORIGINAL, &liberal);
+        m.attr(CTA_PROTOINFO_TCP_FLAGS_REPLY, &liberal);
+        m.nest_end();
+        m.nest_end();
+    }
+    m
+}
+
+fn v6_octets(addr: IpAddr) -> [u8; 16] {
+    match addr {
+        IpAddr::V6(a) => a.octets(),
+        IpAddr::V4(a) => a.to_ipv6_mapped().octets(),
+    }
 }
 
 /// Parses one `IPCTNL_MSG_CT_NEW` payload (`nfgenmsg` and attributes); `None` when it lacks
@@ -331,6 +439,30 @@ mod tests {
             .unwrap();
         assert_eq!(entry.orig, v6);
         assert_eq!(entry.tcp_state, None);
+    }
+
+    #[test]
+    fn an_established_entry_request_reads_back_as_that_connection() {
+        for (flow, state) in [
+            (
+                CtTuple::of("10.244.1.5", "10.244.2.7", 6, 40000, 7100),
+                Some(3),
+            ),
+            (CtTuple::of("fd00:1::5", "fd00:2::7", 17, 5353, 53), None),
+        ] {
+            let bytes = established_message(&flow).finish(1);
+            let msgs = raw::messages(&bytes).unwrap();
+            assert_eq!(msgs[0].msg_type, CT_NEW);
+            assert_eq!(
+                msgs[0].flags,
+                NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL
+            );
+            let entry = parse_entry(msgs[0].payload).unwrap().unwrap();
+            assert_eq!(entry.orig, flow);
+            assert_eq!(entry.reply, flow.inverse());
+            assert!(!entry.is_nated());
+            assert_eq!(entry.tcp_state, state);
+        }
     }
 
     #[test]

@@ -1,0 +1,241 @@
+//! The way back from the fast path: before the programs of an earlier run are detached
+//! (`--dataplane kernel`, a fallback of `auto`), the flows they carried are entered into
+//! conntrack, so that the kernel path takes them over as they were.
+//!
+//! The programs send a pod's packets to remote pods past netfilter, so conntrack holds nothing
+//! for those connections. When the kernel path takes over, conntrack picks each one up midway
+//! as a new connection, and the NAT rules see it as such: without `--ip-masq` the CNI bridge's
+//! masquerade (`ipMasq`) rewrites its source from then on, and the remote pod, which knows the
+//! pod's own address, resets it (with `--ip-masq` no rule matches pod-to-pod traffic and
+//! nothing changes). The connections are in the programs' memo maps (`FLANNEL_MEMO4`,
+//! `FLANNEL_MEMO6`: a remembered decision per flow and direction, see
+//! [`flannel_common::memo`]), which are not pinned but are reachable from the pinned links:
+//! link → program → its maps. Each flow checked recently is entered as an established
+//! connection without NAT ([`crate::netlink::conntrack::insert_established`]), whose packets
+//! no NAT rule touches; then the links are dropped, which detaches the programs.
+//!
+//! Only flows checked within [`RECENT_TICKS`] of the newest memo are entered: the LRU also
+//! holds connections long closed, and an entry for one of those could meet a new connection
+//! reusing its ports. Programs attached as `clsact` filters (no pinned links) are detached
+//! without this.
+
+use std::{
+    collections::{BTreeSet, HashSet},
+    fs,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
+
+use aya::{
+    maps::{HashMap, Map, MapData},
+    programs::{links::PinnedLink, loaded_programs},
+};
+use flannel_common::memo::{FlowMemo, FlowMemo6, MEMO4, MEMO6, MemoKey, MemoKey6};
+use tracing::{info, warn};
+
+use super::pins::PinLayout;
+use crate::netlink::conntrack::{self, CtTuple};
+
+/// How far behind the newest memo (in kernel ticks, `bpf_jiffies64`) a memo may have been
+/// checked to be handed over: a minute at `HZ=1000`, four at 250, ten at 100. A flow that
+/// carries traffic has its memo re-checked at least every second or so.
+pub const RECENT_TICKS: u64 = 60_000;
+
+/// What [`detach_handing_over`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HandOver {
+    /// Pinned links removed (each detaching its program from one interface).
+    pub links: usize,
+    /// Flows found in the memo maps (recent ones, both families).
+    pub flows: usize,
+    /// What conntrack did with them.
+    pub inserted: conntrack::Inserted,
+}
+
+/// Unpins every link under `layout` (the links stay attached while this holds them), enters
+/// the recent flows of their programs' memo maps into conntrack, then drops the links (the
+/// programs are detached). A conntrack that cannot be reached is logged; the links are
+/// detached all the same.
+pub fn detach_handing_over(layout: &PinLayout) -> HandOver {
+    let mut held = Vec::new();
+    let mut programs = BTreeSet::new();
+    if let Ok(entries) = fs::read_dir(layout.links_dir()) {
+        for entry in entries.flatten() {
+            let Ok(pinned) = PinnedLink::from_pin(entry.path()) else {
+                continue;
+            };
+            // Unpinning removes the file; the link lives on in `link` until it is dropped.
+            let Ok(link) = pinned.unpin() else { continue };
+            if let Ok(info) = link.info() {
+                programs.insert(info.program_id());
+            }
+            held.push(link);
+        }
+    }
+    let mut out = HandOver {
+        links: held.len(),
+        ..HandOver::default()
+    };
+    let flows = recent_flows(&programs);
+    out.flows = flows.len();
+    if !flows.is_empty() {
+        match conntrack::insert_established(&flows) {
+            Ok(inserted) => {
+                out.inserted = inserted;
+                info!(
+                    flows = flows.len(),
+                    created = inserted.created,
+                    already_tracked = inserted.existed,
+                    refused = inserted.refused,
+                    why = inserted
+                        .first_refusal
+                        .map(|e| std::io::Error::from_raw_os_error(e).to_string()),
+                    "the fast path's pod connections handed to conntrack before detaching it"
+                );
+            }
+            Err(err) => warn!(
+                flows = flows.len(),
+                "cannot enter the fast path's pod connections into conntrack before detaching \
+                 it ({err}); without --ip-masq they may be reset"
+            ),
+        }
+    }
+    drop(held);
+    out
+}
+
+/// The flows (local pod → remote pod tuples, one per connection) in the memo maps of
+/// `programs`, checked within [`RECENT_TICKS`] of the newest.
+fn recent_flows(programs: &BTreeSet<u32>) -> Vec<CtTuple> {
+    let mut map_ids = BTreeSet::new();
+    for info in loaded_programs().flatten() {
+        if programs.contains(&info.id())
+            && let Ok(Some(ids)) = info.map_ids()
+        {
+            map_ids.extend(ids);
+        }
+    }
+    let mut memos: Vec<(CtTuple, u64)> = Vec::new();
+    for id in map_ids {
+        let Ok(data) = MapData::from_id(id) else {
+            continue;
+        };
+        let Ok(name) = data.info().map(|i| i.name_as_str().map(str::to_owned)) else {
+            continue;
+        };
+        match name.as_deref() {
+            Some(MEMO4) => {
+                if let Ok(map) =
+                    HashMap::<MapData, MemoKey, FlowMemo>::try_from(Map::LruHashMap(data))
+                {
+                    memos.extend(
+                        map.iter()
+                            .flatten()
+                            .map(|(k, v)| (tuple4(&k), v.checked_at)),
+                    );
+                }
+            }
+            Some(MEMO6) => {
+                if let Ok(map) =
+                    HashMap::<MapData, MemoKey6, FlowMemo6>::try_from(Map::LruHashMap(data))
+                {
+                    memos.extend(
+                        map.iter()
+                            .flatten()
+                            .map(|(k, v)| (tuple6(&k), v.checked_at)),
+                    );
+                }
+            }
+            _ => {}
+        }
+    }
+    recent(memos, RECENT_TICKS)
+}
+
+/// The distinct tuples of `memos` (tuple, checked at) checked within `window` ticks of the
+/// newest. (`bpf_jiffies64` starts near 2^32 and does not wrap.)
+fn recent(memos: Vec<(CtTuple, u64)>, window: u64) -> Vec<CtTuple> {
+    let Some(newest) = memos.iter().map(|(_, at)| *at).max() else {
+        return Vec::new();
+    };
+    let mut seen = HashSet::new();
+    memos
+        .into_iter()
+        .filter(|(_, at)| newest.saturating_sub(*at) <= window)
+        .filter_map(|(t, _)| seen.insert(t).then_some(t))
+        .collect()
+}
+
+fn tuple4(k: &MemoKey) -> CtTuple {
+    CtTuple {
+        src: IpAddr::V4(Ipv4Addr::from(k.local_addr)),
+        dst: IpAddr::V4(Ipv4Addr::from(k.remote_addr)),
+        proto: k.proto,
+        sport: u16::from_be_bytes(k.local_port),
+        dport: u16::from_be_bytes(k.remote_port),
+    }
+}
+
+fn tuple6(k: &MemoKey6) -> CtTuple {
+    CtTuple {
+        src: IpAddr::V6(Ipv6Addr::from(k.local_addr)),
+        dst: IpAddr::V6(Ipv6Addr::from(k.remote_addr)),
+        proto: k.proto,
+        sport: u16::from_be_bytes(k.local_port),
+        dport: u16::from_be_bytes(k.remote_port),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use flannel_common::memo::{DIR_IN, DIR_OUT};
+
+    use super::*;
+
+    #[test]
+    fn both_directions_of_a_flow_make_one_connection_local_side_first() {
+        let out = MemoKey {
+            local_addr: [10, 244, 1, 5],
+            remote_addr: [10, 244, 2, 7],
+            local_port: 40000u16.to_be_bytes(),
+            remote_port: 7100u16.to_be_bytes(),
+            proto: 6,
+            dir: DIR_OUT,
+            _pad: [0; 2],
+        };
+        let back = MemoKey { dir: DIR_IN, ..out };
+        let tuples = recent(vec![(tuple4(&out), 500), (tuple4(&back), 510)], 100);
+        assert_eq!(
+            tuples,
+            [CtTuple::of("10.244.1.5", "10.244.2.7", 6, 40000, 7100)]
+        );
+    }
+
+    #[test]
+    fn flows_not_checked_lately_are_left_out() {
+        let a = CtTuple::of("10.244.1.5", "10.244.2.7", 6, 1, 2);
+        let b = CtTuple::of("10.244.1.5", "10.244.2.7", 6, 3, 4);
+        let c = CtTuple::of("10.244.1.5", "10.244.2.7", 17, 5, 6);
+        // `c` newest; `a` 100 ticks before it, `b` 1,000 before.
+        let now = 1 << 32;
+        let memos = vec![(a, now - 100), (b, now - 1000), (c, now)];
+        assert_eq!(recent(memos, 100), [a, c]);
+        assert!(recent(Vec::new(), 100).is_empty());
+    }
+
+    #[test]
+    fn ipv6_memos_become_ipv6_tuples() {
+        let k = MemoKey6 {
+            local_addr: "fd00:0:0:1::5".parse::<Ipv6Addr>().expect("addr").octets(),
+            remote_addr: "fd00:0:0:2::7".parse::<Ipv6Addr>().expect("addr").octets(),
+            local_port: 5353u16.to_be_bytes(),
+            remote_port: 53u16.to_be_bytes(),
+            proto: 17,
+            dir: DIR_OUT,
+            _pad: [0; 2],
+        };
+        assert_eq!(
+            tuple6(&k),
+            CtTuple::of("fd00:0:0:1::5", "fd00:0:0:2::7", 17, 5353, 53)
+        );
+    }
+}
