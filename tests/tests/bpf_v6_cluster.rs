@@ -16,7 +16,9 @@
 //!   `flannel-v6.1` past netfilter, not masqueraded unlike the flow's first packets), also
 //!   with a kubelet-style rule dropping locally sent packets marked 0x8000.
 //! * `ipv6_nated_connection_crosses_the_move_to_the_fast_path`: a pod's IPv6 connection the
-//!   CNI bridge masqueraded on the kernel path goes on when its node moves to the fast path.
+//!   CNI bridge masqueraded on the kernel path goes on when its node moves to the fast path;
+//!   `ipv6_connection_crosses_the_move_back_to_the_kernel_path`: and one the fast path
+//!   carried when its node moves back.
 //! * `ipv6_traffic_crosses_an_agent_restart`: ICMPv6 echoes and a TCP ping-pong over IPv6
 //!   lose nothing while node 1's agent is down and restarts.
 //! * `ipv6_fragments_and_extension_headers_arrive` (vxlan over a routed underlay, host-gw):
@@ -584,11 +586,30 @@ fn restart_under_ipv6_traffic(
 fn ipv6_nated_connection_crosses_the_move_to_the_fast_path() {
     require_root!();
     require_ebpf_object!();
-    check(nated_connection_moves_to_the_fast_path());
+    check(connection_crosses_a_move(
+        Dataplane::Kernel,
+        Dataplane::Ebpf,
+    ));
 }
 
-fn nated_connection_moves_to_the_fast_path() -> Result<()> {
-    let mut cluster = dual_stack_cluster_masq(2, "vxlan", Underlay::L2, Dataplane::Kernel, false)?;
+/// The way back: a pod's IPv6 connection to a remote pod that the fast path carried goes on
+/// when node 1's agent restarts on the kernel path without `--ip-masq`: the agent enters it
+/// into conntrack before detaching (`flannel_agent::bpf::handover`), so the CNI bridge's
+/// masquerade leaves it alone. Without that, pod 2 resets the ping-pong.
+#[test]
+fn ipv6_connection_crosses_the_move_back_to_the_kernel_path() {
+    require_root!();
+    require_ebpf_object!();
+    check(connection_crosses_a_move(
+        Dataplane::Ebpf,
+        Dataplane::Kernel,
+    ));
+}
+
+/// A TCP ping-pong over IPv6 from pod 1 to pod 2 (agents without `--ip-masq`) running while
+/// node 1's agent restarts from dataplane `from` to `to` must not fail.
+fn connection_crosses_a_move(from: Dataplane, to: Dataplane) -> Result<()> {
+    let mut cluster = dual_stack_cluster_masq(2, "vxlan", Underlay::L2, from, false)?;
     let (p1_path, p2_path, dst) = {
         let topo = cluster.topology();
         let (p1, p2) = (topo.first_pod_on(1)?, topo.first_pod_on(2)?);
@@ -641,10 +662,13 @@ fn nated_connection_moves_to_the_fast_path() -> Result<()> {
             .context("node 1's agent")?
             .restart_with(|args| {
                 args.retain(|a| !a.starts_with("--dataplane"));
-                args.push(format!("--dataplane={}", Dataplane::Ebpf));
+                args.push(format!("--dataplane={to}"));
             })?;
         let node1 = cluster.topology().node(1).ns();
-        wait::until_ok(Duration::from_secs(30), "node 1 on the fast path", || {
+        wait::until_ok(Duration::from_secs(30), "node 1 on its new path", || {
+            if to == Dataplane::Kernel {
+                return fastpath::expect_path(node1, DEFAULT_HEALTHZ_PORT, "kernel");
+            }
             on_fast_path(node1)?;
             fastpath::expect_pod_ports(node1, DEFAULT_HEALTHZ_PORT, 1)
         })?;
@@ -655,9 +679,13 @@ fn nated_connection_moves_to_the_fast_path() -> Result<()> {
             + &String::from_utf8_lossy(&out.stderr);
         ensure!(
             out.status.success(),
-            "the masqueraded TCP ping-pong across the move to the fast path: {}",
+            "the TCP ping-pong across the move from {from} to {to}: {}",
             text.trim()
         );
+        if to == Dataplane::Kernel {
+            eprintln!("across the move back: {}", text.trim());
+            return Ok(());
+        }
         let kept = fast(node1, "pass_kernel_flow")?;
         ensure!(
             kept >= 10.0,
