@@ -418,9 +418,26 @@ fn ebpf_taking_over_keeps_open_nated_connections() {
 #[test]
 fn ebpf_moving_back_to_the_kernel_path_keeps_pod_connections() {
     require_root!();
+    moving_back(None);
+}
+
+/// The same with the programs attached as `clsact` filters (kernels before 6.6), which the
+/// agent finds through its filters instead of pinned links.
+#[test]
+fn ebpf_moving_back_from_clsact_filters_keeps_pod_connections() {
+    require_root!();
+    moving_back(Some("--tc-attach=clsact"));
+}
+
+fn moving_back(extra: Option<&str>) {
+    let mut spec = spec_on(EBPF, 2, Underlay::L2, "vxlan", 1);
+    spec.agent_args.extend(extra.map(str::to_owned));
     with_cluster(
-        &named(EBPF, "back to the kernel path"),
-        spec_on(EBPF, 2, Underlay::L2, "vxlan", 1),
+        &named(
+            EBPF,
+            &format!("back to the kernel path {}", extra.unwrap_or("")),
+        ),
+        spec,
         |c| {
             let (server_ip, client_ip) = {
                 let t = c.topology();

@@ -16,8 +16,8 @@
 //!
 //! Only flows checked within [`RECENT_TICKS`] of the newest memo are entered: the LRU also
 //! holds connections long closed, and an entry for one of those could meet a new connection
-//! reusing its ports. Programs attached as `clsact` filters (no pinned links) are detached
-//! without this.
+//! reusing its ports. Programs attached as `clsact` filters (kernels without TCX links) are
+//! found through this agent's filters instead ([`super::tcfilter::program_ids`]).
 
 use std::{
     collections::{BTreeSet, HashSet},
@@ -52,8 +52,9 @@ pub struct HandOver {
 }
 
 /// Unpins every link under `layout` (the links stay attached while this holds them), enters
-/// the recent flows of their programs' memo maps into conntrack, then drops the links (the
-/// programs are detached). A conntrack that cannot be reached is logged; the links are
+/// the recent flows of their programs' memo maps (and of the programs of this agent's
+/// `clsact` filters) into conntrack, then drops the links (the programs are detached; the
+/// filters are the caller's to remove). A conntrack that cannot be reached is logged; the links are
 /// detached all the same.
 pub fn detach_handing_over(layout: &PinLayout) -> HandOver {
     let mut held = Vec::new();
@@ -71,6 +72,9 @@ pub fn detach_handing_over(layout: &PinLayout) -> HandOver {
             held.push(link);
         }
     }
+    // Programs attached as `clsact` filters: found through the filters (removed afterwards by
+    // the caller's sweep).
+    programs.extend(super::tcfilter::program_ids());
     let mut out = HandOver {
         links: held.len(),
         ..HandOver::default()

@@ -17,6 +17,7 @@ use aya::programs::{
 };
 
 use super::fastpath::Attached;
+use crate::netlink::raw::{self, MessageBuilder, NLM_F_DUMP, NLM_F_REQUEST, RawSocket};
 
 /// The filters' priority (`tc filter ... pref`): ours alone, so that the agent never replaces
 /// or removes a filter another tool installed ("FL").
@@ -119,4 +120,101 @@ pub fn sweep(program: &str, attach_type: TcAttachType, keep: &BTreeSet<u32>) -> 
         }
     }
     removed
+}
+
+/// `RTM_GETTFILTER` / `RTM_NEWTFILTER`.
+const RTM_GETTFILTER: u16 = 46;
+const RTM_NEWTFILTER: u16 = 44;
+/// `TCA_KIND`, `TCA_OPTIONS`, and `TCA_BPF_ID` inside the options of a `bpf` filter.
+const TCA_KIND: u16 = 1;
+const TCA_OPTIONS: u16 = 2;
+const TCA_BPF_ID: u16 = 11;
+/// `struct tcmsg` is 20 bytes: family, padding, ifindex, handle, parent, info.
+const TCMSG_LEN: usize = 20;
+/// The `clsact` parents of the ingress and egress hooks (`TC_H_MAKE(TC_H_CLSACT,
+/// TC_H_MIN_INGRESS)` and `..._EGRESS`).
+const CLSACT_PARENTS: [u32; 2] = [0xFFFF_FFF2, 0xFFFF_FFF3];
+
+/// The ids of the programs behind this agent's filters (at [`PRIORITY`]) on every interface
+/// of this network namespace, either hook: what an earlier run attached as filters, for
+/// `super::handover`. Interfaces or hooks that cannot be read are skipped.
+pub fn program_ids() -> BTreeSet<u32> {
+    let mut ids = BTreeSet::new();
+    let Ok(interfaces) = nix::net::if_::if_nameindex() else {
+        return ids;
+    };
+    let Ok(mut socket) = RawSocket::open(netlink_sys::constants::NETLINK_ROUTE) else {
+        return ids;
+    };
+    for interface in interfaces.iter() {
+        let Ok(ifindex) = i32::try_from(interface.index()) else {
+            continue;
+        };
+        for parent in CLSACT_PARENTS {
+            let mut message = MessageBuilder::new(RTM_GETTFILTER, NLM_F_REQUEST | NLM_F_DUMP);
+            let mut tcmsg = [0u8; TCMSG_LEN];
+            tcmsg[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+            tcmsg[12..16].copy_from_slice(&parent.to_ne_bytes());
+            message.header(&tcmsg);
+            let _ = socket.request_each(message, |ty, payload| {
+                if ty == RTM_NEWTFILTER
+                    && let Some(id) = our_program_id(payload)
+                {
+                    ids.insert(id);
+                }
+            });
+        }
+    }
+    ids
+}
+
+/// The program id of a filter dump entry (`tcmsg` and attributes) if it is a `bpf` filter at
+/// [`PRIORITY`].
+fn our_program_id(payload: &[u8]) -> Option<u32> {
+    let info = raw::get_u32(payload.get(16..TCMSG_LEN)?)?;
+    if info >> 16 != u32::from(PRIORITY) {
+        return None;
+    }
+    let attrs = raw::attributes(payload.get(TCMSG_LEN..)?).ok()?;
+    let kind = attrs.iter().find(|(ty, _)| *ty == TCA_KIND)?.1;
+    if kind != b"bpf\0" {
+        return None;
+    }
+    let options = attrs.iter().find(|(ty, _)| *ty == TCA_OPTIONS)?.1;
+    raw::attributes(options)
+        .ok()?
+        .into_iter()
+        .find(|(ty, _)| *ty == TCA_BPF_ID)
+        .and_then(|(_, v)| raw::get_u32(v))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests fail loudly by design
+mod tests {
+    use super::*;
+
+    fn filter(priority: u16, kind: &str, id: u32) -> Vec<u8> {
+        let mut b = MessageBuilder::new(RTM_NEWTFILTER, 0);
+        let mut tcmsg = [0u8; TCMSG_LEN];
+        tcmsg[16..20].copy_from_slice(&((u32::from(priority) << 16) | 0x0300).to_ne_bytes());
+        b.header(&tcmsg);
+        b.attr_str(TCA_KIND, kind);
+        b.nest_start(TCA_OPTIONS);
+        b.attr_str(7, "tc_from_bridge");
+        b.attr_u32(TCA_BPF_ID, id);
+        b.nest_end();
+        b.finish(1)
+    }
+
+    #[test]
+    fn only_our_bpf_filters_give_their_program() {
+        let id_of = |bytes: Vec<u8>| {
+            let msgs = raw::messages(&bytes).unwrap();
+            our_program_id(msgs[0].payload)
+        };
+        assert_eq!(id_of(filter(PRIORITY, "bpf", 42)), Some(42));
+        assert_eq!(id_of(filter(PRIORITY + 1, "bpf", 42)), None);
+        assert_eq!(id_of(filter(PRIORITY, "u32", 42)), None);
+        assert_eq!(our_program_id(&[0; 3]), None);
+    }
 }
