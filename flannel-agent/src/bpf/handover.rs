@@ -110,6 +110,9 @@ pub fn detach_handing_over(layout: &PinLayout) -> HandOver {
 /// The flows (local pod → remote pod tuples, one per connection) in the memo maps of
 /// `programs`, checked within [`RECENT_TICKS`] of the newest.
 fn recent_flows(programs: &BTreeSet<u32>) -> Vec<CtTuple> {
+    if programs.is_empty() {
+        return Vec::new();
+    }
     let mut map_ids = BTreeSet::new();
     for info in loaded_programs().flatten() {
         if programs.contains(&info.id())
