@@ -462,19 +462,28 @@ fn ipv6_restart() -> Result<()> {
     };
     let lab = bins::lab_tool()?;
     let server = std::net::SocketAddr::new(IpAddr::V6(dst), 11113).to_string();
-    let mut rr_server = std::process::Command::new("nsenter")
-        .arg(format!("--net={}", p2_path.display()))
-        .arg("--")
-        .arg(&lab)
-        .args(["rr", "server", "--listen", &server])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .context("flannel-lab rr server")?;
+    let mut rr_server = rr_server(&p2_path, &lab, &server)?;
     let outcome = restart_under_ipv6_traffic(&mut cluster, &p1, &lab, &server, dst);
     let _ = rr_server.kill();
     let _ = rr_server.wait();
     outcome
+}
+
+/// `flannel-lab rr server` listening on `server` in the network namespace at `ns_path`.
+fn rr_server(
+    ns_path: &std::path::Path,
+    lab: &std::path::Path,
+    server: &str,
+) -> Result<std::process::Child> {
+    std::process::Command::new("nsenter")
+        .arg(format!("--net={}", ns_path.display()))
+        .arg("--")
+        .arg(lab)
+        .args(["rr", "server", "--listen", server])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("flannel-lab rr server")
 }
 
 fn restart_under_ipv6_traffic(
@@ -618,15 +627,7 @@ fn connection_crosses_a_move(from: Dataplane, to: Dataplane) -> Result<()> {
     let lab = bins::lab_tool()?;
     let lab_str = lab.to_str().context("flannel-lab path")?.to_owned();
     let server = SocketAddr::new(IpAddr::V6(dst), 11114).to_string();
-    let mut rr_server = std::process::Command::new("nsenter")
-        .arg(format!("--net={}", p2_path.display()))
-        .arg("--")
-        .arg(&lab)
-        .args(["rr", "server", "--listen", &server])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .context("flannel-lab rr server")?;
+    let mut rr_server = rr_server(&p2_path, &lab, &server)?;
     let outcome = (|| -> Result<()> {
         let rr = |seconds: &str| {
             std::process::Command::new("nsenter")

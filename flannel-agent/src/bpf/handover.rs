@@ -130,32 +130,29 @@ fn recent_flows(programs: &BTreeSet<u32>) -> Vec<CtTuple> {
             continue;
         };
         match name.as_deref() {
-            Some(MEMO4) => {
-                if let Ok(map) =
-                    HashMap::<MapData, MemoKey, FlowMemo>::try_from(Map::LruHashMap(data))
-                {
-                    memos.extend(
-                        map.iter()
-                            .flatten()
-                            .map(|(k, v)| (tuple4(&k), v.checked_at)),
-                    );
-                }
-            }
-            Some(MEMO6) => {
-                if let Ok(map) =
-                    HashMap::<MapData, MemoKey6, FlowMemo6>::try_from(Map::LruHashMap(data))
-                {
-                    memos.extend(
-                        map.iter()
-                            .flatten()
-                            .map(|(k, v)| (tuple6(&k), v.checked_at)),
-                    );
-                }
-            }
+            Some(MEMO4) => memos.extend(read_memos(data, tuple4, |m: &FlowMemo| m.checked_at)),
+            Some(MEMO6) => memos.extend(read_memos(data, tuple6, |m: &FlowMemo6| m.checked_at)),
             _ => {}
         }
     }
     recent(memos, RECENT_TICKS)
+}
+
+/// Every memo of the LRU map `data` as (its flow's tuple, when it was checked); none when the
+/// map is not of that key and value.
+fn read_memos<K: aya::Pod, V: aya::Pod>(
+    data: MapData,
+    tuple: fn(&K) -> CtTuple,
+    checked_at: fn(&V) -> u64,
+) -> Vec<(CtTuple, u64)> {
+    HashMap::<MapData, K, V>::try_from(Map::LruHashMap(data))
+        .map(|map| {
+            map.iter()
+                .flatten()
+                .map(|(k, v)| (tuple(&k), checked_at(&v)))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// The distinct tuples of `memos` (tuple, checked at) checked within `window` ticks of the

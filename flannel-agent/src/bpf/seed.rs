@@ -89,40 +89,43 @@ impl Seeds {
         if !entry.is_nated() || entry.is_closed() {
             return;
         }
-        let CtEntry { orig, reply, .. } = entry;
-        let has_ports = matches!(orig.proto, PROTO_TCP | PROTO_UDP);
-        let echo = matches!(orig.proto, PROTO_ICMP | PROTO_ICMPV6);
+        let has_ports = matches!(entry.orig.proto, PROTO_TCP | PROTO_UDP);
+        let echo = matches!(entry.orig.proto, PROTO_ICMP | PROTO_ICMPV6);
         if !has_ports && !echo {
             return;
         }
         if let Some(cfg) = &scope.v4 {
-            let side = |a: IpAddr| v4_side(cfg, a);
-            if side(orig.src) == Side::LocalPod && side(orig.dst) == Side::RemotePod {
-                self.flows4.insert(flow_key(orig));
-            }
-            if side(reply.dst) == Side::LocalPod && side(reply.src) == Side::RemotePod {
-                self.flows4.insert(flow_key(&reply.inverse()));
-            }
-            if has_ports && side(reply.src) == Side::LocalPod && side(reply.dst) == Side::RemotePod
-            {
-                self.guards4.insert(peer_key(reply));
-            }
+            let (flows, guard) = wanted(entry, has_ports, |a| v4_side(cfg, a));
+            self.flows4.extend(flows.iter().flatten().map(flow_key));
+            self.guards4.extend(guard.as_ref().map(peer_key));
         }
         if let Some(cfg) = &scope.v6 {
-            let side = |a: IpAddr| v6_side(cfg, a);
-            if side(orig.src) == Side::LocalPod && side(orig.dst) == Side::RemotePod {
-                self.flows6.insert(flow_key6(orig));
-            }
-            if side(reply.dst) == Side::LocalPod && side(reply.src) == Side::RemotePod {
-                self.flows6.insert(flow_key6(&reply.inverse()));
-            }
-            if has_ports && side(reply.src) == Side::LocalPod && side(reply.dst) == Side::RemotePod
-            {
-                self.guards6.insert(peer_key6(reply));
-            }
+            let (flows, guard) = wanted(entry, has_ports, |a| v6_side(cfg, a));
+            self.flows6.extend(flows.iter().flatten().map(flow_key6));
+            self.guards6.extend(guard.as_ref().map(peer_key6));
         }
     }
 }
+
+/// The rules of [`Seeds::add`] for one family (`side` places an address): the tuples of the
+/// kernel flows, as a local pod's packets have them (local side first), and the tuple of the
+/// local pod's answers whose destination the NAT guard must hold.
+fn wanted(
+    entry: &CtEntry,
+    has_ports: bool,
+    side: impl Fn(IpAddr) -> Side,
+) -> ([Option<CtTuple>; 2], Option<CtTuple>) {
+    let CtEntry { orig, reply, .. } = entry;
+    let pair =
+        |from: IpAddr, to: IpAddr| (side(from), side(to)) == (Side::LocalPod, Side::RemotePod);
+    let masqueraded = pair(orig.src, orig.dst).then_some(*orig);
+    let dnated_to_remote = pair(reply.dst, reply.src).then(|| reply.inverse());
+    let dnated_to_local = (has_ports && pair(reply.src, reply.dst)).then_some(*reply);
+    ([masqueraded, dnated_to_remote], dnated_to_local)
+}
+
+/// `BPF_NOEXIST`: insert only when the key is absent.
+const BPF_NOEXIST: u64 = 1;
 
 const PROTO_ICMP: u8 = 1;
 const PROTO_TCP: u8 = 6;
@@ -280,27 +283,6 @@ impl FastPath {
         Ok(added)
     }
 
-    /// Whether the kernel-flow table (IPv4) holds `key`.
-    pub fn has_kernel_flow(&self, key: &FlowKey) -> Result<bool, BpfError> {
-        self.table_has(names::KERNEL_FLOWS4, key)
-    }
-
-    /// Whether the NAT guard (IPv4) holds `key`.
-    pub fn has_nat_guard(&self, key: &PeerKey) -> Result<bool, BpfError> {
-        self.table_has(names::NAT_GUARD4, key)
-    }
-
-    fn table_has<K: aya::Pod>(&self, name: &'static str, key: &K) -> Result<bool, BpfError> {
-        let map = self.ebpf().map(name).ok_or_else(|| missing(name))?;
-        let table: HashMap<&MapData, K, u32> =
-            HashMap::try_from(map).map_err(|e| BpfError::map(name, e))?;
-        match table.get(key, 0) {
-            Ok(_) => Ok(true),
-            Err(aya::maps::MapError::KeyNotFound) => Ok(false),
-            Err(e) => Err(BpfError::map(name, e)),
-        }
-    }
-
     fn seed_table<K: aya::Pod + std::hash::Hash + Eq>(
         &mut self,
         name: &'static str,
@@ -314,15 +296,13 @@ impl FastPath {
             HashMap::try_from(map).map_err(|e| BpfError::map(name, e))?;
         let mut added = 0;
         for key in keys {
-            match table.get(key, 0) {
-                Ok(_) => continue,
-                Err(aya::maps::MapError::KeyNotFound) => {}
+            // One call per key: a key already there (learnt, or seeded before) fails with EEXIST.
+            match table.insert(key, 1u32, BPF_NOEXIST) {
+                Ok(()) => added += 1,
+                Err(aya::maps::MapError::SyscallError(e))
+                    if e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
                 Err(e) => return Err(BpfError::map(name, e)),
             }
-            table
-                .insert(key, 1u32, 0)
-                .map_err(|e| BpfError::map(name, e))?;
-            added += 1;
         }
         Ok(added)
     }
