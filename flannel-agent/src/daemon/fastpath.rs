@@ -390,7 +390,9 @@ async fn sync_ports(
     let desired = bpf::ports::desired_ports(bridge, &links, &fdb);
     let veths = bpf::ports::veth_ports(bridge, &links);
     // New ports: their pods' open connections are read from conntrack before the program
-    // goes on (the dump without the lock, so the reconciler is not held up by it).
+    // goes on (the dump without the lock, so the reconciler is not held up by it). An earlier
+    // read (the external interface's, at start-up, or a failed attempt's) does not do: every
+    // connection those pods opened since then went through the kernel path as well.
     let scope = {
         let fp = fast_path.lock().ok()?;
         let attached: BTreeSet<u32> = fp
