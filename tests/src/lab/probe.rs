@@ -310,6 +310,17 @@ fn pattern_byte(i: u64) -> u8 {
     (i.wrapping_mul(2_654_435_761) >> 13) as u8 ^ (i % 251) as u8
 }
 
+/// `conn.read(buf)`, again when a signal interrupted it: a socket with a receive timeout
+/// answers any handled signal (a child's exit, here) with `EINTR`, `SA_RESTART` or not.
+fn read_retrying(conn: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
+    loop {
+        match conn.read(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            other => return other,
+        }
+    }
+}
+
 /// Sends `bytes` bytes of a fixed pattern over one TCP connection from `from` to a receiver
 /// bound on `ip` in `to`, which counts and checksums what arrives and answers with both once
 /// the sender has shut its side down. Fails unless count and checksum match exactly (so
@@ -345,7 +356,7 @@ pub fn transfer(
         let mut buf = vec![0u8; 64 * 1024];
         let (mut count, mut hash) = (0u64, FNV_OFFSET);
         loop {
-            let n = conn.read(&mut buf).context("receiving")?;
+            let n = read_retrying(&mut conn, &mut buf).context("receiving")?;
             if n == 0 {
                 break;
             }
@@ -927,7 +938,7 @@ fn flow_receive(mut conn: TcpStream) -> Result<(u64, u64, Duration)> {
     let mut last: Option<Instant> = None;
     let mut longest = Duration::ZERO;
     loop {
-        let n = conn.read(&mut buf).context("receiving")?;
+        let n = read_retrying(&mut conn, &mut buf).context("receiving")?;
         if n == 0 {
             break;
         }
