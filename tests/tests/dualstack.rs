@@ -767,11 +767,10 @@ fn ipv6_only_kube(backend: &str) -> Result<()> {
         }
     }
 
-    // Routes: IPv6 only, one per peer.
+    // Routes: IPv6 only, one per peer. A peer's annotations being in the API server does not
+    // mean node 1 has seen them yet (its watch delivers them a moment later): wait for them.
     let n1 = topology.node(1);
-    let routes6 = status::agent_routes(n1.ns(), "-6")?;
-    let routes4 = status::agent_routes(n1.ns(), "-4")?;
-    ensure!(routes4.is_empty(), "IPv4 routes {routes4:?}");
+    let mut vias = Vec::new();
     for node in topology.nodes().iter().skip(1) {
         let subnet = format!("fd00:244:0:{}::/64", node.index());
         let via = if vxlan {
@@ -779,14 +778,21 @@ fn ipv6_only_kube(backend: &str) -> Result<()> {
         } else {
             format!("via {} dev eth0", node.addr6().context("IPv6")?)
         };
-        ensure!(
-            routes6
-                .iter()
-                .any(|r| r.starts_with(&format!("{subnet} {via}"))),
-            "node1 has no route {subnet} {via}: {routes6:#?}"
-        );
+        vias.push(format!("{subnet} {via}"));
     }
-    ensure!(routes6.len() == 2, "node1 IPv6 routes {routes6:#?}");
+    wait::until_ok(Duration::from_secs(30), "node1's IPv6 routes", || {
+        let routes6 = status::agent_routes(n1.ns(), "-6")?;
+        for via in &vias {
+            ensure!(
+                routes6.iter().any(|r| r.starts_with(via)),
+                "node1 has no route {via}: {routes6:#?}"
+            );
+        }
+        ensure!(routes6.len() == 2, "node1 IPv6 routes {routes6:#?}");
+        Ok(())
+    })?;
+    let routes4 = status::agent_routes(n1.ns(), "-4")?;
+    ensure!(routes4.is_empty(), "IPv4 routes {routes4:?}");
 
     // Rules: IPv6 masquerade/forward as upstream, nothing for IPv4.
     for (node, env) in topology.nodes().iter().zip(&envs) {
