@@ -275,29 +275,32 @@ fn vxlan_dual_stack() -> Result<()> {
         want_fdb.insert(format!("{mac} dst {addr6} self permanent"));
     }
     status::expect_agent_routes(n1.ns(), "-6", &want_routes)?;
-    let neigh = status::line_set(
-        n1.ns(),
-        &[
-            "ip",
-            "-6",
-            "neigh",
-            "show",
-            "dev",
-            "flannel-v6.1",
-            "nud",
-            "permanent",
-        ],
-    )?;
-    ensure!(
-        neigh == want_neigh,
-        "node1 IPv6 neighbours {neigh:#?}, want {want_neigh:#?}"
-    );
-    let fdb: BTreeSet<String> =
-        status::line_set(n1.ns(), &["bridge", "fdb", "show", "dev", "flannel-v6.1"])?
-            .into_iter()
-            .filter(|l| l.contains(" dst "))
-            .collect();
-    ensure!(fdb == want_fdb, "node1 FDB {fdb:#?}, want {want_fdb:#?}");
+    wait::until_ok(status::CONVERGE, "node1's neighbours and FDB", || {
+        let neigh = status::line_set(
+            n1.ns(),
+            &[
+                "ip",
+                "-6",
+                "neigh",
+                "show",
+                "dev",
+                "flannel-v6.1",
+                "nud",
+                "permanent",
+            ],
+        )?;
+        ensure!(
+            neigh == want_neigh,
+            "node1 IPv6 neighbours {neigh:#?}, want {want_neigh:#?}"
+        );
+        let fdb: BTreeSet<String> =
+            status::line_set(n1.ns(), &["bridge", "fdb", "show", "dev", "flannel-v6.1"])?
+                .into_iter()
+                .filter(|l| l.contains(" dst "))
+                .collect();
+        ensure!(fdb == want_fdb, "node1 FDB {fdb:#?}, want {want_fdb:#?}");
+        Ok(())
+    })?;
 
     // Pods got both families from the CNI plugin, and talk across nodes in both.
     let pods: Vec<&Pod> = topo.pods().iter().collect();
@@ -780,7 +783,7 @@ fn ipv6_only_kube(backend: &str) -> Result<()> {
         };
         vias.push(format!("{subnet} {via}"));
     }
-    wait::until_ok(Duration::from_secs(30), "node1's IPv6 routes", || {
+    wait::until_ok(status::CONVERGE, "node1's IPv6 routes", || {
         let routes6 = status::agent_routes(n1.ns(), "-6")?;
         for via in &vias {
             ensure!(

@@ -12,7 +12,12 @@ use anyhow::{Context as _, Result, bail, ensure};
 use ipnet::Ipv4Net;
 use serde_json::Value;
 
+use super::wait;
 use crate::netns::NetNs;
+
+/// How long an agent gets to converge after a change (it reacts within a second; the rest is
+/// slack for a loaded CI machine).
+pub const CONVERGE: Duration = Duration::from_secs(30);
 
 /// Cluster state in one node's kernel.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -273,15 +278,19 @@ pub fn agent_routes(ns: &NetNs, family: &str) -> Result<BTreeSet<String>> {
     )
 }
 
-/// Fails unless [`agent_routes`] of `family` in `ns` are exactly `want`; the error shows both.
+/// Waits (up to [`CONVERGE`]) until [`agent_routes`] of `family` in `ns` are exactly `want`;
+/// the error shows both. A wait, because a peer's lease reaches an agent through its watch a
+/// moment after the peer wrote it.
 pub fn expect_agent_routes(ns: &NetNs, family: &str, want: &BTreeSet<String>) -> Result<()> {
-    let got = agent_routes(ns, family)?;
-    ensure!(
-        &got == want,
-        "{} routes ({family}) {got:#?}, want {want:#?}",
-        ns.name()
-    );
-    Ok(())
+    wait::until_ok(CONVERGE, &format!("{}'s routes", ns.name()), || {
+        let got = agent_routes(ns, family)?;
+        ensure!(
+            &got == want,
+            "{} routes ({family}) {got:#?}, want {want:#?}",
+            ns.name()
+        );
+        Ok(())
+    })
 }
 
 /// The HTTP status of `path` (`/healthz`, `/readyz`) on the agent at `127.0.0.1:port` in

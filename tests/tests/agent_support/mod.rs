@@ -35,9 +35,7 @@ use flannel_tests::{
 };
 use ipnet::Ipv4Net;
 
-/// How long the agents get to converge after a change (they react within a second; the
-/// rest is slack for a loaded CI machine).
-pub const CONVERGE: Duration = Duration::from_secs(30);
+pub use flannel_tests::lab::status::CONVERGE;
 /// Timeout of a single TCP probe.
 pub const PROBE: Duration = Duration::from_secs(3);
 
