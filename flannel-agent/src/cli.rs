@@ -269,6 +269,11 @@ pub struct Cli {
     #[arg(long, default_value = "30", value_parser = parse_seconds)]
     pub ebpf_nat_sweep_interval: u64,
 
+    /// seconds between reads of conntrack's table that keep the open NATed pod connections
+    /// on the kernel path (refreshing their flow-table entries, putting evicted ones back)
+    #[arg(long, default_value = "10", value_parser = parse_seconds)]
+    pub ebpf_conntrack_resync: u64,
+
     /// destinations (comma-separated CIDRs) pod traffic is never masqueraded to, with
     /// iptables, nftables or eBPF masquerade
     #[arg(long, value_delimiter = ',', action = ArgAction::Append)]
@@ -521,6 +526,7 @@ mod tests {
             "100000",
             "--ebpf-nat-port-range=20000-29999",
             "--ebpf-nat-sweep-interval=2",
+            "--ebpf-conntrack-resync=3",
             "--ip-masq-exclude-cidrs=100.64.0.0/10,192.0.2.0/24",
             "--ip-masq-exclude-cidrs",
             "fd00:64::/64",
@@ -529,6 +535,7 @@ mod tests {
         assert_eq!(c.ebpf_nat_max_entries, 100_000);
         assert_eq!(c.ebpf_nat_port_range, Some((20000, 29999)));
         assert_eq!(c.ebpf_nat_sweep_interval, 2);
+        assert_eq!(c.ebpf_conntrack_resync, 3);
         let nets: Vec<String> = c
             .ip_masq_exclude_cidrs
             .iter()
@@ -599,6 +606,7 @@ mod tests {
         assert_eq!(c.ebpf_nat_max_entries, 0);
         assert_eq!(c.ebpf_nat_port_range, None);
         assert_eq!(c.ebpf_nat_sweep_interval, 30);
+        assert_eq!(c.ebpf_conntrack_resync, 10);
         assert!(c.ip_masq_exclude_cidrs.is_empty());
         assert_eq!(c.bpf_pin_path, PathBuf::from("/sys/fs/bpf/flannel"));
         assert_eq!(c.state_dir, PathBuf::from("/var/lib/flannel"));

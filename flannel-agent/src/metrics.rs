@@ -205,8 +205,9 @@ pub struct Metrics {
     pub peers_unreachable: Gauge,
     /// Pod bridge ports the fast path's pod-side program is attached to.
     pub fastpath_pod_ports: Gauge,
-    /// Open NATed connections read from conntrack and kept on the kernel path before the fast
-    /// path attached, by table (`kernel_flow`, `nat_guard`).
+    /// Open NATed connections read from conntrack that the flow tables lacked, written into
+    /// them (when the fast path attached, or on a resync), by table (`kernel_flow`,
+    /// `nat_guard`).
     pub fastpath_conntrack_kept: Family<KindLabel, Counter>,
     /// Per fast-path program: the instructions the verifier processed to load it.
     fastpath_program_verified: Family<ProgramLabel, Gauge>,
@@ -266,8 +267,9 @@ impl Metrics {
         let fastpath_conntrack_kept = Family::<KindLabel, Counter>::default();
         registry.register(
             "fastpath_conntrack_kept",
-            "Open connections conntrack had NATed, kept on the kernel path before the fast path \
-             attached (kind: kernel_flow, nat_guard)",
+            "Open connections conntrack had NATed that the flow tables lacked, written into them \
+             to keep them on the kernel path, when the fast path attached or on a resync \
+             (kind: kernel_flow, nat_guard)",
             fastpath_conntrack_kept.clone(),
         );
         let fastpath_program_verified = Family::<ProgramLabel, Gauge>::default();

@@ -485,6 +485,99 @@ fn moving_back(extra: Option<&str>) {
     );
 }
 
+/// A Service connection's kernel-flow entry lost from the table (as the LRU evicts a long-idle
+/// one on a node whose short flows, DNS lookups through a Service, fill it) comes back from
+/// conntrack within a resync (`--ebpf-conntrack-resync`), without a packet of the connection
+/// to learn it from: otherwise the backend's next packet would reach the pod with its own
+/// address instead of the Service's. The connection (a pod on node1 to a ClusterIP-style DNAT
+/// to a pod on node2, with `--ip-masq`) is idle while its entry is removed and while it comes back; the agent
+/// counts it as kept, and the connection goes on.
+#[test]
+fn ebpf_lost_kernel_flows_come_back_from_conntrack() {
+    require_root!();
+    let mut spec = spec_on(EBPF, 2, Underlay::L2, "host-gw", 1);
+    // As kube-flannel.yml runs it: pod-to-pod traffic keeps its addresses (the CNI bridge
+    // does not masquerade), so the Service's answers need conntrack on the way back.
+    spec.ip_masq = true;
+    spec.agent_args.push("--ebpf-conntrack-resync=1".into());
+    with_cluster(
+        &named(EBPF, "kernel flows resynced from conntrack"),
+        spec,
+        |c| {
+            let t = c.topology();
+            let (client, server) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
+            let backend = SocketAddr::new(IpAddr::V4(server.ip()), 7100);
+            echo_server(server.ns(), backend, 1)?;
+            let service = SocketAddr::new("10.96.0.10".parse()?, 80);
+            scenarios::dnat_tcp(t.node(1), service, backend)?;
+            let mut stream = client
+                .ns()
+                .enter(move || std::net::TcpStream::connect(service))??;
+            stream.set_read_timeout(Some(Duration::from_secs(3)))?;
+            let local_port = stream.local_addr()?.port().to_be_bytes();
+            line_round_trip(&mut stream, "s1").context("through the Service")?;
+            let pins = t.node(1).bpf_pin_path();
+            let ours = |k: &flannel_common::flow::FlowKey| {
+                k.local_addr == client.ip().octets()
+                    && k.remote_addr == server.ip().octets()
+                    && k.local_port == local_port
+                    && k.remote_port == 7100u16.to_be_bytes()
+                    && k.proto == 6
+            };
+            wait::until_ok(CONVERGE, "node1 to learn the Service connection", || {
+                let flows = fastpath::kernel_flows(pins)?;
+                ensure!(flows.iter().any(ours), "kernel flows {flows:?}");
+                Ok(())
+            })?;
+            let kept = || {
+                status::metric_sum(
+                    t.node(1).ns(),
+                    DEFAULT_HEALTHZ_PORT,
+                    "flannel_fastpath_conntrack_kept_total",
+                    "kind=\"kernel_flow\"",
+                )
+            };
+            // Idle: the last ACKs of the round trip (which the kernel path would learn from
+            // again) are out before the entry goes.
+            std::thread::sleep(Duration::from_millis(300));
+            let before = kept()?;
+            let removed = fastpath::clear_kernel_flows(pins)?;
+            ensure!(removed >= 1, "node1's kernel-flow table was empty");
+            wait::until_ok(
+                CONVERGE,
+                "the connection's entry back from conntrack",
+                || {
+                    let flows = fastpath::kernel_flows(pins)?;
+                    ensure!(flows.iter().any(ours), "kernel flows {flows:?}");
+                    Ok(())
+                },
+            )?;
+            let after = kept()?;
+            ensure!(
+                after >= before + 1.0,
+                "node1 counted {before} then {after} kernel flows kept from conntrack"
+            );
+            for i in 2..5 {
+                line_round_trip(&mut stream, &format!("s{i}"))
+                    .with_context(|| format!("message {i} through the Service"))?;
+            }
+            // Later resyncs find the entry there: refreshed, not counted again.
+            std::thread::sleep(Duration::from_millis(2500));
+            let later = kept()?;
+            ensure!(
+                later == after,
+                "node1 counted {after} then {later} kernel flows kept: the resyncs re-added an \
+                 entry that was there"
+            );
+            ensure!(
+                fastpath::kernel_flows(pins)?.iter().any(ours),
+                "the connection's entry is gone again"
+            );
+            Ok(())
+        },
+    );
+}
+
 /// A TCP server in `ns` on `addr` that accepts `connections` connections and echoes each line
 /// back on every one until its client closes it; the peer address of each connection it
 /// accepted, in order. (Bounded, so that no socket outlives the test's namespaces.)

@@ -19,7 +19,10 @@
 //! conntrack's table ([`crate::netlink::conntrack`]) and writes the same keys the programs
 //! would have learnt for every NATed connection between a local pod and a remote pod
 //! ([`Seeds::add`], a pure function of each entry and the configuration); the programs then keep
-//! them on the kernel path for their whole life (LRU entries, like the learnt ones).
+//! them on the kernel path for their whole life (LRU entries, like the learnt ones). The agent
+//! repeats the read every `--ebpf-conntrack-resync` while the fast path is on, rewriting the
+//! keys that are there (so that eviction takes closed flows first) and putting back the ones
+//! an eviction took.
 //! Connections conntrack holds no NAT state for change path harmlessly and are left alone.
 
 use std::{
@@ -126,6 +129,8 @@ fn wanted(
 
 /// `BPF_NOEXIST`: insert only when the key is absent.
 const BPF_NOEXIST: u64 = 1;
+/// `BPF_EXIST`: update only when the key is present.
+const BPF_EXIST: u64 = 2;
 
 const PROTO_ICMP: u8 = 1;
 const PROTO_TCP: u8 = 6;
@@ -227,13 +232,15 @@ fn peer_key6(t: &CtTuple) -> PeerKey6 {
     }
 }
 
-/// What [`FastPath::seed`] added (both families).
+/// What [`FastPath::seed`] wrote (both families).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Seeded {
     /// New kernel-flow entries.
     pub kernel_flows: usize,
     /// New NAT-guard entries.
     pub nat_guards: usize,
+    /// Entries of either table that were there already (refreshed).
+    pub refreshed: usize,
 }
 
 /// Reads conntrack's table (the families `scope` enables) in the calling thread's network
@@ -267,44 +274,61 @@ impl FastPath {
         })
     }
 
-    /// Writes `seeds` into the kernel-flow and NAT-guard tables (keys already there stay);
-    /// returns how many were new in each. Retires the programs' remembered decisions when any
-    /// was, as a learnt entry does.
+    /// Writes `seeds` into the kernel-flow and NAT-guard tables: a key already there is
+    /// refreshed (rewritten, so that it becomes one of the LRU's most recent entries, among
+    /// the last its eviction picks), a missing one added; returns how many were added in each and how
+    /// many refreshed. Retires the programs' remembered decisions when any was added, as a
+    /// learnt entry does.
     pub fn seed(&mut self, seeds: &Seeds) -> Result<Seeded, BpfError> {
-        let added = Seeded {
-            kernel_flows: self.seed_table(names::KERNEL_FLOWS4, &seeds.flows4)?
-                + self.seed_table(v6::KERNEL_FLOWS6, &seeds.flows6)?,
-            nat_guards: self.seed_table(names::NAT_GUARD4, &seeds.guards4)?
-                + self.seed_table(v6::NAT_GUARD6, &seeds.guards6)?,
-        };
-        if added.kernel_flows + added.nat_guards > 0 {
+        let (flows4, kept_flows4) = self.seed_table(names::KERNEL_FLOWS4, &seeds.flows4)?;
+        let (flows6, kept_flows6) = self.seed_table(v6::KERNEL_FLOWS6, &seeds.flows6)?;
+        let (guards4, kept_guards4) = self.seed_table(names::NAT_GUARD4, &seeds.guards4)?;
+        let (guards6, kept_guards6) = self.seed_table(v6::NAT_GUARD6, &seeds.guards6)?;
+        let (kernel_flows, nat_guards) = (flows4 + flows6, guards4 + guards6);
+        let refreshed = kept_flows4 + kept_flows6 + kept_guards4 + kept_guards6;
+        if kernel_flows + nat_guards > 0 {
             self.retire_memos()?;
         }
-        Ok(added)
+        Ok(Seeded {
+            kernel_flows,
+            nat_guards,
+            refreshed,
+        })
     }
 
+    /// Writes `keys` into table `name`; returns (added, refreshed).
     fn seed_table<K: aya::Pod + std::hash::Hash + Eq>(
         &mut self,
         name: &'static str,
         keys: &HashSet<K>,
-    ) -> Result<usize, BpfError> {
+    ) -> Result<(usize, usize), BpfError> {
         if keys.is_empty() {
-            return Ok(0);
+            return Ok((0, 0));
         }
         let map = self.ebpf_mut().map_mut(name).ok_or_else(|| missing(name))?;
         let mut table: HashMap<&mut MapData, K, u32> =
             HashMap::try_from(map).map_err(|e| BpfError::map(name, e))?;
-        let mut added = 0;
+        let errno = |e: &aya::maps::MapError| match e {
+            aya::maps::MapError::SyscallError(e) => e.io_error.raw_os_error(),
+            _ => None,
+        };
+        let (mut added, mut refreshed) = (0, 0);
         for key in keys {
-            // One call per key: a key already there (learnt, or seeded before) fails with EEXIST.
-            match table.insert(key, 1u32, BPF_NOEXIST) {
-                Ok(()) => added += 1,
-                Err(aya::maps::MapError::SyscallError(e))
-                    if e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
+            // One call per key that is there (the common case on a resync), two for a missing
+            // one. An insert that finds the key (learnt by a program meanwhile) is a refresh.
+            match table.insert(key, 1u32, BPF_EXIST) {
+                Ok(()) => refreshed += 1,
+                Err(e) if errno(&e) == Some(libc::ENOENT) => {
+                    match table.insert(key, 1u32, BPF_NOEXIST) {
+                        Ok(()) => added += 1,
+                        Err(e) if errno(&e) == Some(libc::EEXIST) => refreshed += 1,
+                        Err(e) => return Err(BpfError::map(name, e)),
+                    }
+                }
                 Err(e) => return Err(BpfError::map(name, e)),
             }
         }
-        Ok(added)
+        Ok((added, refreshed))
     }
 }
 

@@ -162,7 +162,7 @@ pub fn configure(
         Ok(scope) => seed(
             &mut fp,
             bpf::seed::collect(&scope),
-            "the external interface",
+            SeedAt::Attach("the external interface"),
             metrics,
         ),
         Err(err) => warn!("reading the fast path's configuration back: {err}"),
@@ -419,7 +419,7 @@ async fn sync_ports(
         return None;
     };
     if let Some(seeds) = seeds {
-        seed(&mut fp, seeds, "new pod ports", metrics);
+        seed(&mut fp, seeds, SeedAt::Attach("new pod ports"), metrics);
     }
     let mut complete = true;
     // The map first: a program adopted by the attach reads it at once.
@@ -468,32 +468,54 @@ async fn sync_ports(
     })
 }
 
-/// Writes what conntrack's table called for ([`bpf::seed`]) into the flow tables before the
-/// programs take over `what`, and says so when it kept connections on the kernel path. A
-/// table that could not be read only costs those connections (logged).
+/// When conntrack's table is read into the flow tables.
+#[derive(Clone, Copy, Debug)]
+enum SeedAt<'a> {
+    /// Before the programs take over what is named.
+    Attach(&'a str),
+    /// On the periodic resync.
+    Resync,
+}
+
+/// Writes what conntrack's table called for ([`bpf::seed`]) into the flow tables, and says so
+/// when it kept connections on the kernel path that the tables lacked. A table that could not
+/// be read only costs those connections (logged).
 fn seed(
     fp: &mut bpf::FastPath,
     seeds: Result<bpf::seed::Seeds, crate::netlink::raw::RawError>,
-    what: &str,
+    at: SeedAt<'_>,
     metrics: &Metrics,
 ) {
-    let seeds = match seeds {
-        Ok(seeds) => seeds,
-        Err(err) => {
+    let seeds = match (seeds, at) {
+        (Ok(seeds), _) => seeds,
+        (Err(err), SeedAt::Attach(what)) => {
             warn!(
                 "cannot read conntrack's table before attaching to {what} ({err}); NATed \
                  connections already open may be reset"
             );
             return;
         }
+        (Err(err), SeedAt::Resync) => {
+            warn!("cannot read conntrack's table to resync the flow tables: {err}");
+            return;
+        }
     };
     match fp.seed(&seeds) {
         Ok(added) if added.kernel_flows + added.nat_guards > 0 => {
-            info!(
-                kernel_flows = added.kernel_flows,
-                nat_guards = added.nat_guards,
-                "open NATed connections kept on the kernel path before attaching to {what}"
-            );
+            match at {
+                SeedAt::Attach(what) => info!(
+                    kernel_flows = added.kernel_flows,
+                    nat_guards = added.nat_guards,
+                    "open NATed connections kept on the kernel path before attaching to {what}"
+                ),
+                SeedAt::Resync => info!(
+                    kernel_flows = added.kernel_flows,
+                    nat_guards = added.nat_guards,
+                    refreshed = added.refreshed,
+                    "open NATed connections the flow tables had lost (evicted, or begun while \
+                     the fast path attached) put back on the kernel path"
+                ),
+            }
             for (kind, n) in [
                 ("kernel_flow", added.kernel_flows),
                 ("nat_guard", added.nat_guards),
@@ -512,6 +534,50 @@ fn seed(
             entries = seeds.unreadable,
             "conntrack entries that could not be read"
         );
+    }
+}
+
+/// Reads conntrack's table every `period` (`--ebpf-conntrack-resync`) and writes what it calls
+/// for into the flow tables ([`bpf::seed`]), until `cancel`. The programs learn a NATed
+/// connection from its packets, and the start-up and new-port reads cover the ones open
+/// before; this resync covers the rest: an entry the LRU evicted (a long-idle Service
+/// connection on a node whose DNS lookups fill the table: the backend's next packet would
+/// reach the pod un-translated) comes back within a period, and every live one is rewritten,
+/// so that eviction takes closed flows first. Also a connection begun between a read and the
+/// attach it preceded.
+pub async fn resync_conntrack(
+    fast_path: SharedFastPath,
+    period: Duration,
+    metrics: Arc<Metrics>,
+    cancel: CancellationToken,
+) {
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first tick is immediate: the attach has just read the table.
+    ticks.tick().await;
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            _ = ticks.tick() => {}
+        }
+        let scope = match fast_path.lock() {
+            Ok(fp) => match fp.seed_scope() {
+                Ok(scope) => scope,
+                Err(err) => {
+                    warn!("reading the fast path's configuration back: {err}");
+                    continue;
+                }
+            },
+            Err(_) => return,
+        };
+        let Ok(seeds) = tokio::task::spawn_blocking(move || bpf::seed::collect(&scope)).await
+        else {
+            continue;
+        };
+        let Ok(mut fp) = fast_path.lock() else {
+            return;
+        };
+        seed(&mut fp, seeds, SeedAt::Resync, &metrics);
     }
 }
 

@@ -466,6 +466,16 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             Ok(None)
         });
     }
+    if let Some(fp) = active.fast_path() {
+        let fp = fp.clone();
+        let period = Duration::from_secs(cli.ebpf_conntrack_resync);
+        let cancel = cancel.clone();
+        let metrics = metrics.clone();
+        tasks.spawn(async move {
+            fastpath::resync_conntrack(fp, period, metrics, cancel).await;
+            Ok(None)
+        });
+    }
     let sweep = Duration::from_secs(cli.ebpf_nat_sweep_interval);
     match &masquerade {
         masq::Masquerade::Ebpf { fast_path, .. } => {

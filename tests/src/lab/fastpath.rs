@@ -19,6 +19,7 @@ use aya::{
     programs::links::{FdLink, PinnedLink},
 };
 use flannel_common::{
+    flow::FlowKey,
     maps as names, programs,
     route::{NodeEntry, RemoteEntry, RouteKind},
     stats::Reason,
@@ -397,6 +398,38 @@ pub fn tunnel_peers(pin_path: &Path) -> Result<BTreeMap<Ipv4Addr, u32>> {
         out.insert(Ipv4Addr::from(ip), entry.flags);
     }
     Ok(out)
+}
+
+/// The kernel-flow table (`FLANNEL_KFLOWS4`) pinned under `pin_path`.
+fn kernel_flow_table(pin_path: &Path) -> Result<aya::maps::HashMap<MapData, FlowKey, u32>> {
+    let path = pin_path
+        .join(names::PIN_LAYOUT_VERSION)
+        .join(names::KERNEL_FLOWS4);
+    let data = MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
+    let map = Map::from_map_data(data).context("kernel-flow table")?;
+    aya::maps::HashMap::try_from(map).context("kernel-flow table key/value sizes")
+}
+
+/// The keys of the kernel-flow table (`FLANNEL_KFLOWS4`) pinned under `pin_path`.
+pub fn kernel_flows(pin_path: &Path) -> Result<Vec<FlowKey>> {
+    kernel_flow_table(pin_path)?
+        .keys()
+        .collect::<Result<_, _>>()
+        .context("reading the kernel-flow table")
+}
+
+/// Empties the kernel-flow table pinned under `pin_path`, as the LRU's eviction would;
+/// returns how many entries it removed.
+pub fn clear_kernel_flows(pin_path: &Path) -> Result<usize> {
+    let mut table = kernel_flow_table(pin_path)?;
+    let keys: Vec<FlowKey> = table
+        .keys()
+        .collect::<Result<_, _>>()
+        .context("reading the kernel-flow table")?;
+    for key in &keys {
+        table.remove(key).context("removing a kernel flow")?;
+    }
+    Ok(keys.len())
 }
 
 #[cfg(test)]
