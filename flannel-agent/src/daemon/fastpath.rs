@@ -495,8 +495,9 @@ fn seed(
             );
             return;
         }
+        // Logged by the resync loop, once per outage.
         (Err(err), SeedAt::Resync) => {
-            warn!("cannot read conntrack's table to resync the flow tables: {err}");
+            debug!("cannot read conntrack's table to resync the flow tables: {err}");
             return;
         }
     };
@@ -555,6 +556,7 @@ pub async fn resync_conntrack(
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The first tick is immediate: the attach has just read the table.
     ticks.tick().await;
+    let mut failing = false;
     loop {
         tokio::select! {
             () = cancel.cancelled() => return,
@@ -574,6 +576,15 @@ pub async fn resync_conntrack(
         else {
             continue;
         };
+        match (&seeds, failing) {
+            (Err(err), false) => warn!(
+                "cannot read conntrack's table to resync the flow tables ({err}); evicted \
+                 entries of NATed connections stay lost until it can be read again"
+            ),
+            (Ok(_), true) => info!("conntrack's table can be read again"),
+            _ => {}
+        }
+        failing = seeds.is_err();
         let Ok(mut fp) = fast_path.lock() else {
             return;
         };
