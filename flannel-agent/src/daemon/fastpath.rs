@@ -159,10 +159,10 @@ pub fn configure(
         .map_err(|e| fail("configuring the udp encapsulation", e))?;
     // Before the programs see the node's traffic: a one-off blocking dump at start-up.
     match fp.seed_scope() {
-        Ok(scope) => seed(
+        Ok(scope) => seed_before_attach(
             &mut fp,
             bpf::seed::collect(&scope),
-            SeedAt::Attach("the external interface"),
+            "the external interface",
             metrics,
         ),
         Err(err) => warn!("reading the fast path's configuration back: {err}"),
@@ -419,7 +419,7 @@ async fn sync_ports(
         return None;
     };
     if let Some(seeds) = seeds {
-        seed(&mut fp, seeds, SeedAt::Attach("new pod ports"), metrics);
+        seed_before_attach(&mut fp, seeds, "new pod ports", metrics);
     }
     let mut complete = true;
     // The map first: a program adopted by the attach reads it at once.
@@ -477,31 +477,27 @@ enum SeedAt<'a> {
     Resync,
 }
 
-/// Writes what conntrack's table called for ([`bpf::seed`]) into the flow tables, and says so
-/// when it kept connections on the kernel path that the tables lacked. A table that could not
-/// be read only costs those connections (logged).
-fn seed(
+/// [`seed`] before the programs take over `what`; a table that could not be read only costs
+/// the connections it would have kept (logged).
+fn seed_before_attach(
     fp: &mut bpf::FastPath,
     seeds: Result<bpf::seed::Seeds, crate::netlink::raw::RawError>,
-    at: SeedAt<'_>,
+    what: &str,
     metrics: &Metrics,
 ) {
-    let seeds = match (seeds, at) {
-        (Ok(seeds), _) => seeds,
-        (Err(err), SeedAt::Attach(what)) => {
-            warn!(
-                "cannot read conntrack's table before attaching to {what} ({err}); NATed \
-                 connections already open may be reset"
-            );
-            return;
-        }
-        // Logged by the resync loop, once per outage.
-        (Err(err), SeedAt::Resync) => {
-            debug!("cannot read conntrack's table to resync the flow tables: {err}");
-            return;
-        }
-    };
-    match fp.seed(&seeds) {
+    match seeds {
+        Ok(seeds) => seed(fp, &seeds, SeedAt::Attach(what), metrics),
+        Err(err) => warn!(
+            "cannot read conntrack's table before attaching to {what} ({err}); NATed \
+             connections already open may be reset"
+        ),
+    }
+}
+
+/// Writes what conntrack's table called for ([`bpf::seed`]) into the flow tables, and says so
+/// when it kept connections on the kernel path that the tables lacked.
+fn seed(fp: &mut bpf::FastPath, seeds: &bpf::seed::Seeds, at: SeedAt<'_>, metrics: &Metrics) {
+    match fp.seed(seeds) {
         Ok(added) if added.kernel_flows + added.nat_guards > 0 => {
             match at {
                 SeedAt::Attach(what) => info!(
@@ -573,33 +569,33 @@ pub async fn resync_conntrack(
         }
         let started = Instant::now();
         let scope = match fast_path.lock() {
-            Ok(fp) => match fp.seed_scope() {
-                Ok(scope) => scope,
-                Err(err) => {
-                    warn!("reading the fast path's configuration back: {err}");
-                    continue;
-                }
-            },
+            Ok(fp) => fp.seed_scope(),
             Err(_) => return,
         };
-        let Ok(seeds) = tokio::task::spawn_blocking(move || bpf::seed::collect(&scope)).await
-        else {
-            continue;
+        let seeds = match scope {
+            Ok(scope) => {
+                match tokio::task::spawn_blocking(move || bpf::seed::collect(&scope)).await {
+                    Ok(read) => read.map_err(|e| format!("reading conntrack's table: {e}")),
+                    Err(_) => continue,
+                }
+            }
+            Err(e) => Err(format!("reading the fast path's configuration back: {e}")),
         };
+        // Logged once per outage.
         match (&seeds, failing) {
             (Err(err), false) => warn!(
-                "cannot read conntrack's table to resync the flow tables ({err}); evicted \
-                 entries of NATed connections stay lost until it can be read again"
+                "cannot resync the flow tables from conntrack ({err}); evicted entries of \
+                 NATed connections stay lost until it works again"
             ),
-            (Ok(_), true) => info!("conntrack's table can be read again"),
+            (Ok(_), true) => info!("the flow tables are resynced from conntrack again"),
             _ => {}
         }
         failing = seeds.is_err();
-        {
+        if let Ok(seeds) = seeds {
             let Ok(mut fp) = fast_path.lock() else {
                 return;
             };
-            seed(&mut fp, seeds, SeedAt::Resync, &metrics);
+            seed(&mut fp, &seeds, SeedAt::Resync, &metrics);
         }
         let took = started.elapsed();
         delay = resync_delay(period, took);

@@ -18,6 +18,7 @@ use aya::{
     maps::{Map, MapData, MapInfo, lpm_trie::Key, lpm_trie::LpmTrie},
     programs::links::{FdLink, PinnedLink},
 };
+use flannel_agent::bpf::PinLayout;
 use flannel_common::{
     flow::FlowKey,
     maps as names, programs,
@@ -119,14 +120,9 @@ pub struct RouteMap {
 impl RouteMap {
     /// Opens `<pin_path>/<layout version>/FLANNEL_ROUTES4`.
     pub fn open(pin_path: &Path) -> Result<RouteMap> {
-        let path = pin_path
-            .join(names::PIN_LAYOUT_VERSION)
-            .join(names::ROUTES4);
-        let data =
-            MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
-        let map = Map::from_map_data(data).context("route map")?;
+        let map = pinned_map(pin_path, names::ROUTES4)?;
         if !matches!(map, Map::LpmTrie(_)) {
-            bail!("{} is not an LPM trie", path.display());
+            bail!("{} is not an LPM trie", names::ROUTES4);
         }
         let trie = LpmTrie::try_from(map).context("route map key/value sizes")?;
         Ok(RouteMap { trie })
@@ -387,11 +383,9 @@ pub fn ingress_reason(kind: &str) -> Option<(&'static str, &'static str)> {
 /// The tunnel peers map (`FLANNEL_NODES4`) pinned under `pin_path`: public IP → `NODE_F_*`
 /// flags.
 pub fn tunnel_peers(pin_path: &Path) -> Result<BTreeMap<Ipv4Addr, u32>> {
-    let path = pin_path.join(names::PIN_LAYOUT_VERSION).join(names::NODES4);
-    let data = MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
-    let map = Map::from_map_data(data).context("nodes map")?;
     let hash: aya::maps::HashMap<MapData, [u8; 4], NodeEntry> =
-        aya::maps::HashMap::try_from(map).context("nodes map key/value sizes")?;
+        aya::maps::HashMap::try_from(pinned_map(pin_path, names::NODES4)?)
+            .context("nodes map key/value sizes")?;
     let mut out = BTreeMap::new();
     for item in hash.iter() {
         let (ip, entry) = item.context("reading the nodes map")?;
@@ -400,32 +394,37 @@ pub fn tunnel_peers(pin_path: &Path) -> Result<BTreeMap<Ipv4Addr, u32>> {
     Ok(out)
 }
 
+/// The map `name` of the layout pinned under `pin_path` (the agent's [`PinLayout`]).
+fn pinned_map(pin_path: &Path, name: &str) -> Result<Map> {
+    let path = PinLayout::new(pin_path).map(name);
+    let data = MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
+    Map::from_map_data(data).with_context(|| format!("map {name}"))
+}
+
 /// The kernel-flow table (`FLANNEL_KFLOWS4`) pinned under `pin_path`.
 fn kernel_flow_table(pin_path: &Path) -> Result<aya::maps::HashMap<MapData, FlowKey, u32>> {
-    let path = pin_path
-        .join(names::PIN_LAYOUT_VERSION)
-        .join(names::KERNEL_FLOWS4);
-    let data = MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
-    let map = Map::from_map_data(data).context("kernel-flow table")?;
-    aya::maps::HashMap::try_from(map).context("kernel-flow table key/value sizes")
+    aya::maps::HashMap::try_from(pinned_map(pin_path, names::KERNEL_FLOWS4)?)
+        .context("kernel-flow table key/value sizes")
+}
+
+/// The keys of `table`.
+fn keys_of(table: &aya::maps::HashMap<MapData, FlowKey, u32>) -> Result<Vec<FlowKey>> {
+    table
+        .keys()
+        .collect::<Result<_, _>>()
+        .context("reading the kernel-flow table")
 }
 
 /// The keys of the kernel-flow table (`FLANNEL_KFLOWS4`) pinned under `pin_path`.
 pub fn kernel_flows(pin_path: &Path) -> Result<Vec<FlowKey>> {
-    kernel_flow_table(pin_path)?
-        .keys()
-        .collect::<Result<_, _>>()
-        .context("reading the kernel-flow table")
+    keys_of(&kernel_flow_table(pin_path)?)
 }
 
 /// Empties the kernel-flow table pinned under `pin_path`, as the LRU's eviction would;
 /// returns how many entries it removed.
 pub fn clear_kernel_flows(pin_path: &Path) -> Result<usize> {
     let mut table = kernel_flow_table(pin_path)?;
-    let keys: Vec<FlowKey> = table
-        .keys()
-        .collect::<Result<_, _>>()
-        .context("reading the kernel-flow table")?;
+    let keys = keys_of(&table)?;
     for key in &keys {
         table.remove(key).context("removing a kernel flow")?;
     }
