@@ -26,6 +26,7 @@
 //! | [`wireguard`] | the wireguard backend: key, kernel/userspace devices, peers applier |
 //! | [`ipsec`] | the ipsec backend: strongSwan over VICI, XFRM policies, ESP detection |
 //! | [`udp`] | the udp backend's TUN path: `flannel0`, the UDP socket, the forwarding loops |
+//! | [`ipip_rx`] | the eBPF IPIP backend's receive of IPIP packets reassembled by the kernel |
 
 pub mod alloc;
 pub mod backend;
@@ -40,6 +41,7 @@ pub mod health;
 pub mod hostnet;
 pub mod iface;
 pub mod ip;
+pub mod ipip_rx;
 pub mod ipsec;
 pub mod lease;
 pub mod metrics;

@@ -209,6 +209,9 @@ pub struct Metrics {
     /// them (when the fast path attached, or on a resync), by table (`kernel_flow`,
     /// `nat_guard`).
     pub fastpath_conntrack_kept: Family<KindLabel, Counter>,
+    /// IPIP packets that arrived in fragments and were reassembled by the kernel, taken by
+    /// [`crate::ipip_rx`]: `delivered`, or why each was dropped.
+    pub ipip_reassembled: Family<KindLabel, Counter>,
     /// Per fast-path program: the instructions the verifier processed to load it.
     fastpath_program_verified: Family<ProgramLabel, Gauge>,
     /// Per fast-path program: how long its load took, in seconds.
@@ -272,6 +275,13 @@ impl Metrics {
              (kind: kernel_flow, nat_guard)",
             fastpath_conntrack_kept.clone(),
         );
+        let ipip_reassembled = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "ipip_reassembled_packets",
+            "IPIP packets that arrived in fragments, reassembled by the kernel and decapsulated \
+             by the agent (eBPF IPIP without a kernel ipip device): delivered, or why dropped",
+            ipip_reassembled.clone(),
+        );
         let fastpath_program_verified = Family::<ProgramLabel, Gauge>::default();
         registry.register(
             "fastpath_program_verified_instructions",
@@ -320,6 +330,7 @@ impl Metrics {
             peers_unreachable,
             fastpath_pod_ports,
             fastpath_conntrack_kept,
+            ipip_reassembled,
             fastpath_program_verified,
             fastpath_program_load,
             reconcile_runs,

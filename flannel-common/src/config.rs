@@ -20,6 +20,13 @@ pub const CFG_ROUTED_RX: u32 = 1 << 2;
 /// kernel has the `ipip` module). GSO IPIP packets are then left to it, like GSO VXLAN to
 /// `flannel.<VNI>`, instead of being decapsulated in eBPF (see `flannel_ebpf::deliver`).
 pub const CFG_IPIP_KERNEL_RX: u32 = 1 << 3;
+/// [`Config::flags`]: the agent takes IPIP packets the kernel reassembled from a raw socket
+/// (`flannel_agent::ipip_rx`; no kernel IPIP device). `tc_from_netdev` then leaves an IPIP
+/// packet carrying an inner fragment to the kernel whole, for the agent, instead of
+/// decapsulating it: the other fragments of its datagram may reach the agent (in an outer
+/// packet a router fragmented), and conntrack reassembles only fragments that meet the same
+/// hook (the agent's leave through `OUTPUT`, the program's would enter at `PREROUTING`).
+pub const CFG_IPIP_USER_RX: u32 = 1 << 4;
 
 /// The `skb->mark` with which `tc_from_bridge` (and `tc_to_netdev`, when it must redirect)
 /// tags the packets it sends to the external interface, so that `tc_to_netdev` recognises its

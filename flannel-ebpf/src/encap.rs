@@ -65,10 +65,10 @@
 //! without, protocol 4. Except for DF on a node without a kernel IPIP device (no `ipip`
 //! module, where the fast path is the only IPIP): the outer header always carries it, as a
 //! kernel IPIP tunnel with `pmtudisc` (`ip tunnel add`'s default) sends it. A router on a
-//! narrower path must not fragment it, as a peer without the module cannot take a reassembled
-//! IPIP packet (its kernel drops it); the router's "fragmentation needed" reaches the inner
-//! packet's sender instead ([`crate::pmtu`]), which sends smaller packets, or smaller
-//! fragments, from then on.
+//! narrower path should not fragment it: a peer without the module takes a reassembled IPIP
+//! packet only through its agent's raw socket (`flannel_agent::ipip_rx`), a copy to user space
+//! per packet. The router's "fragmentation needed" reaches the inner packet's sender instead
+//! ([`crate::pmtu`]), which sends smaller packets, or smaller fragments, from then on.
 //!
 //! GSO packets keep their segment size (`BPF_F_ADJ_ROOM_FIXED_GSO`): the pod MTU already
 //! leaves room for the tunnel header, and the kernel's GSO (`SKB_GSO_UDP_TUNNEL` /

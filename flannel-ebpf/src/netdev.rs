@@ -36,7 +36,9 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use flannel_common::{
-    config::{CFG_ROUTED_RX, CFG_VXLAN_RX, Config, FASTPATH_MARK, FASTPATH_TC_INDEX},
+    config::{
+        CFG_IPIP_USER_RX, CFG_ROUTED_RX, CFG_VXLAN_RX, Config, FASTPATH_MARK, FASTPATH_TC_INDEX,
+    },
     memo::{DIR_IN, TUNNEL_IPIP, TUNNEL_VXLAN},
     route::{NODE_F_IPIP, NODE_F_VXLAN, RemoteEntry, RouteKind},
     stats::Reason,
@@ -267,8 +269,13 @@ fn ipip_in(
     let inner = parse::parse_ipv4_at(ctx, IPIP_INNER_L3, outer.end());
     let inner_packet = match ipv4::screen(&inner) {
         Ok(p) => Some(p),
-        // Fragments, options and other protocols are still ours to decapsulate: no one else
-        // will. The stack gets them.
+        // For the agent's IPIP socket, whole: the rest of its datagram may come that way
+        // ([`CFG_IPIP_USER_RX`]).
+        Err(Reason::PassFragment) if cfg.flags & CFG_IPIP_USER_RX != 0 => {
+            return Verdict::pass(Reason::PassFragment);
+        }
+        // Otherwise fragments, options and other protocols are still ours to decapsulate: no
+        // one else will. The stack gets them.
         Err(Reason::PassFragment | Reason::PassIpOptions | Reason::PassOtherProto) => None,
         Err(reason) => return Verdict::pass(reason),
     };

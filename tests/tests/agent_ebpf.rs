@@ -130,13 +130,14 @@ fn ebpf_ipip_carries_fragments_over_l3() {
 
 /// On the routed underlay with a path narrower than the interfaces (the router's route to
 /// node2's segment says MTU 1,400, every interface 1,500), where nothing here (no `ipip`
-/// module) takes a router's "fragmentation needed" about an IPIP packet, nor a reassembled
-/// IPIP packet:
+/// module) takes a router's "fragmentation needed" about an IPIP packet (and only the agent's
+/// socket a reassembled IPIP packet):
 /// - a pod's 3,000-byte UDP datagrams to a pod on node2 arrive after the first: their
 ///   fragments' IPIP packets carry DF (`flannel_ebpf::encap`), so the router sends an error
 ///   instead of fragmenting them, which node1 rewrites for the pod (`flannel_ebpf::pmtu`);
 ///   the pod then fragments to fit. Before, the router fragmented every one and node2's
-///   kernel dropped them reassembled;
+///   kernel dropped them reassembled (its agent now takes those,
+///   `ebpf_ipip_takes_packets_fragmented_on_the_way`);
 /// - TCP transfers from the pod and from node1 itself complete, each sender having learnt
 ///   the path MTU less the IPIP header (1,380). Before, the DF packets vanished at the router
 ///   and the transfers stalled.
@@ -191,6 +192,135 @@ fn ebpf_ipip_crosses_a_narrower_path() {
                 rewritten >= 2,
                 "node1 rewrote {rewritten} errors; what moved: {}",
                 fastpath::growth_text(b, a)
+            );
+            Ok(())
+        },
+    );
+}
+
+/// IPIP packets that arrive in fragments: on the routed underlay with a path narrower than the
+/// interfaces (the router's route to node1's segment says MTU 1,400), a router fragments the
+/// packets of upstream's `flannel.ipip`, which copies the inner DF bit. node1's
+/// `tc_from_netdev` leaves the fragments to the kernel, which reassembles them and, with no
+/// `ipip` module, has no receiver for them; the agent's raw IPIP socket
+/// (`flannel_agent::ipip_rx`) takes them.
+/// - from node2 (an IPIP peer), a full-size (1,480-byte) UDP packet from node2's pod to
+///   node1's pod, sent in IPIP without DF: the router fragments it, it arrives with the inner
+///   source and is counted `delivered`. Before, it was lost;
+/// - from node2, a 3,000-byte datagram its sender fragmented, each fragment in its own IPIP
+///   packet: two fragmented again on the way, the last whole. The program leaves the whole
+///   one to the agent as well, so all three fragments reach conntrack at the same hook, and
+///   the datagram arrives. Before, the last one, decapsulated by the program, waited in
+///   `PREROUTING`'s reassembly for fragments that went through `OUTPUT`, and it was lost;
+/// - the same from the router itself, which is no node: it does not arrive and is counted
+///   `drop_unknown_peer` (as the programs refuse its whole packets).
+#[test]
+fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
+    require_root!();
+    with_cluster(
+        &named(EBPF, "ipip reassembled"),
+        spec_on(EBPF, 2, Underlay::L3, "ipip", 1),
+        |c| {
+            use flannel_tests::packet::{Ipv4, Udp};
+            let t = c.topology();
+            let node1 = t.node(1);
+            let segment1 = node1.addr_net().trunc().to_string();
+            let gateway1 = node1.gateway().to_string();
+            let bridge1 = format!("br{}", node1.segment());
+            t.hub().run(&[
+                "ip", "route", "replace", &segment1, "dev", &bridge1, "proto", "kernel", "scope",
+                "link", "src", &gateway1, "mtu", "1400",
+            ])?;
+            let (to, from) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
+            let rx = probe::udp_listener(to.ns(), SocketAddr::new(IpAddr::V4(to.ip()), 6000))?;
+            let metric = "flannel_ipip_reassembled_packets_total";
+            let count = |kind: &str| {
+                status::metric_sum(
+                    node1.ns(),
+                    DEFAULT_HEALTHZ_PORT,
+                    metric,
+                    &format!("kind=\"{kind}\""),
+                )
+            };
+            let before = fastpath::counters(node1.ns(), DEFAULT_HEALTHZ_PORT)?;
+            // The pods' MTU (1,500 less the IPIP header), all of it.
+            let payload = pattern(1480 - 28);
+            let inner =
+                Ipv4::new(from.ip(), to.ip(), Udp::new(41000, 6000).payload(&payload)).encode();
+            probe::send_ipip(t.node(2).ns(), Some(t.node(2).addr()), node1.addr(), &inner)?;
+            let seen = probe::recv_payload(&rx, &payload, Duration::from_secs(3))
+                .context("the datagram in an IPIP packet fragmented on the way, from node2")?;
+            ensure!(
+                seen == SocketAddr::new(IpAddr::V4(from.ip()), 41000),
+                "the datagram came from {seen}, not from node2's pod"
+            );
+            ensure!(
+                count("delivered")? == 1.0,
+                "delivered: {}",
+                count("delivered")?
+            );
+            let after = fastpath::counters(node1.ns(), DEFAULT_HEALTHZ_PORT)?;
+            let fragments = fastpath::grown(
+                &before.packets,
+                &after.packets,
+                "tc_from_netdev",
+                "pass_fragment",
+            );
+            ensure!(
+                fragments >= 2,
+                "node1's tc_from_netdev left {fragments} fragments to the kernel; what moved: {}",
+                fastpath::growth_text(&before.packets, &after.packets)
+            );
+
+            // A datagram that its sender fragmented: the first two fragments fill the pods'
+            // MTU (the router fragments their IPIP packets), the last is small (its IPIP packet
+            // arrives whole, and the program leaves it to the agent too).
+            let payload = pattern(3000);
+            let fragments = Ipv4 {
+                id: 0x5150,
+                dont_fragment: false,
+                ..Ipv4::new(from.ip(), to.ip(), Udp::new(41001, 6000).payload(&payload))
+            }
+            .fragments(1456); // 1,476-byte fragments: within the pods' 1,480
+            ensure!(fragments.len() == 3, "{} fragments", fragments.len());
+            for fragment in &fragments {
+                probe::send_ipip(
+                    t.node(2).ns(),
+                    Some(t.node(2).addr()),
+                    node1.addr(),
+                    fragment,
+                )?;
+            }
+            let seen = probe::recv_payload(&rx, &payload, Duration::from_secs(3))
+                .context("a fragmented datagram whose IPIP packets were fragmented on the way")?;
+            ensure!(
+                seen == SocketAddr::new(IpAddr::V4(from.ip()), 41001),
+                "the fragmented datagram came from {seen}, not from node2's pod"
+            );
+            ensure!(
+                count("delivered")? == 4.0,
+                "delivered: {} (1 + 3 fragments)",
+                count("delivered")?
+            );
+
+            probe::send_ipip(t.hub(), None, node1.addr(), &inner)?;
+            wait::until_ok(
+                CONVERGE,
+                "the router's packet counted as from an unknown peer",
+                || {
+                    let dropped = count("drop_unknown_peer")?;
+                    ensure!(dropped == 1.0, "drop_unknown_peer: {dropped}");
+                    Ok(())
+                },
+            )?;
+            ensure!(
+                probe::recv_payload(&rx, &payload, Duration::from_millis(500)).is_err(),
+                "the router's IPIP packet was delivered"
+            );
+            ensure!(
+                count("delivered")? == 4.0,
+                "delivered: {}",
+                count("delivered")?
             );
             Ok(())
         },

@@ -1863,6 +1863,34 @@ fn netdev_decapsulates_ipip_for_the_stack_and_refuses_unknown_nodes() {
         assert_eq!(&r.out[14..], &fragment[..]);
         assert_eq!(r.counted[1].0, Reason::FastDecapIpip);
 
+        // Unless the agent takes IPIP from a socket: then it stays whole, for the agent, where
+        // the rest of its datagram may arrive (reassembled from an outer packet a router
+        // fragmented). A whole inner packet is still decapsulated here.
+        fp.set_config(&LocalConfig {
+            ipip_user_rx: true,
+            ..config(ifs.ext)
+        })
+        .expect("config");
+        let r = run(fp, Hook::FromNetdev, &frame, skb);
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_bytes(&r.out, &frame, "an inner fragment left to the agent");
+        assert_counted(
+            &r,
+            &frame,
+            &[Reason::Ipv4OtherProto, Reason::PassFragment],
+            "an inner fragment left to the agent",
+        );
+        let whole = ipip_frame(PUB5, &inner);
+        let r = run(fp, Hook::FromNetdev, &whole, skb);
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_bytes(
+            &r.out,
+            &Ethernet::new(PEER5_MAC, EXT_MAC, inner.clone()).encode(),
+            "a whole inner packet, with the agent's socket",
+        );
+        assert_eq!(r.counted[1].0, Reason::FastDecapIpip);
+        fp.set_config(&config(ifs.ext)).expect("config");
+
         // From a node that is no IPIP peer (unknown, or a VXLAN peer): untouched.
         for from in [PUB9, PUB3] {
             let frame = ipip_frame(from, &Ipv4::new(IPIP_POD, POD, tcp()));
@@ -3567,6 +3595,14 @@ fn mutated_packets_keep_the_verdicts_and_counters_contract() {
                 Reason::PassGso,
             ),
             (
+                "the agent's IPIP socket",
+                LocalConfig {
+                    ipip_user_rx: true,
+                    ..config(ifs.ext)
+                },
+                Reason::PassFragment,
+            ),
+            (
                 "receive in eBPF off",
                 LocalConfig {
                     vxlan_rx: false,
@@ -3655,6 +3691,7 @@ fn no_memo_outlives_a_change_of_what_it_rested_on() {
                         vxlan_rx: rng.random_bool(0.8),
                         routed_rx: rng.random_bool(0.8),
                         ipip_kernel_device: rng.random_bool(0.2),
+                        ipip_user_rx: rng.random_bool(0.3),
                         ..config(ifs.ext)
                     };
                     fp.set_config(&cfg).expect("config");

@@ -4,7 +4,7 @@
 use std::{fs, net::Ipv4Addr};
 
 use flannel_common::config::{
-    CFG_ENABLED, CFG_IPIP_KERNEL_RX, CFG_ROUTED_RX, CFG_VXLAN_RX, Config,
+    CFG_ENABLED, CFG_IPIP_KERNEL_RX, CFG_IPIP_USER_RX, CFG_ROUTED_RX, CFG_VXLAN_RX, Config,
 };
 use ipnet::Ipv4Net;
 
@@ -52,6 +52,9 @@ pub struct LocalConfig {
     /// cannot reset their offload state (they would be segmented in software on the way to
     /// the pod).
     pub ipip_kernel_device: bool,
+    /// The agent takes reassembled IPIP packets from a raw socket ([`crate::ipip_rx`]):
+    /// `tc_from_netdev` leaves IPIP packets carrying an inner fragment to it, whole.
+    pub ipip_user_rx: bool,
 }
 
 impl LocalConfig {
@@ -70,6 +73,7 @@ impl LocalConfig {
             vxlan_rx: true,
             routed_rx: true,
             ipip_kernel_device: false,
+            ipip_user_rx: false,
         }
     }
 
@@ -93,6 +97,9 @@ impl LocalConfig {
         }
         if self.ipip_kernel_device {
             flags |= CFG_IPIP_KERNEL_RX;
+        }
+        if self.ipip_user_rx {
+            flags |= CFG_IPIP_USER_RX;
         }
         let mut entry = Config {
             flags,

@@ -110,6 +110,33 @@ pub fn start(
     }
 }
 
+/// The receiver of IPIP packets that arrive in fragments ([`crate::ipip_rx`]), for a node
+/// whose IPIP runs in eBPF; none (said in the log) when its sockets cannot be opened.
+pub fn ipip_receiver(
+    fast_path: &SharedFastPath,
+    local: &Local,
+    metrics: &Metrics,
+) -> Option<crate::ipip_rx::Receiver> {
+    let (Some(public_ip), Some(subnet), Some(network)) =
+        (local.ext.ext_addr, local.lease.subnet, local.network)
+    else {
+        return None;
+    };
+    let pins = fast_path.lock().ok()?.pins().clone();
+    let rx_local = crate::ipip_rx::Local {
+        public_ip,
+        subnet,
+        network,
+    };
+    match crate::ipip_rx::Receiver::open(rx_local, &pins, metrics.ipip_reassembled.clone()) {
+        Ok(receiver) => Some(receiver),
+        Err(e) => {
+            warn!("IPIP packets that a router fragmented on the way will be lost: {e}");
+            None
+        }
+    }
+}
+
 /// The VNI the VXLAN fast path writes, when the backend is vxlan.
 pub fn vxlan_vni(backend: &BackendOptions) -> Option<u32> {
     match backend {
@@ -120,15 +147,17 @@ pub fn vxlan_vni(backend: &BackendOptions) -> Option<u32> {
 
 /// Writes this node's configuration into the fast path (IPv4 and IPv6 sides, each when that
 /// family is enabled and leased) and attaches it to the external interface (TC ingress and
-/// egress; XDP stays off: it measured slower on veth).
+/// egress; XDP stays off: it measured slower on veth). `ipip_user_rx`: the agent's IPIP
+/// socket runs ([`crate::ipip_rx`]).
 pub fn configure(
     fast_path: &SharedFastPath,
     local: &Local,
+    ipip_user_rx: bool,
     metrics: &Metrics,
 ) -> Result<(), DaemonError> {
     let fail =
         |what: &str, err: bpf::BpfError| DaemonError::FastPathUnavailable(format!("{what}: {err}"));
-    let (config, config6) = local_configs(local)?;
+    let (config, config6) = local_configs(local, ipip_user_rx)?;
     let udp = match &local.backend {
         BackendOptions::Udp(o) => {
             let iface_addr = local.ext.iface_addr.ok_or_else(|| {
@@ -177,6 +206,7 @@ pub fn configure(
 /// `IPv6Network`). At least one is required.
 fn local_configs(
     local: &Local,
+    ipip_user_rx: bool,
 ) -> Result<(Option<LocalConfig>, Option<LocalConfig6>), DaemonError> {
     let vxlan = |mac: Option<crate::backend::MacAddr>| match (&local.backend, mac) {
         (BackendOptions::Vxlan(o), Some(mac)) => Some(VxlanLocal {
@@ -195,6 +225,7 @@ fn local_configs(
         (Some(public_ip), Some(subnet), Some(network), true) => {
             let mut config = LocalConfig::new(public_ip, local.ext.index, subnet, network);
             config.vxlan = vxlan(local.vtep_macs.v4);
+            config.ipip_user_rx = ipip_user_rx;
             Some(config)
         }
         (_, _, _, true) => {

@@ -311,8 +311,13 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     if let BackendOptions::Extension(opts) = &backend {
         backend_appliers.push(Box::new(extension::ExtensionApplier::new(opts)));
     }
+    // Before the configuration, which tells the programs whether it runs.
+    let ipip_receiver = match active.fast_path() {
+        Some(fp) if local.ipip_via_ebpf => fastpath::ipip_receiver(fp, &local, &metrics),
+        _ => None,
+    };
     if let Some(fp) = active.fast_path()
-        && let Err(err) = fastpath::configure(fp, &local, &metrics)
+        && let Err(err) = fastpath::configure(fp, &local, ipip_receiver.is_some(), &metrics)
     {
         if cli.dataplane == Dataplane::Ebpf || local.ipip_via_ebpf {
             return Err(err);
@@ -473,6 +478,13 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         let metrics = metrics.clone();
         tasks.spawn(async move {
             fastpath::resync_conntrack(fp, period, metrics, cancel).await;
+            Ok(None)
+        });
+    }
+    if let Some(receiver) = ipip_receiver {
+        let cancel = cancel.clone();
+        tasks.spawn(async move {
+            receiver.run(cancel).await;
             Ok(None)
         });
     }

@@ -15,7 +15,8 @@ use std::{
 /// Most datagrams per system call.
 pub const BATCH: usize = 32;
 
-fn sockaddr(addr: &SocketAddrV4) -> libc::sockaddr_in {
+/// `addr` as the kernel's `sockaddr_in`.
+pub fn sockaddr(addr: &SocketAddrV4) -> libc::sockaddr_in {
     // SAFETY: sockaddr_in is plain old data; all-zero is a valid value.
     let mut sa: libc::sockaddr_in = unsafe { zeroed() };
     sa.sin_family = libc::AF_INET as libc::sa_family_t;

@@ -1,0 +1,248 @@
+//! The eBPF IPIP backend's receive of IPIP packets that arrive in fragments.
+//!
+//! `tc_from_netdev` decapsulates whole IPIP packets. An IPIP packet that a router fragmented
+//! on the way (a peer whose kernel `ipip` device copies the inner packet's DF bit, as
+//! upstream's `flannel.ipip` does, sent one without DF over a narrower path) reaches it in
+//! fragments, which it cannot decapsulate and leaves to the kernel. The kernel reassembles
+//! them, and then, with no `ipip` module, has no receiver for protocol 4 and drops the packet.
+//! That is the only kernel receive left to fill, so this agent fills it: it reads the
+//! reassembled packets from a raw IPv4 socket of protocol 4 (which the kernel hands every
+//! such packet for a local address, with the outer header), checks each as a kernel tunnel
+//! and the programs would ([`decap::decapsulate`]: for our public IP, from a node in
+//! `FLANNEL_NODES4` that may send us IPIP, an inner packet from the cluster network to a pod
+//! of this node, its TTL decremented), and sends the inner packet on through a raw socket
+//! that writes whole IPv4 headers (`IPPROTO_RAW`): the kernel routes it to the pod through
+//! the bridge. Each packet is counted in `flannel_ipip_reassembled_packets_total{kind}`
+//! (`delivered`, or the reason it was dropped).
+//!
+//! A raw socket taking a protocol also stops the kernel from answering each such packet with
+//! an ICMP "protocol unreachable". It receives, too, whole IPIP packets the programs left to
+//! the kernel: from a sender that is not a peer (dropped here as the programs would) and with
+//! IP options (decapsulated here as a kernel tunnel would).
+//!
+//! Only nodes whose IPIP runs in eBPF start it ([`crate::dataplane::Local::ipip_via_ebpf`]);
+//! with a kernel `ipip` device, the kernel receives reassembled packets itself. The inner
+//! packets leave as this node's own (through `OUTPUT` and conntrack, not `FORWARD`), which is
+//! why only the node's own pods are taken as destinations. It costs a copy to user space and
+//! back per packet: fine for what is rare (our own fast path sends DF, so no router fragments
+//! it), not a path for bulk traffic.
+
+pub mod decap;
+
+use std::{
+    io,
+    mem::{size_of, size_of_val},
+    net::{Ipv4Addr, SocketAddrV4},
+    os::fd::{AsRawFd, FromRawFd as _, OwnedFd, RawFd},
+};
+
+use aya::maps::{HashMap, Map, MapData};
+use flannel_common::route::{NODE_F_IPIP, NodeEntry};
+use prometheus_client::metrics::{counter::Counter, family::Family};
+use tokio::io::unix::AsyncFd;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+pub use decap::{DELIVERED, Drop, Local};
+
+use crate::{
+    bpf::{BpfError, PinLayout},
+    metrics::KindLabel,
+};
+
+/// What the receive socket may queue (bytes; `SO_RCVBUFFORCE`, else the system's default):
+/// a burst of reassembled packets of up to 64 KiB each.
+const RECEIVE_BUFFER: libc::c_int = 4 << 20;
+
+/// A raw IPv4 socket.
+#[derive(Debug)]
+struct RawSocket(OwnedFd);
+
+impl AsRawFd for RawSocket {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+impl RawSocket {
+    /// A non-blocking raw IPv4 socket of `protocol`.
+    fn open(protocol: libc::c_int) -> io::Result<RawSocket> {
+        // SAFETY: plain socket(2); the descriptor is owned from here on.
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_INET,
+                libc::SOCK_RAW | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+                protocol,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just opened and is owned by nobody else.
+        Ok(RawSocket(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    fn force_receive_buffer(&self, bytes: libc::c_int) -> io::Result<()> {
+        // SAFETY: the option value is a c_int that outlives the call.
+        let rc = unsafe {
+            libc::setsockopt(
+                self.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUFFORCE,
+                (&raw const bytes).cast(),
+                size_of_val(&bytes) as libc::socklen_t,
+            )
+        };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        // SAFETY: `buf` is valid for writes of its length.
+        let n = unsafe { libc::recv(self.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+
+    fn send_to(&self, pkt: &[u8], dst: Ipv4Addr) -> io::Result<usize> {
+        let addr = crate::udp::mmsg::sockaddr(&SocketAddrV4::new(dst, 0));
+        // SAFETY: `pkt` and `addr` are valid for reads of the lengths given.
+        let n = unsafe {
+            libc::sendto(
+                self.as_raw_fd(),
+                pkt.as_ptr().cast(),
+                pkt.len(),
+                0,
+                (&raw const addr).cast(),
+                size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            )
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+}
+
+/// The nodes that may send us IPIP: the programs' `FLANNEL_NODES4`, read through its pin.
+struct Peers(HashMap<MapData, [u8; 4], NodeEntry>);
+
+impl Peers {
+    fn open(layout: &PinLayout) -> Result<Peers, BpfError> {
+        let name = flannel_common::maps::NODES4;
+        let data = MapData::from_pin(layout.map(name)).map_err(|e| BpfError::map(name, e))?;
+        HashMap::try_from(Map::HashMap(data))
+            .map(Peers)
+            .map_err(|e| BpfError::map(name, e))
+    }
+
+    fn may_send_ipip(&self, addr: Ipv4Addr) -> bool {
+        self.0
+            .get(&addr.octets(), 0)
+            .is_ok_and(|node| node.flags & NODE_F_IPIP != 0)
+    }
+}
+
+/// The receiver, its sockets open.
+pub struct Receiver {
+    local: Local,
+    peers: Peers,
+    rx: AsyncFd<RawSocket>,
+    tx: RawSocket,
+    counts: Family<KindLabel, Counter>,
+}
+
+impl Receiver {
+    /// Opens the sockets (CAP_NET_RAW) and the node map pinned in `pins`.
+    pub fn open(
+        local: Local,
+        pins: &PinLayout,
+        counts: Family<KindLabel, Counter>,
+    ) -> Result<Receiver, String> {
+        let peers = Peers::open(pins).map_err(|e| e.to_string())?;
+        let rx = RawSocket::open(libc::IPPROTO_IPIP)
+            .map_err(|e| format!("a raw socket for IPIP: {e}"))?;
+        if let Err(e) = rx.force_receive_buffer(RECEIVE_BUFFER) {
+            debug!("the IPIP socket keeps the default receive buffer: {e}");
+        }
+        let tx = RawSocket::open(libc::IPPROTO_RAW)
+            .map_err(|e| format!("a raw socket to send decapsulated packets: {e}"))?;
+        // SAFETY: the descriptor is owned by `rx`, which the AsyncFd owns and drops (closing
+        // it) only after deregistering it.
+        let rx = unsafe { AsyncFd::register(rx) }
+            .map_err(|e| format!("registering the IPIP socket: {}", e.into_parts().1))?;
+        Ok(Receiver {
+            local,
+            peers,
+            rx,
+            tx,
+            counts,
+        })
+    }
+
+    fn count(&self, kind: &str) {
+        self.counts
+            .get_or_create(&KindLabel {
+                kind: kind.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Decapsulates and sends on one received packet; what became of it.
+    fn handle(&self, pkt: &mut [u8]) -> Result<(), Drop> {
+        let (inner, dst) =
+            decap::decapsulate(pkt, &self.local, |src| self.peers.may_send_ipip(src))?;
+        self.tx.send_to(inner, dst).map_err(|e| {
+            debug!(%dst, error = %e, "sending a decapsulated IPIP packet");
+            match e.raw_os_error() {
+                Some(libc::EMSGSIZE) => Drop::TooBig,
+                _ => Drop::SendError,
+            }
+        })?;
+        Ok(())
+    }
+
+    /// Receives until `cancel`.
+    pub async fn run(self, cancel: CancellationToken) {
+        info!(
+            public_ip = %self.local.public_ip,
+            "taking reassembled IPIP packets (fragmented on the way) from a raw socket"
+        );
+        // The largest IPv4 packet.
+        let mut buf = vec![0u8; 65536];
+        loop {
+            let mut ready = tokio::select! {
+                _ = cancel.cancelled() => return,
+                ready = self.rx.readable() => match ready {
+                    Ok(ready) => ready,
+                    Err(e) => {
+                        warn!("the IPIP socket failed; reassembled IPIP packets are lost from now on: {e}");
+                        return;
+                    }
+                },
+            };
+            loop {
+                match self.rx.get_ref().recv(&mut buf) {
+                    Ok(n) => match self.handle(&mut buf[..n]) {
+                        Ok(()) => self.count(DELIVERED),
+                        Err(drop) => self.count(drop.name()),
+                    },
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        ready.clear_ready();
+                        break;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        debug!("receiving from the IPIP socket: {e}");
+                        ready.clear_ready();
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
