@@ -213,7 +213,10 @@ fn ebpf_ipip_crosses_a_narrower_path() {
 ///   the datagram arrives. Before, the last one, decapsulated by the program, waited in
 ///   `PREROUTING`'s reassembly for fragments that went through `OUTPUT`, and it was lost;
 /// - the same from the router itself, which is no node: it does not arrive and is counted
-///   `drop_unknown_peer` (as the programs refuse its whole packets).
+///   `drop_unknown_peer` (as the programs refuse its whole packets);
+/// - with node1's agent stopped (its programs stay attached), a datagram in fragments whose
+///   IPIP packets arrive whole still reaches the pod: the agent told the programs, on its
+///   way out, to decapsulate inner fragments themselves again.
 #[test]
 fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
     require_root!();
@@ -322,6 +325,32 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
                 "delivered: {}",
                 count("delivered")?
             );
+
+            // node1's agent stops (its programs stay attached): they decapsulate inner
+            // fragments themselves again, and a datagram in fragments whose IPIP packets
+            // arrive whole still reaches the pod.
+            let (from_ip, to_ip) = (from.ip(), to.ip());
+            c.agent_mut(1)
+                .context("node1's agent")?
+                .stop(Duration::from_secs(10))?;
+            let payload = pattern(2000);
+            let fragments = Ipv4 {
+                id: 0x5151,
+                dont_fragment: false,
+                ..Ipv4::new(from_ip, to_ip, Udp::new(41002, 6000).payload(&payload))
+            }
+            .fragments(800);
+            let t = c.topology();
+            for fragment in &fragments {
+                probe::send_ipip(
+                    t.node(2).ns(),
+                    Some(t.node(2).addr()),
+                    t.node(1).addr(),
+                    fragment,
+                )?;
+            }
+            probe::recv_payload(&rx, &payload, Duration::from_secs(3))
+                .context("a datagram in fragments while node1's agent is down")?;
             Ok(())
         },
     );

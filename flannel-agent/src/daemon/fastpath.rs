@@ -137,6 +137,33 @@ pub fn ipip_receiver(
     }
 }
 
+/// Runs the IPIP receiver until `cancel`, then (on shutdown, or if its socket failed) tells
+/// the programs it no longer runs: `tc_from_netdev` decapsulates inner fragments itself again,
+/// so that while the agent is down (the programs stay attached) those that arrive whole are
+/// not left to a kernel that has no receiver for them.
+pub async fn run_ipip_receiver(
+    fast_path: SharedFastPath,
+    receiver: crate::ipip_rx::Receiver,
+    local: &Local,
+    cancel: CancellationToken,
+) {
+    receiver.run(cancel).await;
+    let config = match local_configs(local, false) {
+        Ok((Some(config), _)) => config,
+        _ => return,
+    };
+    let written = match fast_path.lock() {
+        Ok(mut fp) => fp.set_config(&config).map_err(|e| e.to_string()),
+        Err(_) => Err("fast-path handle poisoned".to_owned()),
+    };
+    match written {
+        Ok(()) => info!("the fast path decapsulates IPIP inner fragments itself again"),
+        Err(e) => {
+            warn!("the fast path still leaves IPIP inner fragments to the stopped IPIP socket: {e}")
+        }
+    }
+}
+
 /// The VNI the VXLAN fast path writes, when the backend is vxlan.
 pub fn vxlan_vni(backend: &BackendOptions) -> Option<u32> {
     match backend {

@@ -313,7 +313,9 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     }
     // Before the configuration, which tells the programs whether it runs.
     let ipip_receiver = match active.fast_path() {
-        Some(fp) if local.ipip_via_ebpf => fastpath::ipip_receiver(fp, &local, &metrics),
+        Some(fp) if local.ipip_via_ebpf => {
+            fastpath::ipip_receiver(fp, &local, &metrics).map(|r| (r, local.clone()))
+        }
         _ => None,
     };
     if let Some(fp) = active.fast_path()
@@ -481,10 +483,10 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             Ok(None)
         });
     }
-    if let Some(receiver) = ipip_receiver {
+    if let (Some((receiver, local)), Some(fp)) = (ipip_receiver, active.fast_path().cloned()) {
         let cancel = cancel.clone();
         tasks.spawn(async move {
-            receiver.run(cancel).await;
+            fastpath::run_ipip_receiver(fp, receiver, &local, cancel).await;
             Ok(None)
         });
     }

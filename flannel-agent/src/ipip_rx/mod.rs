@@ -20,6 +20,11 @@
 //! the kernel: from a sender that is not a peer (dropped here as the programs would) and with
 //! IP options (decapsulated here as a kernel tunnel would).
 //!
+//! While it runs, `tc_from_netdev` leaves IPIP packets that carry an inner fragment to it as
+//! well (`CFG_IPIP_USER_RX`), so that all fragments of a datagram reach conntrack at the same
+//! hook; when it stops, the agent clears that flag
+//! (`daemon::fastpath::run_ipip_receiver`).
+//!
 //! Only nodes whose IPIP runs in eBPF start it ([`crate::dataplane::Local::ipip_via_ebpf`]);
 //! with a kernel `ipip` device, the kernel receives reassembled packets itself. The inner
 //! packets leave as this node's own (through `OUTPUT` and conntrack, not `FORWARD`), which is
