@@ -117,17 +117,11 @@ pub fn ipip_receiver(
     local: &Local,
     metrics: &Metrics,
 ) -> Option<crate::ipip_rx::Receiver> {
-    let (Some(public_ip), Some(subnet), Some(network)) =
-        (local.ext.ext_addr, local.lease.subnet, local.network)
-    else {
+    let (Some(public_ip), Some(subnet)) = (local.ext.ext_addr, local.lease.subnet) else {
         return None;
     };
     let pins = fast_path.lock().ok()?.pins().clone();
-    let rx_local = crate::ipip_rx::Local {
-        public_ip,
-        subnet,
-        network,
-    };
+    let rx_local = crate::ipip_rx::Local { public_ip, subnet };
     match crate::ipip_rx::Receiver::open(rx_local, &pins, metrics.ipip_reassembled.clone()) {
         Ok(receiver) => Some(receiver),
         Err(e) => {

@@ -15,10 +15,10 @@ pub const IPPROTO_IPIP: u8 = 4;
 pub struct Local {
     /// The node's public IP: the outer destination peers send IPIP to.
     pub public_ip: Ipv4Addr,
-    /// The node's pod subnet: the only inner destinations taken.
+    /// The node's pod subnet: the only inner destinations taken. Any inner source is, as a
+    /// kernel IPIP device and the programs take it: a peer's pod traffic that the peer's CNI
+    /// bridge masqueraded comes from the peer's address.
     pub subnet: Ipv4Net,
-    /// The cluster network: the only inner sources taken.
-    pub network: Ipv4Net,
 }
 
 /// Why a packet was not sent on (each a `kind` of `flannel_ipip_reassembled_packets_total`).
@@ -32,8 +32,6 @@ pub enum Drop {
     /// The outer source is not a node that may send us IPIP (not in `FLANNEL_NODES4` as an
     /// IPIP peer), as the programs refuse it.
     UnknownPeer,
-    /// The inner source is outside the cluster network.
-    ForeignSource,
     /// The inner destination is not in this node's pod subnet.
     NotLocal,
     /// The inner TTL would reach zero.
@@ -52,7 +50,6 @@ impl Drop {
             Drop::Malformed => "drop_malformed",
             Drop::NotForUs => "drop_not_for_us",
             Drop::UnknownPeer => "drop_unknown_peer",
-            Drop::ForeignSource => "drop_foreign_source",
             Drop::NotLocal => "drop_not_local",
             Drop::Ttl => "drop_ttl",
             Drop::TooBig => "drop_too_big",
@@ -89,9 +86,6 @@ pub fn decapsulate<'a>(
     if !packet::header_checksum_ok(inner_pkt, &inner) {
         return Err(Drop::Malformed);
     }
-    if !local.network.contains(&inner.src) {
-        return Err(Drop::ForeignSource);
-    }
     if !local.subnet.contains(&inner.dst) {
         return Err(Drop::NotLocal);
     }
@@ -116,7 +110,6 @@ mod tests {
         Local {
             public_ip: PUBLIC,
             subnet: "10.244.1.0/24".parse().unwrap(),
-            network: "10.244.0.0/16".parse().unwrap(),
         }
     }
 
@@ -154,6 +147,15 @@ mod tests {
         let h = packet::parse(out).unwrap();
         assert!(packet::header_checksum_ok(out, &h), "checksum updated");
         assert_eq!(&out[20..], &sent[20..], "payload untouched");
+    }
+
+    #[test]
+    fn an_inner_source_outside_the_cluster_is_taken() {
+        // A peer's pod datagram masqueraded by the peer's CNI bridge: from the peer itself.
+        let sent = ipv4(PEER, LOCAL_POD, 17, 63, &[3u8; 2000]);
+        let mut pkt = ipip(PEER, PUBLIC, &sent);
+        let (out, dst) = decapsulate(&mut pkt, &local(), |src| src == PEER).unwrap();
+        assert_eq!((dst, out.len()), (LOCAL_POD, sent.len()));
     }
 
     #[test]
@@ -201,15 +203,6 @@ mod tests {
                 "inner cut",
                 ipip(PEER, PUBLIC, &inner(63)[..100]),
                 Drop::Malformed,
-            ),
-            (
-                "inner outside the cluster",
-                ipip(
-                    PEER,
-                    PUBLIC,
-                    &ipv4(Ipv4Addr::new(8, 8, 8, 8), LOCAL_POD, 17, 63, &[1]),
-                ),
-                Drop::ForeignSource,
             ),
             (
                 "inner for another node",
@@ -262,7 +255,6 @@ mod tests {
             Drop::Malformed,
             Drop::NotForUs,
             Drop::UnknownPeer,
-            Drop::ForeignSource,
             Drop::NotLocal,
             Drop::Ttl,
             Drop::TooBig,

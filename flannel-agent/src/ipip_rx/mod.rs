@@ -9,8 +9,8 @@
 //! reassembled packets from a raw IPv4 socket of protocol 4 (which the kernel hands every
 //! such packet for a local address, with the outer header), checks each as a kernel tunnel
 //! and the programs would ([`decap::decapsulate`]: for our public IP, from a node in
-//! `FLANNEL_NODES4` that may send us IPIP, an inner packet from the cluster network to a pod
-//! of this node, its TTL decremented), and sends the inner packet on through a raw socket
+//! `FLANNEL_NODES4` that may send us IPIP, an inner packet for a pod of this node, from any
+//! source, its TTL decremented), and sends the inner packet on through a raw socket
 //! that writes whole IPv4 headers (`IPPROTO_RAW`): the kernel routes it to the pod through
 //! the bridge. Each packet is counted in `flannel_ipip_reassembled_packets_total{kind}`
 //! (`delivered`, or the reason it was dropped).
