@@ -204,13 +204,15 @@ fn ebpf_ipip_crosses_a_narrower_path() {
 /// `tc_from_netdev` leaves the fragments to the kernel, which reassembles them and, with no
 /// `ipip` module, has no receiver for them; the agent's raw IPIP socket
 /// (`flannel_agent::ipip_rx`) takes them.
+/// - from node2, a datagram in fragments whose IPIP packets arrive whole: decapsulated by
+///   the program (`fast_decap_ipip`), the agent not involved;
 /// - from node2 (an IPIP peer), a full-size (1,480-byte) UDP packet from node2's pod to
 ///   node1's pod, sent in IPIP without DF: the router fragments it, it arrives with the inner
 ///   source and is counted `delivered`. Before, it was lost;
 /// - from node2, a 3,000-byte datagram its sender fragmented, each fragment in its own IPIP
-///   packet: two fragmented again on the way, the last whole. The program leaves the whole
-///   one to the agent as well, so all three fragments reach conntrack at the same hook, and
-///   the datagram arrives. Before, the last one, decapsulated by the program, waited in
+///   packet: two fragmented again on the way, the last whole. Having seen a router fragment
+///   IPIP, the agent has the program leave the whole one to it as well, so all three
+///   fragments reach conntrack at the same hook, and the datagram arrives. Before, the last one, decapsulated by the program, waited in
 ///   `PREROUTING`'s reassembly for fragments that went through `OUTPUT`, and it was lost;
 /// - the same from the router itself, which is no node: it does not arrive and is counted
 ///   `drop_unknown_peer` (as the programs refuse its whole packets);
@@ -245,6 +247,44 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
                     &format!("kind=\"{kind}\""),
                 )
             };
+            // Until a router is seen fragmenting IPIP, the program decapsulates inner
+            // fragments itself: a datagram in fragments whose IPIP packets arrive whole never
+            // goes through the agent.
+            let sent_in = |payload: &[u8], sport: u16, id: u16, size: usize| {
+                Ipv4 {
+                    id,
+                    dont_fragment: false,
+                    ..Ipv4::new(from.ip(), to.ip(), Udp::new(sport, 6000).payload(payload))
+                }
+                .fragments(size)
+            };
+            let before = fastpath::counters(node1.ns(), DEFAULT_HEALTHZ_PORT)?;
+            let payload = pattern(2000);
+            for fragment in &sent_in(&payload, 40999, 0x514f, 800) {
+                probe::send_ipip(
+                    t.node(2).ns(),
+                    Some(t.node(2).addr()),
+                    node1.addr(),
+                    fragment,
+                )?;
+            }
+            probe::recv_payload(&rx, &payload, Duration::from_secs(3))
+                .context("a datagram in fragments, each IPIP packet whole")?;
+            let after = fastpath::counters(node1.ns(), DEFAULT_HEALTHZ_PORT)?;
+            let decapsulated = fastpath::grown(
+                &before.packets,
+                &after.packets,
+                "tc_from_netdev",
+                "fast_decap_ipip",
+            );
+            ensure!(
+                decapsulated == 3 && count("delivered")? == 0.0,
+                "the program decapsulated {decapsulated} of the 3 fragments, the agent delivered \
+                 {}; what moved: {}",
+                count("delivered")?,
+                fastpath::growth_text(&before.packets, &after.packets)
+            );
+
             let before = fastpath::counters(node1.ns(), DEFAULT_HEALTHZ_PORT)?;
             // The pods' MTU (1,500 less the IPIP header), all of it.
             let payload = pattern(1480 - 28);
@@ -279,12 +319,8 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
             // MTU (the router fragments their IPIP packets), the last is small (its IPIP packet
             // arrives whole, and the program leaves it to the agent too).
             let payload = pattern(3000);
-            let fragments = Ipv4 {
-                id: 0x5150,
-                dont_fragment: false,
-                ..Ipv4::new(from.ip(), to.ip(), Udp::new(41001, 6000).payload(&payload))
-            }
-            .fragments(1456); // 1,476-byte fragments: within the pods' 1,480
+            // 1,476-byte fragments: within the pods' 1,480.
+            let fragments = sent_in(&payload, 41001, 0x5150, 1456);
             ensure!(fragments.len() == 3, "{} fragments", fragments.len());
             for fragment in &fragments {
                 probe::send_ipip(

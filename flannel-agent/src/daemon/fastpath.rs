@@ -131,31 +131,56 @@ pub fn ipip_receiver(
     }
 }
 
-/// Runs the IPIP receiver until `cancel`, then (on shutdown, or if its socket failed) tells
-/// the programs it no longer runs: `tc_from_netdev` decapsulates inner fragments itself again,
-/// so that while the agent is down (the programs stay attached) those that arrive whole are
-/// not left to a kernel that has no receiver for them.
+/// Runs the IPIP receiver until `cancel`. The programs decapsulate IPIP inner fragments
+/// themselves until the receiver takes its first packet from a peer, i.e. until a router is
+/// seen fragmenting a peer's IPIP (a peer whose kernel device copies DF): from then on they
+/// leave those to the agent too (`CFG_IPIP_USER_RX`), so that a datagram whose fragments
+/// partly come through the agent meets conntrack at one hook. Where no router fragments IPIP
+/// (our nodes without the module send DF), inner fragments never make the trip to user space.
+/// When the receiver stops (shutdown, or its socket failed) the flag is cleared again, so that
+/// while the agent is down (the programs stay attached) inner fragments are not left to a
+/// kernel that has no receiver for them.
 pub async fn run_ipip_receiver(
     fast_path: SharedFastPath,
     receiver: crate::ipip_rx::Receiver,
     local: &Local,
     cancel: CancellationToken,
 ) {
-    receiver.run(cancel).await;
-    let config = match local_configs(local, false) {
+    let mut on = false;
+    receiver
+        .run(cancel, || {
+            on = set_ipip_user_rx(&fast_path, local, true);
+            if on {
+                info!(
+                    "a router fragments IPIP on its way here: IPIP packets carrying an inner \
+                     fragment go to the agent's IPIP socket from now on"
+                );
+            }
+        })
+        .await;
+    if on && set_ipip_user_rx(&fast_path, local, false) {
+        info!("the fast path decapsulates IPIP inner fragments itself again");
+    }
+}
+
+/// Writes the IPv4 configuration with `CFG_IPIP_USER_RX` set or not; whether it was written
+/// (a failure is logged).
+fn set_ipip_user_rx(fast_path: &SharedFastPath, local: &Local, on: bool) -> bool {
+    let config = match local_configs(local, on) {
         Ok((Some(config), _)) => config,
-        _ => return,
+        _ => return false,
     };
     let written = match fast_path.lock() {
         Ok(mut fp) => fp.set_config(&config).map_err(|e| e.to_string()),
         Err(_) => Err("fast-path handle poisoned".to_owned()),
     };
-    match written {
-        Ok(()) => info!("the fast path decapsulates IPIP inner fragments itself again"),
-        Err(e) => {
-            warn!("the fast path still leaves IPIP inner fragments to the stopped IPIP socket: {e}")
-        }
+    if let Err(e) = &written {
+        warn!(
+            on,
+            "setting whether IPIP inner fragments go to the agent's socket: {e}"
+        );
     }
+    written.is_ok()
 }
 
 /// The VNI the VXLAN fast path writes, when the backend is vxlan.
@@ -168,17 +193,15 @@ pub fn vxlan_vni(backend: &BackendOptions) -> Option<u32> {
 
 /// Writes this node's configuration into the fast path (IPv4 and IPv6 sides, each when that
 /// family is enabled and leased) and attaches it to the external interface (TC ingress and
-/// egress; XDP stays off: it measured slower on veth). `ipip_user_rx`: the agent's IPIP
-/// socket runs ([`crate::ipip_rx`]).
+/// egress; XDP stays off: it measured slower on veth).
 pub fn configure(
     fast_path: &SharedFastPath,
     local: &Local,
-    ipip_user_rx: bool,
     metrics: &Metrics,
 ) -> Result<(), DaemonError> {
     let fail =
         |what: &str, err: bpf::BpfError| DaemonError::FastPathUnavailable(format!("{what}: {err}"));
-    let (config, config6) = local_configs(local, ipip_user_rx)?;
+    let (config, config6) = local_configs(local, false)?;
     let udp = match &local.backend {
         BackendOptions::Udp(o) => {
             let iface_addr = local.ext.iface_addr.ok_or_else(|| {
@@ -224,7 +247,8 @@ pub fn configure(
 
 /// The IPv4 and IPv6 configurations for `local`: each family's when it is enabled (IPv4
 /// needs a public IPv4, a lease and `Network`; IPv6 a public IPv6, an IPv6 lease and
-/// `IPv6Network`). At least one is required.
+/// `IPv6Network`). At least one is required. `ipip_user_rx`: IPIP inner fragments go to the
+/// agent's IPIP socket ([`run_ipip_receiver`]).
 fn local_configs(
     local: &Local,
     ipip_user_rx: bool,

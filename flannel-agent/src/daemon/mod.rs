@@ -311,7 +311,7 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     if let BackendOptions::Extension(opts) = &backend {
         backend_appliers.push(Box::new(extension::ExtensionApplier::new(opts)));
     }
-    // Before the configuration, which tells the programs whether it runs.
+    // Reassembled IPIP packets, where no kernel IPIP device takes them.
     let ipip_receiver = match active.fast_path() {
         Some(fp) if local.ipip_via_ebpf => {
             fastpath::ipip_receiver(fp, &local, &metrics).map(|r| (r, local.clone()))
@@ -319,7 +319,7 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         _ => None,
     };
     if let Some(fp) = active.fast_path()
-        && let Err(err) = fastpath::configure(fp, &local, ipip_receiver.is_some(), &metrics)
+        && let Err(err) = fastpath::configure(fp, &local, &metrics)
     {
         if cli.dataplane == Dataplane::Ebpf || local.ipip_via_ebpf {
             return Err(err);

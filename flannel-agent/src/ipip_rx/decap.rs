@@ -58,6 +58,17 @@ impl Drop {
     }
 }
 
+impl Drop {
+    /// Whether a packet dropped for this reason came from an IPIP peer (the reasons found
+    /// after [`decapsulate`]'s peer check).
+    pub fn after_peer_check(self) -> bool {
+        match self {
+            Drop::Malformed | Drop::NotForUs | Drop::UnknownPeer => false,
+            Drop::NotLocal | Drop::Ttl | Drop::TooBig | Drop::SendError => true,
+        }
+    }
+}
+
 /// The `kind` label of a packet sent on.
 pub const DELIVERED: &str = "delivered";
 
