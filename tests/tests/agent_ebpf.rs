@@ -90,10 +90,11 @@ fn ebpf_ipip_over_l3() {
 }
 
 /// On the routed underlay, where a pod packet that left unencapsulated would meet a router
-/// that knows no pod subnet: UDP datagrams larger than the MTU, sent as IPv4 fragments (which
-/// the programs leave to the kernel, which routes them out of the external interface), reach
-/// the remote pod, from a pod (3,000 bytes) and from the node itself (5,000 bytes); node1's
-/// `tc_to_netdev` encapsulated the fragments.
+/// that knows no pod subnet: UDP datagrams larger than the MTU, sent as IPv4 fragments, reach
+/// the remote pod, from a pod (3,000 bytes: node1's `tc_from_bridge` encapsulates its
+/// fragments like the rest of its flow, `flannel_ebpf::frag`) and from the node itself (5,000
+/// bytes: the kernel routes them out of the external interface, where node1's `tc_to_netdev`
+/// encapsulates them).
 #[test]
 fn ebpf_ipip_carries_fragments_over_l3() {
     require_root!();
@@ -115,12 +116,13 @@ fn ebpf_ipip_carries_fragments_over_l3() {
             }
             let after = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
             let (b, a) = (&before.packets, &after.packets);
+            let pods = fastpath::grown(b, a, "tc_from_bridge", "fast_ipip");
             let fragments = fastpath::grown(b, a, "tc_to_netdev", "ipv4_fragment");
             let encapsulated = fastpath::grown(b, a, "tc_to_netdev", "fast_ipip_egress");
             ensure!(
-                fragments >= 6 && encapsulated >= fragments,
-                "node1's tc_to_netdev saw {fragments} fragments and encapsulated {encapsulated} \
-                 packets; what moved: {}",
+                pods >= 3 && fragments >= 4 && encapsulated >= fragments,
+                "node1's tc_from_bridge encapsulated {pods} packets, its tc_to_netdev saw \
+                 {fragments} fragments and encapsulated {encapsulated} packets; what moved: {}",
                 fastpath::growth_text(b, a)
             );
             Ok(())
@@ -393,7 +395,7 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
 }
 
 /// A pod's UDP datagrams larger than its MTU (IPv4 fragments) to a remote pod keep the flow's
-/// source, as its small ones do, on VXLAN (routed underlay) and host-gw: the agents run
+/// source, as its small ones do, on VXLAN and IPIP (routed underlay) and host-gw: the agents run
 /// without `--ip-masq`, so the CNI bridge masquerades what crosses netfilter, and the
 /// fragments, sent by node1's `tc_from_bridge` like the rest of the flow
 /// (`flannel_ebpf::frag`), do not cross it. Before, they arrived from an address and port of
@@ -401,7 +403,11 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
 #[test]
 fn ebpf_pod_fragments_keep_their_flows_source() {
     require_root!();
-    for (backend, underlay) in [("vxlan", Underlay::L3), ("host-gw", Underlay::L2)] {
+    for (backend, underlay) in [
+        ("vxlan", Underlay::L3),
+        ("host-gw", Underlay::L2),
+        ("ipip", Underlay::L3),
+    ] {
         with_cluster(
             &named(EBPF, &format!("{backend} pod fragments")),
             spec_on(EBPF, 2, underlay, backend, 1),

@@ -465,12 +465,12 @@ fn bridge_ipip_encapsulates_with_inherited_ttl_and_df() {
     });
 }
 
-/// The fragments of a pod's UDP datagram to a host-gw or VXLAN peer are sent like the rest
-/// of its flow, the later ones (no ports) because their first was ([`FLANNEL_FRAGS4`]): each
-/// comes out as the kernel would forward it (TTL decremented; VXLAN: encapsulated, all with
-/// one outer source port). A later fragment whose first was not sent, a first fragment of a
-/// kernel flow and its later ones, fragments to an IPIP peer and TCP fragments are passed
-/// unchanged.
+/// The fragments of a pod's UDP datagram to a host-gw, VXLAN or IPIP peer are sent like the
+/// rest of its flow, the later ones (no ports) because their first was ([`FLANNEL_FRAGS4`]):
+/// each comes out as the kernel would forward it (TTL decremented; VXLAN: encapsulated, all
+/// with one outer source port; IPIP: encapsulated with DF, as every IPIP packet of a node
+/// without the module). A later fragment whose first was not sent, a first fragment of a
+/// kernel flow and its later ones, and TCP fragments are passed unchanged.
 #[test]
 fn a_pods_fragments_follow_their_first_fragment() {
     let Some(rig) = Rig::new("fpfrag") else {
@@ -484,22 +484,31 @@ fn a_pods_fragments_follow_their_first_fragment() {
             dont_fragment: false,
             ..from_pod(dst, Udp::new(5353, 6000).payload(&[7; 100]))
         };
+        // Each fragment of `ip` redirected as `expected` makes it of the forwarded fragment,
+        // counted as `reason`.
+        let each_sent = |fp: &mut FastPath,
+                         what: &str,
+                         ip: &Ipv4,
+                         expected: &dyn Fn(&[u8]) -> Vec<u8>,
+                         reason: Reason| {
+            let want = forwarded(ip).fragments(32);
+            for (i, fragment) in ip.fragments(32).iter().enumerate() {
+                let what = format!("{what} fragment {i}");
+                let frame = framed(fragment);
+                let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+                assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
+                assert_bytes(&r.out, &expected(&want[i]), &what);
+                assert_counted(&r, &frame, &[Reason::Ipv4Fragment, reason], &what);
+            }
+        };
         // Host-gw: every fragment forwarded, TTL decremented, to the peer's MAC.
-        let ip = datagram(HOSTGW_POD, 0x1111);
-        let want = forwarded(&ip).fragments(32);
-        for (i, fragment) in ip.fragments(32).iter().enumerate() {
-            let frame = framed(fragment);
-            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
-            assert_eq!(r.verdict, TC_ACT_REDIRECT, "host-gw fragment {i}");
-            let expected = Ethernet::carrying(EXT_MAC, PEER2_MAC, ETH_P_IP, &want[i]).encode();
-            assert_bytes(&r.out, &expected, &format!("host-gw fragment {i}"));
-            assert_counted(
-                &r,
-                &frame,
-                &[Reason::Ipv4Fragment, Reason::FastHostGw],
-                &format!("host-gw fragment {i}"),
-            );
-        }
+        each_sent(
+            fp,
+            "host-gw",
+            &datagram(HOSTGW_POD, 0x1111),
+            &|ip| Ethernet::carrying(EXT_MAC, PEER2_MAC, ETH_P_IP, ip).encode(),
+            Reason::FastHostGw,
+        );
         // VXLAN: every fragment encapsulated for the peer, with the same outer source port.
         let ip = datagram(VXLAN_POD, 0x2222);
         let want = forwarded(&ip).fragments(32);
@@ -531,8 +540,31 @@ fn a_pods_fragments_follow_their_first_fragment() {
             );
         }
         assert_eq!(ports.len(), 1, "one datagram, outer source ports {ports:?}");
+        // IPIP: every fragment encapsulated for the peer, with DF (no kernel IPIP device).
+        each_sent(
+            fp,
+            "IPIP",
+            &datagram(IPIP_POD, 0x6666),
+            &|ip| {
+                let outer = Ipv4 {
+                    id: 0,
+                    dont_fragment: true,
+                    ttl: 63,
+                    ..Ipv4::new(
+                        PUB1,
+                        PUB5,
+                        Transport::Raw {
+                            proto: IPPROTO_IPIP,
+                            bytes: ip.to_vec(),
+                        },
+                    )
+                };
+                Ethernet::new(EXT_MAC, PEER5_MAC, outer).encode()
+            },
+            Reason::FastIpip,
+        );
         // Passed unchanged: a later fragment of a datagram whose first was not seen, fragments
-        // of a kernel flow (learnt from a packet the kernel sent), to an IPIP peer, of TCP.
+        // of a kernel flow (learnt from a packet the kernel sent), of TCP.
         let out = Ethernet::new(
             EXT_MAC,
             PEER2_MAC,
@@ -569,13 +601,6 @@ fn a_pods_fragments_follow_their_first_fragment() {
                 },
                 f,
             ));
-        }
-        for (i, f) in datagram(IPIP_POD, 0x6666)
-            .fragments(32)
-            .into_iter()
-            .enumerate()
-        {
-            passed.push((if i == 0 { "IPIP, first" } else { "IPIP" }, f));
         }
         for (what, fragment) in passed {
             let frame = framed(&fragment);
