@@ -50,6 +50,7 @@ use flannel_tests::{
         kube, probe, status, wait,
     },
     netns::NetNs,
+    packet::{Ipv4, Udp},
     require_root,
     topology::{SubnetEnv, Topology, TopologySpec, Underlay},
 };
@@ -228,7 +229,6 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
         &named(EBPF, "ipip reassembled"),
         spec_on(EBPF, 2, Underlay::L3, "ipip", 1),
         |c| {
-            use flannel_tests::packet::{Ipv4, Udp};
             let t = c.topology();
             let node1 = t.node(1);
             let segment1 = node1.addr_net().trunc().to_string();
@@ -249,102 +249,84 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
                     &format!("kind=\"{kind}\""),
                 )
             };
+            let delivered = |want: f64| -> Result<()> {
+                let got = count("delivered")?;
+                ensure!(got == want, "delivered: {got}, not {want}");
+                Ok(())
+            };
+            // A datagram from node2's pod (source port `sport`), in IP fragments of at most
+            // `size` bytes of payload, or whole (`None`).
+            let datagram = |payload: &[u8], sport: u16, size: Option<usize>| {
+                let ip = Ipv4 {
+                    id: sport,
+                    dont_fragment: false,
+                    ..Ipv4::new(from.ip(), to.ip(), Udp::new(sport, 6000).payload(payload))
+                };
+                Datagram {
+                    packets: size.map_or_else(|| vec![ip.encode()], |size| ip.fragments(size)),
+                    payload: payload.to_vec(),
+                    source: SocketAddr::new(IpAddr::V4(from.ip()), sport),
+                }
+            };
+
             // Until a router is seen fragmenting IPIP, the program decapsulates inner
             // fragments itself: a datagram in fragments whose IPIP packets arrive whole never
             // goes through the agent.
-            let sent_in = |payload: &[u8], sport: u16, id: u16, size: usize| {
-                Ipv4 {
-                    id,
-                    dont_fragment: false,
-                    ..Ipv4::new(from.ip(), to.ip(), Udp::new(sport, 6000).payload(payload))
-                }
-                .fragments(size)
-            };
             let before = fastpath::counters(node1.ns(), DEFAULT_HEALTHZ_PORT)?;
-            let payload = pattern(2000);
-            for fragment in &sent_in(&payload, 40999, 0x514f, 800) {
-                probe::send_ipip(
-                    t.node(2).ns(),
-                    Some(t.node(2).addr()),
-                    node1.addr(),
-                    fragment,
-                )?;
-            }
-            probe::recv_payload(&rx, &payload, Duration::from_secs(3))
-                .context("a datagram in fragments, each IPIP packet whole")?;
+            datagram(&pattern(2000), 40999, Some(800)).send_from_node2(
+                t,
+                &rx,
+                "a datagram in fragments, each IPIP packet whole",
+            )?;
             let after = fastpath::counters(node1.ns(), DEFAULT_HEALTHZ_PORT)?;
-            let decapsulated = fastpath::grown(
-                &before.packets,
-                &after.packets,
-                "tc_from_netdev",
-                "fast_decap_ipip",
-            );
+            let (b, a) = (&before.packets, &after.packets);
+            let decapsulated = fastpath::grown(b, a, "tc_from_netdev", "fast_decap_ipip");
             ensure!(
                 decapsulated == 3 && count("delivered")? == 0.0,
                 "the program decapsulated {decapsulated} of the 3 fragments, the agent delivered \
                  {}; what moved: {}",
                 count("delivered")?,
-                fastpath::growth_text(&before.packets, &after.packets)
+                fastpath::growth_text(b, a)
             );
 
+            // The pods' MTU (1,500 less the IPIP header), all of it: the router fragments it.
             let before = fastpath::counters(node1.ns(), DEFAULT_HEALTHZ_PORT)?;
-            // The pods' MTU (1,500 less the IPIP header), all of it.
-            let payload = pattern(1480 - 28);
-            let inner =
-                Ipv4::new(from.ip(), to.ip(), Udp::new(41000, 6000).payload(&payload)).encode();
-            probe::send_ipip(t.node(2).ns(), Some(t.node(2).addr()), node1.addr(), &inner)?;
-            let seen = probe::recv_payload(&rx, &payload, Duration::from_secs(3))
-                .context("the datagram in an IPIP packet fragmented on the way, from node2")?;
-            ensure!(
-                seen == SocketAddr::new(IpAddr::V4(from.ip()), 41000),
-                "the datagram came from {seen}, not from node2's pod"
-            );
-            ensure!(
-                count("delivered")? == 1.0,
-                "delivered: {}",
-                count("delivered")?
-            );
+            let full = datagram(&pattern(1480 - 28), 41000, None);
+            full.send_from_node2(
+                t,
+                &rx,
+                "the datagram in an IPIP packet fragmented on the way",
+            )?;
+            delivered(1.0)?;
             let after = fastpath::counters(node1.ns(), DEFAULT_HEALTHZ_PORT)?;
-            let fragments = fastpath::grown(
-                &before.packets,
-                &after.packets,
-                "tc_from_netdev",
-                "pass_fragment",
-            );
+            let (b, a) = (&before.packets, &after.packets);
+            let fragments = fastpath::grown(b, a, "tc_from_netdev", "pass_fragment");
             ensure!(
                 fragments >= 2,
                 "node1's tc_from_netdev left {fragments} fragments to the kernel; what moved: {}",
-                fastpath::growth_text(&before.packets, &after.packets)
+                fastpath::growth_text(b, a)
             );
 
             // A datagram that its sender fragmented: the first two fragments fill the pods'
-            // MTU (the router fragments their IPIP packets), the last is small (its IPIP packet
-            // arrives whole, and the program leaves it to the agent too).
-            let payload = pattern(3000);
-            // 1,476-byte fragments: within the pods' 1,480.
-            let fragments = sent_in(&payload, 41001, 0x5150, 1456);
-            ensure!(fragments.len() == 3, "{} fragments", fragments.len());
-            for fragment in &fragments {
-                probe::send_ipip(
-                    t.node(2).ns(),
-                    Some(t.node(2).addr()),
-                    node1.addr(),
-                    fragment,
-                )?;
-            }
-            let seen = probe::recv_payload(&rx, &payload, Duration::from_secs(3))
-                .context("a fragmented datagram whose IPIP packets were fragmented on the way")?;
+            // MTU (1,476 bytes; the router fragments their IPIP packets), the last is small
+            // (its IPIP packet arrives whole, and the program leaves it to the agent too).
+            let split = datagram(&pattern(3000), 41001, Some(1456));
             ensure!(
-                seen == SocketAddr::new(IpAddr::V4(from.ip()), 41001),
-                "the fragmented datagram came from {seen}, not from node2's pod"
+                split.packets.len() == 3,
+                "{} fragments",
+                split.packets.len()
             );
-            ensure!(
-                count("delivered")? == 4.0,
-                "delivered: {} (1 + 3 fragments)",
-                count("delivered")?
-            );
+            split.send_from_node2(
+                t,
+                &rx,
+                "a fragmented datagram whose IPIP packets were fragmented on the way",
+            )?;
+            delivered(4.0)?;
 
-            probe::send_ipip(t.hub(), None, node1.addr(), &inner)?;
+            // The same from the router, which is no node.
+            for packet in &full.packets {
+                probe::send_ipip(t.hub(), None, node1.addr(), packet)?;
+            }
             wait::until_ok(
                 CONVERGE,
                 "the router's packet counted as from an unknown peer",
@@ -355,43 +337,55 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
                 },
             )?;
             ensure!(
-                probe::recv_payload(&rx, &payload, Duration::from_millis(500)).is_err(),
+                probe::recv_payload(&rx, &full.payload, Duration::from_millis(500)).is_err(),
                 "the router's IPIP packet was delivered"
             );
-            ensure!(
-                count("delivered")? == 4.0,
-                "delivered: {}",
-                count("delivered")?
-            );
+            delivered(4.0)?;
 
             // node1's agent stops (its programs stay attached): they decapsulate inner
             // fragments themselves again, and a datagram in fragments whose IPIP packets
             // arrive whole still reaches the pod.
-            let (from_ip, to_ip) = (from.ip(), to.ip());
+            let later = datagram(&pattern(2000), 41002, Some(800));
             c.agent_mut(1)
                 .context("node1's agent")?
                 .stop(Duration::from_secs(10))?;
-            let payload = pattern(2000);
-            let fragments = Ipv4 {
-                id: 0x5151,
-                dont_fragment: false,
-                ..Ipv4::new(from_ip, to_ip, Udp::new(41002, 6000).payload(&payload))
-            }
-            .fragments(800);
-            let t = c.topology();
-            for fragment in &fragments {
-                probe::send_ipip(
-                    t.node(2).ns(),
-                    Some(t.node(2).addr()),
-                    t.node(1).addr(),
-                    fragment,
-                )?;
-            }
-            probe::recv_payload(&rx, &payload, Duration::from_secs(3))
-                .context("a datagram in fragments while node1's agent is down")?;
-            Ok(())
+            later.send_from_node2(
+                c.topology(),
+                &rx,
+                "a datagram in fragments while node1's agent is down",
+            )
         },
     );
+}
+
+/// A UDP datagram from node2's pod to node1's pod, as the IP packets that carry it.
+struct Datagram {
+    packets: Vec<Vec<u8>>,
+    payload: Vec<u8>,
+    source: SocketAddr,
+}
+
+impl Datagram {
+    /// node2 sends each packet to node1 in IPIP without DF (a router on a narrower path
+    /// fragments the larger ones); the datagram must reach `rx` from node2's pod.
+    fn send_from_node2(&self, t: &Topology, rx: &std::net::UdpSocket, what: &str) -> Result<()> {
+        for packet in &self.packets {
+            probe::send_ipip(
+                t.node(2).ns(),
+                Some(t.node(2).addr()),
+                t.node(1).addr(),
+                packet,
+            )?;
+        }
+        let seen = probe::recv_payload(rx, &self.payload, Duration::from_secs(3))
+            .context(what.to_owned())?;
+        ensure!(
+            seen == self.source,
+            "{what}: it came from {seen}, not {}",
+            self.source
+        );
+        Ok(())
+    }
 }
 
 /// A pod's UDP datagrams larger than its MTU (IPv4 fragments) to a remote pod keep the flow's

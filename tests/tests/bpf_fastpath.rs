@@ -178,6 +178,13 @@ fn assert_counted(run: &Run, frame: &[u8], reasons: &[Reason], what: &str) {
     );
 }
 
+/// The run passed `frame` to the kernel unchanged (`TC_ACT_OK`), counted as `reasons`.
+fn assert_passed(run: &Run, frame: &[u8], reasons: &[Reason], what: &str) {
+    assert_eq!(run.verdict, TC_ACT_OK, "{what}: verdict");
+    assert_bytes(&run.out, frame, what);
+    assert_counted(run, frame, reasons, what);
+}
+
 /// A frame from the local pod to `dst` (pod MAC → bridge MAC).
 fn from_pod(dst: Ipv4Addr, l4: impl Into<Transport>) -> Ipv4 {
     Ipv4::new(POD, dst, l4)
@@ -763,9 +770,7 @@ fn bridge_passes_everything_else_unchanged() {
         ];
         for (name, frame, class, verdict) in cases {
             let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
-            assert_eq!(r.verdict, TC_ACT_OK, "{name}");
-            assert_bytes(&r.out, &frame, name);
-            assert_counted(&r, &frame, &[class, verdict], name);
+            assert_passed(&r, &frame, &[class, verdict], name);
         }
 
         // A full-size packet still fits host-gw (no overhead).
@@ -800,13 +805,11 @@ fn unconfigured_programs_pass_everything() {
             let frame = pod_frame(&from_pod(VXLAN_POD, tcp()));
             for hook in Hook::ALL {
                 let r = run(&mut fp, hook, &frame, Skb::on(ifs.br));
-                assert_eq!(r.verdict, TC_ACT_OK, "{hook:?}");
-                assert_bytes(&r.out, &frame, "unconfigured");
-                assert_counted(
+                assert_passed(
                     &r,
                     &frame,
                     &[Reason::Ipv4Tcp, Reason::PassNotConfigured],
-                    "unconfigured",
+                    &format!("unconfigured, {hook:?}"),
                 );
             }
         })
@@ -1436,9 +1439,7 @@ fn a_remembered_flows_odd_packets_take_the_full_checks() {
             for (name, frame, class, verdict) in odd(ip, frame_of) {
                 let what = format!("{hook:?}: {name}");
                 let r = run(fp, hook, &frame, skb);
-                assert_eq!(r.verdict, TC_ACT_OK, "{what}");
-                assert_bytes(&r.out, &frame, &what);
-                assert_counted(&r, &frame, &[class, verdict], &what);
+                assert_passed(&r, &frame, &[class, verdict], &what);
                 deliver_fast(fp, true, &format!("delivery still remembered after {what}"));
                 send_fast(fp, true, &format!("transmit still remembered after {what}"));
             }
@@ -1757,9 +1758,7 @@ fn gso_vxlan_moves_its_flow_to_the_kernel() {
         let frame = vxlan_frame(PUB3, 1, 8472, LOCAL_VTEP, &inner);
         let gso = Skb::on(ifs.ext).gso(600, 2);
         let r = run(fp, Hook::FromNetdev, &frame, gso);
-        assert_eq!(r.verdict, TC_ACT_OK);
-        assert_bytes(&r.out, &frame, "GSO VXLAN left to flannel.1");
-        assert_counted(
+        assert_passed(
             &r,
             &frame,
             &[Reason::Ipv4Udp, Reason::LearnKernelFlow, Reason::PassGso],
@@ -1826,9 +1825,7 @@ fn gso_udp_in_vxlan_is_left_to_the_kernel_even_into_a_known_pod() {
         // ... its GSO packets are not, memo or not.
         let big = udp(&[4; 1200]);
         let r = run(fp, Hook::FromNetdev, &big, gso);
-        assert_eq!(r.verdict, TC_ACT_OK);
-        assert_bytes(&r.out, &big, "GSO UDP left to flannel.1");
-        assert_counted(
+        assert_passed(
             &r,
             &big,
             &[Reason::Ipv4Udp, Reason::LearnKernelFlow, Reason::PassGso],
@@ -1897,9 +1894,7 @@ fn netdev_decapsulates_ipip_for_the_stack_and_refuses_unknown_nodes() {
         })
         .expect("config");
         let r = run(fp, Hook::FromNetdev, &frame, skb);
-        assert_eq!(r.verdict, TC_ACT_OK);
-        assert_bytes(&r.out, &frame, "an inner fragment left to the agent");
-        assert_counted(
+        assert_passed(
             &r,
             &frame,
             &[Reason::Ipv4OtherProto, Reason::PassFragment],
@@ -1920,9 +1915,7 @@ fn netdev_decapsulates_ipip_for_the_stack_and_refuses_unknown_nodes() {
         for from in [PUB9, PUB3] {
             let frame = ipip_frame(from, &Ipv4::new(IPIP_POD, POD, tcp()));
             let r = run(fp, Hook::FromNetdev, &frame, skb);
-            assert_eq!(r.verdict, TC_ACT_OK);
-            assert_bytes(&r.out, &frame, "IPIP from an unknown node");
-            assert_counted(
+            assert_passed(
                 &r,
                 &frame,
                 &[Reason::Ipv4OtherProto, Reason::PassUnknownPeer],
@@ -2171,9 +2164,7 @@ fn tunnel_payload_beyond_the_outer_datagram_is_not_decapsulated() {
         ];
         for (what, frame, class, verdict) in cases {
             let r = run(fp, Hook::FromNetdev, &frame, skb);
-            assert_eq!(r.verdict, TC_ACT_OK, "{what}");
-            assert_bytes(&r.out, &frame, what);
-            assert_counted(&r, &frame, &[class, verdict], what);
+            assert_passed(&r, &frame, &[class, verdict], what);
             let r = run_xdp(fp, &frame);
             assert_eq!(r.verdict, XDP_PASS, "{what} (XDP)");
             assert_bytes(&r.out, &frame, what);
@@ -2255,9 +2246,7 @@ fn netdev_leaves_foreign_vxlan_to_the_kernel() {
         ];
         for (name, frame, verdict) in cases {
             let r = run(fp, Hook::FromNetdev, &frame, skb);
-            assert_eq!(r.verdict, TC_ACT_OK, "{name}");
-            assert_bytes(&r.out, &frame, name);
-            assert_counted(&r, &frame, &[Reason::Ipv4Udp, verdict], name);
+            assert_passed(&r, &frame, &[Reason::Ipv4Udp, verdict], name);
         }
         // Not IPv4, fragments and options of the outer packet.
         let arp = Ethernet::new(
@@ -2421,9 +2410,7 @@ fn nat_guard_sends_replies_to_dnat_clients_through_the_kernel() {
         // The DNATed pod's reply goes through the kernel (conntrack un-DNATs it) ...
         let reply = pod_frame(&from_pod(HOSTGW_POD, Tcp::new(80, 5555)));
         let r = run(fp, Hook::FromBridge, &reply, Skb::on(ifs.br));
-        assert_eq!(r.verdict, TC_ACT_OK);
-        assert_bytes(&r.out, &reply, "guarded reply");
-        assert_counted(
+        assert_passed(
             &r,
             &reply,
             &[Reason::Ipv4Tcp, Reason::PassNatReply],
@@ -2528,9 +2515,7 @@ fn netdev_egress_encapsulates_ipip_for_host_traffic() {
         ] {
             let frame = Ethernet::new(EXT_MAC, PEER2_MAC, ip).encode();
             let r = run(fp, Hook::ToNetdev, &frame, skb);
-            assert_eq!(r.verdict, TC_ACT_OK);
-            assert_bytes(&r.out, &frame, name);
-            assert_counted(&r, &frame, &[Reason::Ipv4Tcp, verdict], name);
+            assert_passed(&r, &frame, &[Reason::Ipv4Tcp, verdict], name);
         }
 
         // The fast path's own packets: untouched, uncounted, mark cleared.
@@ -2690,9 +2675,7 @@ fn netdev_egress_encapsulates_whatever_the_kernel_routes_to_ipip() {
         ] {
             let frame = Ethernet::new(EXT_MAC, PEER2_MAC, ip).encode();
             let r = run(fp, Hook::ToNetdev, &frame, skb);
-            assert_eq!(r.verdict, TC_ACT_OK);
-            assert_bytes(&r.out, &frame, name);
-            assert_counted(&r, &frame, &[class, verdict], name);
+            assert_passed(&r, &frame, &[class, verdict], name);
         }
     });
 }
@@ -2772,9 +2755,7 @@ fn kernel_flows_keep_their_replies_in_the_stack() {
             &Ipv4::new(VXLAN_POD, POD, Tcp::new(80, 41000)),
         );
         let r = run(fp, Hook::FromNetdev, &vxlan_reply, ingress);
-        assert_eq!(r.verdict, TC_ACT_OK);
-        assert_bytes(&r.out, &vxlan_reply, "left to flannel.1");
-        assert_counted(
+        assert_passed(
             &r,
             &vxlan_reply,
             &[Reason::Ipv4Udp, Reason::PassKernelFlow],

@@ -33,13 +33,9 @@
 //! rare (our own fast path sends DF, so no router fragments it), not a path for bulk traffic.
 
 pub mod decap;
+pub mod raw;
 
-use std::{
-    io,
-    mem::{size_of, size_of_val},
-    net::{Ipv4Addr, SocketAddrV4},
-    os::fd::{AsRawFd, FromRawFd as _, OwnedFd, RawFd},
-};
+use std::{io, net::Ipv4Addr};
 
 use aya::maps::{HashMap, Map, MapData};
 use flannel_common::route::{NODE_F_IPIP, NodeEntry};
@@ -49,6 +45,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 pub use decap::{DELIVERED, Drop, Local};
+pub use raw::RawSocket;
 
 use crate::{
     bpf::{BpfError, PinLayout},
@@ -58,80 +55,6 @@ use crate::{
 /// What the receive socket may queue (bytes; `SO_RCVBUFFORCE`, else the system's default):
 /// a burst of reassembled packets of up to 64 KiB each.
 const RECEIVE_BUFFER: libc::c_int = 4 << 20;
-
-/// A raw IPv4 socket.
-#[derive(Debug)]
-struct RawSocket(OwnedFd);
-
-impl AsRawFd for RawSocket {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0.as_raw_fd()
-    }
-}
-
-impl RawSocket {
-    /// A non-blocking raw IPv4 socket of `protocol`.
-    fn open(protocol: libc::c_int) -> io::Result<RawSocket> {
-        // SAFETY: plain socket(2); the descriptor is owned from here on.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_INET,
-                libc::SOCK_RAW | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-                protocol,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just opened and is owned by nobody else.
-        Ok(RawSocket(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
-    fn force_receive_buffer(&self, bytes: libc::c_int) -> io::Result<()> {
-        // SAFETY: the option value is a c_int that outlives the call.
-        let rc = unsafe {
-            libc::setsockopt(
-                self.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVBUFFORCE,
-                (&raw const bytes).cast(),
-                size_of_val(&bytes) as libc::socklen_t,
-            )
-        };
-        if rc < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
-        // SAFETY: `buf` is valid for writes of its length.
-        let n = unsafe { libc::recv(self.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(n as usize)
-    }
-
-    fn send_to(&self, pkt: &[u8], dst: Ipv4Addr) -> io::Result<usize> {
-        let addr = crate::udp::mmsg::sockaddr(&SocketAddrV4::new(dst, 0));
-        // SAFETY: `pkt` and `addr` are valid for reads of the lengths given.
-        let n = unsafe {
-            libc::sendto(
-                self.as_raw_fd(),
-                pkt.as_ptr().cast(),
-                pkt.len(),
-                0,
-                (&raw const addr).cast(),
-                size_of::<libc::sockaddr_in>() as libc::socklen_t,
-            )
-        };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(n as usize)
-    }
-}
 
 /// The nodes that may send us IPIP: the programs' `FLANNEL_NODES4`, read through its pin.
 struct Peers(HashMap<MapData, [u8; 4], NodeEntry>);
@@ -169,12 +92,12 @@ impl Receiver {
         counts: Family<KindLabel, Counter>,
     ) -> Result<Receiver, String> {
         let peers = Peers::open(pins).map_err(|e| e.to_string())?;
-        let rx = RawSocket::open(libc::IPPROTO_IPIP)
+        let rx = RawSocket::open(libc::IPPROTO_IPIP, true)
             .map_err(|e| format!("a raw socket for IPIP: {e}"))?;
-        if let Err(e) = rx.force_receive_buffer(RECEIVE_BUFFER) {
+        if let Err(e) = rx.set_option(libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, RECEIVE_BUFFER) {
             debug!("the IPIP socket keeps the default receive buffer: {e}");
         }
-        let tx = RawSocket::open(libc::IPPROTO_RAW)
+        let tx = RawSocket::open(libc::IPPROTO_RAW, true)
             .map_err(|e| format!("a raw socket to send decapsulated packets: {e}"))?;
         // SAFETY: the descriptor is owned by `rx`, which the AsyncFd owns and drops (closing
         // it) only after deregistering it.

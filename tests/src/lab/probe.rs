@@ -13,7 +13,7 @@ use std::{
     fmt,
     io::{Read as _, Write as _},
     net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
-    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    os::fd::AsRawFd as _,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -23,6 +23,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
+use flannel_agent::ipip_rx::RawSocket;
 
 use crate::{netns::NetNs, topology::Pod};
 
@@ -983,67 +984,17 @@ fn tcp_info(stream: &TcpStream) -> Result<libc::tcp_info> {
 /// path.
 pub fn send_ipip(ns: &NetNs, from: Option<Ipv4Addr>, to: Ipv4Addr, inner: &[u8]) -> Result<()> {
     let inner = inner.to_vec();
-    let sockaddr = |ip: Ipv4Addr| libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: 0,
-        sin_addr: libc::in_addr {
-            s_addr: u32::from_ne_bytes(ip.octets()),
-        },
-        sin_zero: [0; 8],
-    };
-    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
     ns.enter(move || -> std::io::Result<usize> {
-        let last = std::io::Error::last_os_error;
-        // SAFETY: plain socket(2); the result is checked before use.
-        let raw = unsafe {
-            libc::socket(
-                libc::AF_INET,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::IPPROTO_IPIP,
-            )
-        };
-        if raw < 0 {
-            return Err(last());
-        }
-        // SAFETY: `raw` is a fresh descriptor nobody else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let dont: libc::c_int = libc::IP_PMTUDISC_DONT;
-        // SAFETY: the option value is a c_int on the stack.
-        let rc = unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::IPPROTO_IP,
-                libc::IP_MTU_DISCOVER,
-                (&raw const dont).cast(),
-                std::mem::size_of_val(&dont) as libc::socklen_t,
-            )
-        };
-        if rc < 0 {
-            return Err(last());
-        }
+        let socket = RawSocket::open(libc::IPPROTO_IPIP, false)?;
+        socket.set_option(
+            libc::IPPROTO_IP,
+            libc::IP_MTU_DISCOVER,
+            libc::IP_PMTUDISC_DONT,
+        )?;
         if let Some(from) = from {
-            let addr = sockaddr(from);
-            // SAFETY: binds with a correctly sized sockaddr_in on the stack.
-            if unsafe { libc::bind(fd.as_raw_fd(), (&raw const addr).cast(), len) } < 0 {
-                return Err(last());
-            }
+            socket.bind(from)?;
         }
-        let addr = sockaddr(to);
-        // SAFETY: `inner` and `addr` are valid for reads of the lengths given.
-        let n = unsafe {
-            libc::sendto(
-                fd.as_raw_fd(),
-                inner.as_ptr().cast(),
-                inner.len(),
-                0,
-                (&raw const addr).cast(),
-                len,
-            )
-        };
-        if n < 0 {
-            return Err(last());
-        }
-        Ok(n as usize)
+        socket.send_to(&inner, to)
     })?
     .with_context(|| format!("sending IPIP to {to} in {}", ns.name()))?;
     Ok(())

@@ -1,0 +1,92 @@
+//! A raw IPv4 socket: the few calls the IPIP receiver (and the tests' IPIP sender) make.
+
+use std::{
+    io,
+    mem::{size_of, size_of_val},
+    net::{Ipv4Addr, SocketAddrV4},
+    os::fd::{AsRawFd, FromRawFd as _, OwnedFd, RawFd},
+};
+
+use crate::udp::mmsg::sockaddr;
+
+/// A raw IPv4 socket of one protocol.
+#[derive(Debug)]
+pub struct RawSocket(OwnedFd);
+
+impl AsRawFd for RawSocket {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+/// A system call's return value, or the error it left in `errno`.
+fn checked(rc: isize) -> io::Result<usize> {
+    usize::try_from(rc).map_err(|_| io::Error::last_os_error())
+}
+
+impl RawSocket {
+    /// A raw IPv4 socket of `protocol` (`IPPROTO_RAW`: one that sends whole IPv4 packets),
+    /// non-blocking or not.
+    pub fn open(protocol: libc::c_int, nonblocking: bool) -> io::Result<RawSocket> {
+        let mut ty = libc::SOCK_RAW | libc::SOCK_CLOEXEC;
+        if nonblocking {
+            ty |= libc::SOCK_NONBLOCK;
+        }
+        // SAFETY: plain socket(2); the descriptor is owned from here on.
+        let fd = checked(unsafe { libc::socket(libc::AF_INET, ty, protocol) } as isize)?;
+        // SAFETY: `fd` was just opened and is owned by nobody else.
+        Ok(RawSocket(unsafe { OwnedFd::from_raw_fd(fd as RawFd) }))
+    }
+
+    /// Sets the integer socket option `name` of `level`.
+    pub fn set_option(
+        &self,
+        level: libc::c_int,
+        name: libc::c_int,
+        value: libc::c_int,
+    ) -> io::Result<()> {
+        // SAFETY: the option value is a c_int that outlives the call.
+        let rc = unsafe {
+            libc::setsockopt(
+                self.as_raw_fd(),
+                level,
+                name,
+                (&raw const value).cast(),
+                size_of_val(&value) as libc::socklen_t,
+            )
+        };
+        checked(rc as isize).map(drop)
+    }
+
+    /// Binds the socket to the local address `addr` (the source of what it sends).
+    pub fn bind(&self, addr: Ipv4Addr) -> io::Result<()> {
+        let sa = sockaddr(&SocketAddrV4::new(addr, 0));
+        let len = size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        // SAFETY: `sa` is a sockaddr_in of the length given.
+        let rc = unsafe { libc::bind(self.as_raw_fd(), (&raw const sa).cast(), len) };
+        checked(rc as isize).map(drop)
+    }
+
+    /// Receives one packet into `buf` (with its IPv4 header); its length.
+    pub fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        // SAFETY: `buf` is valid for writes of its length.
+        checked(unsafe { libc::recv(self.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) })
+    }
+
+    /// Sends `pkt` to `dst`; the bytes sent.
+    pub fn send_to(&self, pkt: &[u8], dst: Ipv4Addr) -> io::Result<usize> {
+        let sa = sockaddr(&SocketAddrV4::new(dst, 0));
+        let len = size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        // SAFETY: `pkt` and `sa` are valid for reads of the lengths given.
+        checked(unsafe {
+            libc::sendto(
+                self.as_raw_fd(),
+                pkt.as_ptr().cast(),
+                pkt.len(),
+                0,
+                (&raw const sa).cast(),
+                len,
+            )
+        })
+    }
+}
