@@ -24,8 +24,7 @@
 //!
 //! A host-gw, VXLAN or IPIP decision with a resolved next hop is remembered for the flow
 //! ([`crate::memo`]): the flow's next packets are sent from that memo before this body runs.
-//! The fragments of a UDP datagram to a host-gw, VXLAN or IPIP peer follow their first
-//! fragment ([`crate::frag`]).
+//! The fragments of a UDP datagram to a remote pod follow their first fragment ([`crate::frag`]).
 //!
 //! IPv6 frames are handled by [`crate::v6`]. Everything else is handed to the kernel path
 //! unchanged (`TC_ACT_OK`), counted with a reason.
@@ -121,8 +120,6 @@ pub fn run(ctx: &TcContext) -> Outcome {
                 send(ctx, route)
             })
             .map(|action| (action, Reason::FastVxlan)),
-        // udp's fragments: `flannel0` carries what the kernel routes.
-        BridgeAction::Udp(_) if fragment.is_some() => Err(Reason::PassFragment),
         BridgeAction::Ipip(peer) => encap::ipip(ctx, cfg, &peer, &info, true)
             .and_then(|(route, mtu)| {
                 if let Some(generation) = generation {

@@ -1,5 +1,5 @@
 //! A local pod's fragmented UDP datagrams to remote pods, on the fast path like the rest of
-//! their flow (`tc_from_bridge`, host-gw, VXLAN and IPIP).
+//! their flow (`tc_from_bridge`, host-gw, VXLAN, IPIP and udp).
 //!
 //! Left to the kernel, the fragments of a flow whose other packets the programs send would
 //! cross netfilter, and the CNI bridge's masquerade (an agent without `--ip-masq`) would give
@@ -11,9 +11,9 @@
 //! fragment of a datagram not remembered (its first went to the kernel, or came after it) goes
 //! to the kernel too, so a datagram's fragments do not split between the two paths where the
 //! pod sends them in order, as Linux does. Fragments with IP options, of other protocols (TCP
-//! does not fragment, ICMP keeps working through the masquerade) or to udp peers (whose
-//! kernel-routed packets `flannel0` carries) stay with the kernel. Arriving
-//! fragments are the kernel's on the receiving node, as before. IPv6 does the same in
+//! does not fragment, ICMP keeps working through the masquerade) stay with the kernel.
+//! Arriving fragments are the kernel's on the receiving node, as before (udp: the forwarder's
+//! socket takes every inner fragment, so a datagram's fragments meet on `flannel0`). IPv6 does the same in
 //! `crate::v6` (`read_fragment`).
 
 use flannel_common::{nat::FragKey, stats::Reason};

@@ -389,7 +389,7 @@ impl Datagram {
 }
 
 /// A pod's UDP datagrams larger than its MTU (IPv4 fragments) to a remote pod keep the flow's
-/// source, as its small ones do, on VXLAN and IPIP (routed underlay) and host-gw: the agents run
+/// source, as its small ones do, on VXLAN, IPIP and udp (routed underlay) and host-gw: the agents run
 /// without `--ip-masq`, so the CNI bridge masquerades what crosses netfilter, and the
 /// fragments, sent by node1's `tc_from_bridge` like the rest of the flow
 /// (`flannel_ebpf::frag`), do not cross it. Before, they arrived from an address and port of
@@ -401,6 +401,7 @@ fn ebpf_pod_fragments_keep_their_flows_source() {
         ("vxlan", Underlay::L3),
         ("host-gw", Underlay::L2),
         ("ipip", Underlay::L3),
+        ("udp", Underlay::L3),
     ] {
         with_cluster(
             &named(EBPF, &format!("{backend} pod fragments")),

@@ -27,7 +27,7 @@ use flannel_agent::{
 };
 use flannel_common::{config::FASTPATH_MARK, stats::Reason};
 use flannel_tests::packet::{
-    self, Checksum, Ethernet, Icmp, Ipv4, ParsedL3, Tcp, Transport, Udp, hexdump,
+    self, Checksum, ETH_P_IP, Ethernet, Icmp, Ipv4, ParsedL3, Tcp, Transport, Udp, hexdump,
 };
 use ipnet::Ipv4Net;
 
@@ -143,7 +143,11 @@ fn pod_frame(ip: &Ipv4) -> Vec<u8> {
 /// `flannel0` (TTL − 1), the forwarder reads it and decides (`egress_verdict`: TTL − 1 and the
 /// peer's endpoint). Returns the datagram's payload and destination.
 fn tun_path_send(ip: &Ipv4) -> (Vec<u8>, SocketAddrV4) {
-    let mut pkt = ip.encode();
+    tun_path_send_bytes(ip.encode())
+}
+
+/// [`tun_path_send`] for a packet as bytes (a fragment).
+fn tun_path_send_bytes(mut pkt: Vec<u8>) -> (Vec<u8>, SocketAddrV4) {
     tun_packet::decrement_ttl(&mut pkt).expect("kernel forwarding");
     match egress_verdict(&mut pkt, &tun_routes()) {
         EgressVerdict::Send { to, len } => (pkt[..len].to_vec(), to),
@@ -290,6 +294,66 @@ fn bridge_encapsulates_exactly_like_the_tun_path() {
         assert_eq!(e.verdict, TC_ACT_OK);
         assert_bytes(&e.out, &own, "own datagram");
         assert!(e.counted.is_empty(), "{:?}", e.counted);
+    });
+}
+
+/// The fragments of a pod's UDP datagram to a udp peer are sent like the rest of its flow, the
+/// later ones (no ports) because their first was: each encapsulated exactly as the TUN path
+/// would send that fragment. Before, they went to `flannel0` through netfilter, where the CNI
+/// bridge's masquerade gave them the node's address. A later fragment whose first was not sent
+/// is left to `flannel0`.
+#[test]
+fn bridge_sends_a_pods_fragments_like_the_rest_of_its_flow() {
+    let Some(rig) = Rig::new("fufrag") else {
+        return;
+    };
+    rig.with_fast_path(|fp, ifs| {
+        let datagram = |id| Ipv4 {
+            id,
+            dont_fragment: false,
+            ..Ipv4::new(POD, REMOTE2, Udp::new(5353, 6000).payload(&[7; 100]))
+        };
+        let fragments = datagram(0x1111).fragments(32);
+        assert!(fragments.len() >= 3, "{} fragments", fragments.len());
+        for (i, fragment) in fragments.iter().enumerate() {
+            let what = format!("fragment {i}");
+            let frame = Ethernet::carrying(POD_MAC, BR_MAC, ETH_P_IP, fragment).encode();
+            let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+            assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
+            let (payload, to) = tun_path_send_bytes(fragment.clone());
+            let want = Ethernet::new(
+                EXT_MAC,
+                PEER2_MAC,
+                Ipv4 {
+                    id: 0,
+                    dont_fragment: true,
+                    ..Ipv4::new(
+                        IFACE,
+                        *to.ip(),
+                        Udp {
+                            checksum: Checksum::Value(0),
+                            ..Udp::new(PORT, to.port()).payload(&payload)
+                        },
+                    )
+                },
+            )
+            .encode();
+            assert_bytes(&r.out, &want, &what);
+            assert_counted(&r, &[Reason::Ipv4Fragment, Reason::FastUdp], &what);
+        }
+        let unseen = &datagram(0x2222).fragments(32)[1];
+        let frame = Ethernet::carrying(POD_MAC, BR_MAC, ETH_P_IP, unseen).encode();
+        let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
+        assert_eq!(
+            r.verdict, TC_ACT_OK,
+            "a later fragment whose first was not seen"
+        );
+        assert_bytes(&r.out, &frame, "a later fragment whose first was not seen");
+        assert_counted(
+            &r,
+            &[Reason::Ipv4Fragment, Reason::PassFragment],
+            "a later fragment whose first was not seen",
+        );
     });
 }
 
