@@ -381,6 +381,36 @@ impl Node {
         self.ns.run(argv)
     }
 
+    /// Adds a DNAT of TCP to `from` on to `to` in the node's nat PREROUTING (`iptables` or
+    /// `ip6tables` by family), as kube-proxy does for a Service's ClusterIP or a hostPort for
+    /// the node's addresses.
+    pub fn dnat_tcp(&self, from: std::net::SocketAddr, to: std::net::SocketAddr) -> Result<()> {
+        let tool = if from.is_ipv4() {
+            "iptables"
+        } else {
+            "ip6tables"
+        };
+        self.run(&[
+            tool,
+            "-w",
+            "-t",
+            "nat",
+            "-A",
+            "PREROUTING",
+            "-d",
+            &from.ip().to_string(),
+            "-p",
+            "tcp",
+            "--dport",
+            &from.port().to_string(),
+            "-j",
+            "DNAT",
+            "--to-destination",
+            &to.to_string(),
+        ])?;
+        Ok(())
+    }
+
     /// Starts `argv` in the node as a guarded process.
     pub fn spawn(&self, argv: &[&str], output: Output) -> Result<Process> {
         Process::spawn(&self.ns, argv, output)

@@ -457,25 +457,24 @@ fn ebpf_masqueraded_kernel_flow_leaves_other_pods_alone() {
             let (a, b) = (t.pods_on(1)[0], t.pods_on(1)[1]);
             let server = t.first_pod_on(2)?;
             let addr = SocketAddr::new(IpAddr::V4(server.ip()), 7100);
-            let peers = echo_server(server.ns(), addr, 2)?;
+            let peers = probe::line_echo_server(server.ns(), addr, 2)?;
             let before = fastpath::counters(t.node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
             let mut first = a.ns().enter(move || std::net::TcpStream::connect(addr))??;
             first.set_read_timeout(Some(Duration::from_secs(3)))?;
-            line_round_trip(&mut first, "a1").context("pod A's first message")?;
+            probe::line_round_trip(&mut first, "a1").context("pod A's first message")?;
             let mut second = b.ns().enter(move || connect_with_ip_options(addr))??;
             second.set_read_timeout(Some(Duration::from_secs(3)))?;
-            line_round_trip(&mut second, "b1").context("pod B's message (kernel path)")?;
+            probe::line_round_trip(&mut second, "b1").context("pod B's message (kernel path)")?;
             for i in 2..5 {
-                line_round_trip(&mut first, &format!("a{i}"))
+                probe::line_round_trip(&mut first, &format!("a{i}"))
                     .with_context(|| format!("pod A's message {i} after pod B's connection"))?;
             }
-            let seen = peers
-                .lock()
-                .map_err(|_| anyhow::anyhow!("poisoned"))?
-                .clone();
+            let seen = peers.seen();
             let node1_masq = c.subnet_of(1).context("node1's subnet")?.network();
             ensure!(
-                seen.len() == 2 && seen[0] == a.ip() && seen[1] == node1_masq,
+                seen.len() == 2
+                    && seen[0] == IpAddr::V4(a.ip())
+                    && seen[1] == IpAddr::V4(node1_masq),
                 "the server saw {seen:?}: pod A ({}) and then node1's flannel.1 address \
                  ({node1_masq}, pod B masqueraded) expected",
                 a.ip()
@@ -513,14 +512,14 @@ fn ebpf_taking_over_keeps_open_nated_connections() {
         |c| {
             let server = c.topology().first_pod_on(2)?;
             let direct = SocketAddr::new(IpAddr::V4(server.ip()), 7100);
-            let peers = echo_server(server.ns(), direct, 2)?;
+            let peers = probe::line_echo_server(server.ns(), direct, 2)?;
             let node1_masq = c.subnet_of(1).context("node1's subnet")?.network();
             let gateway = {
                 let net = c.subnet_of(2).context("node2's subnet")?.network();
                 std::net::Ipv4Addr::from(u32::from(net) + 1)
             };
             let host_port = SocketAddr::new(IpAddr::V4(gateway), 30080);
-            scenarios::dnat_tcp(c.topology().node(2), host_port, direct)?;
+            c.topology().node(2).dnat_tcp(host_port, direct)?;
             for n in [1, 2] {
                 restart_with(c, n, set_dataplane(Dataplane::Kernel))?;
             }
@@ -533,16 +532,13 @@ fn ebpf_taking_over_keeps_open_nated_connections() {
                 Ok(stream)
             };
             let mut to_pod = connect(direct)?;
-            line_round_trip(&mut to_pod, "p1").context("to the pod on the kernel path")?;
+            probe::line_round_trip(&mut to_pod, "p1").context("to the pod on the kernel path")?;
             let mut to_host_port = connect(host_port)?;
-            line_round_trip(&mut to_host_port, "h1")
+            probe::line_round_trip(&mut to_host_port, "h1")
                 .context("to the hostPort on the kernel path")?;
-            let seen = peers
-                .lock()
-                .map_err(|_| anyhow::anyhow!("poisoned"))?
-                .clone();
+            let seen = peers.seen();
             ensure!(
-                seen == [node1_masq, node1_masq],
+                seen == [IpAddr::V4(node1_masq); 2],
                 "the server saw {seen:?}: node1's flannel.1 address ({node1_masq}) twice \
                  expected (both connections masqueraded by node1's CNI bridge)"
             );
@@ -553,10 +549,10 @@ fn ebpf_taking_over_keeps_open_nated_connections() {
             let t = c.topology();
             let before = [1, 2].map(|n| fastpath::counters(t.node(n).ns(), DEFAULT_HEALTHZ_PORT));
             for i in 2..5 {
-                line_round_trip(&mut to_pod, &format!("p{i}")).with_context(|| {
+                probe::line_round_trip(&mut to_pod, &format!("p{i}")).with_context(|| {
                     format!("message {i} to the pod after the fast path took over")
                 })?;
-                line_round_trip(&mut to_host_port, &format!("h{i}")).with_context(|| {
+                probe::line_round_trip(&mut to_host_port, &format!("h{i}")).with_context(|| {
                     format!("message {i} to the hostPort after the fast path took over")
                 })?;
             }
@@ -640,25 +636,22 @@ fn moving_back(extra: Option<&str>) {
                 (t.first_pod_on(2)?.ip(), t.first_pod_on(1)?.ip())
             };
             let addr = SocketAddr::new(IpAddr::V4(server_ip), 7100);
-            let peers = echo_server(c.topology().first_pod_on(2)?.ns(), addr, 1)?;
+            let peers = probe::line_echo_server(c.topology().first_pod_on(2)?.ns(), addr, 1)?;
             let mut stream = c
                 .topology()
                 .first_pod_on(1)?
                 .ns()
                 .enter(move || std::net::TcpStream::connect(addr))??;
             stream.set_read_timeout(Some(Duration::from_secs(3)))?;
-            line_round_trip(&mut stream, "m1").context("on the fast path")?;
+            probe::line_round_trip(&mut stream, "m1").context("on the fast path")?;
             restart_with(c, 1, set_dataplane(Dataplane::Kernel))?;
             fastpath::expect_path(c.topology().node(1).ns(), DEFAULT_HEALTHZ_PORT, "kernel")?;
             for i in 2..5 {
-                line_round_trip(&mut stream, &format!("m{i}"))
+                probe::line_round_trip(&mut stream, &format!("m{i}"))
                     .with_context(|| format!("message {i} after the move to the kernel path"))?;
             }
-            let seen = peers
-                .lock()
-                .map_err(|_| anyhow::anyhow!("poisoned"))?
-                .clone();
-            ensure!(seen == [client_ip], "the server saw {seen:?}");
+            let seen = peers.seen();
+            ensure!(seen == [IpAddr::V4(client_ip)], "the server saw {seen:?}");
             let table = c
                 .topology()
                 .node(1)
@@ -703,15 +696,15 @@ fn ebpf_lost_kernel_flows_come_back_from_conntrack() {
             let t = c.topology();
             let (client, server) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
             let backend = SocketAddr::new(IpAddr::V4(server.ip()), 7100);
-            echo_server(server.ns(), backend, 1)?;
+            probe::line_echo_server(server.ns(), backend, 1)?;
             let service = SocketAddr::new("10.96.0.10".parse()?, 80);
-            scenarios::dnat_tcp(t.node(1), service, backend)?;
+            t.node(1).dnat_tcp(service, backend)?;
             let mut stream = client
                 .ns()
                 .enter(move || std::net::TcpStream::connect(service))??;
             stream.set_read_timeout(Some(Duration::from_secs(3)))?;
             let local_port = stream.local_addr()?.port().to_be_bytes();
-            line_round_trip(&mut stream, "s1").context("through the Service")?;
+            probe::line_round_trip(&mut stream, "s1").context("through the Service")?;
             let pins = t.node(1).bpf_pin_path();
             let ours = |k: &flannel_common::flow::FlowKey| {
                 k.local_addr == client.ip().octets()
@@ -720,46 +713,22 @@ fn ebpf_lost_kernel_flows_come_back_from_conntrack() {
                     && k.remote_port == 7100u16.to_be_bytes()
                     && k.proto == 6
             };
-            wait::until_ok(CONVERGE, "node1 to learn the Service connection", || {
-                let flows = fastpath::kernel_flows(pins)?;
-                ensure!(flows.iter().any(ours), "kernel flows {flows:?}");
-                Ok(())
-            })?;
-            let kept = || {
-                status::metric_sum(
-                    t.node(1).ns(),
-                    DEFAULT_HEALTHZ_PORT,
-                    "flannel_fastpath_conntrack_kept_total",
-                    "kind=\"kernel_flow\"",
-                )
-            };
-            // Idle: the last ACKs of the round trip (which the kernel path would learn from
-            // again) are out before the entry goes.
-            std::thread::sleep(Duration::from_millis(300));
-            let before = kept()?;
-            let removed = fastpath::clear_kernel_flows(pins)?;
-            ensure!(removed >= 1, "node1's kernel-flow table was empty");
-            wait::until_ok(
-                CONVERGE,
-                "the connection's entry back from conntrack",
-                || {
-                    let flows = fastpath::kernel_flows(pins)?;
-                    ensure!(flows.iter().any(ours), "kernel flows {flows:?}");
-                    Ok(())
-                },
-            )?;
-            let after = kept()?;
-            ensure!(
-                after >= before + 1.0,
-                "node1 counted {before} then {after} kernel flows kept from conntrack"
-            );
+            let node1 = t.node(1).ns();
+            let after =
+                fastpath::kernel_flow_comes_back(node1, DEFAULT_HEALTHZ_PORT, pins, ours, CONVERGE)
+                    .context("node1")?;
             for i in 2..5 {
-                line_round_trip(&mut stream, &format!("s{i}"))
+                probe::line_round_trip(&mut stream, &format!("s{i}"))
                     .with_context(|| format!("message {i} through the Service"))?;
             }
             // Later resyncs find the entry there: refreshed, not counted again.
             std::thread::sleep(Duration::from_millis(2500));
-            let later = kept()?;
+            let later = status::metric_sum(
+                node1,
+                DEFAULT_HEALTHZ_PORT,
+                "flannel_fastpath_conntrack_kept_total",
+                "kind=\"kernel_flow\"",
+            )?;
             ensure!(
                 later == after,
                 "node1 counted {after} then {later} kernel flows kept: the resyncs re-added an \
@@ -772,51 +741,6 @@ fn ebpf_lost_kernel_flows_come_back_from_conntrack() {
             Ok(())
         },
     );
-}
-
-/// A TCP server in `ns` on `addr` that accepts `connections` connections and echoes each line
-/// back on every one until its client closes it; the peer address of each connection it
-/// accepted, in order. (Bounded, so that no socket outlives the test's namespaces.)
-fn echo_server(
-    ns: &NetNs,
-    addr: SocketAddr,
-    connections: usize,
-) -> Result<std::sync::Arc<std::sync::Mutex<Vec<std::net::Ipv4Addr>>>> {
-    use std::io::{BufRead as _, Write as _};
-    let listener = ns.enter(move || std::net::TcpListener::bind(addr))??;
-    let peers = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let seen = peers.clone();
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten().take(connections) {
-            if let Ok(SocketAddr::V4(peer)) = conn.peer_addr()
-                && let Ok(mut list) = seen.lock()
-            {
-                list.push(*peer.ip());
-            }
-            std::thread::spawn(move || {
-                let Ok(mut out) = conn.try_clone() else {
-                    return;
-                };
-                for line in std::io::BufReader::new(conn).lines() {
-                    let Ok(line) = line else { return };
-                    if writeln!(out, "{line}").is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    Ok(peers)
-}
-
-/// Sends `text` and a newline on `stream` and reads the same line back.
-fn line_round_trip(stream: &mut std::net::TcpStream, text: &str) -> Result<()> {
-    use std::io::{Read as _, Write as _};
-    stream.write_all(format!("{text}\n").as_bytes())?;
-    let mut got = vec![0u8; text.len() + 1];
-    stream.read_exact(&mut got)?;
-    ensure!(got == format!("{text}\n").as_bytes(), "echoed {got:?}");
-    Ok(())
 }
 
 /// A TCP connection to `addr` whose every packet carries IP options (three NOPs and an end of

@@ -21,6 +21,8 @@
 //!   carried when its node moves back.
 //! * `ipv6_traffic_crosses_an_agent_restart`: ICMPv6 echoes and a TCP ping-pong over IPv6
 //!   lose nothing while node 1's agent is down and restarts.
+//! * `ipv6_lost_kernel_flows_come_back_from_conntrack`: an idle IPv6 Service connection whose
+//!   kernel-flow entry was removed gets it back from conntrack within a resync, and goes on.
 //! * `ipv6_fragments_and_extension_headers_arrive` (vxlan over a routed underlay, host-gw):
 //!   IPv6 fragments and packets with extension headers reach the remote pod intact, a pod's
 //!   fragments sent like the rest of its flow, from its own address.
@@ -74,6 +76,18 @@ fn dual_stack_cluster_masq(
     dataplane: Dataplane,
     ip_masq: bool,
 ) -> Result<Cluster> {
+    let spec = dual_stack_spec(nodes, backend, underlay, dataplane, ip_masq)?;
+    Cluster::up(spec, &|line| eprintln!("{line}"), &|| false)
+}
+
+/// The specification [`dual_stack_cluster_masq`] brings up.
+fn dual_stack_spec(
+    nodes: usize,
+    backend: &str,
+    underlay: Underlay,
+    dataplane: Dataplane,
+    ip_masq: bool,
+) -> Result<ClusterSpec> {
     let topology = TopologySpec::new(nodes, underlay)
         .ipv6(true)
         .cni_plugin(bins::test_cni_plugin()?);
@@ -82,7 +96,7 @@ fn dual_stack_cluster_masq(
     spec.pods_per_node = 1;
     spec.ip_masq = ip_masq;
     spec.dataplane = dataplane;
-    Cluster::up(spec, &|line| eprintln!("{line}"), &|| false)
+    Ok(spec)
 }
 
 /// Packets the fast path of the agent in `ns` counted under `reason` (any program).
@@ -701,6 +715,67 @@ fn connection_crosses_a_move(from: Dataplane, to: Dataplane) -> Result<()> {
     let _ = rr_server.kill();
     let _ = rr_server.wait();
     outcome
+}
+
+/// An IPv6 Service connection's kernel-flow entry lost from `FLANNEL_KFLOWS6` (as the LRU
+/// evicts a long-idle one) comes back from conntrack within a resync
+/// (`--ebpf-conntrack-resync=1`), with no packet of the connection to learn it from: else a
+/// packet the backend sends before the client's next one (which would teach the programs the
+/// flow again) would be delivered past the stack, from the pod's own address instead of the
+/// Service's, and the client would reset it. Without the resync the entry never comes back. A pod on node 1 connects to an
+/// ip6tables DNAT (a kube-proxy ClusterIP) to node 2's pod over VXLAN, with `--ip-masq`; the
+/// connection is idle while its entry is removed and comes back; node 1 counts it as kept, and
+/// the connection goes on. The IPv4 twin is `agent_ebpf::ebpf_lost_kernel_flows_come_back_from_conntrack`.
+#[test]
+fn ipv6_lost_kernel_flows_come_back_from_conntrack() {
+    require_root!();
+    require_ebpf_object!();
+    check(lost_kernel_flows_come_back());
+}
+
+fn lost_kernel_flows_come_back() -> Result<()> {
+    let mut spec = dual_stack_spec(2, "vxlan", Underlay::L2, Dataplane::Ebpf, true)?;
+    spec.agent_args.push("--ebpf-conntrack-resync=1".into());
+    let cluster = Cluster::up(spec, &|line| eprintln!("{line}"), &|| false)?;
+    let t = cluster.topology();
+    let (client, server) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
+    let (client_ip, server_ip) = (client.ip6_required()?, server.ip6_required()?);
+    let backend = SocketAddr::new(IpAddr::V6(server_ip), 7100);
+    let peers = probe::line_echo_server(server.ns(), backend, 1)?;
+    let service = SocketAddr::new("fd00:96::10".parse()?, 80);
+    t.node(1).dnat_tcp(service, backend)?;
+    let mut stream = client
+        .ns()
+        .enter(move || std::net::TcpStream::connect_timeout(&service, Duration::from_secs(5)))??;
+    stream.set_read_timeout(Some(Duration::from_secs(3)))?;
+    let local_port = stream.local_addr()?.port().to_be_bytes();
+    probe::line_round_trip(&mut stream, "s1").context("through the Service")?;
+    let pins = t.node(1).bpf_pin_path();
+    let ours = |k: &flannel_common::v6::FlowKey6| {
+        k.local_addr == client_ip.octets()
+            && k.remote_addr == server_ip.octets()
+            && k.local_port == local_port
+            && k.remote_port == 7100u16.to_be_bytes()
+            && k.proto == 6
+    };
+    fastpath::kernel_flow_comes_back(
+        t.node(1).ns(),
+        DEFAULT_HEALTHZ_PORT,
+        pins,
+        ours,
+        Duration::from_secs(20),
+    )
+    .context("node 1")?;
+    for i in 2..5 {
+        probe::line_round_trip(&mut stream, &format!("s{i}"))
+            .with_context(|| format!("message {i} through the Service"))?;
+    }
+    let seen = peers.seen();
+    ensure!(
+        seen == [IpAddr::V6(client_ip)],
+        "the server saw {seen:?}, not the pod {client_ip} once"
+    );
+    Ok(())
 }
 
 #[test]

@@ -13,7 +13,7 @@ use std::{
     path::Path,
 };
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result, bail, ensure};
 use aya::{
     maps::{Map, MapData, MapInfo, lpm_trie::Key, lpm_trie::LpmTrie},
     programs::links::{FdLink, PinnedLink},
@@ -24,10 +24,14 @@ use flannel_common::{
     maps as names, programs,
     route::{NodeEntry, RemoteEntry, RouteKind},
     stats::Reason,
+    v6::{self, FlowKey6},
 };
 use ipnet::Ipv4Net;
 
-use super::status::{self, Sample};
+use super::{
+    status::{self, Sample},
+    wait,
+};
 use crate::netns::NetNs;
 
 /// One entry of the route map (`FLANNEL_ROUTES4`), decoded.
@@ -401,34 +405,96 @@ fn pinned_map(pin_path: &Path, name: &str) -> Result<Map> {
     Map::from_map_data(data).with_context(|| format!("map {name}"))
 }
 
-/// The kernel-flow table (`FLANNEL_KFLOWS4`) pinned under `pin_path`.
-fn kernel_flow_table(pin_path: &Path) -> Result<aya::maps::HashMap<MapData, FlowKey, u32>> {
-    aya::maps::HashMap::try_from(pinned_map(pin_path, names::KERNEL_FLOWS4)?)
-        .context("kernel-flow table key/value sizes")
+/// The key of a kernel-flow table: [`FlowKey`] in `FLANNEL_KFLOWS4`, [`FlowKey6`] in
+/// `FLANNEL_KFLOWS6`.
+pub trait KernelFlowKey: aya::Pod + fmt::Debug {
+    /// The table's pinned name.
+    const TABLE: &'static str;
+}
+
+impl KernelFlowKey for FlowKey {
+    const TABLE: &'static str = names::KERNEL_FLOWS4;
+}
+
+impl KernelFlowKey for FlowKey6 {
+    const TABLE: &'static str = v6::KERNEL_FLOWS6;
+}
+
+/// The kernel-flow table of `K`s pinned under `pin_path`.
+fn kernel_flow_table<K: KernelFlowKey>(
+    pin_path: &Path,
+) -> Result<aya::maps::HashMap<MapData, K, u32>> {
+    aya::maps::HashMap::try_from(pinned_map(pin_path, K::TABLE)?)
+        .with_context(|| format!("{}: key/value sizes", K::TABLE))
 }
 
 /// The keys of `table`.
-fn keys_of(table: &aya::maps::HashMap<MapData, FlowKey, u32>) -> Result<Vec<FlowKey>> {
+fn keys_of<K: KernelFlowKey>(table: &aya::maps::HashMap<MapData, K, u32>) -> Result<Vec<K>> {
     table
         .keys()
         .collect::<Result<_, _>>()
-        .context("reading the kernel-flow table")
+        .with_context(|| format!("reading {}", K::TABLE))
 }
 
-/// The keys of the kernel-flow table (`FLANNEL_KFLOWS4`) pinned under `pin_path`.
-pub fn kernel_flows(pin_path: &Path) -> Result<Vec<FlowKey>> {
+/// The keys of the kernel-flow table of `K`s pinned under `pin_path`.
+pub fn kernel_flows<K: KernelFlowKey>(pin_path: &Path) -> Result<Vec<K>> {
     keys_of(&kernel_flow_table(pin_path)?)
 }
 
-/// Empties the kernel-flow table pinned under `pin_path`, as the LRU's eviction would;
-/// returns how many entries it removed.
-pub fn clear_kernel_flows(pin_path: &Path) -> Result<usize> {
-    let mut table = kernel_flow_table(pin_path)?;
+/// Empties the kernel-flow table of `K`s pinned under `pin_path`, as the LRU's eviction
+/// would; returns how many entries it removed.
+pub fn clear_kernel_flows<K: KernelFlowKey>(pin_path: &Path) -> Result<usize> {
+    let mut table = kernel_flow_table::<K>(pin_path)?;
     let keys = keys_of(&table)?;
     for key in &keys {
         table.remove(key).context("removing a kernel flow")?;
     }
     Ok(keys.len())
+}
+
+/// The agent in `ns` (metrics on `port`, pins under `pin_path`) learns the idle connection
+/// whose kernel-flow key `ours` matches within `timeout`; then its table is emptied, as the
+/// LRU's eviction would, and the agent must put the entry back from conntrack within
+/// `timeout` (its `--ebpf-conntrack-resync`) and count it in
+/// `flannel_fastpath_conntrack_kept_total{kind="kernel_flow"}`. Returns that count after.
+pub fn kernel_flow_comes_back<K: KernelFlowKey>(
+    ns: &NetNs,
+    port: u16,
+    pin_path: &Path,
+    ours: impl Fn(&K) -> bool,
+    timeout: std::time::Duration,
+) -> Result<f64> {
+    let present = || {
+        let flows = kernel_flows::<K>(pin_path)?;
+        ensure!(flows.iter().any(&ours), "{}: {flows:?}", K::TABLE);
+        Ok(())
+    };
+    let kept = || {
+        status::metric_sum(
+            ns,
+            port,
+            "flannel_fastpath_conntrack_kept_total",
+            "kind=\"kernel_flow\"",
+        )
+    };
+    wait::until_ok(timeout, "the agent to learn the connection", present)?;
+    // Idle: the last ACKs (which the programs would learn from again) are out before the
+    // entry goes.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let before = kept()?;
+    let removed = clear_kernel_flows::<K>(pin_path)?;
+    ensure!(removed >= 1, "{} was empty", K::TABLE);
+    wait::until_ok(
+        timeout,
+        "the connection's entry back from conntrack",
+        present,
+    )?;
+    let after = kept()?;
+    ensure!(
+        after >= before + 1.0,
+        "the agent counted {before} then {after} kernel flows kept from conntrack"
+    );
+    Ok(after)
 }
 
 #[cfg(test)]

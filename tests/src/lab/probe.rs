@@ -5,7 +5,8 @@
 //! datagrams awaited by payload ([`udp_listener`], [`recv_payload`]), a
 //! continuous UDP request stream ([`UdpStream`] against a [`UdpEcho`]) that counts every
 //! lost request, and a long paced TCP transfer ([`TcpFlow`]) that reports retransmissions
-//! and its longest stall. [`send_ipip`] sends an IPIP packet the way a kernel tunnel
+//! and its longest stall. A line echo server ([`line_echo_server`], [`line_round_trip`])
+//! keeps a connection open and idle between round trips. [`send_ipip`] sends an IPIP packet the way a kernel tunnel
 //! without path MTU discovery does, fragmented when it does not fit.
 
 use std::{
@@ -102,6 +103,68 @@ impl Drop for Responder {
             let _ = t.join();
         }
     }
+}
+
+/// The peer address of each connection a [`line_echo_server`] accepted, in order.
+#[derive(Debug, Clone, Default)]
+pub struct Peers(Arc<std::sync::Mutex<Vec<IpAddr>>>);
+
+impl Peers {
+    /// The addresses so far.
+    pub fn seen(&self) -> Vec<IpAddr> {
+        self.0
+            .lock()
+            .map(|p| p.clone())
+            .unwrap_or_else(|e| e.into_inner().clone())
+    }
+
+    fn push(&self, peer: IpAddr) {
+        match self.0.lock() {
+            Ok(mut p) => p.push(peer),
+            Err(e) => e.into_inner().push(peer),
+        }
+    }
+}
+
+/// A TCP server in `ns` on `addr` that accepts `connections` connections and echoes each line
+/// back on every one until its client closes it (so a connection can stay open and idle
+/// between round trips, [`line_round_trip`]). Bounded, so that no socket outlives the test's
+/// namespaces.
+pub fn line_echo_server(ns: &NetNs, addr: SocketAddr, connections: usize) -> Result<Peers> {
+    use std::io::BufRead as _;
+    let listener = ns
+        .enter(move || TcpListener::bind(addr))?
+        .with_context(|| format!("bind {addr} in {}", ns.name()))?;
+    let peers = Peers::default();
+    let seen = peers.clone();
+    thread::spawn(move || {
+        for conn in listener.incoming().flatten().take(connections) {
+            if let Ok(peer) = conn.peer_addr() {
+                seen.push(peer.ip());
+            }
+            thread::spawn(move || {
+                let Ok(mut out) = conn.try_clone() else {
+                    return;
+                };
+                for line in std::io::BufReader::new(conn).lines() {
+                    let Ok(line) = line else { return };
+                    if writeln!(out, "{line}").is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    Ok(peers)
+}
+
+/// Sends `text` and a newline on `stream` and reads the same line back.
+pub fn line_round_trip(stream: &mut TcpStream, text: &str) -> Result<()> {
+    stream.write_all(format!("{text}\n").as_bytes())?;
+    let mut got = vec![0u8; text.len() + 1];
+    stream.read_exact(&mut got)?;
+    ensure!(got == format!("{text}\n").as_bytes(), "echoed {got:?}");
+    Ok(())
 }
 
 /// Connects from `from` to a [`Responder`] at `target`, sends a token and checks the echo.

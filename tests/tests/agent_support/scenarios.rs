@@ -814,34 +814,6 @@ pub fn direct_routing_on_mixed_underlay(c: &mut Cluster) -> Result<()> {
     )
 }
 
-/// Adds a DNAT of TCP to `from` on to `to` in node `node`'s nat PREROUTING, as kube-proxy
-/// does for a Service's ClusterIP or a hostPort does for the node's addresses.
-pub fn dnat_tcp(
-    node: &flannel_tests::topology::Node,
-    from: std::net::SocketAddr,
-    to: std::net::SocketAddr,
-) -> Result<()> {
-    node.run(&[
-        "iptables",
-        "-w",
-        "-t",
-        "nat",
-        "-A",
-        "PREROUTING",
-        "-d",
-        &from.ip().to_string(),
-        "-p",
-        "tcp",
-        "--dport",
-        &from.port().to_string(),
-        "-j",
-        "DNAT",
-        "--to-destination",
-        &to.to_string(),
-    ])?;
-    Ok(())
-}
-
 /// A Service the way kube-proxy implements it: a DNAT in nat PREROUTING from a ClusterIP to a
 /// pod on another node. The pod's packets to the ClusterIP meet that rule on the pod bridge
 /// (br_netfilter, on here as in every kubeadm cluster) and must come back un-DNATed, so the
@@ -857,7 +829,7 @@ pub fn service_dnat_to_a_remote_pod(dataplane: Dataplane, backend: &str) {
             let responder = probe::Responder::start(server.ns(), IpAddr::V4(server.ip()), 0)?;
             let backend_addr = responder.addr();
             let target = std::net::SocketAddr::new("10.96.0.10".parse()?, 80);
-            dnat_tcp(topo.node(1), target, backend_addr)?;
+            topo.node(1).dnat_tcp(target, backend_addr)?;
             for i in 0..5 {
                 probe::tcp_probe(client.ns(), target, PROBE)
                     .with_context(|| format!("connection {i} to the Service {target}"))?;
