@@ -274,6 +274,12 @@ pub struct Cli {
     #[arg(long, default_value = "10", value_parser = parse_seconds)]
     pub ebpf_conntrack_resync: u64,
 
+    /// seconds IPIP packets carrying an inner fragment keep going to the agent's IPIP socket
+    /// after the last IPIP packet a router fragmented on its way here (eBPF IPIP without a
+    /// kernel ipip device)
+    #[arg(long, default_value = "600", value_parser = parse_seconds)]
+    pub ebpf_ipip_reassembly_hold: u64,
+
     /// destinations (comma-separated CIDRs) pod traffic is never masqueraded to, with
     /// iptables, nftables or eBPF masquerade
     #[arg(long, value_delimiter = ',', action = ArgAction::Append)]
@@ -527,6 +533,7 @@ mod tests {
             "--ebpf-nat-port-range=20000-29999",
             "--ebpf-nat-sweep-interval=2",
             "--ebpf-conntrack-resync=3",
+            "--ebpf-ipip-reassembly-hold=5",
             "--ip-masq-exclude-cidrs=100.64.0.0/10,192.0.2.0/24",
             "--ip-masq-exclude-cidrs",
             "fd00:64::/64",
@@ -536,6 +543,7 @@ mod tests {
         assert_eq!(c.ebpf_nat_port_range, Some((20000, 29999)));
         assert_eq!(c.ebpf_nat_sweep_interval, 2);
         assert_eq!(c.ebpf_conntrack_resync, 3);
+        assert_eq!(c.ebpf_ipip_reassembly_hold, 5);
         let nets: Vec<String> = c
             .ip_masq_exclude_cidrs
             .iter()
@@ -607,6 +615,7 @@ mod tests {
         assert_eq!(c.ebpf_nat_port_range, None);
         assert_eq!(c.ebpf_nat_sweep_interval, 30);
         assert_eq!(c.ebpf_conntrack_resync, 10);
+        assert_eq!(c.ebpf_ipip_reassembly_hold, 600);
         assert!(c.ip_masq_exclude_cidrs.is_empty());
         assert_eq!(c.bpf_pin_path, PathBuf::from("/sys/fs/bpf/flannel"));
         assert_eq!(c.state_dir, PathBuf::from("/var/lib/flannel"));

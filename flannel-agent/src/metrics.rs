@@ -212,6 +212,9 @@ pub struct Metrics {
     /// IPIP packets that arrived in fragments and were reassembled by the kernel, taken by
     /// [`crate::ipip_rx`]: `delivered`, or why each was dropped.
     pub ipip_reassembled: Family<KindLabel, Counter>,
+    /// 1 while IPIP packets that carry an inner fragment go to [`crate::ipip_rx`] too
+    /// (`CFG_IPIP_USER_RX`: a router was seen fragmenting IPIP), 0 otherwise.
+    pub ipip_inner_fragments_to_agent: Gauge,
     /// Per fast-path program: the instructions the verifier processed to load it.
     fastpath_program_verified: Family<ProgramLabel, Gauge>,
     /// Per fast-path program: how long its load took, in seconds.
@@ -282,6 +285,14 @@ impl Metrics {
              by the agent (eBPF IPIP without a kernel ipip device): delivered, or why dropped",
             ipip_reassembled.clone(),
         );
+        let ipip_inner_fragments_to_agent = Gauge::default();
+        registry.register(
+            "ipip_inner_fragments_to_agent",
+            "1 while the fast path leaves IPIP packets that carry an inner fragment to the \
+             agent's IPIP socket (a router was seen fragmenting IPIP on its way here), 0 while \
+             it decapsulates them itself",
+            ipip_inner_fragments_to_agent.clone(),
+        );
         let fastpath_program_verified = Family::<ProgramLabel, Gauge>::default();
         registry.register(
             "fastpath_program_verified_instructions",
@@ -331,6 +342,7 @@ impl Metrics {
             fastpath_pod_ports,
             fastpath_conntrack_kept,
             ipip_reassembled,
+            ipip_inner_fragments_to_agent,
             fastpath_program_verified,
             fastpath_program_load,
             reconcile_runs,

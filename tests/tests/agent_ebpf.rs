@@ -221,7 +221,11 @@ fn ebpf_ipip_crosses_a_narrower_path() {
 ///   `drop_unknown_peer` (as the programs refuse its whole packets);
 /// - with node1's agent stopped (its programs stay attached), a datagram in fragments whose
 ///   IPIP packets arrive whole still reaches the pod: the agent told the programs, on its
-///   way out, to decapsulate inner fragments themselves again.
+///   way out, to decapsulate inner fragments themselves again;
+/// - node1's agent back with `--ebpf-ipip-reassembly-hold=2`: a packet fragmented on the way
+///   sends inner fragments to the agent again (`flannel_ipip_inner_fragments_to_agent` 1);
+///   2 s without another, they go back to the program (gauge 0), and a datagram in fragments
+///   whose IPIP packets arrive whole is decapsulated by it, not by the agent.
 #[test]
 fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
     require_root!();
@@ -240,17 +244,17 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
             ])?;
             let (to, from) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
             let rx = probe::udp_listener(to.ns(), SocketAddr::new(IpAddr::V4(to.ip()), 6000))?;
+            let (to_ip, from_ip) = (to.ip(), from.ip());
             let metric = "flannel_ipip_reassembled_packets_total";
-            let count = |kind: &str| {
-                status::metric_sum(
-                    node1.ns(),
-                    DEFAULT_HEALTHZ_PORT,
-                    metric,
-                    &format!("kind=\"{kind}\""),
-                )
+            let node1_metric = |c: &Cluster, name: &str, label: &str| {
+                status::metric_sum(c.topology().node(1).ns(), DEFAULT_HEALTHZ_PORT, name, label)
             };
+            let count =
+                |c: &Cluster, kind: &str| node1_metric(c, metric, &format!("kind=\"{kind}\""));
+            let to_agent =
+                |c: &Cluster| node1_metric(c, "flannel_ipip_inner_fragments_to_agent", "");
             let delivered = |want: f64| -> Result<()> {
-                let got = count("delivered")?;
+                let got = count(c, "delivered")?;
                 ensure!(got == want, "delivered: {got}, not {want}");
                 Ok(())
             };
@@ -260,33 +264,44 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
                 let ip = Ipv4 {
                     id: sport,
                     dont_fragment: false,
-                    ..Ipv4::new(from.ip(), to.ip(), Udp::new(sport, 6000).payload(payload))
+                    ..Ipv4::new(from_ip, to_ip, Udp::new(sport, 6000).payload(payload))
                 };
                 Datagram {
                     packets: size.map_or_else(|| vec![ip.encode()], |size| ip.fragments(size)),
                     payload: payload.to_vec(),
-                    source: SocketAddr::new(IpAddr::V4(from.ip()), sport),
+                    source: SocketAddr::new(IpAddr::V4(from_ip), sport),
                 }
             };
 
             // Until a router is seen fragmenting IPIP, the program decapsulates inner
             // fragments itself: a datagram in fragments whose IPIP packets arrive whole never
             // goes through the agent.
-            let before = fastpath::counters(node1.ns(), DEFAULT_HEALTHZ_PORT)?;
-            datagram(&pattern(2000), 40999, Some(800)).send_from_node2(
-                t,
-                &rx,
-                "a datagram in fragments, each IPIP packet whole",
-            )?;
-            let after = fastpath::counters(node1.ns(), DEFAULT_HEALTHZ_PORT)?;
-            let (b, a) = (&before.packets, &after.packets);
-            let decapsulated = fastpath::grown(b, a, "tc_from_netdev", "fast_decap_ipip");
+            // (The program's count of the fragments it decapsulated, the agent's of the
+            // packets it delivered.)
+            let decapsulated_by_program = |c: &Cluster, sport: u16| -> Result<()> {
+                let before = fastpath::counters(c.topology().node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
+                let delivered = count(c, "delivered")?;
+                datagram(&pattern(2000), sport, Some(800)).send_from_node2(
+                    c.topology(),
+                    &rx,
+                    "a datagram in fragments, each IPIP packet whole",
+                )?;
+                let after = fastpath::counters(c.topology().node(1).ns(), DEFAULT_HEALTHZ_PORT)?;
+                let (b, a) = (&before.packets, &after.packets);
+                let decapsulated = fastpath::grown(b, a, "tc_from_netdev", "fast_decap_ipip");
+                let by_agent = count(c, "delivered")? - delivered;
+                ensure!(
+                    decapsulated == 3 && by_agent == 0.0,
+                    "the program decapsulated {decapsulated} of the 3 fragments, the agent \
+                     delivered {by_agent}; what moved: {}",
+                    fastpath::growth_text(b, a)
+                );
+                Ok(())
+            };
+            decapsulated_by_program(c, 40999)?;
             ensure!(
-                decapsulated == 3 && count("delivered")? == 0.0,
-                "the program decapsulated {decapsulated} of the 3 fragments, the agent delivered \
-                 {}; what moved: {}",
-                count("delivered")?,
-                fastpath::growth_text(b, a)
+                to_agent(c)? == 0.0,
+                "inner fragments go to the agent already"
             );
 
             // The pods' MTU (1,500 less the IPIP header), all of it: the router fragments it.
@@ -331,7 +346,7 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
                 CONVERGE,
                 "the router's packet counted as from an unknown peer",
                 || {
-                    let dropped = count("drop_unknown_peer")?;
+                    let dropped = count(c, "drop_unknown_peer")?;
                     ensure!(dropped == 1.0, "drop_unknown_peer: {dropped}");
                     Ok(())
                 },
@@ -341,6 +356,11 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
                 "the router's IPIP packet was delivered"
             );
             delivered(4.0)?;
+
+            ensure!(
+                to_agent(c)? == 1.0,
+                "inner fragments do not go to the agent"
+            );
 
             // node1's agent stops (its programs stay attached): they decapsulate inner
             // fragments themselves again, and a datagram in fragments whose IPIP packets
@@ -353,7 +373,27 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
                 c.topology(),
                 &rx,
                 "a datagram in fragments while node1's agent is down",
-            )
+            )?;
+
+            // Back with a hold of 2 s: a packet fragmented on the way sends inner fragments
+            // to the agent; 2 s without another, they go back to the program.
+            restart_with(c, 1, |args| {
+                args.push("--ebpf-ipip-reassembly-hold=2".into());
+            })?;
+            datagram(&pattern(1480 - 28), 41003, None).send_from_node2(
+                c.topology(),
+                &rx,
+                "after the restart, a packet fragmented on the way",
+            )?;
+            wait::until_ok(CONVERGE, "inner fragments to the agent", || {
+                ensure!(to_agent(c)? == 1.0, "not yet");
+                Ok(())
+            })?;
+            wait::until_ok(CONVERGE, "inner fragments back to the program", || {
+                ensure!(to_agent(c)? == 0.0, "still to the agent");
+                Ok(())
+            })?;
+            decapsulated_by_program(c, 41004)
         },
     );
 }

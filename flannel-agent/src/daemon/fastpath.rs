@@ -9,6 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use prometheus_client::metrics::gauge::Gauge;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -132,34 +133,42 @@ pub fn ipip_receiver(
 }
 
 /// Runs the IPIP receiver until `cancel`. The programs decapsulate IPIP inner fragments
-/// themselves until the receiver takes its first packet from a peer, i.e. until a router is
-/// seen fragmenting a peer's IPIP (a peer whose kernel device copies DF): from then on they
-/// leave those to the agent too (`CFG_IPIP_USER_RX`), so that a datagram whose fragments
-/// partly come through the agent meets conntrack at one hook. Where no router fragments IPIP
-/// (our nodes without the module send DF), inner fragments never make the trip to user space.
-/// When the receiver stops (shutdown, or its socket failed) the flag is cleared again, so that
+/// themselves until the receiver takes a packet from a peer that the kernel reassembled, i.e.
+/// until a router is seen fragmenting a peer's IPIP (a peer whose kernel device copies DF):
+/// from then on they leave those to the agent too (`CFG_IPIP_USER_RX`, shown by the gauge
+/// `flannel_ipip_inner_fragments_to_agent`), so that a datagram whose fragments partly come
+/// through the agent meets conntrack at one hook. Where no router fragments IPIP (our nodes
+/// without the module send DF), inner fragments never make the trip to user space; where one
+/// did, they go back to the programs once `hold` passes without another such packet. When
+/// the receiver stops (shutdown, or its socket failed) the flag is cleared again, so that
 /// while the agent is down (the programs stay attached) inner fragments are not left to a
 /// kernel that has no receiver for them.
 pub async fn run_ipip_receiver(
     fast_path: SharedFastPath,
     receiver: crate::ipip_rx::Receiver,
     local: &Local,
+    hold: Duration,
+    gauge: Gauge,
     cancel: CancellationToken,
 ) {
-    let mut on = false;
-    receiver
-        .run(cancel, || {
-            on = set_ipip_user_rx(&fast_path, local, true);
-            if on {
-                info!(
-                    "a router fragments IPIP on its way here: IPIP packets carrying an inner \
-                     fragment go to the agent's IPIP socket from now on"
-                );
-            }
-        })
-        .await;
-    if on && set_ipip_user_rx(&fast_path, local, false) {
-        info!("the fast path decapsulates IPIP inner fragments itself again");
+    let switch = |on: bool| {
+        if !set_ipip_user_rx(&fast_path, local, on) {
+            return false;
+        }
+        gauge.set(i64::from(on));
+        if on {
+            info!(
+                "a router fragments IPIP on its way here: IPIP packets carrying an inner \
+                 fragment go to the agent's IPIP socket until none has been fragmented for {}s",
+                hold.as_secs()
+            );
+        } else {
+            info!("the fast path decapsulates IPIP inner fragments itself again");
+        }
+        true
+    };
+    if receiver.run(cancel, hold, switch).await {
+        switch(false);
     }
 }
 

@@ -485,8 +485,10 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     }
     if let (Some((receiver, local)), Some(fp)) = (ipip_receiver, active.fast_path().cloned()) {
         let cancel = cancel.clone();
+        let hold = Duration::from_secs(cli.ebpf_ipip_reassembly_hold);
+        let gauge = metrics.ipip_inner_fragments_to_agent.clone();
         tasks.spawn(async move {
-            fastpath::run_ipip_receiver(fp, receiver, &local, cancel).await;
+            fastpath::run_ipip_receiver(fp, receiver, &local, hold, gauge, cancel).await;
             Ok(None)
         });
     }

@@ -20,10 +20,12 @@
 //! the kernel: from a sender that is not a peer (dropped here as the programs would) and with
 //! IP options (decapsulated here as a kernel tunnel would).
 //!
-//! Once it has taken a packet from a peer (a router fragments IPIP on its way here),
-//! `tc_from_netdev` leaves IPIP packets that carry an inner fragment to it as well
-//! (`CFG_IPIP_USER_RX`), so that all fragments of a datagram reach conntrack at the same
-//! hook; when it stops, the agent clears that flag (`daemon::fastpath::run_ipip_receiver`).
+//! Once it has taken a reassembled packet from a peer (a router fragments IPIP on its way
+//! here; the kernel tells reassembled packets apart with `IP_RECVFRAGSIZE`), `tc_from_netdev`
+//! leaves IPIP packets that carry an inner fragment to it as well (`CFG_IPIP_USER_RX`), so
+//! that all fragments of a datagram reach conntrack at the same hook. When no reassembled
+//! packet from a peer has come for a while (`--ebpf-ipip-reassembly-hold`), and when it stops,
+//! the agent clears that flag (`daemon::fastpath::run_ipip_receiver`).
 //!
 //! Only nodes whose IPIP runs in eBPF start it ([`crate::dataplane::Local::ipip_via_ebpf`]);
 //! with a kernel `ipip` device, the kernel receives reassembled packets itself. The inner
@@ -35,17 +37,17 @@
 pub mod decap;
 pub mod raw;
 
-use std::{io, net::Ipv4Addr};
+use std::{io, net::Ipv4Addr, time::Duration};
 
 use aya::maps::{HashMap, Map, MapData};
 use flannel_common::route::{NODE_F_IPIP, NodeEntry};
 use prometheus_client::metrics::{counter::Counter, family::Family};
-use tokio::io::unix::AsyncFd;
+use tokio::{io::unix::AsyncFd, time::Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 pub use decap::{DELIVERED, Drop, Local};
-pub use raw::RawSocket;
+pub use raw::{RawSocket, Received};
 
 use crate::{
     bpf::{BpfError, PinLayout},
@@ -97,6 +99,8 @@ impl Receiver {
         if let Err(e) = rx.set_option(libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, RECEIVE_BUFFER) {
             debug!("the IPIP socket keeps the default receive buffer: {e}");
         }
+        rx.set_option(libc::SOL_IP, libc::IP_RECVFRAGSIZE, 1)
+            .map_err(|e| format!("IP_RECVFRAGSIZE on the IPIP socket: {e}"))?;
         let tx = RawSocket::open(libc::IPPROTO_RAW, true)
             .map_err(|e| format!("a raw socket to send decapsulated packets: {e}"))?;
         // SAFETY: the descriptor is owned by `rx`, which the AsyncFd owns and drops (closing
@@ -134,11 +138,18 @@ impl Receiver {
         Ok(())
     }
 
-    /// Receives until `cancel`. `first_from_peer` is called once, for the first packet that
-    /// comes from an IPIP peer (delivered, or dropped for what it carries): with the programs
-    /// decapsulating inner fragments, such a packet is one a router fragmented on the way.
-    pub async fn run(self, cancel: CancellationToken, first_from_peer: impl FnOnce()) {
-        let mut first_from_peer = Some(first_from_peer);
+    /// Receives until `cancel`. `switch` turns `CFG_IPIP_USER_RX` on or off (whether it
+    /// did): on at a reassembled packet from an IPIP peer (delivered, or dropped for what it
+    /// carries), i.e. one a router fragmented on the way; off again once `hold` has passed
+    /// without another. Returns whether it is on at the end.
+    pub async fn run(
+        self,
+        cancel: CancellationToken,
+        hold: Duration,
+        mut switch: impl FnMut(bool) -> bool,
+    ) -> bool {
+        let mut on = false;
+        let mut last = Instant::now();
         info!(
             public_ip = %self.local.public_ip,
             "taking reassembled IPIP packets (fragmented on the way) from a raw socket"
@@ -147,7 +158,13 @@ impl Receiver {
         let mut buf = vec![0u8; 65536];
         loop {
             let mut ready = tokio::select! {
-                _ = cancel.cancelled() => return,
+                _ = cancel.cancelled() => return on,
+                () = tokio::time::sleep_until(last + hold), if on => {
+                    // Not switched off (the write failed, and was logged): again after `hold`.
+                    on = !switch(false);
+                    last = Instant::now();
+                    continue;
+                }
                 ready = self.rx.readable() => match ready {
                     Ok(ready) => ready,
                     Err(e) => {
@@ -155,19 +172,22 @@ impl Receiver {
                             "the IPIP socket failed; reassembled IPIP packets are lost from \
                              now on: {e}"
                         );
-                        return;
+                        return on;
                     }
                 },
             };
             loop {
                 match self.rx.get_ref().recv(&mut buf) {
-                    Ok(n) => {
-                        let handled = self.handle(&mut buf[..n]);
+                    Ok(received) => {
+                        let handled = self.handle(&mut buf[..received.len]);
                         // Before the count, which tells a watcher the packet was taken.
-                        if handled.map_or_else(Drop::after_peer_check, |()| true)
-                            && let Some(first) = first_from_peer.take()
+                        if received.max_fragment.is_some()
+                            && handled.map_or_else(Drop::after_peer_check, |()| true)
                         {
-                            first();
+                            last = Instant::now();
+                            if !on {
+                                on = switch(true);
+                            }
                         }
                         self.count(match handled {
                             Ok(()) => DELIVERED,

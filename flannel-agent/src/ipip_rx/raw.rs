@@ -9,6 +9,38 @@ use std::{
 
 use crate::udp::mmsg::sockaddr;
 
+/// A packet [`RawSocket::recv`] took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Received {
+    /// Its length, IPv4 header included.
+    pub len: usize,
+    /// For a packet the kernel reassembled, the length of its largest fragment, when the
+    /// socket asked for it (`IP_RECVFRAGSIZE`).
+    pub max_fragment: Option<usize>,
+}
+
+/// The `IP_RECVFRAGSIZE` control message among those `msg` carries.
+///
+/// # Safety
+/// `msg` must have been filled in by `recvmsg(2)`, its control buffer still alive.
+unsafe fn fragment_size(msg: &libc::msghdr) -> Option<usize> {
+    // SAFETY (all three calls): the caller promises a control buffer recvmsg filled in; the
+    // CMSG_* macros stay within its `msg_controllen` bytes.
+    let mut cmsg = unsafe { libc::CMSG_FIRSTHDR(msg) };
+    while !cmsg.is_null() {
+        // SAFETY: non-null, from CMSG_FIRSTHDR/CMSG_NXTHDR: a header within the buffer.
+        let hdr = unsafe { &*cmsg };
+        if hdr.cmsg_level == libc::SOL_IP && hdr.cmsg_type == libc::IP_RECVFRAGSIZE {
+            // SAFETY: an IP_RECVFRAGSIZE message carries one int.
+            let size = unsafe { libc::CMSG_DATA(cmsg).cast::<libc::c_int>().read_unaligned() };
+            return usize::try_from(size).ok();
+        }
+        // SAFETY: as above.
+        cmsg = unsafe { libc::CMSG_NXTHDR(msg, cmsg) };
+    }
+    None
+}
+
 /// A raw IPv4 socket of one protocol.
 #[derive(Debug)]
 pub struct RawSocket(OwnedFd);
@@ -67,10 +99,29 @@ impl RawSocket {
         checked(rc as isize).map(drop)
     }
 
-    /// Receives one packet into `buf` (with its IPv4 header); its length.
-    pub fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
-        // SAFETY: `buf` is valid for writes of its length.
-        checked(unsafe { libc::recv(self.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) })
+    /// Receives one packet into `buf` (with its IPv4 header).
+    pub fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // Room for a few control messages, aligned for `cmsghdr`.
+        let mut control = [0u64; 16];
+        // SAFETY: an all-zero msghdr is valid (no name, no iovecs, no control).
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &raw mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = size_of_val(&control);
+        // SAFETY: `msg` points at `iov` (valid for writes of `buf`'s length) and at `control`,
+        // all of which outlive the call.
+        let len = checked(unsafe { libc::recvmsg(self.as_raw_fd(), &raw mut msg, 0) })?;
+        Ok(Received {
+            len,
+            // SAFETY: `msg` was filled in by recvmsg: its control messages lie within
+            // `control`.
+            max_fragment: unsafe { fragment_size(&msg) },
+        })
     }
 
     /// Sends `pkt` to `dst`; the bytes sent.
