@@ -209,6 +209,9 @@ fn ebpf_ipip_crosses_a_narrower_path() {
 /// (`flannel_agent::ipip_rx`) takes them.
 /// - from node2, a datagram in fragments whose IPIP packets arrive whole: decapsulated by
 ///   the program (`fast_decap_ipip`), the agent not involved;
+/// - from node2, a whole IPIP packet with IP options: the program leaves it to the kernel,
+///   the agent delivers it, and inner fragments stay with the program (it was not
+///   fragmented on the way: `IP_RECVFRAGSIZE`);
 /// - from node2 (an IPIP peer), a full-size (1,480-byte) UDP packet from node2's pod to
 ///   node1's pod, sent in IPIP without DF: the router fragments it, it arrives with the inner
 ///   source and is counted `delivered`. Before, it was lost;
@@ -299,9 +302,26 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
                 Ok(())
             };
             decapsulated_by_program(c, 40999)?;
+
+            // A whole IPIP packet with IP options (left to the kernel by the program) from
+            // node2: the agent delivers it, but it was not fragmented on the way, so inner
+            // fragments stay with the program.
+            let with_options = datagram(&pattern(100), 40998, None);
+            for packet in &with_options.packets {
+                probe::send_ipip_with_options(
+                    t.node(2).ns(),
+                    Some(t.node(2).addr()),
+                    node1.addr(),
+                    packet,
+                    &[1, 1, 1, 0],
+                )?;
+            }
+            probe::recv_payload(&rx, &with_options.payload, Duration::from_secs(3))
+                .context("the IPIP packet with IP options")?;
+            delivered(1.0)?;
             ensure!(
                 to_agent(c)? == 0.0,
-                "inner fragments go to the agent already"
+                "inner fragments go to the agent after a whole IPIP packet"
             );
 
             // The pods' MTU (1,500 less the IPIP header), all of it: the router fragments it.
@@ -312,7 +332,7 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
                 &rx,
                 "the datagram in an IPIP packet fragmented on the way",
             )?;
-            delivered(1.0)?;
+            delivered(2.0)?;
             let after = fastpath::counters(node1.ns(), DEFAULT_HEALTHZ_PORT)?;
             let (b, a) = (&before.packets, &after.packets);
             let fragments = fastpath::grown(b, a, "tc_from_netdev", "pass_fragment");
@@ -336,7 +356,7 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
                 &rx,
                 "a fragmented datagram whose IPIP packets were fragmented on the way",
             )?;
-            delivered(4.0)?;
+            delivered(5.0)?;
 
             // The same from the router, which is no node.
             for packet in &full.packets {
@@ -355,7 +375,7 @@ fn ebpf_ipip_takes_packets_fragmented_on_the_way() {
                 probe::recv_payload(&rx, &full.payload, Duration::from_millis(500)).is_err(),
                 "the router's IPIP packet was delivered"
             );
-            delivered(4.0)?;
+            delivered(5.0)?;
 
             ensure!(
                 to_agent(c)? == 1.0,

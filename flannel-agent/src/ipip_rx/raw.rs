@@ -77,16 +77,22 @@ impl RawSocket {
         name: libc::c_int,
         value: libc::c_int,
     ) -> io::Result<()> {
-        // SAFETY: the option value is a c_int that outlives the call.
-        let rc = unsafe {
-            libc::setsockopt(
-                self.as_raw_fd(),
-                level,
-                name,
-                (&raw const value).cast(),
-                size_of_val(&value) as libc::socklen_t,
-            )
-        };
+        self.set_option_bytes(level, name, &value.to_ne_bytes())
+    }
+
+    /// Sets the socket option `name` of `level` to `value` as it is (`IP_OPTIONS`: the
+    /// options of every packet sent).
+    pub fn set_option_bytes(
+        &self,
+        level: libc::c_int,
+        name: libc::c_int,
+        value: &[u8],
+    ) -> io::Result<()> {
+        let len = libc::socklen_t::try_from(value.len())
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        // SAFETY: `value` is valid for reads of `len` bytes for the call.
+        let rc =
+            unsafe { libc::setsockopt(self.as_raw_fd(), level, name, value.as_ptr().cast(), len) };
         checked(rc as isize).map(drop)
     }
 

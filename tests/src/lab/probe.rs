@@ -1046,7 +1046,18 @@ fn tcp_info(stream: &TcpStream) -> Result<libc::tcp_info> {
 /// a kernel IPIP tunnel without path MTU discovery (upstream's `flannel.ipip`) on a narrower
 /// path.
 pub fn send_ipip(ns: &NetNs, from: Option<Ipv4Addr>, to: Ipv4Addr, inner: &[u8]) -> Result<()> {
-    let inner = inner.to_vec();
+    send_ipip_with_options(ns, from, to, inner, &[])
+}
+
+/// [`send_ipip`] with `options` (a multiple of 4 bytes) as the outer header's IP options.
+pub fn send_ipip_with_options(
+    ns: &NetNs,
+    from: Option<Ipv4Addr>,
+    to: Ipv4Addr,
+    inner: &[u8],
+    options: &[u8],
+) -> Result<()> {
+    let (inner, options) = (inner.to_vec(), options.to_vec());
     ns.enter(move || -> std::io::Result<usize> {
         let socket = RawSocket::open(libc::IPPROTO_IPIP, false)?;
         socket.set_option(
@@ -1054,6 +1065,9 @@ pub fn send_ipip(ns: &NetNs, from: Option<Ipv4Addr>, to: Ipv4Addr, inner: &[u8])
             libc::IP_MTU_DISCOVER,
             libc::IP_PMTUDISC_DONT,
         )?;
+        if !options.is_empty() {
+            socket.set_option_bytes(libc::IPPROTO_IP, libc::IP_OPTIONS, &options)?;
+        }
         if let Some(from) = from {
             socket.bind(from)?;
         }
