@@ -939,6 +939,21 @@ fn netdev_delivers_remote_pods_packets_to_the_bridge() {
             &[Reason::Ipv4Udp, Reason::FastDeliverVxlan],
             "vxlan",
         );
+
+        // VXLAN receive in eBPF off (`CFG_VXLAN_RX`): the same packet is left to
+        // `flannel.<VNI>` unchanged.
+        fp.set_config(&LocalConfig {
+            vxlan_rx: false,
+            ..config(ifs.ext)
+        })
+        .expect("VXLAN receive off");
+        let r = run(fp, Hook::FromNetdev, &frame, skb);
+        assert_passed(
+            &r,
+            &frame,
+            &[Reason::Ipv4Udp, Reason::PassVxlanRxOff],
+            "VXLAN receive off",
+        );
     });
 }
 

@@ -691,6 +691,23 @@ fn remote_ipv6_pods_are_delivered_to_the_bridge() {
         let reply = pod_frame(&Ipv6::new(pod(), vxlan_pod(), Tcp::new(43000, 80)));
         let r = run(fp, Hook::FromBridge, &reply, Skb::on(ifs.br));
         assert_counted(&r, &[Reason::Ipv6Tcp, Reason::PassKernelFlow], "its reply");
+
+        // VXLAN receive in eBPF off (`CFG6_VXLAN_RX`): a packet it would deliver is left to
+        // flannel-v6 unchanged.
+        fp.set_config6(Some(&LocalConfig6 {
+            vxlan_rx: false,
+            ..config6(ifs.ext)
+        }))
+        .expect("VXLAN receive off");
+        let frame = vxlan6_frame("fd00:77::3", 1, LOCAL_VTEP6, &inner);
+        let r = run(fp, Hook::FromNetdev, &frame, skb);
+        assert_eq!(r.verdict, TC_ACT_OK, "VXLAN receive off");
+        assert_bytes(&r.out, &frame, "VXLAN receive off");
+        assert_counted(
+            &r,
+            &[Reason::Ipv6Udp, Reason::PassVxlanRxOff],
+            "VXLAN receive off",
+        );
     });
 }
 
