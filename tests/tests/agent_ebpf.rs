@@ -1122,20 +1122,31 @@ fn ebpf_kube_mode_vxlan() {
 }
 
 fn kube_mode() -> Result<()> {
+    let cidr = |n: usize| -> Ipv4Net { format!("10.244.{n}.0/24").parse().expect("CIDR") };
+    let network: Ipv4Net = "10.244.0.0/16".parse()?;
+    with_kube_vxlan_pair(|topology, api, agents| {
+        kube_mode_checks(topology, api, agents, network, &cidr)
+    })
+}
+
+/// Two nodes on one L2 segment in kube mode (the fake API server in the hub, pod CIDRs
+/// 10.244.<n>.0/24 in their Node objects), network 10.244.0.0/16, vxlan, `--dataplane ebpf`:
+/// runs `body` on them, and prints the agents' logs when it fails.
+fn with_kube_vxlan_pair(
+    body: impl FnOnce(&mut Topology, &MockApiServer, &mut [Agent]) -> Result<()>,
+) -> Result<()> {
     let (agent_bin, cni) = (bins::test_agent()?, bins::test_cni_plugin()?);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()?;
     let mut topology = Topology::new(TopologySpec::new(2, Underlay::L2).cni_plugin(cni))?;
-    let cidr = |n: usize| -> Ipv4Net { format!("10.244.{n}.0/24").parse().expect("CIDR") };
-    let api = kube::api_in_hub(&rt, &topology, &|n| cidr(n).to_string())?;
-    let network: Ipv4Net = "10.244.0.0/16".parse()?;
-    let netconf = json!({"Network": network.to_string(), "Backend": {"Type": "vxlan"}});
+    let api = kube::api_in_hub(&rt, &topology, &|n| format!("10.244.{n}.0/24"))?;
+    let netconf = json!({"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}});
     let mut spec = AgentSpec::new(&agent_bin, kube::NO_ETCD);
     spec.dataplane = Some(EBPF);
     let mut agents = kube::start_agents(&topology, &api, &netconf, &spec)?;
-    let result = kube_mode_checks(&mut topology, &api, &mut agents, network, &cidr);
+    let result = body(&mut topology, &api, &mut agents);
     if result.is_err() {
         for a in &agents {
             eprintln!(
@@ -1271,6 +1282,93 @@ fn kube_mode_checks(
             fastpath::growth_text(&before[i].packets, &after[i].packets)
         );
     }
+    Ok(())
+}
+
+/// Rolling a node back to upstream flannel (deploy/README.md): once its Node is labelled
+/// `flannel-rs/agent=upstream`, its agent, when it stops (the DaemonSet then deletes its pod),
+/// enters the fast path's pod connections into conntrack and detaches the programs, pins
+/// removed, so that upstream flanneld finds the kernel path alone. Kube mode, vxlan, agents
+/// without `--ip-masq`: pod 1's connection to pod 2 goes on across the stop of node1's agent
+/// (on the kernel path the CNI bridge's masquerade would rewrite it and pod 2 reset it), pod
+/// 2 sees pod 1's own address, node1's pins are gone and no program of ours is attached
+/// there. node2's agent, stopped without the label, leaves its programs attached (a restart
+/// without a gap).
+#[test]
+fn ebpf_node_labelled_for_upstream_is_handed_over_when_its_agent_stops() {
+    require_root!();
+    if let Err(e) = with_kube_vxlan_pair(handed_over_checks) {
+        panic!("[ebpf labelled for upstream] {e:#}");
+    }
+}
+
+fn handed_over_checks(
+    topology: &mut Topology,
+    api: &MockApiServer,
+    agents: &mut [Agent],
+) -> Result<()> {
+    let on_fast_path = |topology: &Topology| -> Result<()> {
+        for node in topology.nodes() {
+            wait::until_ok(CONVERGE, "the fast path on the pod's port", || {
+                fastpath::expect_path(node.ns(), DEFAULT_HEALTHZ_PORT, "ebpf")?;
+                fastpath::expect_pod_ports(node.ns(), DEFAULT_HEALTHZ_PORT, 1)
+            })
+            .context(node.name())?;
+        }
+        Ok(())
+    };
+    for (node, agent) in topology.nodes().iter().zip(agents.iter_mut()) {
+        agent.wait_subnet_env(node, Duration::from_secs(60))?;
+    }
+    for n in 1..=2 {
+        topology.add_pod(n)?;
+    }
+    on_fast_path(topology)?;
+    let (client, server) = (topology.first_pod_on(1)?, topology.first_pod_on(2)?);
+    let addr = SocketAddr::new(IpAddr::V4(server.ip()), 7100);
+    let peers = probe::line_echo_server(server.ns(), addr, 1)?;
+    let mut stream = client
+        .ns()
+        .enter(move || std::net::TcpStream::connect(addr))??;
+    stream.set_read_timeout(Some(Duration::from_secs(3)))?;
+    probe::line_round_trip(&mut stream, "m1").context("on the fast path")?;
+
+    // node2's agent stops without the label: its programs stay attached.
+    agents[1].stop(Duration::from_secs(10))?;
+    let links = fastpath::pin_ids(topology.node(2).bpf_pin_path())?.links;
+    ensure!(
+        !links.is_empty(),
+        "node2's links went with its agent (not labelled)"
+    );
+    agents[1].restart()?;
+    on_fast_path(topology)?;
+    probe::line_round_trip(&mut stream, "m2").context("after node2's agent restarted")?;
+
+    // node1 labelled for upstream; its agent stops.
+    let node1 = topology.node(1);
+    api.modify_node(&node1.name(), |n| {
+        n["metadata"]["labels"]["flannel-rs/agent"] = json!("upstream");
+    })
+    .context("node1 in the API")?;
+    agents[0].stop(Duration::from_secs(10))?;
+    let pins = node1.bpf_pin_path();
+    ensure!(!pins.exists(), "{} is still there", pins.display());
+    let attached = |n: usize| fastpath::tcx_programs(topology.node(n).ns(), "eth0");
+    let (on_node1, on_node2) = (attached(1)?, attached(2)?);
+    ensure!(
+        on_node1.is_empty() && on_node2.iter().any(|p| p == "tc_from_netdev"),
+        "programs on eth0: {on_node1:?} on node1 (none expected), {on_node2:?} on node2 (still \
+         on the fast path)"
+    );
+    for i in 3..6 {
+        probe::line_round_trip(&mut stream, &format!("m{i}"))
+            .with_context(|| format!("message {i} on node1's kernel path"))?;
+    }
+    ensure!(
+        peers.seen() == [IpAddr::V4(client.ip())],
+        "the server saw {:?}",
+        peers.seen()
+    );
     Ok(())
 }
 

@@ -19,6 +19,7 @@ use std::process::{Command, Output};
 use anyhow::{Context as _, Result, bail, ensure};
 use flannel_agent::cli::Cli;
 use flannel_agent::netconf::NetConfig;
+use flannel_agent::subnet::kube::node::{AGENT_LABEL, UPSTREAM_VALUE};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Namespace, PodSpec, Probe, ServiceAccount, Volume,
@@ -569,7 +570,8 @@ fn daemon_set_shape() {
         terms,
         &json!([{"matchExpressions": [
             {"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]},
-            {"key": "flannel-rs/agent", "operator": "NotIn", "values": ["upstream"]},
+            // The label the agent reads when it stops (it then detaches its fast path).
+            {"key": AGENT_LABEL, "operator": "NotIn", "values": [UPSTREAM_VALUE]},
         ]}])
     );
 

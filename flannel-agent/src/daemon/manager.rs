@@ -97,6 +97,15 @@ impl SubnetManager {
         }
     }
 
+    /// Whether our own Node is labelled to be handed to upstream flanneld (kube mode; never
+    /// with etcd, which has no such label).
+    pub async fn labelled_for_upstream(&self) -> bool {
+        match self {
+            Self::Kube(m) => m.labelled_for_upstream().await,
+            Self::Etcd(_) => false,
+        }
+    }
+
     /// The VTEP MACs published in our own Node's annotations (kube mode), so a re-created
     /// pod keeps the MAC other nodes know.
     pub async fn stored_vtep_macs(&self) -> (Option<MacAddr>, Option<MacAddr>) {

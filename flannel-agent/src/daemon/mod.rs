@@ -44,7 +44,12 @@ use crate::{
     metrics::{CounterSource, KindLabel, Metrics},
     netconf::ConfigError,
     netlink::{Netlink, NetlinkError, Route},
-    subnet::{LeaseSnapshot, etcd::EtcdError, kube::KubeError, lease_channel},
+    subnet::{
+        LeaseSnapshot,
+        etcd::EtcdError,
+        kube::{KubeError, node as kube_node},
+        lease_channel,
+    },
     subnet_env::{self, FamilyEnv, SubnetEnv, SubnetEnvError},
     traffic::{
         self, BR_NETFILTER_SYSCTL_DIR, IptablesVariant, SystemRunner, TrafficError, TrafficManager,
@@ -570,12 +575,44 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             }
         }
     }
+    if failure.is_none() && active.fast_path().is_some() {
+        detach_for_upstream(&manager, &cli.bpf_pin_path).await;
+    }
     // Closing the TUN descriptor removes flannel0, as upstream does on shutdown.
     drop(udp);
     info!("Exiting cleanly...");
     match failure {
         Some(err) => Err(err),
         None => Ok(exit),
+    }
+}
+
+/// On the way out of a node labelled to be handed to upstream flanneld (kube mode, see
+/// deploy/README.md): the fast path's pod connections are entered into conntrack, its
+/// programs detached and its pins removed ([`crate::bpf::cleanup`]), so that upstream finds
+/// the kernel path alone and without `--ip-masq` the connections are not reset. Any other
+/// exit leaves the programs attached for the next agent (a restart without a gap).
+async fn detach_for_upstream(manager: &SubnetManager, pin_path: &std::path::Path) {
+    let labelled = tokio::time::timeout(Duration::from_secs(5), manager.labelled_for_upstream())
+        .await
+        .unwrap_or(false);
+    if !labelled {
+        return;
+    }
+    let label = format!("{}={}", kube_node::AGENT_LABEL, kube_node::UPSTREAM_VALUE);
+    let path = pin_path.to_owned();
+    match tokio::task::spawn_blocking(move || crate::bpf::cleanup(&path)).await {
+        Ok(Ok(removed)) => info!(
+            removed,
+            "the node is labelled {label}: the fast path is detached for upstream flanneld, its \
+             pod connections handed to conntrack"
+        ),
+        Ok(Err(e)) => warn!(
+            "the node is labelled {label}, but detaching the fast path failed ({e}); remove {} \
+             by hand",
+            pin_path.display()
+        ),
+        Err(e) => warn!("detaching the fast path for upstream flanneld: {e}"),
     }
 }
 

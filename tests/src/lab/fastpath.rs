@@ -218,6 +218,27 @@ pub fn pin_ids(pin_path: &Path) -> Result<PinIds> {
     Ok(ids)
 }
 
+/// The names of the programs attached through TCX to `dev` in `ns`, ingress and egress.
+pub fn tcx_programs(ns: &NetNs, dev: &str) -> Result<Vec<String>> {
+    let dev = dev.to_owned();
+    ns.enter(move || -> Result<Vec<String>> {
+        let mut names = Vec::new();
+        for direction in [
+            aya::programs::TcAttachType::Ingress,
+            aya::programs::TcAttachType::Egress,
+        ] {
+            let (_, programs) = aya::programs::SchedClassifier::query_tcx(&dev, direction)
+                .with_context(|| format!("querying TCX on {dev}"))?;
+            names.extend(
+                programs
+                    .iter()
+                    .filter_map(|p| p.name_as_str().map(str::to_owned)),
+            );
+        }
+        Ok(names)
+    })?
+}
+
 /// A fast-path counter family by `(program, reason)`.
 pub type Counts = BTreeMap<(String, String), u64>;
 

@@ -551,6 +551,18 @@ impl KubeSubnetManager {
         })
     }
 
+    /// Whether this node is labelled to be handed to upstream flanneld
+    /// ([`node::labelled_for_upstream`]; one GET). `false` when the GET fails (logged).
+    pub async fn labelled_for_upstream(&self) -> bool {
+        match self.get_node(&GetParams::default()).await {
+            Ok(own) => node::labelled_for_upstream(&own),
+            Err(e) => {
+                tracing::warn!("reading the node's labels: {e}");
+                false
+            }
+        }
+    }
+
     /// The VXLAN VtepMAC this node published before (its own `backend-data` /
     /// `backend-v6-data` annotation, one GET), so a restarted agent keeps its MAC. `None`
     /// when absent, unreadable or not VXLAN data (logged).

@@ -50,6 +50,22 @@ pub(crate) fn annotations(node: &Node) -> &BTreeMap<String, String> {
     node.metadata.annotations.as_ref().unwrap_or(&EMPTY)
 }
 
+/// The label that hands a node back to upstream flanneld (deploy/README.md, "Rolling back to
+/// upstream flannel"): our DaemonSet stays off nodes that carry it with [`UPSTREAM_VALUE`].
+pub const AGENT_LABEL: &str = "flannel-rs/agent";
+
+/// The value of [`AGENT_LABEL`] on a node handed to upstream flanneld.
+pub const UPSTREAM_VALUE: &str = "upstream";
+
+/// Whether `node` is labelled [`AGENT_LABEL`]=[`UPSTREAM_VALUE`].
+pub fn labelled_for_upstream(node: &Node) -> bool {
+    node.metadata
+        .labels
+        .as_ref()
+        .and_then(|labels| labels.get(AGENT_LABEL))
+        .is_some_and(|value| value == UPSTREAM_VALUE)
+}
+
 /// The own node's pod CIDRs, as upstream's `AcquireLease` reads them: `spec.podCIDR` must be
 /// set; `spec.podCIDRs` with one or two entries is scanned (the last entry of each family
 /// wins), an empty list falls back to `spec.podCIDR`, three or more are an error.
@@ -242,6 +258,25 @@ mod tests {
 
     fn keys() -> AnnotationKeys {
         AnnotationKeys::new("flannel.alpha.coreos.com").unwrap()
+    }
+
+    #[test]
+    fn only_the_upstream_value_of_the_agent_label_hands_a_node_over() {
+        let labelled = |labels: Option<&[(&str, &str)]>| {
+            let mut n = node("n1", "10.244.1.0/24", &[], &[]);
+            n.metadata.labels = labels.map(|l| {
+                l.iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect()
+            });
+            labelled_for_upstream(&n)
+        };
+        assert!(labelled(Some(&[("flannel-rs/agent", "upstream")])));
+        assert!(!labelled(None));
+        assert!(!labelled(Some(&[])));
+        assert!(!labelled(Some(&[("flannel-rs/agent", "rust")])));
+        assert!(!labelled(Some(&[("flannel-rs/agent", "Upstream")])));
+        assert!(!labelled(Some(&[("agent", "upstream")])));
     }
 
     fn node(name: &str, pod_cidr: &str, pod_cidrs: &[&str], ann: &[(&str, &str)]) -> Node {
