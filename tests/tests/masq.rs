@@ -196,12 +196,22 @@ impl Conn {
 
 /// Sends one datagram from `from` to `server` and returns the address the server saw.
 fn udp_seen(from: &NetNs, server: SocketAddr) -> SocketAddr {
+    udp_seen_on(&udp_socket(from), server)
+}
+
+/// A UDP socket in `from` on any port.
+fn udp_socket(from: &NetNs) -> UdpSocket {
     let sock = from
         .enter(|| UdpSocket::bind("0.0.0.0:0"))
         .expect("enter")
         .expect("bind");
     sock.set_read_timeout(Some(Duration::from_millis(500)))
         .expect("timeout");
+    sock
+}
+
+/// [`udp_seen`] from `sock` (the same flow each time).
+fn udp_seen_on(sock: &UdpSocket, server: SocketAddr) -> SocketAddr {
     let mut buf = [0u8; 128];
     for _ in 0..10 {
         sock.send_to(b"who", server).expect("send");
@@ -642,6 +652,71 @@ fn switching_from_ebpf_to_iptables_hands_established_connections_over() {
         );
     }
     old.echo(b"last").expect("echo at the end");
+}
+
+/// The move from the fast path to the kernel dataplane (`--dataplane=kernel`; the same for a
+/// fallback of `auto` and a node handed to upstream flanneld) keeps the pods' connections to
+/// the outside that the programs masqueraded: before it detaches them, the agent enters each
+/// into conntrack bound to the address and port the programs gave it (`bpf::handover`), so
+/// the kernel goes on translating it. A TCP connection and a UDP flow reach the server from
+/// the same address and port after the move, node1's conntrack entry for the TCP one replies
+/// to that port, and a new connection is masqueraded by the kernel. (Without the handover
+/// their packets left with the pod's address and got no answer.)
+#[test]
+fn moving_to_the_kernel_dataplane_keeps_ebpf_masqueraded_connections() {
+    if !runnable() {
+        return;
+    }
+    let mut c = up(1, 1, Dataplane::Ebpf);
+    let outside = SocketAddr::new(IpAddr::V4(c.topology().hub_addr()), SERVER_PORT);
+    let _tcp = WhoAmI::start(c.topology().hub(), outside.ip(), SERVER_PORT);
+    let udp_server = SocketAddr::new(outside.ip(), SERVER_PORT + 1);
+    let udp_stop = udp_whoami(c.topology().hub(), udp_server);
+    let node_addr = IpAddr::V4(c.topology().node(1).addr());
+    let pod_ip = c.topology().pods()[0].ip();
+    let mut conn = Conn::open(c.topology().pods()[0].ns(), outside);
+    assert_eq!(conn.seen.ip(), node_addr);
+    conn.echo(b"eBPF NAT").expect("echo");
+    let udp = udp_socket(c.topology().pods()[0].ns());
+    let udp_seen_before = udp_seen_on(&udp, udp_server);
+    assert_eq!(udp_seen_before.ip(), node_addr);
+    let flows = pod_flows(c.topology().node(1));
+    assert!(
+        flows.contains(&(pod_ip, conn.local.port(), conn.seen.port())),
+        "masqueraded by the programs: {flows:?}"
+    );
+
+    agent(&mut c, 1)
+        .restart_with(|args| {
+            args.retain(|a| !a.starts_with("--dataplane"));
+            args.push("--dataplane=kernel".into());
+        })
+        .expect("restart on the kernel dataplane");
+    wait_ready(&mut c, 1);
+    let node1 = c.topology().node(1);
+    assert!(
+        !node1.bpf_pin_path().exists(),
+        "the fast path is still pinned"
+    );
+    for i in 0..10 {
+        conn.echo(format!("on the kernel dataplane {i}").as_bytes())
+            .expect("the eBPF-masqueraded connection on the kernel dataplane");
+    }
+    assert_eq!(
+        conntrack_reply(node1, conn.local, outside),
+        Some((node_addr, conn.seen.port())),
+        "node1's conntrack binds the connection to the programs' port"
+    );
+    assert_eq!(
+        udp_seen_on(&udp, udp_server),
+        udp_seen_before,
+        "the UDP flow's address and port on the kernel dataplane"
+    );
+    let mut new = Conn::open(c.topology().pods()[0].ns(), outside);
+    assert_eq!(new.seen.ip(), node_addr);
+    new.echo(b"kernel NAT").expect("a new connection");
+    conn.echo(b"last").expect("echo at the end");
+    udp_stop.store(true, Ordering::Relaxed);
 }
 
 /// The reply direction (destination address and port) of the node's conntrack entry for the

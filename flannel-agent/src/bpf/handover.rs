@@ -18,18 +18,29 @@
 //! holds connections long closed, and an entry for one of those could meet a new connection
 //! reusing its ports. Programs attached as `clsact` filters (kernels without TCX links) are
 //! found through this agent's filters instead ([`super::tcfilter::program_ids`]).
+//!
+//! Pod connections to the outside that the programs masqueraded (eBPF SNAT, see
+//! [`super::nat`]) are entered too, each bound to the address and port the programs gave it
+//! ([`crate::netlink::conntrack::insert_masqueraded`]): their replies come to that port, and
+//! without the binding the kernel would send their next packets with the pod's address. The
+//! live ones are read from the pinned NAT maps (TCP and UDP, not expired by the programs'
+//! own timeouts, TCP not closed; ICMP echo flows are short and are left out).
 
 use std::{
     collections::{BTreeSet, HashSet},
     fs,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddrV4},
 };
 
 use aya::{
-    maps::{HashMap, Map, MapData},
+    maps::{Array, HashMap, Map, MapData},
     programs::{links::PinnedLink, loaded_programs},
 };
-use flannel_common::memo::{FlowMemo, FlowMemo6, MEMO4, MEMO6, MemoKey, MemoKey6};
+use flannel_common::{
+    maps::{NAT_CONFIG, NAT4},
+    memo::{FlowMemo, FlowMemo6, MEMO4, MEMO6, MemoKey, MemoKey6},
+    nat::{NAT_F_HOST, NatConfig, NatEntry, NatKey, proto as nat_proto, tcp_closed},
+};
 use tracing::{info, warn};
 
 use super::pins::PinLayout;
@@ -49,6 +60,10 @@ pub struct HandOver {
     pub flows: usize,
     /// What conntrack did with them.
     pub inserted: conntrack::Inserted,
+    /// Live masqueraded pod flows found in the NAT maps.
+    pub masqueraded: usize,
+    /// What conntrack did with those.
+    pub masqueraded_inserted: conntrack::Inserted,
 }
 
 /// Unpins every link under `layout` (the links stay attached while this holds them), enters
@@ -81,30 +96,109 @@ pub fn detach_handing_over(layout: &PinLayout) -> HandOver {
     };
     let flows = recent_flows(&programs);
     out.flows = flows.len();
-    if !flows.is_empty() {
-        match conntrack::insert_established(&flows) {
-            Ok(inserted) => {
-                out.inserted = inserted;
-                info!(
-                    flows = flows.len(),
-                    created = inserted.created,
-                    already_tracked = inserted.existed,
-                    refused = inserted.refused,
-                    why = inserted
-                        .first_refusal
-                        .map(|e| std::io::Error::from_raw_os_error(e).to_string()),
-                    "the fast path's pod connections handed to conntrack before detaching it"
-                );
-            }
-            Err(err) => warn!(
-                flows = flows.len(),
-                "cannot enter the fast path's pod connections into conntrack before detaching \
-                 it ({err}); without --ip-masq they may be reset"
-            ),
-        }
+    if let Some(inserted) = entered(
+        flows.len(),
+        conntrack::insert_established(&flows),
+        "the fast path's pod connections",
+        "without --ip-masq they may be reset",
+    ) {
+        out.inserted = inserted;
+    }
+    let masqueraded = masqueraded_flows(layout);
+    out.masqueraded = masqueraded.len();
+    if let Some(inserted) = entered(
+        masqueraded.len(),
+        conntrack::insert_masqueraded(&masqueraded),
+        "the fast path's masqueraded pod connections (with their NAT bindings)",
+        "they will be cut",
+    ) {
+        out.masqueraded_inserted = inserted;
     }
     drop(held);
     out
+}
+
+/// Logs what entering `count` flows (`what`) into conntrack did (`result`), or, when
+/// conntrack could not be reached, that they were not entered and what that means (`cost`);
+/// nothing for no flows. The tally, when there is one.
+fn entered(
+    count: usize,
+    result: Result<conntrack::Inserted, crate::netlink::raw::RawError>,
+    what: &str,
+    cost: &str,
+) -> Option<conntrack::Inserted> {
+    if count == 0 {
+        return None;
+    }
+    match result {
+        Ok(inserted) => {
+            info!(
+                flows = count,
+                created = inserted.created,
+                already_tracked = inserted.existed,
+                refused = inserted.refused,
+                why = inserted
+                    .first_refusal
+                    .map(|e| std::io::Error::from_raw_os_error(e).to_string()),
+                "{what} handed to conntrack before detaching the fast path"
+            );
+            Some(inserted)
+        }
+        Err(err) => {
+            warn!(
+                flows = count,
+                "cannot enter {what} into conntrack before detaching the fast path ({err}); \
+                 {cost}"
+            );
+            None
+        }
+    }
+}
+
+/// The live pod flows the programs masquerade (the pinned NAT maps under `layout`), each with
+/// the address and port they leave with: TCP and UDP, not expired by the programs' timeouts,
+/// TCP not closed; the node's own flows (which conntrack tracks itself) left out. None when
+/// the maps are not there.
+fn masqueraded_flows(layout: &PinLayout) -> Vec<(CtTuple, SocketAddrV4)> {
+    let open = |name: &str| MapData::from_pin(layout.map(name)).ok();
+    let (Some(config), Some(flows)) = (open(NAT_CONFIG), open(NAT4)) else {
+        return Vec::new();
+    };
+    let Ok(config) =
+        Array::<MapData, NatConfig>::try_from(Map::Array(config)).and_then(|a| a.get(&0, 0))
+    else {
+        return Vec::new();
+    };
+    let Ok(flows) = HashMap::<MapData, NatKey, NatEntry>::try_from(Map::LruHashMap(flows)) else {
+        return Vec::new();
+    };
+    let now = super::nat::monotonic_ns();
+    flows
+        .iter()
+        .flatten()
+        .filter(|(key, entry)| {
+            entry.flags & NAT_F_HOST == 0
+                && match key.proto {
+                    nat_proto::TCP => !tcp_closed(entry.state),
+                    nat_proto::UDP => true,
+                    _ => false,
+                }
+                && !config.expired(key.proto, entry.state, entry.last_seen_ns, now)
+        })
+        .map(|(key, entry)| {
+            let flow = CtTuple {
+                src: IpAddr::V4(Ipv4Addr::from(key.saddr)),
+                dst: IpAddr::V4(Ipv4Addr::from(key.daddr)),
+                proto: key.proto,
+                sport: key.sport,
+                dport: key.dport,
+            };
+            (
+                flow,
+                SocketAddrV4::new(entry.nat_addr.into(), entry.nat_port),
+            )
+        })
+        .collect()
 }
 
 /// The flows (local pod → remote pod tuples, one per connection) in the memo maps of

@@ -7,7 +7,7 @@
 //! handed over one at a time as they arrive, so a table of a million connections is never
 //! held whole.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddrV4};
 
 use super::raw::{
     self, Malformed, MessageBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL,
@@ -20,6 +20,8 @@ const NETLINK_NETFILTER: isize = 12;
 const CT_GET: u16 = 1 << 8 | 1;
 /// `NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW`: each entry of a dump.
 const CT_NEW: u16 = 1 << 8;
+/// `NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE`.
+const CT_DELETE: u16 = 1 << 8 | 2;
 /// `struct nfgenmsg` is 4 bytes: family, version, resource id.
 const NFGENMSG_LEN: usize = 4;
 
@@ -54,6 +56,13 @@ const CTA_PROTO_SRC_PORT: u16 = 2;
 const CTA_PROTO_DST_PORT: u16 = 3;
 const CTA_PROTO_ICMP_ID: u16 = 4;
 const CTA_PROTO_ICMPV6_ID: u16 = 7;
+// `CTA_NAT_SRC` and `enum ctattr_nat`, `ctattr_protonat`.
+const CTA_NAT_SRC: u16 = 6;
+const CTA_NAT_V4_MINIP: u16 = 1;
+const CTA_NAT_V4_MAXIP: u16 = 2;
+const CTA_NAT_PROTO: u16 = 3;
+const CTA_PROTONAT_PORT_MIN: u16 = 1;
+const CTA_PROTONAT_PORT_MAX: u16 = 2;
 
 /// The address family of a dump.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -169,7 +178,8 @@ pub fn dump(family: Family, mut each: impl FnMut(CtEntry)) -> Result<usize, RawE
 pub struct Inserted {
     /// Entries created.
     pub created: usize,
-    /// Connections conntrack already tracked (left as they are).
+    /// Connections conntrack already tracked (left as they are by [`insert_established`],
+    /// replaced with a NAT binding by [`insert_masqueraded`]).
     pub existed: usize,
     /// Entries the kernel refused (another error than "exists").
     pub refused: usize,
@@ -185,52 +195,76 @@ pub struct Inserted {
 /// when they first passed. A connection conntrack already tracks is left alone. An error means
 /// conntrack could not be reached at all.
 pub fn insert_established(flows: &[CtTuple]) -> Result<Inserted, RawError> {
+    insert_each(flows.iter().map(|flow| established_message(flow, None)))
+}
+
+/// [`insert_established`] for connections a source NAT gave another address and port (the
+/// fast path's masquerade): each of `flows` (IPv4 TCP or UDP, its tuple as the pod sent it)
+/// with the address and port its packets leave with, as the kernel's own masquerade would
+/// have bound it. Its packets are then translated by the kernel as they were by the programs.
+/// An entry conntrack holds for the flow already (without the binding: the programs
+/// translated past conntrack, and a binding cannot be added to an existing entry) is replaced
+/// and counted in `existed`.
+pub fn insert_masqueraded(flows: &[(CtTuple, SocketAddrV4)]) -> Result<Inserted, RawError> {
     let mut socket = RawSocket::open(NETLINK_NETFILTER)?;
     let mut out = Inserted::default();
-    for flow in flows {
-        let message = established_message(flow);
-        match socket.request(message) {
-            Ok(_) => out.created += 1,
-            Err(RawError::Errno(libc::EEXIST)) => out.existed += 1,
-            Err(RawError::Errno(errno)) => {
-                out.refused += 1;
-                out.first_refusal.get_or_insert(errno);
-            }
+    for (flow, nat) in flows {
+        let replaced = match socket.request(delete_message(flow)) {
+            Ok(_) => true,
+            Err(RawError::Errno(_)) => false,
             Err(e) => return Err(e),
+        };
+        match socket.request(established_message(flow, Some(*nat))) {
+            Ok(_) if replaced => out.existed += 1,
+            answer => tally(&mut out, answer)?,
         }
     }
     Ok(out)
 }
 
-/// The `IPCTNL_MSG_CT_NEW` request of [`insert_established`] for `flow`.
-fn established_message(flow: &CtTuple) -> MessageBuilder {
-    let family = match flow.src {
-        IpAddr::V4(_) => Family::V4,
-        IpAddr::V6(_) => Family::V6,
-    };
+/// Sends each of `messages` (an `IPCTNL_MSG_CT_NEW` request) and tallies the answers.
+fn insert_each(messages: impl Iterator<Item = MessageBuilder>) -> Result<Inserted, RawError> {
+    let mut socket = RawSocket::open(NETLINK_NETFILTER)?;
+    let mut out = Inserted::default();
+    for message in messages {
+        tally(&mut out, socket.request(message))?;
+    }
+    Ok(out)
+}
+
+/// Counts the kernel's answer to one `IPCTNL_MSG_CT_NEW` request in `out`; any other error
+/// (conntrack unreachable) is returned.
+fn tally<T>(out: &mut Inserted, answer: Result<T, RawError>) -> Result<(), RawError> {
+    match answer {
+        Ok(_) => out.created += 1,
+        Err(RawError::Errno(libc::EEXIST)) => out.existed += 1,
+        Err(RawError::Errno(errno)) => {
+            out.refused += 1;
+            out.first_refusal.get_or_insert(errno);
+        }
+        Err(e) => return Err(e),
+    }
+    Ok(())
+}
+
+/// The `IPCTNL_MSG_CT_NEW` request of [`insert_established`] for `flow`, with a source NAT
+/// binding to exactly `snat` when given ([`insert_masqueraded`]: the kernel then derives the
+/// reply tuple from it).
+fn established_message(flow: &CtTuple, snat: Option<SocketAddrV4>) -> MessageBuilder {
     let mut m = MessageBuilder::new(
         CT_NEW,
         NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL,
     );
-    m.header(&[family.af(), 0, 0, 0]);
-    for (ty, t) in [(CTA_TUPLE_ORIG, *flow), (CTA_TUPLE_REPLY, flow.inverse())] {
-        m.nest_start(ty);
-        m.nest_start(CTA_TUPLE_IP);
-        match (t.src, t.dst) {
-            (IpAddr::V4(src), IpAddr::V4(dst)) => {
-                m.attr(CTA_IP_V4_SRC, &src.octets());
-                m.attr(CTA_IP_V4_DST, &dst.octets());
-            }
-            (src, dst) => {
-                m.attr(CTA_IP_V6_SRC, &v6_octets(src));
-                m.attr(CTA_IP_V6_DST, &v6_octets(dst));
-            }
-        }
-        m.nest_end();
-        m.nest_start(CTA_TUPLE_PROTO);
-        m.attr_u8(CTA_PROTO_NUM, t.proto);
-        m.attr(CTA_PROTO_SRC_PORT, &t.sport.to_be_bytes());
-        m.attr(CTA_PROTO_DST_PORT, &t.dport.to_be_bytes());
+    m.header(&[family_of(flow).af(), 0, 0, 0]);
+    tuple_nest(&mut m, CTA_TUPLE_ORIG, flow);
+    tuple_nest(&mut m, CTA_TUPLE_REPLY, &flow.inverse());
+    if let Some(nat) = snat {
+        m.nest_start(CTA_NAT_SRC);
+        m.attr(CTA_NAT_V4_MINIP, &nat.ip().octets());
+        m.attr(CTA_NAT_V4_MAXIP, &nat.ip().octets());
+        m.nest_start(CTA_NAT_PROTO);
+        m.attr(CTA_PROTONAT_PORT_MIN, &nat.port().to_be_bytes());
+        m.attr(CTA_PROTONAT_PORT_MAX, &nat.port().to_be_bytes());
         m.nest_end();
         m.nest_end();
     }
@@ -249,6 +283,44 @@ fn established_message(flow: &CtTuple) -> MessageBuilder {
         m.nest_end();
     }
     m
+}
+
+/// The `IPCTNL_MSG_CT_DELETE` request for the entry whose original tuple is `flow`.
+fn delete_message(flow: &CtTuple) -> MessageBuilder {
+    let mut m = MessageBuilder::new(CT_DELETE, NLM_F_REQUEST | NLM_F_ACK);
+    m.header(&[family_of(flow).af(), 0, 0, 0]);
+    tuple_nest(&mut m, CTA_TUPLE_ORIG, flow);
+    m
+}
+
+fn family_of(flow: &CtTuple) -> Family {
+    match flow.src {
+        IpAddr::V4(_) => Family::V4,
+        IpAddr::V6(_) => Family::V6,
+    }
+}
+
+/// Writes `t` as the tuple attribute `ty` (`CTA_TUPLE_ORIG` or `CTA_TUPLE_REPLY`).
+fn tuple_nest(m: &mut MessageBuilder, ty: u16, t: &CtTuple) {
+    m.nest_start(ty);
+    m.nest_start(CTA_TUPLE_IP);
+    match (t.src, t.dst) {
+        (IpAddr::V4(src), IpAddr::V4(dst)) => {
+            m.attr(CTA_IP_V4_SRC, &src.octets());
+            m.attr(CTA_IP_V4_DST, &dst.octets());
+        }
+        (src, dst) => {
+            m.attr(CTA_IP_V6_SRC, &v6_octets(src));
+            m.attr(CTA_IP_V6_DST, &v6_octets(dst));
+        }
+    }
+    m.nest_end();
+    m.nest_start(CTA_TUPLE_PROTO);
+    m.attr_u8(CTA_PROTO_NUM, t.proto);
+    m.attr(CTA_PROTO_SRC_PORT, &t.sport.to_be_bytes());
+    m.attr(CTA_PROTO_DST_PORT, &t.dport.to_be_bytes());
+    m.nest_end();
+    m.nest_end();
 }
 
 fn v6_octets(addr: IpAddr) -> [u8; 16] {
@@ -450,7 +522,7 @@ mod tests {
             ),
             (CtTuple::of("fd00:1::5", "fd00:2::7", 17, 5353, 53), None),
         ] {
-            let bytes = established_message(&flow).finish(1);
+            let bytes = established_message(&flow, None).finish(1);
             let msgs = raw::messages(&bytes).unwrap();
             assert_eq!(msgs[0].msg_type, CT_NEW);
             assert_eq!(
@@ -463,6 +535,46 @@ mod tests {
             assert!(!entry.is_nated());
             assert_eq!(entry.tcp_state, state);
         }
+    }
+
+    #[test]
+    fn a_masqueraded_entry_request_binds_exactly_the_address_and_port() {
+        let flow = CtTuple::of("10.244.1.5", "192.0.2.9", 6, 40000, 443);
+        let nat = SocketAddrV4::new(Ipv4Addr::new(192, 168, 1, 11), 61000);
+        let bytes = established_message(&flow, Some(nat)).finish(1);
+        let msgs = raw::messages(&bytes).unwrap();
+        let attrs = raw::attributes(&msgs[0].payload[NFGENMSG_LEN..]).unwrap();
+        let nested = |buf: &[u8], ty: u16| -> Vec<u8> {
+            raw::attributes(buf)
+                .unwrap()
+                .into_iter()
+                .find(|(t, _)| *t == ty)
+                .map(|(_, v)| v.to_vec())
+                .unwrap_or_else(|| panic!("attribute {ty}"))
+        };
+        let (_, nat_attr) = attrs
+            .iter()
+            .find(|(t, _)| *t == CTA_NAT_SRC)
+            .expect("CTA_NAT_SRC");
+        assert_eq!(nested(nat_attr, CTA_NAT_V4_MINIP), [192, 168, 1, 11]);
+        assert_eq!(nested(nat_attr, CTA_NAT_V4_MAXIP), [192, 168, 1, 11]);
+        let ports = nested(nat_attr, CTA_NAT_PROTO);
+        assert_eq!(
+            nested(&ports, CTA_PROTONAT_PORT_MIN),
+            61000u16.to_be_bytes()
+        );
+        assert_eq!(
+            nested(&ports, CTA_PROTONAT_PORT_MAX),
+            61000u16.to_be_bytes()
+        );
+        // The tuples are the connection's own: the kernel derives the reply from the binding.
+        let entry = parse_entry(msgs[0].payload).unwrap().unwrap();
+        assert_eq!((entry.orig, entry.reply), (flow, flow.inverse()));
+        // Without a binding, no CTA_NAT_SRC.
+        let plain = established_message(&flow, None).finish(1);
+        let msgs = raw::messages(&plain).unwrap();
+        let attrs = raw::attributes(&msgs[0].payload[NFGENMSG_LEN..]).unwrap();
+        assert!(attrs.iter().all(|(t, _)| *t != CTA_NAT_SRC));
     }
 
     #[test]
