@@ -157,9 +157,12 @@ impl Receiver {
         // The largest IPv4 packet.
         let mut buf = vec![0u8; 65536];
         loop {
+            // A hold too long to add to the clock never ends.
+            let deadline = last.checked_add(hold);
             let mut ready = tokio::select! {
                 _ = cancel.cancelled() => return on,
-                () = tokio::time::sleep_until(last + hold), if on => {
+                () = tokio::time::sleep_until(deadline.unwrap_or(last)),
+                    if on && deadline.is_some() => {
                     // Not switched off (the write failed, and was logged): again after `hold`.
                     on = !switch(false);
                     last = Instant::now();
