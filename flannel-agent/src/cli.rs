@@ -311,10 +311,16 @@ fn parse_go_bool(s: &str) -> Result<bool, String> {
     }
 }
 
+/// The longest period a seconds flag takes: a year. (Longer ones mean "never" to nobody, and
+/// a deadline that far would overflow the clock.)
+pub const MAX_SECONDS: u64 = 365 * 24 * 3600;
+
 fn parse_seconds(s: &str) -> Result<u64, String> {
     match s.trim().parse::<u64>() {
-        Ok(v) if v >= 1 => Ok(v),
-        _ => Err(format!("{s:?} is not a positive number of seconds")),
+        Ok(v) if (1..=MAX_SECONDS).contains(&v) => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a number of seconds from 1 to {MAX_SECONDS} (a year)"
+        )),
     }
 }
 
@@ -522,6 +528,24 @@ mod tests {
 
     fn err(args: &[&str]) -> String {
         parse_env(args, &[]).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn periods_are_one_second_to_a_year() {
+        for flag in [
+            "--iptables-resync",
+            "--resync-interval",
+            "--ebpf-nat-sweep-interval",
+            "--ebpf-conntrack-resync",
+            "--ebpf-ipip-reassembly-hold",
+        ] {
+            for bad in ["0", "-1", "31536001", "18446744073709551615", "x"] {
+                let e = err(&[&format!("{flag}={bad}")]);
+                assert!(e.contains("from 1 to 31536000"), "{flag}={bad}: {e}");
+            }
+            parse(&[&format!("{flag}=31536000")]);
+            parse(&[&format!("{flag}=1")]);
+        }
     }
 
     #[test]
@@ -821,7 +845,7 @@ mod tests {
         let e = err(&["--dataplane=fast"]);
         assert!(e.contains("fast"), "{e}");
         assert!(err(&["--no-such-flag"]).contains("--no-such-flag"));
-        assert!(err(&["--iptables-resync=0"]).contains("positive number of seconds"));
+        assert!(err(&["--iptables-resync=0"]).contains("is not a number of seconds from 1"));
         assert!(err(&["--healthz-port=70000"]).contains("--healthz-port"));
     }
 
