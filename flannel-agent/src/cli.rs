@@ -227,6 +227,13 @@ pub struct Cli {
     #[arg(long, default_value = "/sys/fs/bpf/flannel")]
     pub bpf_pin_path: PathBuf,
 
+    /// enter the fast path's open pod connections into conntrack, detach its programs and
+    /// remove the pins under --bpf-pin-path, then exit (run with the agent stopped, e.g. before
+    /// upstream flanneld takes the node over)
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
+          default_missing_value = "true", value_parser = parse_go_bool, action = ArgAction::Set)]
+    pub detach_fastpath: bool,
+
     /// directory for persistent agent state (VTEP MAC addresses, ...)
     #[arg(long, default_value = "/var/lib/flannel")]
     pub state_dir: PathBuf,
@@ -531,6 +538,14 @@ mod tests {
     }
 
     #[test]
+    fn detach_fastpath_is_a_boolean_flag() {
+        assert!(parse(&["--detach-fastpath"]).detach_fastpath);
+        assert!(parse(&["--detach-fastpath=true"]).detach_fastpath);
+        assert!(!parse(&["--detach-fastpath=false"]).detach_fastpath);
+        assert!(err(&["--detach-fastpath=maybe"]).contains("maybe"));
+    }
+
+    #[test]
     fn periods_are_one_second_to_a_year() {
         for flag in [
             "--iptables-resync",
@@ -631,7 +646,7 @@ mod tests {
             PathBuf::from("/etc/kube-flannel/net-conf.json")
         );
         assert_eq!((c.healthz_ip.as_str(), c.healthz_port), ("0.0.0.0", 0));
-        assert!(!c.version);
+        assert!(!c.version && !c.detach_fastpath);
         assert_eq!(c.v, 0);
         assert_eq!(c.dataplane, Dataplane::Auto);
         assert!(c.ebpf_masq);

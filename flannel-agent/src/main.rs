@@ -1,7 +1,8 @@
 //! `flannel-agent`: the node daemon. Everything lives in the library; this parses the command
 //! line, installs logging and signal handling, and maps the outcome to an exit code (0 for a
 //! signal or a revoked lease, 1 for a fatal error, 2 for bad flags — as upstream, except that
-//! upstream exits 0 on bad flags).
+//! upstream exits 0 on bad flags). `--detach-fastpath` removes the fast path and exits
+//! instead of running.
 
 use std::process::ExitCode;
 
@@ -26,6 +27,26 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     telemetry::init(cli.v);
+    if cli.detach_fastpath {
+        // What a node handed to upstream flanneld needs where the agent could not do it on
+        // its way out (etcd mode, a killed agent): the handover and removal of `--dataplane
+        // kernel`, alone.
+        let path = cli.bpf_pin_path.display();
+        return match flannel_agent::bpf::cleanup(&cli.bpf_pin_path) {
+            Ok(removed) => {
+                tracing::info!(
+                    removed,
+                    "the fast path under {path} is detached (its connections handed to \
+                     conntrack, pins and filters removed)"
+                );
+                ExitCode::SUCCESS
+            }
+            Err(err) => {
+                tracing::error!("detaching the fast path under {path}: {err}");
+                ExitCode::FAILURE
+            }
+        };
+    }
 
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -1324,14 +1324,7 @@ fn handed_over_checks(
         topology.add_pod(n)?;
     }
     on_fast_path(topology)?;
-    let (client, server) = (topology.first_pod_on(1)?, topology.first_pod_on(2)?);
-    let addr = SocketAddr::new(IpAddr::V4(server.ip()), 7100);
-    let peers = probe::line_echo_server(server.ns(), addr, 1)?;
-    let mut stream = client
-        .ns()
-        .enter(move || std::net::TcpStream::connect(addr))??;
-    stream.set_read_timeout(Some(Duration::from_secs(3)))?;
-    probe::line_round_trip(&mut stream, "m1").context("on the fast path")?;
+    let mut conn = EchoConnection::open(topology)?;
 
     // node2's agent stops without the label: its programs stay attached.
     agents[1].stop(Duration::from_secs(10))?;
@@ -1342,34 +1335,116 @@ fn handed_over_checks(
     );
     agents[1].restart()?;
     on_fast_path(topology)?;
-    probe::line_round_trip(&mut stream, "m2").context("after node2's agent restarted")?;
+    conn.goes_on("after node2's agent restarted")?;
 
     // node1 labelled for upstream; its agent stops.
-    let node1 = topology.node(1);
-    api.modify_node(&node1.name(), |n| {
+    api.modify_node(&topology.node(1).name(), |n| {
         n["metadata"]["labels"]["flannel-rs/agent"] = json!("upstream");
     })
     .context("node1 in the API")?;
     agents[0].stop(Duration::from_secs(10))?;
-    let pins = node1.bpf_pin_path();
-    ensure!(!pins.exists(), "{} is still there", pins.display());
-    let attached = |n: usize| fastpath::tcx_programs(topology.node(n).ns(), "eth0");
-    let (on_node1, on_node2) = (attached(1)?, attached(2)?);
+    fast_path_removed(topology, 1)?;
+    let on_node2 = fastpath::tcx_programs(topology.node(2).ns(), "eth0")?;
     ensure!(
-        on_node1.is_empty() && on_node2.iter().any(|p| p == "tc_from_netdev"),
-        "programs on eth0: {on_node1:?} on node1 (none expected), {on_node2:?} on node2 (still \
-         on the fast path)"
+        on_node2.iter().any(|p| p == "tc_from_netdev"),
+        "node2, still on the fast path, shows {on_node2:?} on its eth0"
     );
-    for i in 3..6 {
-        probe::line_round_trip(&mut stream, &format!("m{i}"))
-            .with_context(|| format!("message {i} on node1's kernel path"))?;
+    conn.goes_on("on node1's kernel path")
+}
+
+/// A TCP connection from the first pod of node1 to a line echo server on the first pod of
+/// node2 (port 7100), across the nodes.
+struct EchoConnection {
+    stream: std::net::TcpStream,
+    peers: probe::Peers,
+    client: IpAddr,
+    sent: usize,
+}
+
+impl EchoConnection {
+    /// Connects and makes a first round trip.
+    fn open(t: &Topology) -> Result<EchoConnection> {
+        let (client, server) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
+        let addr = SocketAddr::new(IpAddr::V4(server.ip()), 7100);
+        let peers = probe::line_echo_server(server.ns(), addr, 1)?;
+        let stream = client
+            .ns()
+            .enter(move || std::net::TcpStream::connect(addr))??;
+        stream.set_read_timeout(Some(Duration::from_secs(3)))?;
+        let mut conn = EchoConnection {
+            stream,
+            peers,
+            client: IpAddr::V4(client.ip()),
+            sent: 0,
+        };
+        conn.round_trip("on the fast path")?;
+        Ok(conn)
     }
+
+    fn round_trip(&mut self, when: &str) -> Result<()> {
+        self.sent += 1;
+        probe::line_round_trip(&mut self.stream, &format!("m{}", self.sent))
+            .with_context(|| format!("message {} {when}", self.sent))
+    }
+
+    /// Three more round trips (`when` says at what point), and the server has seen the
+    /// client's own address only.
+    fn goes_on(&mut self, when: &str) -> Result<()> {
+        for _ in 0..3 {
+            self.round_trip(when)?;
+        }
+        let seen = self.peers.seen();
+        ensure!(
+            seen == [self.client],
+            "the server saw {seen:?}, not {} alone",
+            self.client
+        );
+        Ok(())
+    }
+}
+
+/// Node `n`'s fast path is gone: its pin directory, and every TCX program on its eth0.
+fn fast_path_removed(t: &Topology, n: usize) -> Result<()> {
+    let pins = t.node(n).bpf_pin_path();
+    ensure!(!pins.exists(), "{} is still there", pins.display());
+    let attached = fastpath::tcx_programs(t.node(n).ns(), "eth0")?;
     ensure!(
-        peers.seen() == [IpAddr::V4(client.ip())],
-        "the server saw {:?}",
-        peers.seen()
+        attached.is_empty(),
+        "programs still on node{n}'s eth0: {attached:?}"
     );
     Ok(())
+}
+
+/// `flannel-agent --detach-fastpath`: where the agent could not detach its fast path on its
+/// way out (etcd mode, which has no Node label; an agent that was killed), the same handover
+/// and removal alone. node1's agent stops (its programs stay attached), the command runs in
+/// node1: it exits 0, node1's pins are gone and no program of ours is attached to its eth0,
+/// and a pod connection across the nodes (agents without `--ip-masq`) goes on, from the pod's
+/// own address.
+#[test]
+fn ebpf_detach_fastpath_hands_over_and_removes_the_programs() {
+    require_root!();
+    with_cluster(
+        &named(EBPF, "detach-fastpath"),
+        spec_on(EBPF, 2, Underlay::L2, "vxlan", 1),
+        |c| {
+            let mut conn = EchoConnection::open(c.topology())?;
+            c.agent_mut(1)
+                .context("node1's agent")?
+                .stop(Duration::from_secs(10))?;
+            let t = c.topology();
+            let pins = t.node(1).bpf_pin_path();
+            ensure!(pins.exists(), "the stopped agent left no pins to detach");
+            let agent = bins::test_agent()?;
+            t.node(1).run(&[
+                agent.to_str().context("agent path")?,
+                "--detach-fastpath",
+                &format!("--bpf-pin-path={}", pins.display()),
+            ])?;
+            fast_path_removed(t, 1)?;
+            conn.goes_on("on node1's kernel path")
+        },
+    );
 }
 
 /// UDP with segmentation offload (`UDP_SEGMENT`, as QUIC senders use) between pods on two
