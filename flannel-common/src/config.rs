@@ -22,7 +22,8 @@ pub const CFG_ROUTED_RX: u32 = 1 << 2;
 pub const CFG_IPIP_KERNEL_RX: u32 = 1 << 3;
 /// [`Config::flags`]: the agent takes IPIP packets the kernel reassembled from a raw socket
 /// (`flannel_agent::ipip_rx`; no kernel IPIP device) and has seen one from a peer (a router
-/// fragments IPIP on its way here; set until the agent stops). `tc_from_netdev` then leaves
+/// fragments IPIP on its way here; cleared once `--ebpf-ipip-reassembly-hold` passes without
+/// another, and when the agent stops). `tc_from_netdev` then leaves
 /// an IPIP packet carrying an inner fragment to the kernel whole, for the agent, instead of
 /// decapsulating it: the other fragments of its datagram may reach the agent (in an outer
 /// packet a router fragmented), and conntrack reassembles only fragments that meet the same

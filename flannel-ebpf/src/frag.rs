@@ -13,8 +13,8 @@
 //! pod sends them in order, as Linux does. Fragments with IP options, of other protocols (TCP
 //! does not fragment, ICMP keeps working through the masquerade) stay with the kernel.
 //! Arriving fragments are the kernel's on the receiving node, as before (udp: the forwarder's
-//! socket takes every inner fragment, so a datagram's fragments meet on `flannel0`). IPv6 does the same in
-//! `crate::v6` (`read_fragment`).
+//! socket takes every inner fragment, so a datagram's fragments meet on `flannel0`). IPv6
+//! does the same in `crate::v6` (`read_fragment`).
 
 use flannel_common::{nat::FragKey, stats::Reason};
 

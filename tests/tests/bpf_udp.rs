@@ -155,6 +155,31 @@ fn tun_path_send_bytes(mut pkt: Vec<u8>) -> (Vec<u8>, SocketAddrV4) {
     }
 }
 
+/// What the forwarder's socket puts on the wire for `payload` to `to`, framed with the MACs
+/// `(source, destination)`: IfaceAddr → peer, TOS 0, DF, ID 0, TTL 64, UDP port → port,
+/// checksum 0.
+fn forwarder_datagram(macs: (Mac, Mac), to: SocketAddrV4, payload: &[u8]) -> Vec<u8> {
+    Ethernet::new(
+        macs.0,
+        macs.1,
+        Ipv4 {
+            id: 0,
+            tos: 0,
+            dont_fragment: true,
+            ttl: 64,
+            ..Ipv4::new(
+                IFACE,
+                *to.ip(),
+                Udp {
+                    checksum: Checksum::Value(0),
+                    ..Udp::new(PORT, to.port()).payload(payload)
+                },
+            )
+        },
+    )
+    .encode()
+}
+
 /// What the TUN path delivers to the pod for a datagram payload: the forwarder checks it
 /// (`ingress_verdict`: TTL − 1) and writes it to `flannel0`, the kernel forwards it to the
 /// bridge (TTL − 1).
@@ -217,27 +242,7 @@ fn bridge_encapsulates_exactly_like_the_tun_path() {
             let (payload, to) = tun_path_send(&ip);
             assert_eq!(to, SocketAddrV4::new(PEER2, PORT));
             assert_eq!(payload, hops(&ip, 2).encode(), "two hops off the inner TTL");
-            // What the forwarder's socket puts on the wire: IfaceAddr → peer, TOS 0, DF,
-            // ID 0, TTL 64, UDP port → port, checksum 0.
-            let want = Ethernet::new(
-                EXT_MAC,
-                PEER2_MAC,
-                Ipv4 {
-                    id: 0,
-                    tos: 0,
-                    dont_fragment: true,
-                    ttl: 64,
-                    ..Ipv4::new(
-                        IFACE,
-                        *to.ip(),
-                        Udp {
-                            checksum: Checksum::Value(0),
-                            ..Udp::new(PORT, to.port()).payload(&payload)
-                        },
-                    )
-                },
-            )
-            .encode();
+            let want = forwarder_datagram((EXT_MAC, PEER2_MAC), to, &payload);
             assert_bytes(&r.out, &want, "udp encapsulation");
             let parsed = packet::verify(&r.out).expect("outer checksums");
             let ParsedL3::Ipv4(outer) = &parsed.l3 else {
@@ -262,22 +267,7 @@ fn bridge_encapsulates_exactly_like_the_tun_path() {
         let r = run(fp, Hook::FromBridge, &pod_frame(&ip), Skb::on(ifs.br));
         assert_eq!(r.verdict, TC_ACT_REDIRECT);
         let (payload, to) = tun_path_send(&ip);
-        let want = Ethernet::new(
-            POD_MAC,
-            BR_MAC,
-            Ipv4 {
-                id: 0,
-                ..Ipv4::new(
-                    IFACE,
-                    *to.ip(),
-                    Udp {
-                        checksum: Checksum::Value(0),
-                        ..Udp::new(PORT, PORT).payload(&payload)
-                    },
-                )
-            },
-        )
-        .encode();
+        let want = forwarder_datagram((POD_MAC, BR_MAC), to, &payload);
         assert_bytes(&r.out, &want, "udp encapsulation, neighbour unresolved");
 
         // Our own packet on its way out: untouched and not counted by tc_to_netdev.
@@ -321,23 +311,7 @@ fn bridge_sends_a_pods_fragments_like_the_rest_of_its_flow() {
             let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br));
             assert_eq!(r.verdict, TC_ACT_REDIRECT, "{what}");
             let (payload, to) = tun_path_send_bytes(fragment.clone());
-            let want = Ethernet::new(
-                EXT_MAC,
-                PEER2_MAC,
-                Ipv4 {
-                    id: 0,
-                    dont_fragment: true,
-                    ..Ipv4::new(
-                        IFACE,
-                        *to.ip(),
-                        Udp {
-                            checksum: Checksum::Value(0),
-                            ..Udp::new(PORT, to.port()).payload(&payload)
-                        },
-                    )
-                },
-            )
-            .encode();
+            let want = forwarder_datagram((EXT_MAC, PEER2_MAC), to, &payload);
             assert_bytes(&r.out, &want, &what);
             assert_counted(&r, &[Reason::Ipv4Fragment, Reason::FastUdp], &what);
         }

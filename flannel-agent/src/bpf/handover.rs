@@ -33,17 +33,16 @@ use std::{
 };
 
 use aya::{
-    maps::{Array, HashMap, Map, MapData},
+    maps::{HashMap, Map, MapData},
     programs::{links::PinnedLink, loaded_programs},
 };
 use flannel_common::{
-    maps::{NAT_CONFIG, NAT4},
     memo::{FlowMemo, FlowMemo6, MEMO4, MEMO6, MemoKey, MemoKey6},
-    nat::{NAT_F_HOST, NatConfig, NatEntry, NatKey, proto as nat_proto, tcp_closed},
+    nat::{proto as nat_proto, tcp_closed},
 };
 use tracing::{info, warn};
 
-use super::pins::PinLayout;
+use super::{nat, pins::PinLayout};
 use crate::netlink::conntrack::{self, CtTuple};
 
 /// How far behind the newest memo (in kernel ticks, `bpf_jiffies64`) a memo may have been
@@ -158,45 +157,35 @@ fn entered(
 /// The live pod flows the programs masquerade (the pinned NAT maps under `layout`), each with
 /// the address and port they leave with: TCP and UDP, not expired by the programs' timeouts,
 /// TCP not closed; the node's own flows (which conntrack tracks itself) left out. None when
-/// the maps are not there.
+/// the maps are not there or cannot be read.
 fn masqueraded_flows(layout: &PinLayout) -> Vec<(CtTuple, SocketAddrV4)> {
-    let open = |name: &str| MapData::from_pin(layout.map(name)).ok();
-    let (Some(config), Some(flows)) = (open(NAT_CONFIG), open(NAT4)) else {
-        return Vec::new();
+    let flows = match nat::pinned_nat_flows(layout) {
+        Ok(flows) => flows.unwrap_or_default(),
+        Err(e) => {
+            warn!("reading the fast path's NAT flows to hand them over: {e}");
+            Vec::new()
+        }
     };
-    let Ok(config) =
-        Array::<MapData, NatConfig>::try_from(Map::Array(config)).and_then(|a| a.get(&0, 0))
-    else {
-        return Vec::new();
-    };
-    let Ok(flows) = HashMap::<MapData, NatKey, NatEntry>::try_from(Map::LruHashMap(flows)) else {
-        return Vec::new();
-    };
-    let now = super::nat::monotonic_ns();
     flows
-        .iter()
-        .flatten()
-        .filter(|(key, entry)| {
-            entry.flags & NAT_F_HOST == 0
-                && match key.proto {
-                    nat_proto::TCP => !tcp_closed(entry.state),
+        .into_iter()
+        .filter(|f| {
+            !f.host
+                && !f.expired
+                && match f.proto {
+                    nat_proto::TCP => !tcp_closed(f.state),
                     nat_proto::UDP => true,
                     _ => false,
                 }
-                && !config.expired(key.proto, entry.state, entry.last_seen_ns, now)
         })
-        .map(|(key, entry)| {
+        .map(|f| {
             let flow = CtTuple {
-                src: IpAddr::V4(Ipv4Addr::from(key.saddr)),
-                dst: IpAddr::V4(Ipv4Addr::from(key.daddr)),
-                proto: key.proto,
-                sport: key.sport,
-                dport: key.dport,
+                src: IpAddr::V4(*f.orig.ip()),
+                dst: IpAddr::V4(*f.remote.ip()),
+                proto: f.proto,
+                sport: f.orig.port(),
+                dport: f.remote.port(),
             };
-            (
-                flow,
-                SocketAddrV4::new(entry.nat_addr.into(), entry.nat_port),
-            )
+            (flow, f.nat)
         })
         .collect()
 }

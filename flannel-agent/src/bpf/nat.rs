@@ -351,6 +351,80 @@ pub fn monotonic_ns() -> u64 {
     u64::try_from(ts.tv_sec).unwrap_or(0) * NS_PER_S + u64::try_from(ts.tv_nsec).unwrap_or(0)
 }
 
+/// Every flow of the NAT maps `fwd` and `rev`, oldest first (then by address), decoded
+/// (expired ones, by `cfg`'s timeouts, included and marked).
+fn decode_flows<T: std::borrow::Borrow<MapData>>(
+    cfg: &NatConfig,
+    fwd: &BpfHashMap<T, NatKey, NatEntry>,
+    rev: &BpfHashMap<T, NatKey, NatRevEntry>,
+) -> Result<Vec<NatFlow>, BpfError> {
+    let now = monotonic_ns();
+    let mut flows = Vec::new();
+    for item in fwd.iter() {
+        let (key, e) = match item {
+            Ok(kv) => kv,
+            // The entry went away between the key walk and the lookup.
+            Err(aya::maps::MapError::KeyNotFound) => continue,
+            Err(e) => return Err(BpfError::map(names::NAT4, e)),
+        };
+        let reverse_ok = rev
+            .get(&key.reply_of(e.nat_addr, e.nat_port), 0)
+            .is_ok_and(|r| r.orig_addr == key.saddr && r.orig_port == key.sport);
+        let (remote_port, orig_port) = if key.proto == proto::ICMP {
+            (0, key.sport)
+        } else {
+            (key.dport, key.sport)
+        };
+        flows.push(NatFlow {
+            proto: key.proto,
+            orig: SocketAddrV4::new(key.saddr.into(), orig_port),
+            remote: SocketAddrV4::new(key.daddr.into(), remote_port),
+            nat: SocketAddrV4::new(e.nat_addr.into(), e.nat_port),
+            state: e.state,
+            host: e.flags & NAT_F_HOST != 0,
+            age: Duration::from_nanos(now.saturating_sub(e.created_ns)),
+            idle: Duration::from_nanos(now.saturating_sub(e.last_seen_ns)),
+            expired: cfg.expired(key.proto, e.state, e.last_seen_ns, now),
+            reverse_ok,
+        });
+    }
+    // The programs stamp flows with the coarse clock (one tick is several ms), so flows
+    // made together tie on age: the addresses decide between them.
+    flows.sort_by(|a, b| {
+        b.age
+            .cmp(&a.age)
+            .then(a.orig.cmp(&b.orig))
+            .then(a.remote.cmp(&b.remote))
+            .then(a.proto.cmp(&b.proto))
+    });
+    Ok(flows)
+}
+
+/// [`FastPath::nat_flows`] of the NAT maps pinned under `layout`, as a former run left them
+/// (no loaded fast path needed); `None` when they are not there.
+pub fn pinned_nat_flows(layout: &PinLayout) -> Result<Option<Vec<NatFlow>>, BpfError> {
+    let open = |name: &'static str| match MapData::from_pin(layout.map(name)) {
+        Ok(data) => Ok(Some(data)),
+        Err(_) if !layout.map(name).exists() => Ok(None),
+        Err(e) => Err(BpfError::map(name, e)),
+    };
+    let (Some(cfg), Some(fwd), Some(rev)) = (
+        open(names::NAT_CONFIG)?,
+        open(names::NAT4)?,
+        open(names::NAT_REV4)?,
+    ) else {
+        return Ok(None);
+    };
+    let cfg = Array::<MapData, NatConfig>::try_from(aya::maps::Map::Array(cfg))
+        .and_then(|a| a.get(&0, 0))
+        .map_err(|e| BpfError::map(names::NAT_CONFIG, e))?;
+    let fwd = BpfHashMap::try_from(aya::maps::Map::LruHashMap(fwd))
+        .map_err(|e| BpfError::map(names::NAT4, e))?;
+    let rev = BpfHashMap::try_from(aya::maps::Map::LruHashMap(rev))
+        .map_err(|e| BpfError::map(names::NAT_REV4, e))?;
+    decode_flows(&cfg, &fwd, &rev).map(Some)
+}
+
 /// Reply entries made or found live more recently than this are never orphans: the program
 /// writes the reply entry first and the flow's entry right after.
 const ORPHAN_GRACE_NS: u64 = 5 * NS_PER_S;
@@ -579,48 +653,8 @@ impl FastPath {
     /// Every flow the maps hold, oldest first (then by address), decoded (expired ones
     /// included and marked).
     pub fn nat_flows(&self) -> Result<Vec<NatFlow>, BpfError> {
-        let cfg = self.nat_config()?;
-        let now = monotonic_ns();
         let (fwd, rev) = self.nat_maps()?;
-        let mut flows = Vec::new();
-        for item in fwd.iter() {
-            let (key, e) = match item {
-                Ok(kv) => kv,
-                // The entry went away between the key walk and the lookup.
-                Err(aya::maps::MapError::KeyNotFound) => continue,
-                Err(e) => return Err(BpfError::map(names::NAT4, e)),
-            };
-            let reverse_ok = rev
-                .get(&key.reply_of(e.nat_addr, e.nat_port), 0)
-                .is_ok_and(|r| r.orig_addr == key.saddr && r.orig_port == key.sport);
-            let (remote_port, orig_port) = if key.proto == proto::ICMP {
-                (0, key.sport)
-            } else {
-                (key.dport, key.sport)
-            };
-            flows.push(NatFlow {
-                proto: key.proto,
-                orig: SocketAddrV4::new(key.saddr.into(), orig_port),
-                remote: SocketAddrV4::new(key.daddr.into(), remote_port),
-                nat: SocketAddrV4::new(e.nat_addr.into(), e.nat_port),
-                state: e.state,
-                host: e.flags & NAT_F_HOST != 0,
-                age: Duration::from_nanos(now.saturating_sub(e.created_ns)),
-                idle: Duration::from_nanos(now.saturating_sub(e.last_seen_ns)),
-                expired: cfg.expired(key.proto, e.state, e.last_seen_ns, now),
-                reverse_ok,
-            });
-        }
-        // The programs stamp flows with the coarse clock (one tick is several ms), so flows
-        // made together tie on age: the addresses decide between them.
-        flows.sort_by(|a, b| {
-            b.age
-                .cmp(&a.age)
-                .then(a.orig.cmp(&b.orig))
-                .then(a.remote.cmp(&b.remote))
-                .then(a.proto.cmp(&b.proto))
-        });
-        Ok(flows)
+        decode_flows(&self.nat_config()?, &fwd, &rev)
     }
 
     /// Deletes expired flows (both entries) and reply entries whose flow is gone or points

@@ -6,8 +6,8 @@
 //! continuous UDP request stream ([`UdpStream`] against a [`UdpEcho`]) that counts every
 //! lost request, and a long paced TCP transfer ([`TcpFlow`]) that reports retransmissions
 //! and its longest stall. A line echo server ([`line_echo_server`], [`line_round_trip`])
-//! keeps a connection open and idle between round trips. [`send_ipip`] sends an IPIP packet the way a kernel tunnel
-//! without path MTU discovery does, fragmented when it does not fit.
+//! keeps a connection open and idle between round trips. [`send_ipip`] sends an IPIP packet
+//! the way a kernel tunnel without path MTU discovery does, fragmented when it does not fit.
 
 use std::{
     collections::BTreeMap,
