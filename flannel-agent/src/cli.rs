@@ -228,13 +228,13 @@ pub struct Cli {
     pub bpf_pin_path: PathBuf,
 
     /// enter the fast path's open pod connections into conntrack, detach its programs and
-    /// remove the pins under --bpf-pin-path, then exit (run with the agent stopped, e.g. before
-    /// upstream flanneld takes the node over)
+    /// remove the pins under --bpf-pin-path, then exit (refused while an agent with this
+    /// --state-dir runs, e.g. before upstream flanneld takes the node over)
     #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
           default_missing_value = "true", value_parser = parse_go_bool, action = ArgAction::Set)]
     pub detach_fastpath: bool,
 
-    /// directory for persistent agent state (VTEP MAC addresses, ...)
+    /// directory for persistent agent state (VTEP MAC addresses, the node's agent.lock, ...)
     #[arg(long, default_value = "/var/lib/flannel")]
     pub state_dir: PathBuf,
 

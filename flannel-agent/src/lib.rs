@@ -27,6 +27,7 @@
 //! | [`ipsec`] | the ipsec backend: strongSwan over VICI, XFRM policies, ESP detection |
 //! | [`udp`] | the udp backend's TUN path: `flannel0`, the UDP socket, the forwarding loops |
 //! | [`ipip_rx`] | the eBPF IPIP backend's receive of IPIP packets reassembled by the kernel |
+//! | [`node_lock`] | one agent per node (`<--state-dir>/agent.lock`) |
 
 pub mod alloc;
 pub mod backend;
@@ -47,6 +48,7 @@ pub mod lease;
 pub mod metrics;
 pub mod netconf;
 pub mod netlink;
+pub mod node_lock;
 pub mod subnet;
 pub mod subnet_env;
 pub mod telemetry;

@@ -2,7 +2,8 @@
 //! line, installs logging and signal handling, and maps the outcome to an exit code (0 for a
 //! signal or a revoked lease, 1 for a fatal error, 2 for bad flags — as upstream, except that
 //! upstream exits 0 on bad flags). `--detach-fastpath` removes the fast path and exits
-//! instead of running.
+//! instead of running; like the daemon, it refuses to while another agent runs on the node
+//! ([`flannel_agent::node_lock`]).
 
 use std::process::ExitCode;
 
@@ -32,6 +33,13 @@ fn main() -> ExitCode {
         // its way out (etcd mode, a killed agent): the handover and removal of `--dataplane
         // kernel`, alone.
         let path = cli.bpf_pin_path.display();
+        let _node_lock = match daemon::node_lock(&cli.state_dir) {
+            Ok(lock) => lock,
+            Err(err) => {
+                tracing::error!("not detaching the fast path under {path}: {err}");
+                return ExitCode::FAILURE;
+            }
+        };
         return match flannel_agent::bpf::cleanup(&cli.bpf_pin_path) {
             Ok(removed) => {
                 tracing::info!(

@@ -47,7 +47,9 @@ use flannel_tests::{
         bins,
         cluster::Cluster,
         fastpath::{self, Route},
-        kube, probe, status, wait,
+        kube, probe,
+        process::{Output, Process},
+        status, wait,
     },
     netns::NetNs,
     packet::{Ipv4, Udp},
@@ -1440,9 +1442,75 @@ fn ebpf_detach_fastpath_hands_over_and_removes_the_programs() {
                 agent.to_str().context("agent path")?,
                 "--detach-fastpath",
                 &format!("--bpf-pin-path={}", pins.display()),
+                &format!("--state-dir={}", t.node(1).state_dir().display()),
             ])?;
             fast_path_removed(t, 1)?;
             conn.goes_on("on node1's kernel path")
+        },
+    );
+}
+
+/// One agent per node: while node1's agent runs, a second agent with its flags and
+/// `flannel-agent --detach-fastpath` for its pins and state directory both exit 1 at once,
+/// naming the running agent's pid, and change nothing: node1's pins and programs stay, its
+/// agent runs on and a pod connection across the nodes goes on. (Before the lock, the
+/// command removed the running agent's pins and programs.) Once the agent has stopped, the
+/// same command detaches.
+#[test]
+fn ebpf_a_second_agent_or_detach_is_refused_while_the_agent_runs() {
+    require_root!();
+    with_cluster(
+        &named(EBPF, "one agent per node"),
+        spec_on(EBPF, 2, Underlay::L2, "vxlan", 1),
+        |c| {
+            let mut conn = EchoConnection::open(c.topology())?;
+            let agent = bins::test_agent()?;
+            let agent = agent.to_str().context("agent path")?;
+            let running = c.agent_mut(1).context("node1's agent")?;
+            let (pid, args) = (running.pid(), running.args().to_vec());
+            let t = c.topology();
+            let node = t.node(1);
+            let refused = |what: &str, argv: &[String]| -> Result<()> {
+                let log = node.dir().join(format!("{what}.log"));
+                let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+                let mut second = Process::spawn(node.ns(), &argv, Output::File(log.clone()))?;
+                let status = second
+                    .wait_timeout(Duration::from_secs(30))
+                    .with_context(|| format!("{what} still runs next to node1's agent"))?;
+                let text = std::fs::read_to_string(&log)?;
+                ensure!(
+                    status.code() == Some(1),
+                    "{what} exited with {status}:\n{text}"
+                );
+                ensure!(
+                    text.contains("another flannel-agent runs on this node")
+                        && text.contains(&format!("pid {pid}")),
+                    "{what} does not name the running agent (pid {pid}):\n{text}"
+                );
+                Ok(())
+            };
+            let mut second = vec![agent.to_owned()];
+            second.extend(args);
+            refused("second-agent", &second)?;
+            let detach = [
+                agent.to_owned(),
+                "--detach-fastpath".to_owned(),
+                format!("--bpf-pin-path={}", node.bpf_pin_path().display()),
+                format!("--state-dir={}", node.state_dir().display()),
+            ];
+            refused("detach", &detach)?;
+            ensure!(node.bpf_pin_path().exists(), "node1's pins were removed");
+            let attached = fastpath::tcx_programs(node.ns(), "eth0")?;
+            ensure!(!attached.is_empty(), "node1's programs were detached");
+            conn.goes_on("after the refusals")?;
+            c.agent_mut(1).context("node1's agent")?.check_running()?;
+            c.agent_mut(1)
+                .context("node1's agent")?
+                .stop(Duration::from_secs(10))?;
+            let t = c.topology();
+            let detach: Vec<&str> = detach.iter().map(String::as_str).collect();
+            t.node(1).run(&detach)?;
+            fast_path_removed(t, 1)
         },
     );
 }
