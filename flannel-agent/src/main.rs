@@ -33,7 +33,7 @@ fn main() -> ExitCode {
         // its way out (etcd mode, a killed agent): the handover and removal of `--dataplane
         // kernel`, alone.
         let path = cli.bpf_pin_path.display();
-        let _node_lock = match daemon::node_lock(&cli.state_dir) {
+        let _node_lock = match flannel_agent::node_lock::take(&cli.state_dir) {
             Ok(lock) => lock,
             Err(err) => {
                 tracing::error!("not detaching the fast path under {path}: {err}");

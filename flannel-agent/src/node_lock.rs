@@ -92,6 +92,20 @@ impl NodeLock {
     }
 }
 
+/// The lock for the agent and `--detach-fastpath`: an error when another agent holds it;
+/// when it cannot be taken at all (a read-only state directory), a warning, and the caller
+/// runs unguarded.
+pub fn take(state_dir: &Path) -> Result<Option<NodeLock>, LockError> {
+    match NodeLock::acquire(state_dir) {
+        Ok(lock) => Ok(Some(lock)),
+        Err(err @ LockError::Held { .. }) => Err(err),
+        Err(err @ LockError::Io { .. }) => {
+            tracing::warn!("{err}: nothing keeps a second agent off this node");
+            Ok(None)
+        }
+    }
+}
+
 /// Who holds the lock, from the pid in the file.
 fn holder(file: &mut File) -> String {
     let mut text = String::new();

@@ -1417,6 +1417,17 @@ fn fast_path_removed(t: &Topology, n: usize) -> Result<()> {
     Ok(())
 }
 
+/// `flannel-agent --detach-fastpath` for node `n`'s pins and state directory.
+fn detach_command(t: &Topology, n: usize) -> Result<Vec<String>> {
+    let agent = bins::test_agent()?;
+    Ok(vec![
+        agent.to_str().context("agent path")?.to_owned(),
+        "--detach-fastpath".to_owned(),
+        format!("--bpf-pin-path={}", t.node(n).bpf_pin_path().display()),
+        format!("--state-dir={}", t.node(n).state_dir().display()),
+    ])
+}
+
 /// `flannel-agent --detach-fastpath`: where the agent could not detach its fast path on its
 /// way out (etcd mode, which has no Node label; an agent that was killed), the same handover
 /// and removal alone. node1's agent stops (its programs stay attached), the command runs in
@@ -1437,13 +1448,9 @@ fn ebpf_detach_fastpath_hands_over_and_removes_the_programs() {
             let t = c.topology();
             let pins = t.node(1).bpf_pin_path();
             ensure!(pins.exists(), "the stopped agent left no pins to detach");
-            let agent = bins::test_agent()?;
-            t.node(1).run(&[
-                agent.to_str().context("agent path")?,
-                "--detach-fastpath",
-                &format!("--bpf-pin-path={}", pins.display()),
-                &format!("--state-dir={}", t.node(1).state_dir().display()),
-            ])?;
+            let detach = detach_command(t, 1)?;
+            t.node(1)
+                .run(&detach.iter().map(String::as_str).collect::<Vec<_>>())?;
             fast_path_removed(t, 1)?;
             conn.goes_on("on node1's kernel path")
         },
@@ -1466,6 +1473,7 @@ fn ebpf_a_second_agent_or_detach_is_refused_while_the_agent_runs() {
             let mut conn = EchoConnection::open(c.topology())?;
             let agent = bins::test_agent()?;
             let agent = agent.to_str().context("agent path")?;
+            let detach = detach_command(c.topology(), 1)?;
             let running = c.agent_mut(1).context("node1's agent")?;
             let (pid, args) = (running.pid(), running.args().to_vec());
             let t = c.topology();
@@ -1492,12 +1500,6 @@ fn ebpf_a_second_agent_or_detach_is_refused_while_the_agent_runs() {
             let mut second = vec![agent.to_owned()];
             second.extend(args);
             refused("second-agent", &second)?;
-            let detach = [
-                agent.to_owned(),
-                "--detach-fastpath".to_owned(),
-                format!("--bpf-pin-path={}", node.bpf_pin_path().display()),
-                format!("--state-dir={}", node.state_dir().display()),
-            ];
             refused("detach", &detach)?;
             ensure!(node.bpf_pin_path().exists(), "node1's pins were removed");
             let attached = fastpath::tcx_programs(node.ns(), "eth0")?;

@@ -141,27 +141,10 @@ pub enum Exit {
     LeaseRevoked,
 }
 
-/// The node's agent lock ([`crate::node_lock`]): an error when another agent holds it; when
-/// it cannot be taken at all (a read-only state directory), a warning, and the agent runs
-/// unguarded.
-pub fn node_lock(
-    state_dir: &std::path::Path,
-) -> Result<Option<crate::node_lock::NodeLock>, crate::node_lock::LockError> {
-    use crate::node_lock::{LockError, NodeLock};
-    match NodeLock::acquire(state_dir) {
-        Ok(lock) => Ok(Some(lock)),
-        Err(err @ LockError::Held { .. }) => Err(err),
-        Err(err @ LockError::Io { .. }) => {
-            warn!("{err}: nothing keeps a second agent off this node");
-            Ok(None)
-        }
-    }
-}
-
 /// Runs the agent until `cancel` fires or the lease is revoked.
 pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonError> {
     info!("CLI flags config: {cli:?}");
-    let _node_lock = node_lock(&cli.state_dir)?;
+    let _node_lock = crate::node_lock::take(&cli.state_dir)?;
     let metrics = Arc::new(Metrics::new());
     let ready = Readiness::default();
 
