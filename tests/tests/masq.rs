@@ -4,14 +4,16 @@
 //! pods keep distinct tuples; a long-lived TCP connection survives an agent restart; replies
 //! to unknown tuples reach the node's stack and are counted; a node switched from iptables
 //! MASQUERADE to eBPF keeps its kernel-masqueraded connections, and one switched back hands
-//! its eBPF-masqueraded connections over without breaking them.
+//! its eBPF-masqueraded connections over without breaking them; so does a node moved to the
+//! kernel dataplane, for its pods' connections and for its own that the programs moved.
 //!
 //! Needs root; skipped otherwise, and when the agent was built without the eBPF object.
 
 use std::{
     collections::BTreeSet,
     io::{BufRead as _, BufReader, Read as _, Write as _},
-    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    os::fd::AsRawFd as _,
     path::PathBuf,
     process::Command,
     sync::{
@@ -166,6 +168,39 @@ impl Conn {
             .enter(move || TcpStream::connect_timeout(&server, T))
             .expect("enter")
             .unwrap_or_else(|e| panic!("connect to {server}: {e}"));
+        Conn::greeted(stream)
+    }
+
+    /// [`Conn::open`] from the address and port `local`.
+    fn open_from(from: &NetNs, local: SocketAddrV4, server: SocketAddrV4) -> Conn {
+        let stream = from
+            .enter(move || -> nix::Result<TcpStream> {
+                use nix::sys::{
+                    socket::{
+                        AddressFamily, SockFlag, SockType, SockaddrIn, bind, connect, setsockopt,
+                        socket, sockopt::SendTimeout,
+                    },
+                    time::TimeVal,
+                };
+                let fd = socket(
+                    AddressFamily::Inet,
+                    SockType::Stream,
+                    SockFlag::SOCK_CLOEXEC,
+                    None,
+                )?;
+                // Bounds the connect too.
+                setsockopt(&fd, SendTimeout, &TimeVal::new(T.as_secs() as _, 0))?;
+                bind(fd.as_raw_fd(), &SockaddrIn::from(local))?;
+                connect(fd.as_raw_fd(), &SockaddrIn::from(server))?;
+                Ok(TcpStream::from(fd))
+            })
+            .expect("enter")
+            .unwrap_or_else(|e| panic!("connect from {local} to {server}: {e}"));
+        Conn::greeted(stream)
+    }
+
+    /// A connection to a [`WhoAmI`] after its greeting.
+    fn greeted(stream: TcpStream) -> Conn {
         stream.set_read_timeout(Some(T)).expect("timeout");
         let local = stream.local_addr().expect("local address");
         let mut stream = BufReader::new(stream);
@@ -686,18 +721,8 @@ fn moving_to_the_kernel_dataplane_keeps_ebpf_masqueraded_connections() {
         "masqueraded by the programs: {flows:?}"
     );
 
-    agent(&mut c, 1)
-        .restart_with(|args| {
-            args.retain(|a| !a.starts_with("--dataplane"));
-            args.push("--dataplane=kernel".into());
-        })
-        .expect("restart on the kernel dataplane");
-    wait_ready(&mut c, 1);
+    move_to_the_kernel_dataplane(&mut c);
     let node1 = c.topology().node(1);
-    assert!(
-        !node1.bpf_pin_path().exists(),
-        "the fast path is still pinned"
-    );
     for i in 0..10 {
         conn.echo(format!("on the kernel dataplane {i}").as_bytes())
             .expect("the eBPF-masqueraded connection on the kernel dataplane");
@@ -717,6 +742,79 @@ fn moving_to_the_kernel_dataplane_keeps_ebpf_masqueraded_connections() {
     new.echo(b"kernel NAT").expect("a new connection");
     conn.echo(b"last").expect("echo at the end");
     udp_stop.store(true, Ordering::Relaxed);
+}
+
+/// Restarts node1's agent with `--dataplane=kernel` and checks that its fast path is gone.
+fn move_to_the_kernel_dataplane(c: &mut Cluster) {
+    agent(c, 1)
+        .restart_with(|args| {
+            args.retain(|a| !a.starts_with("--dataplane"));
+            args.push("--dataplane=kernel".into());
+        })
+        .expect("restart on the kernel dataplane");
+    wait_ready(c, 1);
+    assert!(
+        !c.topology().node(1).bpf_pin_path().exists(),
+        "the fast path is still pinned"
+    );
+}
+
+/// The node's own connection that the programs moved to another port (a pod connection to
+/// the same server already held its port) is handed to conntrack too when the node moves to
+/// the kernel dataplane, bound to the port the programs gave it, and before the pod's, whose
+/// binding the node's old entry would clash with. Both connections go on and node1's
+/// conntrack replies to each one's port. (Without it the node's connection left from its
+/// own port, and conntrack refused the pod's binding: both got no answer.)
+#[test]
+fn moving_to_the_kernel_dataplane_keeps_the_nodes_moved_connections() {
+    if !runnable() {
+        return;
+    }
+    let mut c = up(1, 1, Dataplane::Ebpf);
+    let hub = c.topology().hub_addr();
+    let outside = SocketAddrV4::new(hub, SERVER_PORT);
+    let _tcp = WhoAmI::start(c.topology().hub(), IpAddr::V4(hub), SERVER_PORT);
+    let node_addr = c.topology().node(1).addr();
+    // In the NAT's port range (node1's ip_local_port_range).
+    let port = 45_678;
+    let mut pod = Conn::open_from(
+        c.topology().pods()[0].ns(),
+        SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port),
+        outside,
+    );
+    assert_eq!(pod.seen, SocketAddr::new(IpAddr::V4(node_addr), port));
+    let node1 = c.topology().node(1);
+    let mut own = Conn::open_from(node1.ns(), SocketAddrV4::new(node_addr, port), outside);
+    assert_eq!(own.seen.ip(), IpAddr::V4(node_addr));
+    assert_ne!(own.seen.port(), port, "the node's connection was not moved");
+    let moved = own.seen.port();
+    assert!(
+        node_flows(node1).contains(&(port, moved)),
+        "{:?}",
+        node_flows(node1)
+    );
+    own.echo(b"moved").expect("the moved connection");
+    pod.echo(b"pod").expect("the pod's connection");
+
+    move_to_the_kernel_dataplane(&mut c);
+    let node1 = c.topology().node(1);
+    for i in 0..10 {
+        own.echo(format!("node on the kernel dataplane {i}").as_bytes())
+            .expect("the node's moved connection on the kernel dataplane");
+        pod.echo(format!("pod on the kernel dataplane {i}").as_bytes())
+            .expect("the pod's connection on the kernel dataplane");
+    }
+    let server = SocketAddr::V4(outside);
+    assert_eq!(
+        conntrack_reply(node1, own.local, server),
+        Some((IpAddr::V4(node_addr), moved)),
+        "node1's conntrack binds the node's connection to the port the programs moved it to"
+    );
+    assert_eq!(
+        conntrack_reply(node1, pod.local, server),
+        Some((IpAddr::V4(node_addr), port)),
+        "node1's conntrack binds the pod's connection to its port"
+    );
 }
 
 /// The reply direction (destination address and port) of the node's conntrack entry for the

@@ -1000,3 +1000,64 @@ fn five_thousand_route_replaces_are_timed_in_ns() -> Result<()> {
         Ok(())
     })
 }
+
+/// `conntrack::insert_masqueraded` against the kernel's table: a flow's unbound entry is
+/// replaced by one bound to exactly the address and port given; a binding whose reply tuple
+/// another entry answers on (the node's own connection from that port, not yet moved) is
+/// refused with `EEXIST` and counted as refused; the same flows with that entry replaced first
+/// (the node's connection bound to the port it was moved to) all go in.
+#[test]
+fn masqueraded_flows_replace_their_entries_and_a_clashing_binding_is_refused() {
+    require_root!();
+    check(masqueraded_flows_replace_their_entries_in_ns());
+}
+
+fn masqueraded_flows_replace_their_entries_in_ns() -> Result<()> {
+    use std::net::SocketAddrV4;
+
+    use flannel_agent::netlink::conntrack::{self, CtTuple, Family};
+
+    let ns = NetNs::new("ctnat")?;
+    ns.enter(|| -> Result<()> {
+        let node = Ipv4Addr::new(192, 0, 2, 1);
+        let tuple = |src: Ipv4Addr| CtTuple {
+            src: IpAddr::V4(src),
+            dst: ip("198.51.100.9"),
+            proto: 6,
+            sport: 45678,
+            dport: 7100,
+        };
+        let node_flow = tuple(node);
+        let pod_flow = tuple(Ipv4Addr::new(10, 244, 1, 5));
+        let node_port = SocketAddrV4::new(node, 45678);
+        let moved = SocketAddrV4::new(node, 51234);
+        // As conntrack tracks them under the fast path: unbound.
+        let unbound = conntrack::insert_established(&[node_flow, pod_flow])?;
+        ensure!(unbound.created == 2, "{unbound:?}");
+
+        let clash = conntrack::insert_masqueraded(&[(pod_flow, node_port)])?;
+        ensure!(
+            (clash.created, clash.existed, clash.refused) == (0, 0, 1)
+                && clash.first_refusal == Some(libc::EEXIST),
+            "the pod's binding to the port the node's entry answers on: {clash:?}"
+        );
+
+        conntrack::insert_established(&[pod_flow])?;
+        let both = conntrack::insert_masqueraded(&[(node_flow, moved), (pod_flow, node_port)])?;
+        ensure!(
+            (both.created, both.existed, both.refused) == (0, 2, 0),
+            "both replaced: {both:?}"
+        );
+        let mut replies = Vec::new();
+        conntrack::dump(Family::V4, |e| {
+            replies.push((e.orig, e.reply.dst, e.reply.dport))
+        })?;
+        replies.sort_by_key(|(orig, ..)| orig.src);
+        let want = vec![
+            (pod_flow, IpAddr::V4(node), 45678),
+            (node_flow, IpAddr::V4(node), 51234),
+        ];
+        ensure!(replies == want, "conntrack holds {replies:?}, not {want:?}");
+        Ok(())
+    })?
+}

@@ -24,7 +24,12 @@
 //! ([`crate::netlink::conntrack::insert_masqueraded`]): their replies come to that port, and
 //! without the binding the kernel would send their next packets with the pod's address. The
 //! live ones are read from the pinned NAT maps (TCP and UDP, not expired by the programs'
-//! own timeouts, TCP not closed; ICMP echo flows are short and are left out).
+//! own timeouts, TCP not closed; ICMP echo flows are short and are left out). So are the
+//! node's own connections that the programs moved to another port (a pod flow held theirs):
+//! conntrack tracks those with the port the node's socket chose and no binding, so that their
+//! next packets would leave from a port the remote end does not know. Their entries are
+//! replaced first, because until then each holds, as its reply, the very tuple the pod flow
+//! that took its port is to be bound to, and conntrack refuses a second entry with it.
 
 use std::{
     collections::{BTreeSet, HashSet},
@@ -59,7 +64,7 @@ pub struct HandOver {
     pub flows: usize,
     /// What conntrack did with them.
     pub inserted: conntrack::Inserted,
-    /// Live masqueraded pod flows found in the NAT maps.
+    /// Live masqueraded flows found in the NAT maps (pods', and the node's moved ones).
     pub masqueraded: usize,
     /// What conntrack did with those.
     pub masqueraded_inserted: conntrack::Inserted,
@@ -108,7 +113,7 @@ pub fn detach_handing_over(layout: &PinLayout) -> HandOver {
     if let Some(inserted) = entered(
         masqueraded.len(),
         conntrack::insert_masqueraded(&masqueraded),
-        "the fast path's masqueraded pod connections (with their NAT bindings)",
+        "the fast path's masqueraded connections (with their NAT bindings)",
         "they will be cut",
     ) {
         out.masqueraded_inserted = inserted;
@@ -154,22 +159,29 @@ fn entered(
     }
 }
 
-/// The live pod flows the programs masquerade (the pinned NAT maps under `layout`), each with
-/// the address and port they leave with: TCP and UDP, not expired by the programs' timeouts,
-/// TCP not closed; the node's own flows (which conntrack tracks itself) left out. None when
-/// the maps are not there or cannot be read.
+/// The live flows the programs masquerade (the pinned NAT maps under `layout`), each with the
+/// address and port it leaves with ([`to_hand_over`]). None when the maps are not there or
+/// cannot be read.
 fn masqueraded_flows(layout: &PinLayout) -> Vec<(CtTuple, SocketAddrV4)> {
-    let flows = match nat::pinned_nat_flows(layout) {
-        Ok(flows) => flows.unwrap_or_default(),
+    match nat::pinned_nat_flows(layout) {
+        Ok(flows) => to_hand_over(flows.unwrap_or_default()),
         Err(e) => {
             warn!("reading the fast path's NAT flows to hand them over: {e}");
             Vec::new()
         }
-    };
-    flows
+    }
+}
+
+/// Of the programs' NAT `flows`, those conntrack must bind to the address and port the
+/// programs gave them: TCP and UDP, not expired by the programs' timeouts, TCP not closed;
+/// pod flows, and the node's own flows the programs moved to another port (the node's other
+/// flows are translated to themselves and conntrack tracks them as they are). The moved node
+/// flows come first (see the module's documentation).
+fn to_hand_over(flows: Vec<nat::NatFlow>) -> Vec<(CtTuple, SocketAddrV4)> {
+    let mut out: Vec<_> = flows
         .into_iter()
         .filter(|f| {
-            !f.host
+            (!f.host || f.nat != f.orig)
                 && !f.expired
                 && match f.proto {
                     nat_proto::TCP => !tcp_closed(f.state),
@@ -187,7 +199,10 @@ fn masqueraded_flows(layout: &PinLayout) -> Vec<(CtTuple, SocketAddrV4)> {
             };
             (flow, f.nat)
         })
-        .collect()
+        .collect();
+    // Stable: pod flows keep their order after the node's.
+    out.sort_by_key(|(flow, nat)| flow.src != IpAddr::V4(*nat.ip()));
+    out
 }
 
 /// The flows (local pod → remote pod tuples, one per connection) in the memo maps of
@@ -307,6 +322,60 @@ mod tests {
         let memos = vec![(a, now - 100), (b, now - 1000), (c, now)];
         assert_eq!(recent(memos, 100), [a, c]);
         assert!(recent(Vec::new(), 100).is_empty());
+    }
+
+    /// A NAT flow from `orig` to 192.0.2.9:7100 leaving as `nat`, live and open.
+    fn nat_flow(proto: u8, orig: &str, nat: &str, host: bool) -> nat::NatFlow {
+        nat::NatFlow {
+            proto,
+            orig: orig.parse().expect("orig"),
+            remote: "192.0.2.9:7100".parse().expect("remote"),
+            nat: nat.parse().expect("nat"),
+            state: 0,
+            host,
+            age: std::time::Duration::from_secs(3),
+            idle: std::time::Duration::from_secs(1),
+            expired: false,
+            reverse_ok: true,
+        }
+    }
+
+    #[test]
+    fn pod_flows_and_moved_node_flows_are_handed_over_node_flows_first() {
+        let pod = nat_flow(6, "10.244.1.5:45000", "172.18.0.2:45000", false);
+        let pod_udp = nat_flow(17, "10.244.1.5:5353", "172.18.0.2:40001", false);
+        let moved = nat_flow(6, "172.18.0.2:45000", "172.18.0.2:51234", true);
+        let unmoved = nat_flow(6, "172.18.0.2:46000", "172.18.0.2:46000", true);
+        let expired = nat::NatFlow {
+            expired: true,
+            ..nat_flow(17, "10.244.1.6:5000", "172.18.0.2:5000", false)
+        };
+        let echo = nat_flow(1, "10.244.1.5:77", "172.18.0.2:77", false);
+        let out = to_hand_over(vec![pod.clone(), pod_udp, moved, unmoved, expired, echo]);
+        let at = |s: &str| s.parse::<SocketAddrV4>().expect("addr");
+        assert_eq!(
+            out,
+            [
+                (
+                    CtTuple::of("172.18.0.2", "192.0.2.9", 6, 45000, 7100),
+                    at("172.18.0.2:51234")
+                ),
+                (
+                    CtTuple::of("10.244.1.5", "192.0.2.9", 6, 45000, 7100),
+                    at("172.18.0.2:45000")
+                ),
+                (
+                    CtTuple::of("10.244.1.5", "192.0.2.9", 17, 5353, 7100),
+                    at("172.18.0.2:40001")
+                ),
+            ]
+        );
+        // A closed TCP flow is not handed over.
+        let closed = nat::NatFlow {
+            state: flannel_common::nat::ST_RST,
+            ..pod
+        };
+        assert!(to_hand_over(vec![closed]).is_empty());
     }
 
     #[test]

@@ -204,7 +204,8 @@ pub fn insert_established(flows: &[CtTuple]) -> Result<Inserted, RawError> {
 /// have bound it. Its packets are then translated by the kernel as they were by the programs.
 /// An entry conntrack holds for the flow already (without the binding: the programs
 /// translated past conntrack, and a binding cannot be added to an existing entry) is replaced
-/// and counted in `existed`.
+/// and counted in `existed`; one whose binding another entry's tuple clashes with is refused
+/// (`EEXIST`).
 pub fn insert_masqueraded(flows: &[(CtTuple, SocketAddrV4)]) -> Result<Inserted, RawError> {
     let mut socket = RawSocket::open(NETLINK_NETFILTER)?;
     let mut out = Inserted::default();
@@ -216,6 +217,11 @@ pub fn insert_masqueraded(flows: &[(CtTuple, SocketAddrV4)]) -> Result<Inserted,
         };
         match socket.request(established_message(flow, Some(*nat))) {
             Ok(_) if replaced => out.existed += 1,
+            // Its own entry is gone: another one holds the tuple the binding makes.
+            Err(RawError::Errno(libc::EEXIST)) => {
+                out.refused += 1;
+                out.first_refusal.get_or_insert(libc::EEXIST);
+            }
             answer => tally(&mut out, answer)?,
         }
     }
