@@ -17,8 +17,8 @@ use std::{
     path::PathBuf,
     process::Command,
     sync::{
-        Arc, OnceLock,
-        atomic::{AtomicBool, Ordering},
+        Arc, Mutex, OnceLock,
+        atomic::{AtomicBool, AtomicU16, Ordering},
     },
     thread,
     time::{Duration, Instant},
@@ -33,6 +33,7 @@ use flannel_tests::{
         status::{http_get, parse_metrics},
     },
     netns::NetNs,
+    packet,
     topology::{Node, TopologySpec, Underlay},
 };
 
@@ -814,6 +815,137 @@ fn moving_to_the_kernel_dataplane_keeps_the_nodes_moved_connections() {
         conntrack_reply(node1, pod.local, server),
         Some((IpAddr::V4(node_addr), port)),
         "node1's conntrack binds the pod's connection to its port"
+    );
+}
+
+/// A ping that goes on: from a raw ICMP socket in a namespace, an echo request with one
+/// identifier every 100 ms until dropped, and the sequence numbers answered.
+struct Pinger {
+    sent: Arc<AtomicU16>,
+    answered: Arc<Mutex<BTreeSet<u16>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Pinger {
+    fn start(ns: &NetNs, dst: Ipv4Addr, id: u16) -> Pinger {
+        use std::os::fd::{FromRawFd as _, OwnedFd};
+        let fd = ns
+            .enter(|| {
+                // SAFETY: plain socket(2); the descriptor is owned right away.
+                let raw =
+                    unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_ICMP) };
+                assert!(raw >= 0, "socket: {}", std::io::Error::last_os_error());
+                // SAFETY: `raw` is a fresh descriptor nobody else owns.
+                unsafe { OwnedFd::from_raw_fd(raw) }
+            })
+            .expect("enter");
+        // std's UdpSocket only as the owner of a datagram socket's sendto and recv.
+        let socket = Arc::new(std::net::UdpSocket::from(fd));
+        socket
+            .set_read_timeout(Some(Duration::from_millis(100)))
+            .expect("timeout");
+        let (sent, answered, stop) = (
+            Arc::new(AtomicU16::new(0)),
+            Arc::new(Mutex::new(BTreeSet::new())),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let (rx, seen, done) = (socket.clone(), answered.clone(), stop.clone());
+        thread::spawn(move || {
+            let mut buf = [0u8; 2048];
+            while !done.load(Ordering::Relaxed) {
+                let Ok(n) = rx.recv(&mut buf) else { continue };
+                let ip = &buf[..n];
+                if ip.is_empty() {
+                    continue;
+                }
+                let ihl = usize::from(ip[0] & 0x0f) * 4;
+                if ip.len() < ihl + 8 || ip[12..16] != dst.octets() {
+                    continue;
+                }
+                let icmp = &ip[ihl..];
+                if icmp[0] == 0 && icmp[4..6] == id.to_be_bytes() {
+                    let seq = u16::from_be_bytes([icmp[6], icmp[7]]);
+                    seen.lock().expect("answered").insert(seq);
+                }
+            }
+        });
+        let (count, done) = (sent.clone(), stop.clone());
+        thread::spawn(move || {
+            let to = SocketAddr::new(IpAddr::V4(dst), 0);
+            while !done.load(Ordering::Relaxed) {
+                let seq = count.load(Ordering::Relaxed);
+                let mut msg = vec![8, 0, 0, 0];
+                msg.extend_from_slice(&id.to_be_bytes());
+                msg.extend_from_slice(&seq.to_be_bytes());
+                msg.extend_from_slice(b"flannel-rs ping across the move");
+                let sum = packet::checksum(&msg);
+                msg[2..4].copy_from_slice(&sum.to_be_bytes());
+                let _ = socket.send_to(&msg, to);
+                count.store(seq + 1, Ordering::Relaxed);
+                thread::sleep(Duration::from_millis(100));
+            }
+        });
+        Pinger {
+            sent,
+            answered,
+            stop,
+        }
+    }
+
+    /// How many requests were sent.
+    fn sent(&self) -> u16 {
+        self.sent.load(Ordering::Relaxed)
+    }
+
+    /// How many of the requests from sequence number `first` on were answered.
+    fn answered_from(&self, first: u16) -> usize {
+        self.answered
+            .lock()
+            .expect("answered")
+            .range(first..)
+            .count()
+    }
+}
+
+impl Drop for Pinger {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A pod's ping to the outside that goes on (an echo every 100 ms, one identifier) while its
+/// node moves to the kernel dataplane is answered again once the agent is ready: the
+/// programs' echo flow was handed to conntrack bound to the identifier they gave it. (Without
+/// it, conntrack's entry for the flow, made without a binding while the programs translated it
+/// and kept alive by the echoes, sent them on with the pod's address: none was answered.)
+#[test]
+fn moving_to_the_kernel_dataplane_keeps_a_pods_ping_going() {
+    if !runnable() {
+        return;
+    }
+    let mut c = up(1, 1, Dataplane::Ebpf);
+    let hub = c.topology().hub_addr();
+    let pod_ip = c.topology().pods()[0].ip();
+    let id = 0x4a17;
+    let ping = Pinger::start(c.topology().pods()[0].ns(), hub, id);
+    eventually("answered echoes", || ping.answered_from(0) >= 5);
+    let flows = pod_flows(c.topology().node(1));
+    assert!(
+        flows
+            .iter()
+            .any(|(ip, sport, _)| (*ip, *sport) == (pod_ip, id)),
+        "the echo flow masqueraded by the programs: {flows:?}"
+    );
+
+    move_to_the_kernel_dataplane(&mut c);
+    let first = ping.sent();
+    thread::sleep(Duration::from_secs(2));
+    let sent = ping.sent() - first;
+    // The last one may still be on its way.
+    let answered = ping.answered_from(first);
+    assert!(
+        sent >= 10 && answered + 1 >= usize::from(sent),
+        "{answered} of {sent} echoes answered on the kernel dataplane"
     );
 }
 

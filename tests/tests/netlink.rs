@@ -1005,7 +1005,8 @@ fn five_thousand_route_replaces_are_timed_in_ns() -> Result<()> {
 /// replaced by one bound to exactly the address and port given; a binding whose reply tuple
 /// another entry answers on (the node's own connection from that port, not yet moved) is
 /// refused with `EEXIST` and counted as refused; the same flows with that entry replaced first
-/// (the node's connection bound to the port it was moved to) all go in.
+/// (the node's connection bound to the port it was moved to) all go in. An ICMP echo flow is
+/// bound by its identifier the same way.
 #[test]
 fn masqueraded_flows_replace_their_entries_and_a_clashing_binding_is_refused() {
     require_root!();
@@ -1029,11 +1030,17 @@ fn masqueraded_flows_replace_their_entries_in_ns() -> Result<()> {
         };
         let node_flow = tuple(node);
         let pod_flow = tuple(Ipv4Addr::new(10, 244, 1, 5));
+        let echo = CtTuple {
+            proto: 1,
+            sport: 77,
+            dport: 77,
+            ..pod_flow
+        };
         let node_port = SocketAddrV4::new(node, 45678);
         let moved = SocketAddrV4::new(node, 51234);
         // As conntrack tracks them under the fast path: unbound.
-        let unbound = conntrack::insert_established(&[node_flow, pod_flow])?;
-        ensure!(unbound.created == 2, "{unbound:?}");
+        let unbound = conntrack::insert_established(&[node_flow, pod_flow, echo])?;
+        ensure!(unbound.created == 3, "{unbound:?}");
 
         let clash = conntrack::insert_masqueraded(&[(pod_flow, node_port)])?;
         ensure!(
@@ -1043,17 +1050,22 @@ fn masqueraded_flows_replace_their_entries_in_ns() -> Result<()> {
         );
 
         conntrack::insert_established(&[pod_flow])?;
-        let both = conntrack::insert_masqueraded(&[(node_flow, moved), (pod_flow, node_port)])?;
+        let all = conntrack::insert_masqueraded(&[
+            (node_flow, moved),
+            (pod_flow, node_port),
+            (echo, SocketAddrV4::new(node, 32801)),
+        ])?;
         ensure!(
-            (both.created, both.existed, both.refused) == (0, 2, 0),
-            "both replaced: {both:?}"
+            (all.created, all.existed, all.refused) == (0, 3, 0),
+            "all replaced: {all:?}"
         );
         let mut replies = Vec::new();
         conntrack::dump(Family::V4, |e| {
             replies.push((e.orig, e.reply.dst, e.reply.dport))
         })?;
-        replies.sort_by_key(|(orig, ..)| orig.src);
+        replies.sort_by_key(|(orig, ..)| (orig.src, orig.proto));
         let want = vec![
+            (echo, IpAddr::V4(node), 32801),
             (pod_flow, IpAddr::V4(node), 45678),
             (node_flow, IpAddr::V4(node), 51234),
         ];

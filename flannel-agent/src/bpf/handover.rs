@@ -23,8 +23,10 @@
 //! [`super::nat`]) are entered too, each bound to the address and port the programs gave it
 //! ([`crate::netlink::conntrack::insert_masqueraded`]): their replies come to that port, and
 //! without the binding the kernel would send their next packets with the pod's address. The
-//! live ones are read from the pinned NAT maps (TCP and UDP, not expired by the programs'
-//! own timeouts, TCP not closed; ICMP echo flows are short and are left out). So are the
+//! live ones are read from the pinned NAT maps (TCP, UDP and ICMP echo, not expired by the
+//! programs' own timeouts, TCP not closed): conntrack holds an entry without a binding for
+//! each (it saw the pod's packets before the programs translated them), and a flow that goes
+//! on (a ping every second) would keep matching it and leave with the pod's address. So are the
 //! node's own connections that the programs moved to another port (a pod flow held theirs):
 //! conntrack tracks those with the port the node's socket chose and no binding, so that their
 //! next packets would leave from a port the remote end does not know. Their entries are
@@ -173,7 +175,8 @@ fn masqueraded_flows(layout: &PinLayout) -> Vec<(CtTuple, SocketAddrV4)> {
 }
 
 /// Of the programs' NAT `flows`, those conntrack must bind to the address and port the
-/// programs gave them: TCP and UDP, not expired by the programs' timeouts, TCP not closed;
+/// programs gave them: TCP, UDP and ICMP echo (the identifier in place of both ports), not
+/// expired by the programs' timeouts, TCP not closed;
 /// pod flows, and the node's own flows the programs moved to another port (the node's other
 /// flows are translated to themselves and conntrack tracks them as they are). The moved node
 /// flows come first (see the module's documentation).
@@ -185,17 +188,22 @@ fn to_hand_over(flows: Vec<nat::NatFlow>) -> Vec<(CtTuple, SocketAddrV4)> {
                 && !f.expired
                 && match f.proto {
                     nat_proto::TCP => !tcp_closed(f.state),
-                    nat_proto::UDP => true,
+                    nat_proto::UDP | nat_proto::ICMP => true,
                     _ => false,
                 }
         })
         .map(|f| {
+            let dport = if f.proto == nat_proto::ICMP {
+                f.orig.port()
+            } else {
+                f.remote.port()
+            };
             let flow = CtTuple {
                 src: IpAddr::V4(*f.orig.ip()),
                 dst: IpAddr::V4(*f.remote.ip()),
                 proto: f.proto,
                 sport: f.orig.port(),
-                dport: f.remote.port(),
+                dport,
             };
             (flow, f.nat)
         })
@@ -341,7 +349,7 @@ mod tests {
     }
 
     #[test]
-    fn pod_flows_and_moved_node_flows_are_handed_over_node_flows_first() {
+    fn pod_flows_echoes_and_moved_node_flows_are_handed_over_node_flows_first() {
         let pod = nat_flow(6, "10.244.1.5:45000", "172.18.0.2:45000", false);
         let pod_udp = nat_flow(17, "10.244.1.5:5353", "172.18.0.2:40001", false);
         let moved = nat_flow(6, "172.18.0.2:45000", "172.18.0.2:51234", true);
@@ -350,7 +358,10 @@ mod tests {
             expired: true,
             ..nat_flow(17, "10.244.1.6:5000", "172.18.0.2:5000", false)
         };
-        let echo = nat_flow(1, "10.244.1.5:77", "172.18.0.2:77", false);
+        let echo = nat::NatFlow {
+            remote: "192.0.2.9:0".parse().expect("remote"),
+            ..nat_flow(1, "10.244.1.5:77", "172.18.0.2:32801", false)
+        };
         let out = to_hand_over(vec![pod.clone(), pod_udp, moved, unmoved, expired, echo]);
         let at = |s: &str| s.parse::<SocketAddrV4>().expect("addr");
         assert_eq!(
@@ -367,6 +378,10 @@ mod tests {
                 (
                     CtTuple::of("10.244.1.5", "192.0.2.9", 17, 5353, 7100),
                     at("172.18.0.2:40001")
+                ),
+                (
+                    CtTuple::of("10.244.1.5", "192.0.2.9", 1, 77, 77),
+                    at("172.18.0.2:32801")
                 ),
             ]
         );

@@ -55,7 +55,14 @@ const CTA_PROTO_NUM: u16 = 1;
 const CTA_PROTO_SRC_PORT: u16 = 2;
 const CTA_PROTO_DST_PORT: u16 = 3;
 const CTA_PROTO_ICMP_ID: u16 = 4;
+const CTA_PROTO_ICMP_TYPE: u16 = 5;
+const CTA_PROTO_ICMP_CODE: u16 = 6;
 const CTA_PROTO_ICMPV6_ID: u16 = 7;
+const CTA_PROTO_ICMPV6_TYPE: u16 = 8;
+const CTA_PROTO_ICMPV6_CODE: u16 = 9;
+/// `IPPROTO_ICMP`, `IPPROTO_ICMPV6`.
+const ICMP: u8 = 1;
+const ICMPV6: u8 = 58;
 // `CTA_NAT_SRC` and `enum ctattr_nat`, `ctattr_protonat`.
 const CTA_NAT_SRC: u16 = 6;
 const CTA_NAT_V4_MINIP: u16 = 1;
@@ -187,8 +194,8 @@ pub struct Inserted {
     pub first_refusal: Option<i32>,
 }
 
-/// Enters each of `flows` (the tuple of its packets in one direction; TCP or UDP, one family
-/// or both) into the conntrack table of the calling thread's network namespace as an
+/// Enters each of `flows` (the tuple of its packets in one direction; TCP, UDP or an ICMP
+/// echo, one family or both) into the conntrack table of the calling thread's network namespace as an
 /// established connection without NAT: seen both ways, assured, TCP in `ESTABLISHED` with no
 /// window checks (its sequence numbers are not known). Packets of such a connection are
 /// `ESTABLISHED` to netfilter, so no NAT rule (a masquerade) is applied to them, as none was
@@ -199,8 +206,8 @@ pub fn insert_established(flows: &[CtTuple]) -> Result<Inserted, RawError> {
 }
 
 /// [`insert_established`] for connections a source NAT gave another address and port (the
-/// fast path's masquerade): each of `flows` (IPv4 TCP or UDP, its tuple as the pod sent it)
-/// with the address and port its packets leave with, as the kernel's own masquerade would
+/// fast path's masquerade): each of `flows` (IPv4 TCP, UDP or ICMP echo, its tuple as the pod
+/// sent it) with the address and port (echo identifier) its packets leave with, as the kernel's own masquerade would
 /// have bound it. Its packets are then translated by the kernel as they were by the programs.
 /// An entry conntrack holds for the flow already (without the binding: the programs
 /// translated past conntrack, and a binding cannot be added to an existing entry) is replaced
@@ -276,7 +283,11 @@ fn established_message(flow: &CtTuple, snat: Option<SocketAddrV4>) -> MessageBui
     }
     m.attr(CTA_STATUS, &STATUS_ESTABLISHED.to_be_bytes());
     // Conntrack sets its own timeout from the state at the next packet.
-    let timeout: u32 = if flow.proto == 6 { 3600 } else { 180 };
+    let timeout: u32 = match flow.proto {
+        6 => 3600,
+        ICMP | ICMPV6 => 30,
+        _ => 180,
+    };
     m.attr(CTA_TIMEOUT, &timeout.to_be_bytes());
     if flow.proto == 6 {
         m.nest_start(CTA_PROTOINFO);
@@ -306,7 +317,9 @@ fn family_of(flow: &CtTuple) -> Family {
     }
 }
 
-/// Writes `t` as the tuple attribute `ty` (`CTA_TUPLE_ORIG` or `CTA_TUPLE_REPLY`).
+/// Writes `t` as the tuple attribute `ty` (`CTA_TUPLE_ORIG` or `CTA_TUPLE_REPLY`). An ICMP or
+/// ICMPv6 tuple is an echo's: its identifier, and the request's type one way (original), the
+/// reply's the other.
 fn tuple_nest(m: &mut MessageBuilder, ty: u16, t: &CtTuple) {
     m.nest_start(ty);
     m.nest_start(CTA_TUPLE_IP);
@@ -323,8 +336,34 @@ fn tuple_nest(m: &mut MessageBuilder, ty: u16, t: &CtTuple) {
     m.nest_end();
     m.nest_start(CTA_TUPLE_PROTO);
     m.attr_u8(CTA_PROTO_NUM, t.proto);
-    m.attr(CTA_PROTO_SRC_PORT, &t.sport.to_be_bytes());
-    m.attr(CTA_PROTO_DST_PORT, &t.dport.to_be_bytes());
+    let echo = match t.proto {
+        ICMP => Some((
+            CTA_PROTO_ICMP_ID,
+            CTA_PROTO_ICMP_TYPE,
+            CTA_PROTO_ICMP_CODE,
+            8,
+            0,
+        )),
+        ICMPV6 => Some((
+            CTA_PROTO_ICMPV6_ID,
+            CTA_PROTO_ICMPV6_TYPE,
+            CTA_PROTO_ICMPV6_CODE,
+            128,
+            129,
+        )),
+        _ => None,
+    };
+    match echo {
+        Some((id, type_, code, request, reply)) => {
+            m.attr(id, &t.sport.to_be_bytes());
+            m.attr_u8(type_, if ty == CTA_TUPLE_ORIG { request } else { reply });
+            m.attr_u8(code, 0);
+        }
+        None => {
+            m.attr(CTA_PROTO_SRC_PORT, &t.sport.to_be_bytes());
+            m.attr(CTA_PROTO_DST_PORT, &t.dport.to_be_bytes());
+        }
+    }
     m.nest_end();
     m.nest_end();
 }
@@ -591,6 +630,52 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!((entry.orig.sport, entry.orig.dport), (77, 77));
+    }
+
+    #[test]
+    fn an_echo_request_is_the_original_way_and_its_reply_the_other() {
+        for (echo, request, reply) in [
+            (CtTuple::of("10.244.1.5", "192.0.2.9", 1, 77, 77), 8, 0),
+            (CtTuple::of("fd00:1::5", "fd00:2::7", 58, 77, 77), 128, 129),
+        ] {
+            let (id, type_, code) = if echo.proto == ICMP {
+                (CTA_PROTO_ICMP_ID, CTA_PROTO_ICMP_TYPE, CTA_PROTO_ICMP_CODE)
+            } else {
+                (
+                    CTA_PROTO_ICMPV6_ID,
+                    CTA_PROTO_ICMPV6_TYPE,
+                    CTA_PROTO_ICMPV6_CODE,
+                )
+            };
+            let bytes = established_message(&echo, None).finish(1);
+            let msgs = raw::messages(&bytes).unwrap();
+            let attrs = raw::attributes(&msgs[0].payload[NFGENMSG_LEN..]).unwrap();
+            for (direction, want_type) in [(CTA_TUPLE_ORIG, request), (CTA_TUPLE_REPLY, reply)] {
+                let (_, tuple) = attrs.iter().find(|(t, _)| *t == direction).unwrap();
+                let (_, l4) = raw::attributes(tuple)
+                    .unwrap()
+                    .into_iter()
+                    .find(|(t, _)| *t == CTA_TUPLE_PROTO)
+                    .unwrap();
+                let l4: Vec<(u16, Vec<u8>)> = raw::attributes(l4)
+                    .unwrap()
+                    .into_iter()
+                    .map(|(t, v)| (t, v.to_vec()))
+                    .collect();
+                assert_eq!(
+                    l4,
+                    [
+                        (CTA_PROTO_NUM, vec![echo.proto]),
+                        (id, 77u16.to_be_bytes().to_vec()),
+                        (type_, vec![want_type]),
+                        (code, vec![0]),
+                    ],
+                    "{echo:?}, tuple {direction}"
+                );
+            }
+            let entry = parse_entry(msgs[0].payload).unwrap().unwrap();
+            assert_eq!((entry.orig, entry.reply), (echo, echo.inverse()));
+        }
     }
 
     #[test]
