@@ -13,6 +13,8 @@
 //! | [`CONFIG`] | array (1) | 0 → [`crate::config::Config`] | agent |
 //! | [`NAT_GUARD4`] | LRU hash | [`crate::flow::PeerKey`] → `u32` | `tc_from_netdev` |
 //! | [`KERNEL_FLOWS4`] | LRU hash | [`crate::flow::FlowKey`] → `u32` | `tc_to_netdev` |
+//! | [`HELD_GUARD4`] | hash | [`crate::flow::PeerKey`] → `u32` | agent (from conntrack) |
+//! | [`HELD_FLOWS4`] | hash | [`crate::flow::FlowKey`] → `u32` | agent (from conntrack) |
 //! | [`NAT_CONFIG`] | array (1) | 0 → [`crate::nat::NatConfig`] | agent |
 //! | [`NAT4`] | LRU hash | [`crate::nat::NatKey`] (outgoing) → [`crate::nat::NatEntry`] | `tc_to_netdev` |
 //! | [`NAT_REV4`] | LRU hash | [`crate::nat::NatKey`] (reply) → [`crate::nat::NatRevEntry`] | `tc_to_netdev` |
@@ -61,6 +63,18 @@ pub const NAT_GUARD4_MAX_ENTRIES: u32 = 16384;
 pub const KERNEL_FLOWS4: &str = "FLANNEL_KFLOWS4";
 /// Size of [`KERNEL_FLOWS4`].
 pub const KERNEL_FLOWS4_MAX_ENTRIES: u32 = 65536;
+
+/// Hash of the NAT-guard keys of open NATed TCP connections, as conntrack holds them: the
+/// [`NAT_GUARD4`] entries that no eviction may take (written and removed by the agent only).
+pub const HELD_GUARD4: &str = "FLANNEL_HNATGD4";
+/// Size of [`HELD_GUARD4`] (allocated as entries are written).
+pub const HELD_GUARD4_MAX_ENTRIES: u32 = 16384;
+
+/// Hash of the kernel-flow keys of open NATed TCP connections, as conntrack holds them: the
+/// [`KERNEL_FLOWS4`] entries that no eviction may take (written and removed by the agent only).
+pub const HELD_FLOWS4: &str = "FLANNEL_HFLOWS4";
+/// Size of [`HELD_FLOWS4`] (allocated as entries are written).
+pub const HELD_FLOWS4_MAX_ENTRIES: u32 = 65536;
 
 /// Single-entry array holding the masquerade configuration ([`crate::nat::NatConfig`]).
 pub const NAT_CONFIG: &str = "FLANNEL_NATCFG";
@@ -111,7 +125,7 @@ pub const TC_STATS: &str = "FLANNEL_TC_CNT";
 pub const XDP_STATS: &str = "FLANNEL_XDP_CNT";
 
 /// The maps the agent pins (and adopts after a restart).
-pub const PINNED: [&str; 19] = [
+pub const PINNED: [&str; 23] = [
     ROUTES4,
     NODES4,
     CONFIG,
@@ -131,6 +145,10 @@ pub const PINNED: [&str; 19] = [
     crate::v6::NODES6,
     crate::v6::NAT_GUARD6,
     crate::v6::KERNEL_FLOWS6,
+    HELD_GUARD4,
+    HELD_FLOWS4,
+    crate::v6::HELD_GUARD6,
+    crate::v6::HELD_FLOWS6,
 ];
 
 /// Longest name the kernel keeps for a map or program.

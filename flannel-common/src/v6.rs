@@ -11,6 +11,8 @@
 //! | [`NODES6`] | hash | a VXLAN peer's public IPv6 → [`crate::route::NodeEntry`] | agent (`sync6`) |
 //! | [`NAT_GUARD6`] | LRU hash | [`PeerKey6`] → `u32` | `tc_from_netdev` |
 //! | [`KERNEL_FLOWS6`] | LRU hash | [`FlowKey6`] → `u32` | `tc_to_netdev` |
+//! | [`HELD_GUARD6`] | hash | [`PeerKey6`] → `u32` | agent (from conntrack) |
+//! | [`HELD_FLOWS6`] | hash | [`FlowKey6`] → `u32` | agent (from conntrack) |
 //!
 //! What each does is what its IPv4 twin does (`flannel_ebpf::deliver` explains the flow
 //! tables), and they are pinned as their twins are ([`crate::maps::PINNED`]), so a restarted
@@ -36,6 +38,16 @@ pub const NAT_GUARD6_MAX_ENTRIES: u32 = 16384;
 pub const KERNEL_FLOWS6: &str = "FLANNEL_KFLOWS6";
 /// Size of [`KERNEL_FLOWS6`].
 pub const KERNEL_FLOWS6_MAX_ENTRIES: u32 = 65536;
+/// Hash of the NAT-guard keys of open NATed IPv6 TCP connections (see
+/// [`crate::maps::HELD_GUARD4`]).
+pub const HELD_GUARD6: &str = "FLANNEL_HNATGD6";
+/// Size of [`HELD_GUARD6`].
+pub const HELD_GUARD6_MAX_ENTRIES: u32 = 16384;
+/// Hash of the kernel-flow keys of open NATed IPv6 TCP connections (see
+/// [`crate::maps::HELD_FLOWS4`]).
+pub const HELD_FLOWS6: &str = "FLANNEL_HFLOWS6";
+/// Size of [`HELD_FLOWS6`].
+pub const HELD_FLOWS6_MAX_ENTRIES: u32 = 65536;
 
 /// [`Config6::flags`]: the entry is complete; without it IPv6 packets are passed.
 pub const CFG6_ENABLED: u32 = 1 << 0;

@@ -40,9 +40,14 @@
 //!
 //! Connections conntrack NATed before the programs were attached (to the node, or to a new
 //! pod's port) are written into these tables by the agent before it attaches, from a dump of
-//! conntrack (`flannel_agent::bpf::seed`). Other flows that change path midway (the fast path
-//! attached or detached under live connections, an LRU entry evicted) are picked up by
-//! conntrack's loose TCP tracking as established flows.
+//! conntrack (`flannel_agent::bpf::seed`). Both tables are LRU maps: short flows (DNS lookups
+//! through a Service) can fill them and evict a long-idle connection's entry, after which its
+//! next packet from the far side would take the fast path. So the agent also writes the keys of
+//! every open NATed TCP connection conntrack holds into a plain hash of each
+//! ([`flannel_common::maps::HELD_FLOWS4`], [`flannel_common::maps::HELD_GUARD4`]), which only
+//! it writes and prunes (on each read of conntrack), and a key in either map counts. Other
+//! flows that change path midway (the fast path attached or detached under live connections)
+//! are picked up by conntrack's loose TCP tracking as established flows.
 //!
 //! GSO packets (GRO aggregates of a real NIC; GSO packets a peer's fast path sent over a veth)
 //! need care when they arrive in a tunnel. `bpf_skb_adjust_room` leaves `skb->encapsulation`
@@ -85,7 +90,7 @@ use crate::{
     fib::{self, Fib},
     hops,
     ipv4::{Ipv4Info, decremented_ttl_field},
-    maps::{FLANNEL_KFLOWS4, FLANNEL_NATGRD4},
+    maps::{FLANNEL_HFLOWS4, FLANNEL_HNATGD4, FLANNEL_KFLOWS4, FLANNEL_NATGRD4},
     parse::ETH_HDR_LEN,
 };
 
@@ -149,17 +154,19 @@ pub fn deliver(ctx: &TcContext, inner: &Ipv4Info, route: Fib) -> Result<i32, Rea
     fib::deliver(ctx, route).ok_or(Reason::DropRewriteFailed)
 }
 
-/// Whether the kernel tracks the flow of a packet arriving for a local pod.
+/// Whether the kernel tracks the flow of a packet arriving for a local pod: learnt, or held
+/// for an open NATed connection.
 #[inline(always)]
 pub fn is_kernel_flow(key: &flannel_common::flow::FlowKey) -> bool {
-    FLANNEL_KFLOWS4.get_ptr(key).is_some()
+    FLANNEL_KFLOWS4.get_ptr(key).is_some() || FLANNEL_HFLOWS4.get_ptr(key).is_some()
 }
 
 /// Whether a local pod's packet goes to a remote endpoint that reached us through a host
-/// address (so conntrack may have to undo a DNAT on the reply).
+/// address (so conntrack may have to undo a DNAT on the reply): learnt, or held for an open
+/// NATed connection.
 #[inline(always)]
 pub fn is_nat_guarded(key: &flannel_common::flow::PeerKey) -> bool {
-    FLANNEL_NATGRD4.get_ptr(key).is_some()
+    FLANNEL_NATGRD4.get_ptr(key).is_some() || FLANNEL_HNATGD4.get_ptr(key).is_some()
 }
 
 /// Records the remote endpoint of `info` in the NAT guard if it is a candidate; true when a new

@@ -58,6 +58,29 @@ pub static FLANNEL_KFLOWS4: LruHashMap<
     { names::KERNEL_FLOWS4_MAX_ENTRIES as usize },
 > = LruHashMap::new();
 
+/// `BPF_F_NO_PREALLOC` as a map's flags: entries allocated as they are written.
+pub const NO_PREALLOC: usize = aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize;
+
+/// The NAT-guard keys of open NATed TCP connections, never evicted
+/// (`flannel_common::maps::HELD_GUARD4`).
+#[btf_map]
+pub static FLANNEL_HNATGD4: HashMap<
+    PeerKey,
+    u32,
+    { names::HELD_GUARD4_MAX_ENTRIES as usize },
+    NO_PREALLOC,
+> = HashMap::new();
+
+/// The kernel-flow keys of open NATed TCP connections, never evicted
+/// (`flannel_common::maps::HELD_FLOWS4`).
+#[btf_map]
+pub static FLANNEL_HFLOWS4: HashMap<
+    FlowKey,
+    u32,
+    { names::HELD_FLOWS4_MAX_ENTRIES as usize },
+    NO_PREALLOC,
+> = HashMap::new();
+
 /// The masquerade configuration, one entry (`flannel_common::maps::NAT_CONFIG`).
 #[btf_map]
 pub static FLANNEL_NATCFG: Array<NatConfig, 1> = Array::new();

@@ -805,6 +805,79 @@ fn ebpf_lost_kernel_flows_come_back_from_conntrack() {
     );
 }
 
+/// A Service connection whose kernel-flow entry the LRU evicts stays on the kernel path with
+/// no resync to put it back: node1's agent read conntrack when it started (a restart here;
+/// the programs stay) and held the connection's key in `FLANNEL_HFLOWS4`, which no eviction
+/// touches. With `--ebpf-conntrack-resync` at an hour, the backend pushes a line to the idle
+/// client after the LRU entry is gone: the client gets it through the Service (conntrack
+/// un-DNATs it). (Without the held table the push reached the pod with the backend's address
+/// and the connection was lost.) The `held` entries gauge counts the key.
+#[test]
+fn ebpf_held_service_connection_survives_an_eviction_without_a_resync() {
+    use std::io::Write as _;
+    require_root!();
+    let mut spec = spec_on(EBPF, 2, Underlay::L2, "host-gw", 1);
+    spec.ip_masq = true;
+    spec.agent_args.push("--ebpf-conntrack-resync=3600".into());
+    with_cluster(&named(EBPF, "held kernel flows"), spec, |c| {
+        let t = c.topology();
+        let (client, server) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
+        let (client_ip, server_ip) = (client.ip(), server.ip());
+        let backend = SocketAddr::new(IpAddr::V4(server_ip), 7100);
+        let listener = server
+            .ns()
+            .enter(move || std::net::TcpListener::bind(backend))??;
+        let service = SocketAddr::new("10.96.0.10".parse()?, 80);
+        t.node(1).dnat_tcp(service, backend)?;
+        let stream = client
+            .ns()
+            .enter(move || std::net::TcpStream::connect(service))??;
+        stream.set_read_timeout(Some(Duration::from_secs(3)))?;
+        let local_port = stream.local_addr()?.port().to_be_bytes();
+        let (mut pusher, _) = listener.accept()?;
+        let mut lines = std::io::BufReader::new(stream);
+        let mut push = |text: &str| -> Result<()> {
+            pusher.write_all(format!("{text}\n").as_bytes())?;
+            let mut line = String::new();
+            std::io::BufRead::read_line(&mut lines, &mut line)
+                .with_context(|| format!("{text:?} pushed through the Service"))?;
+            ensure!(line == format!("{text}\n"), "read {line:?}");
+            Ok(())
+        };
+        push("before")?;
+        let pins = t.node(1).bpf_pin_path().to_path_buf();
+        let ours = |k: &flannel_common::flow::FlowKey| {
+            k.local_addr == client_ip.octets()
+                && k.remote_addr == server_ip.octets()
+                && k.local_port == local_port
+                && k.remote_port == 7100u16.to_be_bytes()
+                && k.proto == 6
+        };
+        restart_with(c, 1, |_| {})?;
+        let node1 = c.topology().node(1).ns();
+        wait::until_ok(CONVERGE, "node1 holding the connection", || {
+            let held = fastpath::held_kernel_flows(&pins)?;
+            ensure!(held.iter().any(ours), "held: {held:?}");
+            Ok(())
+        })?;
+        let gauge = status::metric_sum(
+            node1,
+            DEFAULT_HEALTHZ_PORT,
+            "flannel_bpf_map_entries",
+            "kind=\"held\"",
+        )?;
+        ensure!(gauge >= 1.0, "node1's held entries gauge says {gauge}");
+        // Idle, then evicted.
+        std::thread::sleep(Duration::from_millis(300));
+        let evicted = fastpath::clear_kernel_flows::<flannel_common::flow::FlowKey>(&pins)?;
+        ensure!(evicted >= 1, "node1's kernel-flow table was empty");
+        for i in 0..3 {
+            push(&format!("after the eviction {i}"))?;
+        }
+        Ok(())
+    });
+}
+
 /// A TCP connection to `addr` whose every packet carries IP options (three NOPs and an end of
 /// list), which the fast path leaves to the kernel.
 fn connect_with_ip_options(addr: SocketAddr) -> Result<std::net::TcpStream> {

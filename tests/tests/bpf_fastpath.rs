@@ -2782,6 +2782,127 @@ fn kernel_flows_keep_their_replies_in_the_stack() {
     });
 }
 
+/// Removes `key` from the pinned LRU flow table `name` under `pin`, as an eviction would;
+/// panics if it is not there.
+fn evict<K: aya::Pod>(pin: &std::path::Path, name: &str, key: &K) {
+    let path = pin
+        .join(flannel_common::maps::PIN_LAYOUT_VERSION)
+        .join(name);
+    let data = aya::maps::MapData::from_pin(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let map = aya::maps::Map::from_map_data(data).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let mut table: aya::maps::HashMap<_, K, u32> =
+        aya::maps::HashMap::try_from(map).unwrap_or_else(|e| panic!("{name}: {e}"));
+    table
+        .remove(key)
+        .unwrap_or_else(|e| panic!("evicting from {name}: {e}"));
+}
+
+/// The held tables the agent writes from conntrack (`bpf::seed::Held`): a Service
+/// connection's kernel-flow key held there keeps its replies in the stack after its LRU entry
+/// is gone (as an eviction takes it), and a hostPort client's NAT-guard key held there keeps
+/// the local pod's answers in the stack the same way. A read of conntrack that could not read
+/// every entry removes nothing; one that no longer calls for them removes them, and both
+/// flows take the fast path again.
+#[test]
+fn held_keys_outlive_their_lru_entries_until_conntrack_lets_them_go() {
+    use flannel_agent::bpf::seed::{HeldSync, Keys, Seeds};
+    use flannel_common::flow::{FlowKey, PeerKey};
+
+    let Some(rig) = Rig::new("fphold") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    rig.with_fast_path(move |fp, ifs| {
+        let flow = FlowKey {
+            local_addr: POD.octets(),
+            remote_addr: HOSTGW_POD.octets(),
+            local_port: 40000u16.to_be_bytes(),
+            remote_port: 80u16.to_be_bytes(),
+            proto: 6,
+            _pad: [0; 3],
+        };
+        let guard = PeerKey {
+            addr: HOSTGW_POD.octets(),
+            port: 41000u16.to_be_bytes(),
+            proto: 6,
+            _pad: 0,
+        };
+        let held = Keys {
+            flows4: [flow].into(),
+            guards4: [guard].into(),
+            ..Keys::default()
+        };
+        let seeds = Seeds {
+            keys: held.clone(),
+            held,
+            ..Seeds::default()
+        };
+        let seeded = fp.seed(&seeds).expect("seed");
+        assert_eq!((seeded.kernel_flows, seeded.nat_guards), (1, 1));
+        assert_eq!(
+            seeded.held,
+            HeldSync {
+                held: 2,
+                added: 2,
+                removed: 0,
+                full: 0
+            }
+        );
+        evict(&pin, flannel_common::maps::KERNEL_FLOWS4, &flow);
+        evict(&pin, flannel_common::maps::NAT_GUARD4, &guard);
+
+        let reply = underlay(
+            PEER2_MAC,
+            Ipv4 {
+                ttl: 63,
+                ..Ipv4::new(HOSTGW_POD, POD, Tcp::new(80, 40000))
+            },
+        );
+        let answer = pod_frame(&from_pod(HOSTGW_POD, Tcp::new(8080, 41000)));
+        let check = |fp: &mut FastPath, kept: bool, what: &str| {
+            let r = run(fp, Hook::FromNetdev, &reply, Skb::on(ifs.ext));
+            if kept {
+                assert_passed(
+                    &r,
+                    &reply,
+                    &[Reason::Ipv4Tcp, Reason::PassKernelFlow],
+                    &format!("the Service's reply, {what}"),
+                );
+            } else {
+                assert_eq!(r.verdict, TC_ACT_REDIRECT, "the Service's reply, {what}");
+            }
+            let r = run(fp, Hook::FromBridge, &answer, Skb::on(ifs.br));
+            if kept {
+                assert_passed(
+                    &r,
+                    &answer,
+                    &[Reason::Ipv4Tcp, Reason::PassNatReply],
+                    &format!("the hostPort answer, {what}"),
+                );
+            } else {
+                assert_counted(
+                    &r,
+                    &answer,
+                    &[Reason::Ipv4Tcp, Reason::FastHostGw],
+                    &format!("the hostPort answer, {what}"),
+                );
+            }
+        };
+        check(fp, true, "evicted from the LRU tables");
+
+        let unreadable = Seeds {
+            unreadable: 1,
+            ..Seeds::default()
+        };
+        assert_eq!(fp.seed(&unreadable).expect("seed").held.removed, 0);
+        check(fp, true, "after a read that missed entries");
+
+        let closed = fp.seed(&Seeds::default()).expect("seed");
+        assert_eq!((closed.held.held, closed.held.removed), (0, 2));
+        check(fp, false, "after conntrack let them go");
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // The agent API around the programs
 

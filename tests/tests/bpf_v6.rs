@@ -812,6 +812,81 @@ fn ipv6_flow_tables_keep_conntrack_consistent() {
     });
 }
 
+/// The held IPv6 tables the agent writes from conntrack (`bpf::seed::Held`): a Service
+/// connection's kernel-flow key held in `FLANNEL_HFLOWS6` alone (not in the LRU table, as after
+/// an eviction) keeps its replies in the stack, and a remote client's NAT-guard key held in
+/// `FLANNEL_HNATGD6` alone keeps the local pod's answers there; once a read of conntrack no
+/// longer finds them, both take the fast path.
+#[test]
+fn ipv6_held_keys_keep_flows_in_the_stack_until_conntrack_lets_them_go() {
+    use flannel_agent::bpf::seed::{Keys, Seeds};
+    use flannel_common::v6::{FlowKey6, PeerKey6};
+
+    let Some(rig) = Rig::new("f6held") else {
+        return;
+    };
+    rig.with_fast_path(false, |fp, ifs| {
+        let flow = FlowKey6 {
+            local_addr: pod().octets(),
+            remote_addr: hostgw_pod().octets(),
+            local_port: 40000u16.to_be_bytes(),
+            remote_port: 80u16.to_be_bytes(),
+            proto: 6,
+            _pad: [0; 3],
+        };
+        let guard = PeerKey6 {
+            addr: hostgw_pod().octets(),
+            port: 41000u16.to_be_bytes(),
+            proto: 6,
+            _pad: 0,
+        };
+        let held = Seeds {
+            held: Keys {
+                flows6: [flow].into(),
+                guards6: [guard].into(),
+                ..Keys::default()
+            },
+            ..Seeds::default()
+        };
+        assert_eq!(fp.seed(&held).expect("seed").held.held, 2);
+        let reply = underlay(
+            PEER2_MAC,
+            Ipv6::new(hostgw_pod(), pod(), Tcp::new(80, 40000)),
+        );
+        let answer = pod_frame(&Ipv6::new(pod(), hostgw_pod(), Tcp::new(8080, 41000)));
+        let ingress = Skb::on(ifs.ext);
+        let r = run(fp, Hook::FromNetdev, &reply, ingress);
+        assert_passed(
+            &r,
+            &reply,
+            Reason::Ipv6Tcp,
+            Reason::PassKernelFlow,
+            "held reply",
+        );
+        let r = run(fp, Hook::FromBridge, &answer, Skb::on(ifs.br));
+        assert_passed(
+            &r,
+            &answer,
+            Reason::Ipv6Tcp,
+            Reason::PassNatReply,
+            "held answer",
+        );
+
+        assert_eq!(fp.seed(&Seeds::default()).expect("seed").held.removed, 2);
+        assert_eq!(
+            run(fp, Hook::FromNetdev, &reply, ingress).verdict,
+            TC_ACT_REDIRECT,
+            "the reply once let go"
+        );
+        let r = run(fp, Hook::FromBridge, &answer, Skb::on(ifs.br));
+        assert_counted(
+            &r,
+            &[Reason::Ipv6Tcp, Reason::FastHostGw6],
+            "the answer once let go",
+        );
+    });
+}
+
 #[test]
 fn ipv6_only_and_dual_stack_configurations() {
     let Some(rig) = Rig::new("f6fam") else { return };

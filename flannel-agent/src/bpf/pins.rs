@@ -60,7 +60,7 @@ pub struct MapSpec {
 
 /// Every pinned map of this layout version. The NAT maps' sizes are set at load time
 /// ([`super::LoadOptions::nat_max_entries`]); their specs here hold the object's default.
-pub const MAP_SPECS: [MapSpec; 19] = [
+pub const MAP_SPECS: [MapSpec; 23] = [
     MapSpec {
         name: names::ROUTES4,
         map_type: MapType::LpmTrie,
@@ -185,7 +185,39 @@ pub const MAP_SPECS: [MapSpec; 19] = [
         max_entries: v6::KERNEL_FLOWS6_MAX_ENTRIES,
         flags: 0,
     },
+    held_spec(
+        names::HELD_GUARD4,
+        size_of::<PeerKey>(),
+        names::HELD_GUARD4_MAX_ENTRIES,
+    ),
+    held_spec(
+        names::HELD_FLOWS4,
+        size_of::<FlowKey>(),
+        names::HELD_FLOWS4_MAX_ENTRIES,
+    ),
+    held_spec(
+        v6::HELD_GUARD6,
+        size_of::<PeerKey6>(),
+        v6::HELD_GUARD6_MAX_ENTRIES,
+    ),
+    held_spec(
+        v6::HELD_FLOWS6,
+        size_of::<FlowKey6>(),
+        v6::HELD_FLOWS6_MAX_ENTRIES,
+    ),
 ];
+
+/// A held flow table: a hash of `key_size`-byte keys to `u32`, allocated as it is written.
+const fn held_spec(name: &'static str, key_size: usize, max_entries: u32) -> MapSpec {
+    MapSpec {
+        name,
+        map_type: MapType::Hash,
+        key_size: key_size as u32,
+        value_size: 4,
+        max_entries,
+        flags: BPF_F_NO_PREALLOC,
+    }
+}
 
 const fn counter_spec(name: &'static str) -> MapSpec {
     MapSpec {

@@ -24,6 +24,13 @@
 //! keys that are there (so that eviction takes closed flows first) and putting back the ones
 //! an eviction took.
 //! Connections conntrack holds no NAT state for change path harmlessly and are left alone.
+//!
+//! The keys of open NATed TCP connections are also written into the held tables
+//! ([`Seeds::held`]: plain hashes the programs read next to the LRU ones, which no eviction touches),
+//! and each read of conntrack removes from them the keys it no longer calls for: a long-idle
+//! Service connection stays on the kernel path however fast short flows (UDP DNS lookups,
+//! which are left to the LRU tables alone) churn the LRU ones, instead of being lost until
+//! the next resync puts it back.
 
 use std::{
     collections::HashSet,
@@ -56,6 +63,18 @@ pub struct Scope {
 /// The flow-table keys that keep open NATed connections on the kernel path.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Seeds {
+    /// The keys for the flow tables (the LRU ones).
+    pub keys: Keys,
+    /// Those of them that belong to TCP connections: held as well ([`names::HELD_FLOWS4`],
+    /// [`names::HELD_GUARD4`] and their IPv6 twins).
+    pub held: Keys,
+    /// Conntrack entries that could not be read.
+    pub unreadable: usize,
+}
+
+/// Keys of the four flow tables.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Keys {
     /// Kernel-flow keys (IPv4).
     pub flows4: HashSet<FlowKey>,
     /// NAT-guard keys (IPv4).
@@ -64,11 +83,9 @@ pub struct Seeds {
     pub flows6: HashSet<FlowKey6>,
     /// NAT-guard keys (IPv6).
     pub guards6: HashSet<PeerKey6>,
-    /// Conntrack entries that could not be read.
-    pub unreadable: usize,
 }
 
-impl Seeds {
+impl Keys {
     /// How many keys in all.
     pub fn len(&self) -> usize {
         self.flows4.len() + self.guards4.len() + self.flows6.len() + self.guards6.len()
@@ -77,6 +94,33 @@ impl Seeds {
     /// Whether there are none.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Adds every key of `other`.
+    fn extend(&mut self, other: Keys) {
+        self.flows4.extend(other.flows4);
+        self.guards4.extend(other.guards4);
+        self.flows6.extend(other.flows6);
+        self.guards6.extend(other.guards6);
+    }
+}
+
+impl Seeds {
+    /// How many keys in all.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// The key sets an entry's keys go into: [`Seeds::keys`], and [`Seeds::held`] for TCP.
+    fn sets(&mut self, tcp: bool) -> impl Iterator<Item = &mut Keys> {
+        [Some(&mut self.keys), tcp.then_some(&mut self.held)]
+            .into_iter()
+            .flatten()
     }
 
     /// Adds the keys `entry` calls for under `scope` (see the module documentation):
@@ -88,6 +132,8 @@ impl Seeds {
     ///   kernel-flow key the answers have, as `tc_to_netdev` learns it;
     /// - a remote pod's TCP or UDP connection whose answers come from a local pod (DNATed to
     ///   it): the NAT-guard key of the remote end the answers go to.
+    ///
+    /// The keys of a TCP connection go into [`Seeds::held`] too.
     pub fn add(&mut self, scope: &Scope, entry: &CtEntry) {
         if !entry.is_nated() || entry.is_closed() {
             return;
@@ -97,15 +143,24 @@ impl Seeds {
         if !has_ports && !echo {
             return;
         }
+        let tcp = entry.orig.proto == PROTO_TCP;
         if let Some(cfg) = &scope.v4 {
             let (flows, guard) = wanted(entry, has_ports, |a| v4_side(cfg, a));
-            self.flows4.extend(flows.iter().flatten().map(flow_key));
-            self.guards4.extend(guard.as_ref().map(peer_key));
+            let flows = flows.iter().flatten().map(flow_key);
+            let guard = guard.as_ref().map(peer_key);
+            for keys in self.sets(tcp) {
+                keys.flows4.extend(flows.clone());
+                keys.guards4.extend(guard);
+            }
         }
         if let Some(cfg) = &scope.v6 {
             let (flows, guard) = wanted(entry, has_ports, |a| v6_side(cfg, a));
-            self.flows6.extend(flows.iter().flatten().map(flow_key6));
-            self.guards6.extend(guard.as_ref().map(peer_key6));
+            let flows = flows.iter().flatten().map(flow_key6);
+            let guard = guard.as_ref().map(peer_key6);
+            for keys in self.sets(tcp) {
+                keys.flows6.extend(flows.clone());
+                keys.guards6.extend(guard);
+            }
         }
     }
 }
@@ -125,6 +180,14 @@ fn wanted(
     let dnated_to_remote = pair(reply.dst, reply.src).then(|| reply.inverse());
     let dnated_to_local = (has_ports && pair(reply.src, reply.dst)).then_some(*reply);
     ([masqueraded, dnated_to_remote], dnated_to_local)
+}
+
+/// The errno of a failed map call, if it was one.
+fn errno(e: &aya::maps::MapError) -> Option<i32> {
+    match e {
+        aya::maps::MapError::SyscallError(e) => e.io_error.raw_os_error(),
+        _ => None,
+    }
 }
 
 /// `BPF_NOEXIST`: insert only when the key is absent.
@@ -241,6 +304,30 @@ pub struct Seeded {
     pub nat_guards: usize,
     /// Entries of either table that were there already (refreshed).
     pub refreshed: usize,
+    /// What the held tables hold now, and what changed.
+    pub held: HeldSync,
+}
+
+/// The held tables after a [`FastPath::seed`] (all four).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HeldSync {
+    /// Keys held now.
+    pub held: usize,
+    /// Keys written.
+    pub added: usize,
+    /// Keys removed (no longer called for).
+    pub removed: usize,
+    /// Keys not held because their table was full (left to the LRU tables alone).
+    pub full: usize,
+}
+
+impl std::ops::AddAssign for HeldSync {
+    fn add_assign(&mut self, o: HeldSync) {
+        self.held += o.held;
+        self.added += o.added;
+        self.removed += o.removed;
+        self.full += o.full;
+    }
 }
 
 /// Reads conntrack's table (the families `scope` enables) in the calling thread's network
@@ -255,10 +342,8 @@ pub fn collect(scope: &Scope) -> Result<Seeds, RawError> {
         if enabled {
             let mut found = Seeds::default();
             found.unreadable = conntrack::dump(family, |entry| found.add(scope, &entry))?;
-            seeds.flows4.extend(found.flows4);
-            seeds.guards4.extend(found.guards4);
-            seeds.flows6.extend(found.flows6);
-            seeds.guards6.extend(found.guards6);
+            seeds.keys.extend(found.keys);
+            seeds.held.extend(found.held);
             seeds.unreadable += found.unreadable;
         }
     }
@@ -280,20 +365,67 @@ impl FastPath {
     /// many refreshed. Retires the programs' remembered decisions when any was added, as a
     /// learnt entry does.
     pub fn seed(&mut self, seeds: &Seeds) -> Result<Seeded, BpfError> {
-        let (flows4, kept_flows4) = self.seed_table(names::KERNEL_FLOWS4, &seeds.flows4)?;
-        let (flows6, kept_flows6) = self.seed_table(v6::KERNEL_FLOWS6, &seeds.flows6)?;
-        let (guards4, kept_guards4) = self.seed_table(names::NAT_GUARD4, &seeds.guards4)?;
-        let (guards6, kept_guards6) = self.seed_table(v6::NAT_GUARD6, &seeds.guards6)?;
+        let keys = &seeds.keys;
+        let (flows4, kept_flows4) = self.seed_table(names::KERNEL_FLOWS4, &keys.flows4)?;
+        let (flows6, kept_flows6) = self.seed_table(v6::KERNEL_FLOWS6, &keys.flows6)?;
+        let (guards4, kept_guards4) = self.seed_table(names::NAT_GUARD4, &keys.guards4)?;
+        let (guards6, kept_guards6) = self.seed_table(v6::NAT_GUARD6, &keys.guards6)?;
         let (kernel_flows, nat_guards) = (flows4 + flows6, guards4 + guards6);
         let refreshed = kept_flows4 + kept_flows6 + kept_guards4 + kept_guards6;
         if kernel_flows + nat_guards > 0 {
             self.retire_memos()?;
         }
+        // A read that missed entries may have missed live connections: nothing is removed.
+        let prune = seeds.unreadable == 0;
+        let held = &seeds.held;
+        let mut sync = self.hold(names::HELD_FLOWS4, &held.flows4, prune)?;
+        sync += self.hold(names::HELD_GUARD4, &held.guards4, prune)?;
+        sync += self.hold(v6::HELD_FLOWS6, &held.flows6, prune)?;
+        sync += self.hold(v6::HELD_GUARD6, &held.guards6, prune)?;
         Ok(Seeded {
             kernel_flows,
             nat_guards,
             refreshed,
+            held: sync,
         })
+    }
+
+    /// Makes the held table `name` hold `keys`: writes the missing ones, and with `prune`
+    /// removes the ones not among them. (Its keys are in the LRU table next to it too, written
+    /// just before, so a change here changes no decision a memo rests on: no retiring.)
+    fn hold<K: aya::Pod + std::hash::Hash + Eq>(
+        &mut self,
+        name: &'static str,
+        keys: &HashSet<K>,
+        prune: bool,
+    ) -> Result<HeldSync, BpfError> {
+        let map = self.ebpf_mut().map_mut(name).ok_or_else(|| missing(name))?;
+        let mut table: HashMap<&mut MapData, K, u32> =
+            HashMap::try_from(map).map_err(|e| BpfError::map(name, e))?;
+        let present: HashSet<K> = table.keys().filter_map(Result::ok).collect();
+        let mut out = HeldSync {
+            held: present.len(),
+            ..HeldSync::default()
+        };
+        if prune {
+            for key in present.difference(keys) {
+                match table.remove(key) {
+                    Ok(()) => out.removed += 1,
+                    Err(e) if errno(&e) == Some(libc::ENOENT) => {}
+                    Err(e) => return Err(BpfError::map(name, e)),
+                }
+            }
+        }
+        for key in keys.difference(&present) {
+            match table.insert(key, 1u32, BPF_NOEXIST) {
+                Ok(()) => out.added += 1,
+                Err(e) if errno(&e) == Some(libc::EEXIST) => {}
+                Err(e) if errno(&e) == Some(libc::E2BIG) => out.full += 1,
+                Err(e) => return Err(BpfError::map(name, e)),
+            }
+        }
+        out.held = out.held + out.added - out.removed;
+        Ok(out)
     }
 
     /// Writes `keys` into table `name`; returns (added, refreshed).
@@ -308,10 +440,6 @@ impl FastPath {
         let map = self.ebpf_mut().map_mut(name).ok_or_else(|| missing(name))?;
         let mut table: HashMap<&mut MapData, K, u32> =
             HashMap::try_from(map).map_err(|e| BpfError::map(name, e))?;
-        let errno = |e: &aya::maps::MapError| match e {
-            aya::maps::MapError::SyscallError(e) => e.io_error.raw_os_error(),
-            _ => None,
-        };
         let (mut added, mut refreshed) = (0, 0);
         for key in keys {
             // One call per key that is there (the common case on a resync), two for a missing
@@ -396,10 +524,10 @@ mod tests {
         let reply = T::of("10.244.2.7", "10.244.1.0", PROTO_TCP, 7100, 40001);
         let seeds = seeds_of(&[entry(orig, reply)]);
         assert_eq!(
-            seeds.flows4,
+            seeds.keys.flows4,
             HashSet::from([tcp_flow([10, 244, 1, 5], [10, 244, 2, 7], 40000, 7100)])
         );
-        assert!(seeds.guards4.is_empty());
+        assert!(seeds.keys.guards4.is_empty());
     }
 
     #[test]
@@ -409,10 +537,10 @@ mod tests {
         let reply = T::of("10.244.2.7", "10.244.1.5", PROTO_TCP, 8080, 40000);
         let seeds = seeds_of(&[entry(orig, reply)]);
         assert_eq!(
-            seeds.flows4,
+            seeds.keys.flows4,
             HashSet::from([tcp_flow([10, 244, 1, 5], [10, 244, 2, 7], 40000, 8080)])
         );
-        assert!(seeds.guards4.is_empty());
+        assert!(seeds.keys.guards4.is_empty());
     }
 
     #[test]
@@ -422,7 +550,7 @@ mod tests {
         let reply = T::of("10.244.1.5", "10.244.2.7", PROTO_UDP, 80, 5353);
         let seeds = seeds_of(&[entry(orig, reply)]);
         assert_eq!(
-            seeds.guards4,
+            seeds.keys.guards4,
             HashSet::from([PeerKey {
                 addr: [10, 244, 2, 7],
                 port: 5353u16.to_be_bytes(),
@@ -430,7 +558,53 @@ mod tests {
                 _pad: 0,
             }])
         );
-        assert!(seeds.flows4.is_empty());
+        assert!(seeds.keys.flows4.is_empty());
+    }
+
+    #[test]
+    fn tcp_connections_are_held_and_udp_ones_left_to_the_lru_tables() {
+        // A Service connection (TCP) and a DNS lookup through a Service (UDP), both DNATed to
+        // remote pods; a remote pod's TCP connection to a hostPort, and an IPv6 Service
+        // connection.
+        let service = entry(
+            T::of("10.244.1.5", "10.96.0.10", PROTO_TCP, 40000, 80),
+            T::of("10.244.2.7", "10.244.1.5", PROTO_TCP, 8080, 40000),
+        );
+        let dns = entry(
+            T::of("10.244.1.5", "10.96.0.53", PROTO_UDP, 5353, 53),
+            T::of("10.244.2.9", "10.244.1.5", PROTO_UDP, 53, 5353),
+        );
+        let hostport = entry(
+            T::of("10.244.2.7", "10.244.1.1", PROTO_TCP, 41000, 8080),
+            T::of("10.244.1.5", "10.244.2.7", PROTO_TCP, 80, 41000),
+        );
+        let service6 = entry(
+            T::of("fd00:0:0:1::5", "fd00:96::10", PROTO_TCP, 40000, 80),
+            T::of("fd00:0:0:2::7", "fd00:0:0:1::5", PROTO_TCP, 8080, 40000),
+        );
+        let seeds = seeds_of(&[service, dns, hostport, service6]);
+        let held = &seeds.held;
+        assert_eq!(
+            held.flows4,
+            HashSet::from([tcp_flow([10, 244, 1, 5], [10, 244, 2, 7], 40000, 8080)])
+        );
+        assert_eq!(
+            seeds.keys.flows4.len(),
+            2,
+            "the DNS lookup's key in the LRU table"
+        );
+        assert_eq!(
+            held.guards4,
+            HashSet::from([PeerKey {
+                addr: [10, 244, 2, 7],
+                port: 41000u16.to_be_bytes(),
+                proto: PROTO_TCP,
+                _pad: 0,
+            }])
+        );
+        assert_eq!(held.flows6, seeds.keys.flows6);
+        assert_eq!(held.flows6.len(), 1);
+        assert!(held.guards6.is_empty());
     }
 
     #[test]
@@ -481,14 +655,14 @@ mod tests {
             tcp_state: Some(3),
         };
         let seeds = seeds_of(&[echo]);
-        assert_eq!(seeds.flows4.len(), 1);
+        assert_eq!(seeds.keys.flows4.len(), 1);
         // No NAT guard for ICMP (it has no ports).
         let echo_dnat = CtEntry {
             orig: T::of("10.244.2.7", "10.244.1.1", PROTO_ICMP, 9, 9),
             reply: T::of("10.244.1.5", "10.244.2.7", PROTO_ICMP, 9, 9),
             tcp_state: Some(3),
         };
-        assert!(seeds_of(&[echo_dnat]).guards4.is_empty());
+        assert!(seeds_of(&[echo_dnat]).keys.guards4.is_empty());
 
         let masq6 = CtEntry {
             orig: T::of("fd00:0:0:1::5", "fd00:0:0:2::7", PROTO_TCP, 40000, 7100),
@@ -502,7 +676,7 @@ mod tests {
         };
         let seeds = seeds_of(&[masq6, hostport6]);
         assert_eq!(
-            seeds.flows6,
+            seeds.keys.flows6,
             HashSet::from([FlowKey6 {
                 local_addr: "fd00:0:0:1::5".parse::<Ipv6Addr>().unwrap().octets(),
                 remote_addr: "fd00:0:0:2::7".parse::<Ipv6Addr>().unwrap().octets(),
@@ -513,7 +687,7 @@ mod tests {
             }])
         );
         assert_eq!(
-            seeds.guards6,
+            seeds.keys.guards6,
             HashSet::from([PeerKey6 {
                 addr: "fd00:0:0:2::7".parse::<Ipv6Addr>().unwrap().octets(),
                 port: 40000u16.to_be_bytes(),
@@ -521,7 +695,7 @@ mod tests {
                 _pad: 0,
             }])
         );
-        assert!(seeds.flows4.is_empty() && seeds.guards4.is_empty());
+        assert!(seeds.keys.flows4.is_empty() && seeds.keys.guards4.is_empty());
     }
 
     #[test]

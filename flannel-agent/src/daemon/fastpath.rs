@@ -582,7 +582,11 @@ fn seed_before_attach(
 /// Writes what conntrack's table called for ([`bpf::seed`]) into the flow tables, and says so
 /// when it kept connections on the kernel path that the tables lacked.
 fn seed(fp: &mut bpf::FastPath, seeds: &bpf::seed::Seeds, at: SeedAt<'_>, metrics: &Metrics) {
-    match fp.seed(seeds) {
+    let seeded = fp.seed(seeds);
+    if let Ok(added) = &seeded {
+        report_held(&added.held, metrics);
+    }
+    match seeded {
         Ok(added) if added.kernel_flows + added.nat_guards > 0 => {
             match at {
                 SeedAt::Attach(what) => info!(
@@ -615,6 +619,32 @@ fn seed(fp: &mut bpf::FastPath, seeds: &bpf::seed::Seeds, at: SeedAt<'_>, metric
         debug!(
             entries = seeds.unreadable,
             "conntrack entries that could not be read"
+        );
+    }
+}
+
+/// Sets the `held` entries gauge to what the held flow tables hold ([`bpf::seed::Seeds::held`]);
+/// says when they changed, and warns when open connections did not fit (those rely on the LRU
+/// tables and the resync, as all did before).
+fn report_held(held: &bpf::seed::HeldSync, metrics: &Metrics) {
+    metrics
+        .bpf_entries
+        .get_or_create(&KindLabel {
+            kind: "held".into(),
+        })
+        .set(held.held as i64);
+    if held.full > 0 {
+        warn!(
+            held = held.held,
+            not_held = held.full,
+            "the held flow tables are full: open NATed connections beyond them can lose their              flow-table entry to an eviction until the next resync"
+        );
+    } else if held.added + held.removed > 0 {
+        debug!(
+            held = held.held,
+            added = held.added,
+            removed = held.removed,
+            "held flow tables updated from conntrack"
         );
     }
 }

@@ -52,8 +52,8 @@ use flannel_common::{
     stats::{Reason, ReasonKind},
     v6::{
         CFG6_ROUTED_RX, CFG6_VXLAN_RX, Config6, FRAGS6_MAX_ENTRIES, FlowKey6, FragKey6,
-        KERNEL_FLOWS6_MAX_ENTRIES, NAT_GUARD6_MAX_ENTRIES, NODES6_MAX_ENTRIES, PeerKey6,
-        ROUTES6_MAX_ENTRIES, VXLAN6_OVERHEAD,
+        HELD_FLOWS6_MAX_ENTRIES, HELD_GUARD6_MAX_ENTRIES, KERNEL_FLOWS6_MAX_ENTRIES,
+        NAT_GUARD6_MAX_ENTRIES, NODES6_MAX_ENTRIES, PeerKey6, ROUTES6_MAX_ENTRIES, VXLAN6_OVERHEAD,
     },
 };
 
@@ -62,6 +62,7 @@ use crate::{
     bridge::Outcome,
     deliver::learn,
     fib::{gso_size, ingress_ifindex},
+    maps::NO_PREALLOC,
     netdev::Learnt,
     parse::{
         self, ETH_HDR_LEN, ETH_P_IPV6, IPV6_HDR_LEN, PULL_LEN, PacketCtx as _, proto, ptr_at,
@@ -93,6 +94,26 @@ pub static FLANNEL_NATGRD6: LruHashMap<PeerKey6, u32, { NAT_GUARD6_MAX_ENTRIES a
 #[btf_map]
 pub static FLANNEL_KFLOWS6: LruHashMap<FlowKey6, u32, { KERNEL_FLOWS6_MAX_ENTRIES as usize }> =
     LruHashMap::new();
+
+/// The NAT-guard keys of open NATed IPv6 TCP connections, never evicted
+/// (`flannel_common::v6::HELD_GUARD6`).
+#[btf_map]
+pub static FLANNEL_HNATGD6: HashMap<
+    PeerKey6,
+    u32,
+    { HELD_GUARD6_MAX_ENTRIES as usize },
+    NO_PREALLOC,
+> = HashMap::new();
+
+/// The kernel-flow keys of open NATed IPv6 TCP connections, never evicted
+/// (`flannel_common::v6::HELD_FLOWS6`).
+#[btf_map]
+pub static FLANNEL_HFLOWS6: HashMap<
+    FlowKey6,
+    u32,
+    { HELD_FLOWS6_MAX_ENTRIES as usize },
+    NO_PREALLOC,
+> = HashMap::new();
 
 /// Working memory of one program run, per CPU: what does not fit the 512-byte stack next to
 /// the IPv4 side's frames (a program runs to completion on its CPU before the next one starts
@@ -174,12 +195,12 @@ pub fn node_flags(addr: &[u8; 16]) -> u32 {
 
 #[inline(always)]
 fn is_kernel_flow(key: &FlowKey6) -> bool {
-    FLANNEL_KFLOWS6.get_ptr(key).is_some()
+    FLANNEL_KFLOWS6.get_ptr(key).is_some() || FLANNEL_HFLOWS6.get_ptr(key).is_some()
 }
 
 #[inline(always)]
 fn is_nat_guarded(key: &PeerKey6) -> bool {
-    FLANNEL_NATGRD6.get_ptr(key).is_some()
+    FLANNEL_NATGRD6.get_ptr(key).is_some() || FLANNEL_HNATGD6.get_ptr(key).is_some()
 }
 
 /// Records the remote endpoint of `info` in the NAT guard if it is a candidate.

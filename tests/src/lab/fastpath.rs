@@ -431,14 +431,18 @@ fn pinned_map(pin_path: &Path, name: &str) -> Result<Map> {
 pub trait KernelFlowKey: aya::Pod + fmt::Debug {
     /// The table's pinned name.
     const TABLE: &'static str;
+    /// The pinned name of its held twin (written by the agent from conntrack).
+    const HELD: &'static str;
 }
 
 impl KernelFlowKey for FlowKey {
     const TABLE: &'static str = names::KERNEL_FLOWS4;
+    const HELD: &'static str = names::HELD_FLOWS4;
 }
 
 impl KernelFlowKey for FlowKey6 {
     const TABLE: &'static str = v6::KERNEL_FLOWS6;
+    const HELD: &'static str = v6::HELD_FLOWS6;
 }
 
 /// The kernel-flow table of `K`s pinned under `pin_path`.
@@ -447,6 +451,14 @@ fn kernel_flow_table<K: KernelFlowKey>(
 ) -> Result<aya::maps::HashMap<MapData, K, u32>> {
     aya::maps::HashMap::try_from(pinned_map(pin_path, K::TABLE)?)
         .with_context(|| format!("{}: key/value sizes", K::TABLE))
+}
+
+/// The keys of the held kernel-flow table of `K`s pinned under `pin_path`.
+pub fn held_kernel_flows<K: KernelFlowKey>(pin_path: &Path) -> Result<Vec<K>> {
+    let table: aya::maps::HashMap<MapData, K, u32> =
+        aya::maps::HashMap::try_from(pinned_map(pin_path, K::HELD)?)
+            .with_context(|| format!("{}: key/value sizes", K::HELD))?;
+    keys_of(&table)
 }
 
 /// The keys of `table`.
