@@ -1070,6 +1070,14 @@ fn masqueraded_flows_replace_their_entries_in_ns() -> Result<()> {
             (node_flow, IpAddr::V4(node), 51234),
         ];
         ensure!(replies == want, "conntrack holds {replies:?}, not {want:?}");
+        // Entered as established: the kernel reports them assured.
+        let mut unassured = Vec::new();
+        conntrack::dump(Family::V4, |e| {
+            if !e.assured {
+                unassured.push(e.orig)
+            }
+        })?;
+        ensure!(unassured.is_empty(), "not assured: {unassured:?}");
         Ok(())
     })?
 }

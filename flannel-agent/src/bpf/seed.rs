@@ -25,12 +25,13 @@
 //! an eviction took.
 //! Connections conntrack holds no NAT state for change path harmlessly and are left alone.
 //!
-//! The keys of open NATed TCP connections are also written into the held tables
+//! The keys of open NATed TCP connections (and UDP streams) are also written into the held tables
 //! ([`Seeds::held`]: plain hashes the programs read next to the LRU ones, which no eviction touches),
 //! and each read of conntrack removes from them the keys it no longer calls for: a long-idle
 //! Service connection stays on the kernel path however fast short flows (UDP DNS lookups,
 //! which are left to the LRU tables alone) churn the LRU ones, instead of being lost until
-//! the next resync puts it back.
+//! the next resync puts it back. A UDP flow is held once conntrack marks it assured (it was
+//! answered and still sends after its first two seconds), which a lookup never is.
 
 use std::{
     collections::HashSet,
@@ -65,7 +66,7 @@ pub struct Scope {
 pub struct Seeds {
     /// The keys for the flow tables (the LRU ones).
     pub keys: Keys,
-    /// Those of them that belong to TCP connections: held as well ([`names::HELD_FLOWS4`],
+    /// Those of them that belong to TCP connections and UDP streams: held as well ([`names::HELD_FLOWS4`],
     /// [`names::HELD_GUARD4`] and their IPv6 twins).
     pub held: Keys,
     /// Conntrack entries that could not be read.
@@ -116,9 +117,9 @@ impl Seeds {
         self.keys.is_empty()
     }
 
-    /// The key sets an entry's keys go into: [`Seeds::keys`], and [`Seeds::held`] for TCP.
-    fn sets(&mut self, tcp: bool) -> impl Iterator<Item = &mut Keys> {
-        [Some(&mut self.keys), tcp.then_some(&mut self.held)]
+    /// The key sets an entry's keys go into: [`Seeds::keys`], and [`Seeds::held`] when `held`.
+    fn sets(&mut self, held: bool) -> impl Iterator<Item = &mut Keys> {
+        [Some(&mut self.keys), held.then_some(&mut self.held)]
             .into_iter()
             .flatten()
     }
@@ -133,7 +134,9 @@ impl Seeds {
     /// - a remote pod's TCP or UDP connection whose answers come from a local pod (DNATed to
     ///   it): the NAT-guard key of the remote end the answers go to.
     ///
-    /// The keys of a TCP connection go into [`Seeds::held`] too.
+    /// The keys of a TCP connection, and of a UDP flow conntrack calls assured (answered, and
+    /// still sending past its first two seconds: a stream, not a DNS lookup), go into
+    /// [`Seeds::held`] too.
     pub fn add(&mut self, scope: &Scope, entry: &CtEntry) {
         if !entry.is_nated() || entry.is_closed() {
             return;
@@ -143,12 +146,13 @@ impl Seeds {
         if !has_ports && !echo {
             return;
         }
-        let tcp = entry.orig.proto == PROTO_TCP;
+        let held =
+            entry.orig.proto == PROTO_TCP || (entry.orig.proto == PROTO_UDP && entry.assured);
         if let Some(cfg) = &scope.v4 {
             let (flows, guard) = wanted(entry, has_ports, |a| v4_side(cfg, a));
             let flows = flows.iter().flatten().map(flow_key);
             let guard = guard.as_ref().map(peer_key);
-            for keys in self.sets(tcp) {
+            for keys in self.sets(held) {
                 keys.flows4.extend(flows.clone());
                 keys.guards4.extend(guard);
             }
@@ -157,7 +161,7 @@ impl Seeds {
             let (flows, guard) = wanted(entry, has_ports, |a| v6_side(cfg, a));
             let flows = flows.iter().flatten().map(flow_key6);
             let guard = guard.as_ref().map(peer_key6);
-            for keys in self.sets(tcp) {
+            for keys in self.sets(held) {
                 keys.flows6.extend(flows.clone());
                 keys.guards6.extend(guard);
             }
@@ -495,6 +499,7 @@ mod tests {
             orig,
             reply,
             tcp_state: None,
+            assured: false,
         }
     }
 
@@ -608,6 +613,29 @@ mod tests {
     }
 
     #[test]
+    fn udp_streams_are_held_and_lookups_not() {
+        let flow = |sport| {
+            entry(
+                T::of("10.244.1.5", "10.96.0.20", PROTO_UDP, sport, 514),
+                T::of("10.244.2.7", "10.244.1.5", PROTO_UDP, 5514, sport),
+            )
+        };
+        let stream = CtEntry {
+            assured: true,
+            ..flow(40000)
+        };
+        let seeds = seeds_of(&[stream, flow(40001)]);
+        assert_eq!(seeds.keys.flows4.len(), 2);
+        assert_eq!(
+            seeds.held.flows4,
+            HashSet::from([FlowKey {
+                proto: PROTO_UDP,
+                ..tcp_flow([10, 244, 1, 5], [10, 244, 2, 7], 40000, 5514)
+            }])
+        );
+    }
+
+    #[test]
     fn unnated_host_and_outside_connections_are_left_alone() {
         let entries = [
             // Pod to remote pod, no NAT (--ip-masq): changing path is harmless.
@@ -617,6 +645,7 @@ mod tests {
                     orig,
                     reply: orig.inverse(),
                     tcp_state: None,
+                    assured: false,
                 }
             },
             // Pod to the internet, masqueraded: the programs never take it.
@@ -624,24 +653,28 @@ mod tests {
                 orig: T::of("10.244.1.5", "1.1.1.1", PROTO_TCP, 40000, 443),
                 reply: T::of("1.1.1.1", "192.168.0.2", PROTO_TCP, 443, 40000),
                 tcp_state: Some(3),
+                assured: false,
             },
             // The cni0 gateway (a host address) to a remote pod, masqueraded.
             CtEntry {
                 orig: T::of("10.244.1.1", "10.244.2.7", PROTO_TCP, 40000, 80),
                 reply: T::of("10.244.2.7", "192.168.0.2", PROTO_TCP, 80, 40000),
                 tcp_state: Some(3),
+                assured: false,
             },
             // GRE between pods, DNATed: no ports, no key.
             CtEntry {
                 orig: T::of("10.244.1.5", "10.96.0.1", 47, 0, 0),
                 reply: T::of("10.244.2.7", "10.244.1.5", 47, 0, 0),
                 tcp_state: Some(3),
+                assured: false,
             },
             // Two local pods.
             CtEntry {
                 orig: T::of("10.244.1.5", "10.96.0.10", PROTO_TCP, 40000, 80),
                 reply: T::of("10.244.1.6", "10.244.1.5", PROTO_TCP, 80, 40000),
                 tcp_state: Some(3),
+                assured: false,
             },
         ];
         assert_eq!(seeds_of(&entries), Seeds::default());
@@ -653,6 +686,7 @@ mod tests {
             orig: T::of("10.244.1.5", "10.244.2.7", PROTO_ICMP, 77, 77),
             reply: T::of("10.244.2.7", "10.244.1.0", PROTO_ICMP, 78, 78),
             tcp_state: Some(3),
+            assured: false,
         };
         let seeds = seeds_of(&[echo]);
         assert_eq!(seeds.keys.flows4.len(), 1);
@@ -661,6 +695,7 @@ mod tests {
             orig: T::of("10.244.2.7", "10.244.1.1", PROTO_ICMP, 9, 9),
             reply: T::of("10.244.1.5", "10.244.2.7", PROTO_ICMP, 9, 9),
             tcp_state: Some(3),
+            assured: false,
         };
         assert!(seeds_of(&[echo_dnat]).keys.guards4.is_empty());
 
@@ -668,11 +703,13 @@ mod tests {
             orig: T::of("fd00:0:0:1::5", "fd00:0:0:2::7", PROTO_TCP, 40000, 7100),
             reply: T::of("fd00:0:0:2::7", "fd00:0:0:1::", PROTO_TCP, 7100, 40000),
             tcp_state: Some(3),
+            assured: false,
         };
         let hostport6 = CtEntry {
             orig: T::of("fd00:0:0:2::7", "fd00:0:0:1::1", PROTO_TCP, 40000, 8080),
             reply: T::of("fd00:0:0:1::5", "fd00:0:0:2::7", PROTO_TCP, 80, 40000),
             tcp_state: Some(3),
+            assured: false,
         };
         let seeds = seeds_of(&[masq6, hostport6]);
         assert_eq!(
@@ -707,6 +744,7 @@ mod tests {
                 orig,
                 reply,
                 tcp_state: Some(state),
+                assured: false,
             }]);
             assert_eq!(seeds.len(), keys, "TCP state {state}");
         }
@@ -724,6 +762,7 @@ mod tests {
                 orig,
                 reply,
                 tcp_state: None,
+                assured: false,
             },
         );
         assert!(seeds.is_empty());

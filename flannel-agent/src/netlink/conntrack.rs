@@ -42,6 +42,8 @@ const TCP_CONNTRACK_ESTABLISHED: u8 = 3;
 /// `IPS_SEEN_REPLY | IPS_ASSURED | IPS_CONFIRMED` (the kernel marks an entry it creates for
 /// ctnetlink confirmed before applying the status, and refuses a status that clears it).
 const STATUS_ESTABLISHED: u32 = 1 << 1 | 1 << 2 | 1 << 3;
+/// `IPS_ASSURED` in `CTA_STATUS`.
+const IPS_ASSURED: u32 = 1 << 2;
 /// `TCP_CONNTRACK_TIME_WAIT` and `TCP_CONNTRACK_CLOSE`: a connection that is over.
 const TCP_CONNTRACK_TIME_WAIT: u8 = 7;
 const TCP_CONNTRACK_CLOSE: u8 = 8;
@@ -141,6 +143,9 @@ pub struct CtEntry {
     pub reply: CtTuple,
     /// Conntrack's TCP state (`TCP_CONNTRACK_*`), for TCP.
     pub tcp_state: Option<u8>,
+    /// `IPS_ASSURED`: for UDP, answered and still sending after its first two seconds (a
+    /// stream, not a lookup); for TCP, established.
+    pub assured: bool,
 }
 
 impl CtEntry {
@@ -382,11 +387,17 @@ pub fn parse_entry(payload: &[u8]) -> Result<Option<CtEntry>, Malformed> {
     let mut orig = None;
     let mut reply = None;
     let mut tcp_state = None;
+    let mut assured = false;
     for (ty, value) in attrs {
         match ty {
             CTA_TUPLE_ORIG => orig = parse_tuple(value)?,
             CTA_TUPLE_REPLY => reply = parse_tuple(value)?,
             CTA_PROTOINFO => tcp_state = parse_tcp_state(value)?,
+            CTA_STATUS => {
+                let status = <[u8; 4]>::try_from(value)
+                    .map_err(|_| Malformed(format!("conntrack status of {} bytes", value.len())))?;
+                assured = u32::from_be_bytes(status) & IPS_ASSURED != 0;
+            }
             _ => {}
         }
     }
@@ -394,6 +405,7 @@ pub fn parse_entry(payload: &[u8]) -> Result<Option<CtEntry>, Malformed> {
         orig,
         reply,
         tcp_state,
+        assured,
     }))
 }
 
@@ -579,6 +591,7 @@ mod tests {
             assert_eq!(entry.reply, flow.inverse());
             assert!(!entry.is_nated());
             assert_eq!(entry.tcp_state, state);
+            assert!(entry.assured, "the status entered is read back");
         }
     }
 
@@ -676,6 +689,25 @@ mod tests {
             let entry = parse_entry(msgs[0].payload).unwrap().unwrap();
             assert_eq!((entry.orig, entry.reply), (echo, echo.inverse()));
         }
+    }
+
+    #[test]
+    fn the_assured_bit_is_read_from_the_status() {
+        let flow = CtTuple::of("10.244.1.5", "10.96.0.53", 17, 5353, 53);
+        let status = |bits: &[u8]| {
+            let mut b = MessageBuilder::new(CT_NEW, 0);
+            b.header(&[libc::AF_INET as u8, 0, 0, 0]);
+            tuple_nest(&mut b, CTA_TUPLE_ORIG, &flow);
+            tuple_nest(&mut b, CTA_TUPLE_REPLY, &flow.inverse());
+            b.attr(CTA_STATUS, bits);
+            let bytes = b.finish(1);
+            parse_entry(raw::messages(&bytes).unwrap()[0].payload).map(|e| e.unwrap().assured)
+        };
+        // IPS_SEEN_REPLY | IPS_CONFIRMED: a lookup answered once.
+        assert_eq!(status(&0x0au32.to_be_bytes()), Ok(false));
+        // ... | IPS_ASSURED: a stream.
+        assert_eq!(status(&0x0eu32.to_be_bytes()), Ok(true));
+        assert!(status(&[0, 0, 4]).is_err(), "a status of three bytes");
     }
 
     #[test]
