@@ -2802,7 +2802,7 @@ fn evict<K: aya::Pod>(pin: &std::path::Path, name: &str, key: &K) {
 /// is gone (as an eviction takes it), and a hostPort client's NAT-guard key held there keeps
 /// the local pod's answers in the stack the same way. A read of conntrack that could not read
 /// every entry removes nothing; one that no longer calls for them removes them, and both
-/// flows take the fast path again.
+/// flows take the fast path again. Keys past a held table's size are counted, not an error.
 #[test]
 fn held_keys_outlive_their_lru_entries_until_conntrack_lets_them_go() {
     use flannel_agent::bpf::seed::{HeldSync, Keys, Seeds};
@@ -2900,6 +2900,31 @@ fn held_keys_outlive_their_lru_entries_until_conntrack_lets_them_go() {
         let closed = fp.seed(&Seeds::default()).expect("seed");
         assert_eq!((closed.held.held, closed.held.removed), (0, 2));
         check(fp, false, "after conntrack let them go");
+
+        // More open connections than a held table takes: the rest are counted, not an error.
+        let max = flannel_common::maps::HELD_GUARD4_MAX_ENTRIES;
+        let many = Keys {
+            guards4: (0..=max)
+                .map(|i| PeerKey {
+                    addr: [10, 244, 2, (i >> 16) as u8],
+                    port: (i as u16).to_be_bytes(),
+                    proto: 6,
+                    _pad: 0,
+                })
+                .collect(),
+            ..Keys::default()
+        };
+        let crowded = fp
+            .seed(&Seeds {
+                held: many,
+                ..Seeds::default()
+            })
+            .expect("seed past the held table's size");
+        assert_eq!(
+            (crowded.held.held, crowded.held.full),
+            (max as usize, 1),
+            "{crowded:?}"
+        );
     });
 }
 
