@@ -15,6 +15,7 @@
 //! | [`KERNEL_FLOWS4`] | LRU hash | [`crate::flow::FlowKey`] → `u32` | `tc_to_netdev` |
 //! | [`HELD_GUARD4`] | hash | [`crate::flow::PeerKey`] → `u32` | agent (from conntrack) |
 //! | [`HELD_FLOWS4`] | hash | [`crate::flow::FlowKey`] → `u32` | agent (from conntrack) |
+//! | [`HELD_COUNT`] | array (2) | family → keys held | agent (from conntrack) |
 //! | [`NAT_CONFIG`] | array (1) | 0 → [`crate::nat::NatConfig`] | agent |
 //! | [`NAT4`] | LRU hash | [`crate::nat::NatKey`] (outgoing) → [`crate::nat::NatEntry`] | `tc_to_netdev` |
 //! | [`NAT_REV4`] | LRU hash | [`crate::nat::NatKey`] (reply) → [`crate::nat::NatRevEntry`] | `tc_to_netdev` |
@@ -76,6 +77,17 @@ pub const HELD_FLOWS4: &str = "FLANNEL_HFLOWS4";
 /// Size of [`HELD_FLOWS4`] (allocated as entries are written).
 pub const HELD_FLOWS4_MAX_ENTRIES: u32 = 65536;
 
+/// Array of two `u32`: how many keys the held tables of each family hold (slot
+/// [`HELD_V4`]: [`HELD_FLOWS4`] and [`HELD_GUARD4`]; slot [`HELD_V6`]: their IPv6 twins),
+/// written by the agent after each update of them. The programs look a family's held tables
+/// up only while its count is not 0, so that a node without held connections pays nothing
+/// for them.
+pub const HELD_COUNT: &str = "FLANNEL_HELDCNT";
+/// [`HELD_COUNT`]'s IPv4 slot.
+pub const HELD_V4: u32 = 0;
+/// [`HELD_COUNT`]'s IPv6 slot.
+pub const HELD_V6: u32 = 1;
+
 /// Single-entry array holding the masquerade configuration ([`crate::nat::NatConfig`]).
 pub const NAT_CONFIG: &str = "FLANNEL_NATCFG";
 
@@ -125,7 +137,7 @@ pub const TC_STATS: &str = "FLANNEL_TC_CNT";
 pub const XDP_STATS: &str = "FLANNEL_XDP_CNT";
 
 /// The maps the agent pins (and adopts after a restart).
-pub const PINNED: [&str; 23] = [
+pub const PINNED: [&str; 24] = [
     ROUTES4,
     NODES4,
     CONFIG,
@@ -149,6 +161,7 @@ pub const PINNED: [&str; 23] = [
     HELD_FLOWS4,
     crate::v6::HELD_GUARD6,
     crate::v6::HELD_FLOWS6,
+    HELD_COUNT,
 ];
 
 /// Longest name the kernel keeps for a map or program.

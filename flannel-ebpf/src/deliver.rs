@@ -81,6 +81,7 @@ use aya_ebpf::{
 use flannel_common::{
     config::{CFG_IPIP_KERNEL_RX, Config},
     hops::HopKey,
+    maps::HELD_V4,
     memo::LearnSlot,
     stats::Reason,
 };
@@ -90,7 +91,7 @@ use crate::{
     fib::{self, Fib},
     hops,
     ipv4::{Ipv4Info, decremented_ttl_field},
-    maps::{FLANNEL_HFLOWS4, FLANNEL_HNATGD4, FLANNEL_KFLOWS4, FLANNEL_NATGRD4},
+    maps::{FLANNEL_HFLOWS4, FLANNEL_HNATGD4, FLANNEL_KFLOWS4, FLANNEL_NATGRD4, holds},
     parse::ETH_HDR_LEN,
 };
 
@@ -158,7 +159,8 @@ pub fn deliver(ctx: &TcContext, inner: &Ipv4Info, route: Fib) -> Result<i32, Rea
 /// for an open NATed connection.
 #[inline(always)]
 pub fn is_kernel_flow(key: &flannel_common::flow::FlowKey) -> bool {
-    FLANNEL_KFLOWS4.get_ptr(key).is_some() || FLANNEL_HFLOWS4.get_ptr(key).is_some()
+    FLANNEL_KFLOWS4.get_ptr(key).is_some()
+        || (holds(HELD_V4, key.proto) && FLANNEL_HFLOWS4.get_ptr(key).is_some())
 }
 
 /// Whether a local pod's packet goes to a remote endpoint that reached us through a host
@@ -166,7 +168,8 @@ pub fn is_kernel_flow(key: &flannel_common::flow::FlowKey) -> bool {
 /// NATed connection.
 #[inline(always)]
 pub fn is_nat_guarded(key: &flannel_common::flow::PeerKey) -> bool {
-    FLANNEL_NATGRD4.get_ptr(key).is_some() || FLANNEL_HNATGD4.get_ptr(key).is_some()
+    FLANNEL_NATGRD4.get_ptr(key).is_some()
+        || (holds(HELD_V4, key.proto) && FLANNEL_HNATGD4.get_ptr(key).is_some())
 }
 
 /// Records the remote endpoint of `info` in the NAT guard if it is a candidate; true when a new

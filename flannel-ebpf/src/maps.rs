@@ -81,6 +81,19 @@ pub static FLANNEL_HFLOWS4: HashMap<
     NO_PREALLOC,
 > = HashMap::new();
 
+/// Keys held per family (`flannel_common::maps::HELD_COUNT`).
+#[btf_map]
+pub static FLANNEL_HELDCNT: Array<u32, 2> = Array::new();
+
+/// Whether the held tables of the family in `slot` (`flannel_common::maps::HELD_V4`,
+/// `HELD_V6`) may hold a key of protocol `proto`: they hold TCP and UDP keys only, and their
+/// lookups are skipped while they hold none.
+#[inline(always)]
+pub fn holds(slot: u32, proto: u8) -> bool {
+    (proto == crate::parse::proto::TCP || proto == crate::parse::proto::UDP)
+        && FLANNEL_HELDCNT.get(slot).is_some_and(|n| *n != 0)
+}
+
 /// The masquerade configuration, one entry (`flannel_common::maps::NAT_CONFIG`).
 #[btf_map]
 pub static FLANNEL_NATCFG: Array<NatConfig, 1> = Array::new();

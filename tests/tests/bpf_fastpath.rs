@@ -2797,7 +2797,18 @@ fn evict<K: aya::Pod>(pin: &std::path::Path, name: &str, key: &K) {
         .unwrap_or_else(|e| panic!("evicting from {name}: {e}"));
 }
 
-/// The held tables the agent writes from conntrack (`bpf::seed::Held`): a Service
+/// The IPv4 slot of the pinned `FLANNEL_HELDCNT` under `pin`: the keys held, as the programs
+/// read it.
+fn held_count(pin: &std::path::Path) -> u32 {
+    use flannel_common::maps::{HELD_COUNT, HELD_V4, PIN_LAYOUT_VERSION};
+    let path = pin.join(PIN_LAYOUT_VERSION).join(HELD_COUNT);
+    let data = aya::maps::MapData::from_pin(&path).expect(HELD_COUNT);
+    let map = aya::maps::Map::from_map_data(data).expect(HELD_COUNT);
+    let counts: aya::maps::Array<_, u32> = aya::maps::Array::try_from(map).expect(HELD_COUNT);
+    counts.get(&HELD_V4, 0).expect("the IPv4 slot")
+}
+
+/// The held tables the agent writes from conntrack (`bpf::seed::Seeds::held`): a Service
 /// connection's kernel-flow key held there keeps its replies in the stack after its LRU entry
 /// is gone (as an eviction takes it), and a hostPort client's NAT-guard key held there keeps
 /// the local pod's answers in the stack the same way. A read of conntrack that could not read
@@ -2848,6 +2859,7 @@ fn held_keys_outlive_their_lru_entries_until_conntrack_lets_them_go() {
                 full: 0
             }
         );
+        assert_eq!(held_count(&pin), 2, "the programs are told what is held");
         evict(&pin, flannel_common::maps::KERNEL_FLOWS4, &flow);
         evict(&pin, flannel_common::maps::NAT_GUARD4, &guard);
 
@@ -2900,6 +2912,7 @@ fn held_keys_outlive_their_lru_entries_until_conntrack_lets_them_go() {
         let closed = fp.seed(&Seeds::default()).expect("seed");
         assert_eq!((closed.held.held, closed.held.removed), (0, 2));
         check(fp, false, "after conntrack let them go");
+        assert_eq!(held_count(&pin), 0, "the programs are told nothing is held");
 
         // More open connections than a held table takes: the rest are counted, not an error.
         let max = flannel_common::maps::HELD_GUARD4_MAX_ENTRIES;

@@ -60,7 +60,7 @@ pub struct MapSpec {
 
 /// Every pinned map of this layout version. The NAT maps' sizes are set at load time
 /// ([`super::LoadOptions::nat_max_entries`]); their specs here hold the object's default.
-pub const MAP_SPECS: [MapSpec; 23] = [
+pub const MAP_SPECS: [MapSpec; 24] = [
     MapSpec {
         name: names::ROUTES4,
         map_type: MapType::LpmTrie,
@@ -205,6 +205,14 @@ pub const MAP_SPECS: [MapSpec; 23] = [
         size_of::<FlowKey6>(),
         v6::HELD_FLOWS6_MAX_ENTRIES,
     ),
+    MapSpec {
+        name: names::HELD_COUNT,
+        map_type: MapType::Array,
+        key_size: 4,
+        value_size: 4,
+        max_entries: 2,
+        flags: 0,
+    },
 ];
 
 /// A held flow table: a hash of `key_size`-byte keys to `u32`, allocated as it is written.

@@ -382,16 +382,32 @@ impl FastPath {
         // A read that missed entries may have missed live connections: nothing is removed.
         let prune = seeds.unreadable == 0;
         let held = &seeds.held;
-        let mut sync = self.hold(names::HELD_FLOWS4, &held.flows4, prune)?;
-        sync += self.hold(names::HELD_GUARD4, &held.guards4, prune)?;
-        sync += self.hold(v6::HELD_FLOWS6, &held.flows6, prune)?;
-        sync += self.hold(v6::HELD_GUARD6, &held.guards6, prune)?;
+        let mut ipv4 = self.hold(names::HELD_FLOWS4, &held.flows4, prune)?;
+        ipv4 += self.hold(names::HELD_GUARD4, &held.guards4, prune)?;
+        let mut ipv6 = self.hold(v6::HELD_FLOWS6, &held.flows6, prune)?;
+        ipv6 += self.hold(v6::HELD_GUARD6, &held.guards6, prune)?;
+        self.set_held_counts(ipv4.held, ipv6.held)?;
+        ipv4 += ipv6;
         Ok(Seeded {
             kernel_flows,
             nat_guards,
             refreshed,
-            held: sync,
+            held: ipv4,
         })
+    }
+
+    /// Tells the programs how many keys each family's held tables hold
+    /// ([`names::HELD_COUNT`]): they skip the lookups of a family that holds none.
+    fn set_held_counts(&mut self, v4: usize, v6: usize) -> Result<(), BpfError> {
+        let name = names::HELD_COUNT;
+        let map = self.ebpf_mut().map_mut(name).ok_or_else(|| missing(name))?;
+        let mut counts: aya::maps::Array<&mut MapData, u32> =
+            aya::maps::Array::try_from(map).map_err(|e| BpfError::map(name, e))?;
+        for (slot, n) in [(names::HELD_V4, v4), (names::HELD_V6, v6)] {
+            let n = u32::try_from(n).unwrap_or(u32::MAX);
+            counts.set(slot, n, 0).map_err(|e| BpfError::map(name, e))?;
+        }
+        Ok(())
     }
 
     /// Makes the held table `name` hold `keys`: writes the missing ones, and with `prune`

@@ -47,6 +47,7 @@ use aya_ebpf::{
 };
 use flannel_common::{
     config::{FASTPATH_MARK, FASTPATH_TC_INDEX},
+    maps::HELD_V6,
     memo::{DIR_IN, DIR_OUT, FlowMemo6},
     route::{NODE_F_VXLAN, NodeEntry, RemoteEntry6},
     stats::{Reason, ReasonKind},
@@ -62,7 +63,7 @@ use crate::{
     bridge::Outcome,
     deliver::learn,
     fib::{gso_size, ingress_ifindex},
-    maps::NO_PREALLOC,
+    maps::{NO_PREALLOC, holds},
     netdev::Learnt,
     parse::{
         self, ETH_HDR_LEN, ETH_P_IPV6, IPV6_HDR_LEN, PULL_LEN, PacketCtx as _, proto, ptr_at,
@@ -195,12 +196,14 @@ pub fn node_flags(addr: &[u8; 16]) -> u32 {
 
 #[inline(always)]
 fn is_kernel_flow(key: &FlowKey6) -> bool {
-    FLANNEL_KFLOWS6.get_ptr(key).is_some() || FLANNEL_HFLOWS6.get_ptr(key).is_some()
+    FLANNEL_KFLOWS6.get_ptr(key).is_some()
+        || (holds(HELD_V6, key.proto) && FLANNEL_HFLOWS6.get_ptr(key).is_some())
 }
 
 #[inline(always)]
 fn is_nat_guarded(key: &PeerKey6) -> bool {
-    FLANNEL_NATGRD6.get_ptr(key).is_some() || FLANNEL_HNATGD6.get_ptr(key).is_some()
+    FLANNEL_NATGRD6.get_ptr(key).is_some()
+        || (holds(HELD_V6, key.proto) && FLANNEL_HNATGD6.get_ptr(key).is_some())
 }
 
 /// Records the remote endpoint of `info` in the NAT guard if it is a candidate.
