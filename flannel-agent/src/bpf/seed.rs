@@ -25,9 +25,10 @@
 //! an eviction took.
 //! Connections conntrack holds no NAT state for change path harmlessly and are left alone.
 //!
-//! The keys of open NATed TCP connections (and UDP streams) are also written into the held tables
-//! ([`Seeds::held`]: plain hashes the programs read next to the LRU ones, which no eviction touches),
-//! and each read of conntrack removes from them the keys it no longer calls for: a long-idle
+//! The keys of open NATed TCP connections (and UDP streams) are also written into the held
+//! tables ([`Seeds::held`]: plain hashes the programs read next to the LRU ones, which no
+//! eviction touches), and each read of conntrack removes from them the keys it no longer calls
+//! for: a long-idle
 //! Service connection stays on the kernel path however fast short flows (UDP DNS lookups,
 //! which are left to the LRU tables alone) churn the LRU ones, instead of being lost until
 //! the next resync puts it back. A UDP flow is held once conntrack marks it assured (it was
@@ -66,8 +67,8 @@ pub struct Scope {
 pub struct Seeds {
     /// The keys for the flow tables (the LRU ones).
     pub keys: Keys,
-    /// Those of them that belong to TCP connections and UDP streams: held as well ([`names::HELD_FLOWS4`],
-    /// [`names::HELD_GUARD4`] and their IPv6 twins).
+    /// Those of them that belong to TCP connections and UDP streams: held as well
+    /// ([`names::HELD_FLOWS4`], [`names::HELD_GUARD4`] and their IPv6 twins).
     pub held: Keys,
     /// Conntrack entries that could not be read.
     pub unreadable: usize,
@@ -365,9 +366,11 @@ impl FastPath {
 
     /// Writes `seeds` into the kernel-flow and NAT-guard tables: a key already there is
     /// refreshed (rewritten, so that it becomes one of the LRU's most recent entries, among
-    /// the last its eviction picks), a missing one added; returns how many were added in each and how
-    /// many refreshed. Retires the programs' remembered decisions when any was added, as a
-    /// learnt entry does.
+    /// the last its eviction picks), a missing one added; returns how many were added in each
+    /// and how many refreshed. Retires the programs' remembered decisions when any was added,
+    /// as a learnt entry does. Then makes the held tables hold [`Seeds::held`] (removing
+    /// nothing when the read missed entries) and tells the programs how much each family
+    /// holds.
     pub fn seed(&mut self, seeds: &Seeds) -> Result<Seeded, BpfError> {
         let keys = &seeds.keys;
         let (flows4, kept_flows4) = self.seed_table(names::KERNEL_FLOWS4, &keys.flows4)?;

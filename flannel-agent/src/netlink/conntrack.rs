@@ -200,20 +200,21 @@ pub struct Inserted {
 }
 
 /// Enters each of `flows` (the tuple of its packets in one direction; TCP, UDP or an ICMP
-/// echo, one family or both) into the conntrack table of the calling thread's network namespace as an
-/// established connection without NAT: seen both ways, assured, TCP in `ESTABLISHED` with no
-/// window checks (its sequence numbers are not known). Packets of such a connection are
-/// `ESTABLISHED` to netfilter, so no NAT rule (a masquerade) is applied to them, as none was
-/// when they first passed. A connection conntrack already tracks is left alone. An error means
-/// conntrack could not be reached at all.
+/// echo, one family or both) into the conntrack table of the calling thread's network
+/// namespace as an established connection without NAT: seen both ways, assured, TCP in
+/// `ESTABLISHED` with no window checks (its sequence numbers are not known). Packets of such
+/// a connection are `ESTABLISHED` to netfilter, so no NAT rule (a masquerade) is applied to
+/// them, as none was when they first passed. A connection conntrack already tracks is left
+/// alone. An error means conntrack could not be reached at all.
 pub fn insert_established(flows: &[CtTuple]) -> Result<Inserted, RawError> {
     insert_each(flows.iter().map(|flow| established_message(flow, None)))
 }
 
 /// [`insert_established`] for connections a source NAT gave another address and port (the
 /// fast path's masquerade): each of `flows` (IPv4 TCP, UDP or ICMP echo, its tuple as the pod
-/// sent it) with the address and port (echo identifier) its packets leave with, as the kernel's own masquerade would
-/// have bound it. Its packets are then translated by the kernel as they were by the programs.
+/// sent it) with the address and port (echo identifier) its packets leave with, as the
+/// kernel's own masquerade would have bound it. Its packets are then translated by the kernel
+/// as they were by the programs.
 /// An entry conntrack holds for the flow already (without the binding: the programs
 /// translated past conntrack, and a binding cannot be added to an existing entry) is replaced
 /// and counted in `existed`; one whose binding another entry's tuple clashes with is refused
