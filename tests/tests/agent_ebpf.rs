@@ -806,7 +806,8 @@ fn ebpf_lost_kernel_flows_come_back_from_conntrack() {
 }
 
 /// A Service connection whose kernel-flow entry the LRU evicts stays on the kernel path with
-/// no resync to put it back: node1's agent read conntrack when it started (a restart here;
+/// no resync to put it back: node1's agent read conntrack when it started (a restart here,
+/// as an upgrade from a build without the held tables: their pins removed while it was down;
 /// the programs stay) and held the connection's key in `FLANNEL_HFLOWS4`, which no eviction
 /// touches. With `--ebpf-conntrack-resync` at an hour, the backend pushes a line to the idle
 /// client after the LRU entry is gone: the client gets it through the Service (conntrack
@@ -853,6 +854,21 @@ fn ebpf_held_service_connection_survives_an_eviction_without_a_resync() {
                 && k.remote_port == 7100u16.to_be_bytes()
                 && k.proto == 6
         };
+        // As after an upgrade from a build without the held tables: node1's agent stops and
+        // their pins go (the programs keep theirs); the agent that starts creates them.
+        c.agent_mut(1)
+            .context("agent")?
+            .stop(Duration::from_secs(10))?;
+        let layout = pins.join(flannel_common::maps::PIN_LAYOUT_VERSION);
+        for name in [
+            flannel_common::maps::HELD_FLOWS4,
+            flannel_common::maps::HELD_GUARD4,
+            flannel_common::v6::HELD_FLOWS6,
+            flannel_common::v6::HELD_GUARD6,
+            flannel_common::maps::HELD_COUNT,
+        ] {
+            std::fs::remove_file(layout.join(name)).with_context(|| format!("unpinning {name}"))?;
+        }
         restart_with(c, 1, |_| {})?;
         let node1 = c.topology().node(1).ns();
         wait::until_ok(CONVERGE, "node1 holding the connection", || {
