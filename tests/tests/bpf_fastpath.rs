@@ -2860,6 +2860,26 @@ fn held_keys_outlive_their_lru_entries_until_conntrack_lets_them_go() {
             }
         );
         assert_eq!(held_count(&pin), 2, "the programs are told what is held");
+        // bpftool prints the held keys typed (the map carries BTF).
+        let out = std::process::Command::new("bpftool")
+            .args(["--json", "map", "dump", "pinned"])
+            .arg(
+                pin.join(flannel_common::maps::PIN_LAYOUT_VERSION)
+                    .join(flannel_common::maps::HELD_FLOWS4),
+            )
+            .output()
+            .expect("bpftool");
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        let key = &json[0]["formatted"]["key"];
+        assert_eq!(
+            (&key["proto"], &key["local_addr"][3], &key["remote_addr"][3]),
+            (
+                &serde_json::json!(6),
+                &serde_json::json!(5),
+                &serde_json::json!(7)
+            ),
+            "{json}"
+        );
         evict(&pin, flannel_common::maps::KERNEL_FLOWS4, &flow);
         evict(&pin, flannel_common::maps::NAT_GUARD4, &guard);
 
