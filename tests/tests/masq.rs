@@ -27,7 +27,7 @@ use std::{
 use flannel_common::nat::{NAT_CFG_ENABLED, NAT_CFG_HANDOVER};
 use flannel_tests::{
     lab::{
-        agent::{Agent, Dataplane},
+        agent::{Agent, AgentSpec, Dataplane},
         bins,
         cluster::{Cluster, ClusterSpec},
         status::{http_get, parse_metrics},
@@ -341,16 +341,21 @@ fn switch_to_iptables(c: &mut Cluster, env: &[(&str, &str)]) {
     spec.extra_args.push("--ebpf-masq=false".into());
     spec.env
         .extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
-    agent(c, 1).stop(Duration::from_secs(10)).expect("stop");
-    let restarted = Agent::start(c.topology().node(1), &spec).expect("start without eBPF SNAT");
-    *agent(c, 1) = restarted;
-    wait_ready(c, 1);
+    restart_as(c, &spec);
     eventually("the kernel's masquerade rules", || {
         !masq_chain(c.topology().node(1)).contains("eBPF SNAT")
     });
     eventually("the handover flag", || {
         nat_flags(c.topology().node(1)) == u64::from(NAT_CFG_ENABLED | NAT_CFG_HANDOVER)
     });
+}
+
+/// Stops node1's agent, starts it again as `spec` says and waits until it is ready.
+fn restart_as(c: &mut Cluster, spec: &AgentSpec) {
+    agent(c, 1).stop(Duration::from_secs(10)).expect("stop");
+    let restarted = Agent::start(c.topology().node(1), spec).expect("restart");
+    *agent(c, 1) = restarted;
+    wait_ready(c, 1);
 }
 
 fn masq_chain(node: &Node) -> String {
@@ -579,12 +584,7 @@ fn switching_from_iptables_to_ebpf_keeps_established_connections() {
     // The node's agent comes back with the eBPF fast path.
     let mut spec = c.agent_spec();
     spec.dataplane = Some(Dataplane::Ebpf);
-    agent(&mut c, 1)
-        .stop(Duration::from_secs(10))
-        .expect("stop");
-    let restarted = Agent::start(c.topology().node(1), &spec).expect("start with eBPF");
-    *agent(&mut c, 1) = restarted;
-    wait_ready(&mut c, 1);
+    restart_as(&mut c, &spec);
     eventually("the eBPF RETURN rules", || {
         masq_chain(c.topology().node(1)).contains("eBPF SNAT")
     });
@@ -905,6 +905,19 @@ impl Pinger {
             .range(first..)
             .count()
     }
+
+    /// Checks that the requests sent during the next `period` (at least 10) are answered,
+    /// but for the last one, which may still be on its way.
+    fn all_answered_for(&self, period: Duration, what: &str) {
+        let first = self.sent();
+        thread::sleep(period);
+        let sent = self.sent() - first;
+        let answered = self.answered_from(first);
+        assert!(
+            sent >= 10 && answered + 1 >= usize::from(sent),
+            "{answered} of {sent} echoes answered {what}"
+        );
+    }
 }
 
 impl Drop for Pinger {
@@ -938,15 +951,45 @@ fn moving_to_the_kernel_dataplane_keeps_a_pods_ping_going() {
     );
 
     move_to_the_kernel_dataplane(&mut c);
-    let first = ping.sent();
-    thread::sleep(Duration::from_secs(2));
-    let sent = ping.sent() - first;
-    // The last one may still be on its way.
-    let answered = ping.answered_from(first);
+    ping.all_answered_for(Duration::from_secs(2), "on the kernel dataplane");
+}
+
+/// A pod's ping to the outside that goes on across the switch from eBPF SNAT to iptables (the
+/// programs still attached) does not hold the handover up: its echo flow is handed to
+/// conntrack, bound to the identifier the programs gave it, so the handover ends at a sweep
+/// while the ping goes on being answered. (Before, the programs translated the flow for as
+/// long as it lived, and the ping kept it alive: the eBPF NAT stayed in its handover.)
+#[test]
+fn a_ping_that_goes_on_does_not_hold_up_the_handover_to_iptables() {
+    if !runnable() {
+        return;
+    }
+    let mut c = up_with(1, 1, Dataplane::Ebpf, &["--ebpf-nat-sweep-interval=1"]);
+    let hub = c.topology().hub_addr();
+    let pod_ip = c.topology().pods()[0].ip();
+    let id = 0x5b2e;
+    let ping = Pinger::start(c.topology().pods()[0].ns(), hub, id);
+    eventually("answered echoes", || ping.answered_from(0) >= 5);
     assert!(
-        sent >= 10 && answered + 1 >= usize::from(sent),
-        "{answered} of {sent} echoes answered on the kernel dataplane"
+        pod_flows(c.topology().node(1))
+            .iter()
+            .any(|(ip, sport, _)| (*ip, *sport) == (pod_ip, id)),
+        "the echo flow masqueraded by the programs"
     );
+
+    let mut spec = c.agent_spec();
+    spec.extra_args.push("--ebpf-masq=false".into());
+    restart_as(&mut c, &spec);
+    eventually("the end of the handover while the ping goes on", || {
+        nat_flags(c.topology().node(1)) == 0
+    });
+    let log = std::fs::read_to_string(agent(&mut c, 1).log_path()).expect("log");
+    assert!(
+        log.contains("pods' ICMP echo flows handed from eBPF SNAT to conntrack"),
+        "{}",
+        agent(&mut c, 1).log_tail(30)
+    );
+    ping.all_answered_for(Duration::from_secs(2), "after the handover");
 }
 
 /// The reply direction (destination address and port) of the node's conntrack entry for the

@@ -88,6 +88,9 @@ pub enum BpfError {
     /// No interface has this index (in the agent's network namespace).
     #[error("interface index {0} does not exist")]
     NoSuchInterface(u32),
+    /// Conntrack could not be reached (handing flows over to it).
+    #[error("conntrack: {0}")]
+    Conntrack(#[source] crate::netlink::raw::RawError),
     /// A configuration or entry value the programs cannot represent.
     #[error("invalid {field} {value}: {reason}")]
     Invalid {

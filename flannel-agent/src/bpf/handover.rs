@@ -213,6 +213,84 @@ fn to_hand_over(flows: Vec<nat::NatFlow>) -> Vec<(CtTuple, SocketAddrV4)> {
     out
 }
 
+/// For a masquerade handover with the programs still attached (eBPF SNAT switched off, see
+/// `flannel_ebpf::nat`): enters the live ICMP echo flows of pods into conntrack, each bound to
+/// the identifier the programs gave it, and removes them from the NAT maps under `layout`.
+/// The programs would translate such a flow for as long as it lives, and a ping that goes on
+/// never ends, nor would the handover waiting for it; from now on the kernel translates it.
+/// Returns how many were handed over. When conntrack cannot be reached the flows stay with the
+/// programs (the error says why).
+pub fn hand_echoes_over(layout: &PinLayout) -> Result<usize, super::BpfError> {
+    use aya::maps::Array;
+    use flannel_common::{
+        maps as names,
+        nat::{NAT_F_HOST, NatConfig, NatEntry, NatKey, NatRevEntry},
+    };
+
+    let open = |name: &'static str| {
+        MapData::from_pin(layout.map(name)).map_err(|e| super::BpfError::map(name, e))
+    };
+    let cfg: Array<MapData, NatConfig> = Array::try_from(Map::Array(open(names::NAT_CONFIG)?))
+        .map_err(|e| super::BpfError::map(names::NAT_CONFIG, e))?;
+    let cfg = cfg
+        .get(&0, 0)
+        .map_err(|e| super::BpfError::map(names::NAT_CONFIG, e))?;
+    let mut fwd: HashMap<MapData, NatKey, NatEntry> =
+        HashMap::try_from(Map::LruHashMap(open(names::NAT4)?))
+            .map_err(|e| super::BpfError::map(names::NAT4, e))?;
+    let mut rev: HashMap<MapData, NatKey, NatRevEntry> =
+        HashMap::try_from(Map::LruHashMap(open(names::NAT_REV4)?))
+            .map_err(|e| super::BpfError::map(names::NAT_REV4, e))?;
+    let now = nat::monotonic_ns();
+    let echoes: Vec<(NatKey, NatEntry)> = fwd
+        .iter()
+        .flatten()
+        .filter(|(k, e)| {
+            k.proto == nat_proto::ICMP
+                && e.flags & NAT_F_HOST == 0
+                && !cfg.expired(k.proto, e.state, e.last_seen_ns, now)
+        })
+        .collect();
+    if echoes.is_empty() {
+        return Ok(0);
+    }
+    let bound: Vec<(CtTuple, SocketAddrV4)> = echoes
+        .iter()
+        .map(|(k, e)| {
+            let flow = CtTuple {
+                src: IpAddr::V4(Ipv4Addr::from(k.saddr)),
+                dst: IpAddr::V4(Ipv4Addr::from(k.daddr)),
+                proto: k.proto,
+                sport: k.sport,
+                dport: k.sport,
+            };
+            (
+                flow,
+                SocketAddrV4::new(Ipv4Addr::from(e.nat_addr), e.nat_port),
+            )
+        })
+        .collect();
+    let inserted = conntrack::insert_masqueraded(&bound).map_err(super::BpfError::Conntrack)?;
+    for (key, e) in &echoes {
+        let _ = fwd.remove(key);
+        let rkey = key.reply_of(e.nat_addr, e.nat_port);
+        if rev
+            .get(&rkey, 0)
+            .is_ok_and(|r| r.orig_addr == key.saddr && r.orig_port == key.sport)
+        {
+            let _ = rev.remove(&rkey);
+        }
+    }
+    info!(
+        flows = echoes.len(),
+        created = inserted.created,
+        replaced = inserted.existed,
+        refused = inserted.refused,
+        "pods' ICMP echo flows handed from eBPF SNAT to conntrack"
+    );
+    Ok(echoes.len())
+}
+
 /// The flows (local pod → remote pod tuples, one per connection) in the memo maps of
 /// `programs`, checked within [`RECENT_TICKS`] of the newest.
 fn recent_flows(programs: &BTreeSet<u32>) -> Vec<CtTuple> {
