@@ -65,14 +65,16 @@ pub const KERNEL_FLOWS4: &str = "FLANNEL_KFLOWS4";
 /// Size of [`KERNEL_FLOWS4`].
 pub const KERNEL_FLOWS4_MAX_ENTRIES: u32 = 65536;
 
-/// Hash of the NAT-guard keys of open NATed TCP connections, as conntrack holds them: the
-/// [`NAT_GUARD4`] entries that no eviction may take (written and removed by the agent only).
+/// Hash of the NAT-guard keys of open NATed TCP connections and UDP streams, as conntrack
+/// holds them: the [`NAT_GUARD4`] entries that no eviction may take (written and removed by the
+/// agent only).
 pub const HELD_GUARD4: &str = "FLANNEL_HNATGD4";
 /// Size of [`HELD_GUARD4`] (allocated as entries are written).
 pub const HELD_GUARD4_MAX_ENTRIES: u32 = 16384;
 
-/// Hash of the kernel-flow keys of open NATed TCP connections, as conntrack holds them: the
-/// [`KERNEL_FLOWS4`] entries that no eviction may take (written and removed by the agent only).
+/// Hash of the kernel-flow keys of open NATed TCP connections and UDP streams, as conntrack
+/// holds them: the [`KERNEL_FLOWS4`] entries that no eviction may take (written and removed by the
+/// agent only).
 pub const HELD_FLOWS4: &str = "FLANNEL_HFLOWS4";
 /// Size of [`HELD_FLOWS4`] (allocated as entries are written).
 pub const HELD_FLOWS4_MAX_ENTRIES: u32 = 65536;

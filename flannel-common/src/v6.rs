@@ -38,12 +38,12 @@ pub const NAT_GUARD6_MAX_ENTRIES: u32 = 16384;
 pub const KERNEL_FLOWS6: &str = "FLANNEL_KFLOWS6";
 /// Size of [`KERNEL_FLOWS6`].
 pub const KERNEL_FLOWS6_MAX_ENTRIES: u32 = 65536;
-/// Hash of the NAT-guard keys of open NATed IPv6 TCP connections (see
+/// Hash of the NAT-guard keys of open NATed IPv6 TCP connections and UDP streams (see
 /// [`crate::maps::HELD_GUARD4`]).
 pub const HELD_GUARD6: &str = "FLANNEL_HNATGD6";
 /// Size of [`HELD_GUARD6`].
 pub const HELD_GUARD6_MAX_ENTRIES: u32 = 16384;
-/// Hash of the kernel-flow keys of open NATed IPv6 TCP connections (see
+/// Hash of the kernel-flow keys of open NATed IPv6 TCP connections and UDP streams (see
 /// [`crate::maps::HELD_FLOWS4`]).
 pub const HELD_FLOWS6: &str = "FLANNEL_HFLOWS6";
 /// Size of [`HELD_FLOWS6`].

@@ -43,7 +43,7 @@
 //! conntrack (`flannel_agent::bpf::seed`). Both tables are LRU maps: short flows (DNS lookups
 //! through a Service) can fill them and evict a long-idle connection's entry, after which its
 //! next packet from the far side would take the fast path. So the agent also writes the keys of
-//! every open NATed TCP connection conntrack holds into a plain hash of each
+//! every open NATed TCP connection and UDP stream conntrack holds into a plain hash of each
 //! ([`flannel_common::maps::HELD_FLOWS4`], [`flannel_common::maps::HELD_GUARD4`]), which only
 //! it writes and prunes (on each read of conntrack), and a key in either map counts. Other
 //! flows that change path midway (the fast path attached or detached under live connections)

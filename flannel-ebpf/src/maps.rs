@@ -61,7 +61,7 @@ pub static FLANNEL_KFLOWS4: LruHashMap<
 /// `BPF_F_NO_PREALLOC` as a map's flags: entries allocated as they are written.
 pub const NO_PREALLOC: usize = aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize;
 
-/// The NAT-guard keys of open NATed TCP connections, never evicted
+/// The NAT-guard keys of open NATed TCP connections and UDP streams, never evicted
 /// (`flannel_common::maps::HELD_GUARD4`).
 #[btf_map]
 pub static FLANNEL_HNATGD4: HashMap<
@@ -71,7 +71,7 @@ pub static FLANNEL_HNATGD4: HashMap<
     NO_PREALLOC,
 > = HashMap::new();
 
-/// The kernel-flow keys of open NATed TCP connections, never evicted
+/// The kernel-flow keys of open NATed TCP connections and UDP streams, never evicted
 /// (`flannel_common::maps::HELD_FLOWS4`).
 #[btf_map]
 pub static FLANNEL_HFLOWS4: HashMap<

@@ -175,11 +175,10 @@ fn masqueraded_flows(layout: &PinLayout) -> Vec<(CtTuple, SocketAddrV4)> {
 }
 
 /// Of the programs' NAT `flows`, those conntrack must bind to the address and port the
-/// programs gave them: TCP, UDP and ICMP echo (the identifier in place of both ports), not
-/// expired by the programs' timeouts, TCP not closed;
-/// pod flows, and the node's own flows the programs moved to another port (the node's other
-/// flows are translated to themselves and conntrack tracks them as they are). The moved node
-/// flows come first (see the module's documentation).
+/// programs gave them ([`binding`]): TCP, UDP and ICMP echo, not expired by the programs'
+/// timeouts, TCP not closed; pod flows, and the node's own flows the programs moved to another
+/// port (the node's other flows are translated to themselves and conntrack tracks them as they
+/// are). The moved node flows come first (see the module's documentation).
 fn to_hand_over(flows: Vec<nat::NatFlow>) -> Vec<(CtTuple, SocketAddrV4)> {
     let mut out: Vec<_> = flows
         .into_iter()
@@ -192,95 +191,50 @@ fn to_hand_over(flows: Vec<nat::NatFlow>) -> Vec<(CtTuple, SocketAddrV4)> {
                     _ => false,
                 }
         })
-        .map(|f| {
-            let dport = if f.proto == nat_proto::ICMP {
-                f.orig.port()
-            } else {
-                f.remote.port()
-            };
-            let flow = CtTuple {
-                src: IpAddr::V4(*f.orig.ip()),
-                dst: IpAddr::V4(*f.remote.ip()),
-                proto: f.proto,
-                sport: f.orig.port(),
-                dport,
-            };
-            (flow, f.nat)
-        })
+        .map(|f| binding(&f))
         .collect();
     // Stable: pod flows keep their order after the node's.
     out.sort_by_key(|(flow, nat)| flow.src != IpAddr::V4(*nat.ip()));
     out
 }
 
+/// The conntrack tuple of the NAT flow `f` as its source sent it (an ICMP echo's identifier in
+/// place of both ports), and the address and port it leaves with.
+fn binding(f: &nat::NatFlow) -> (CtTuple, SocketAddrV4) {
+    let dport = if f.proto == nat_proto::ICMP {
+        f.orig.port()
+    } else {
+        f.remote.port()
+    };
+    let flow = CtTuple {
+        src: IpAddr::V4(*f.orig.ip()),
+        dst: IpAddr::V4(*f.remote.ip()),
+        proto: f.proto,
+        sport: f.orig.port(),
+        dport,
+    };
+    (flow, f.nat)
+}
+
 /// For a masquerade handover with the programs still attached (eBPF SNAT switched off, see
 /// `flannel_ebpf::nat`): enters the live ICMP echo flows of pods into conntrack, each bound to
-/// the identifier the programs gave it, and removes them from the NAT maps under `layout`.
-/// The programs would translate such a flow for as long as it lives, and a ping that goes on
+/// the identifier the programs gave it, and removes them from the programs' NAT maps. The
+/// programs would translate such a flow for as long as it lives, and a ping that goes on
 /// never ends, nor would the handover waiting for it; from now on the kernel translates it.
 /// Returns how many were handed over. When conntrack cannot be reached the flows stay with the
 /// programs (the error says why).
-pub fn hand_echoes_over(layout: &PinLayout) -> Result<usize, super::BpfError> {
-    use aya::maps::Array;
-    use flannel_common::{
-        maps as names,
-        nat::{NAT_F_HOST, NatConfig, NatEntry, NatKey, NatRevEntry},
-    };
-
-    let open = |name: &'static str| {
-        MapData::from_pin(layout.map(name)).map_err(|e| super::BpfError::map(name, e))
-    };
-    let cfg: Array<MapData, NatConfig> = Array::try_from(Map::Array(open(names::NAT_CONFIG)?))
-        .map_err(|e| super::BpfError::map(names::NAT_CONFIG, e))?;
-    let cfg = cfg
-        .get(&0, 0)
-        .map_err(|e| super::BpfError::map(names::NAT_CONFIG, e))?;
-    let mut fwd: HashMap<MapData, NatKey, NatEntry> =
-        HashMap::try_from(Map::LruHashMap(open(names::NAT4)?))
-            .map_err(|e| super::BpfError::map(names::NAT4, e))?;
-    let mut rev: HashMap<MapData, NatKey, NatRevEntry> =
-        HashMap::try_from(Map::LruHashMap(open(names::NAT_REV4)?))
-            .map_err(|e| super::BpfError::map(names::NAT_REV4, e))?;
-    let now = nat::monotonic_ns();
-    let echoes: Vec<(NatKey, NatEntry)> = fwd
-        .iter()
-        .flatten()
-        .filter(|(k, e)| {
-            k.proto == nat_proto::ICMP
-                && e.flags & NAT_F_HOST == 0
-                && !cfg.expired(k.proto, e.state, e.last_seen_ns, now)
-        })
+pub fn hand_echoes_over(fp: &mut super::FastPath) -> Result<usize, super::BpfError> {
+    let echoes: Vec<nat::NatFlow> = fp
+        .nat_flows()?
+        .into_iter()
+        .filter(|f| f.proto == nat_proto::ICMP && !f.host && !f.expired)
         .collect();
     if echoes.is_empty() {
         return Ok(0);
     }
-    let bound: Vec<(CtTuple, SocketAddrV4)> = echoes
-        .iter()
-        .map(|(k, e)| {
-            let flow = CtTuple {
-                src: IpAddr::V4(Ipv4Addr::from(k.saddr)),
-                dst: IpAddr::V4(Ipv4Addr::from(k.daddr)),
-                proto: k.proto,
-                sport: k.sport,
-                dport: k.sport,
-            };
-            (
-                flow,
-                SocketAddrV4::new(Ipv4Addr::from(e.nat_addr), e.nat_port),
-            )
-        })
-        .collect();
+    let bound: Vec<_> = echoes.iter().map(binding).collect();
     let inserted = conntrack::insert_masqueraded(&bound).map_err(super::BpfError::Conntrack)?;
-    for (key, e) in &echoes {
-        let _ = fwd.remove(key);
-        let rkey = key.reply_of(e.nat_addr, e.nat_port);
-        if rev
-            .get(&rkey, 0)
-            .is_ok_and(|r| r.orig_addr == key.saddr && r.orig_port == key.sport)
-        {
-            let _ = rev.remove(&rkey);
-        }
-    }
+    fp.nat_forget(&echoes)?;
     info!(
         flows = echoes.len(),
         created = inserted.created,

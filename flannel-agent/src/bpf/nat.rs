@@ -269,6 +269,25 @@ pub struct NatFlow {
     pub reverse_ok: bool,
 }
 
+impl NatFlow {
+    /// The flow's key in the reply map (`FLANNEL_NATREV4`).
+    pub fn reply_key(&self) -> NatKey {
+        NatKey::new(
+            self.remote.ip().octets(),
+            self.nat.ip().octets(),
+            self.remote.port(),
+            self.nat.port(),
+            self.proto,
+        )
+    }
+
+    /// The flow's key in the outgoing map (`FLANNEL_NAT4`).
+    pub fn key(&self) -> NatKey {
+        self.reply_key()
+            .original_of(self.orig.ip().octets(), self.orig.port())
+    }
+}
+
 /// The name of a flow state, conntrack-style.
 pub fn state_name(proto_: u8, state: u8) -> &'static str {
     match proto_ {
@@ -700,27 +719,7 @@ impl FastPath {
             }
         }
         stats.flows = live.len();
-        let (mut fwd, mut rev): (
-            BpfHashMap<&mut MapData, NatKey, NatEntry>,
-            BpfHashMap<&mut MapData, NatKey, NatRevEntry>,
-        ) = {
-            let ebpf = self.ebpf_mut();
-            let mut fwd_map = None;
-            let mut rev_map = None;
-            for (name, map) in ebpf.maps_mut() {
-                if name == names::NAT4 {
-                    fwd_map = Some(map);
-                } else if name == names::NAT_REV4 {
-                    rev_map = Some(map);
-                }
-            }
-            let fwd_map = fwd_map.ok_or_else(|| missing(names::NAT4))?;
-            let rev_map = rev_map.ok_or_else(|| missing(names::NAT_REV4))?;
-            (
-                BpfHashMap::try_from(fwd_map).map_err(|e| BpfError::map(names::NAT4, e))?,
-                BpfHashMap::try_from(rev_map).map_err(|e| BpfError::map(names::NAT_REV4, e))?,
-            )
-        };
+        let (mut fwd, mut rev) = self.nat_maps_mut()?;
         for (key, rkey) in &expired {
             // Re-check: a packet may have revived the flow since the walk.
             if let Ok(e) = fwd.get(key, 0)
@@ -728,14 +727,8 @@ impl FastPath {
             {
                 continue;
             }
-            if fwd.remove(key).is_ok() {
+            if remove_flow(&mut fwd, &mut rev, key, rkey) {
                 stats.expired += 1;
-            }
-            if rev
-                .get(rkey, 0)
-                .is_ok_and(|r| r.orig_addr == key.saddr && r.orig_port == key.sport)
-            {
-                let _ = rev.remove(rkey);
             }
         }
         for rkey in &orphans {
@@ -745,6 +738,58 @@ impl FastPath {
         }
         Ok(stats)
     }
+
+    /// Removes `flows` from the maps (both entries of each): the programs no longer translate
+    /// them. Returns how many were there.
+    pub fn nat_forget(&mut self, flows: &[NatFlow]) -> Result<usize, BpfError> {
+        let (mut fwd, mut rev) = self.nat_maps_mut()?;
+        Ok(flows
+            .iter()
+            .filter(|f| remove_flow(&mut fwd, &mut rev, &f.key(), &f.reply_key()))
+            .count())
+    }
+
+    /// The outgoing and reply maps, writable.
+    fn nat_maps_mut(&mut self) -> Result<NatMapsMut<'_>, BpfError> {
+        let mut fwd_map = None;
+        let mut rev_map = None;
+        for (name, map) in self.ebpf_mut().maps_mut() {
+            if name == names::NAT4 {
+                fwd_map = Some(map);
+            } else if name == names::NAT_REV4 {
+                rev_map = Some(map);
+            }
+        }
+        let fwd_map = fwd_map.ok_or_else(|| missing(names::NAT4))?;
+        let rev_map = rev_map.ok_or_else(|| missing(names::NAT_REV4))?;
+        Ok((
+            BpfHashMap::try_from(fwd_map).map_err(|e| BpfError::map(names::NAT4, e))?,
+            BpfHashMap::try_from(rev_map).map_err(|e| BpfError::map(names::NAT_REV4, e))?,
+        ))
+    }
+}
+
+type NatMapsMut<'a> = (
+    BpfHashMap<&'a mut MapData, NatKey, NatEntry>,
+    BpfHashMap<&'a mut MapData, NatKey, NatRevEntry>,
+);
+
+/// Removes the flow `key` and its reply entry `rkey` if that still points back at it (the
+/// port may have been claimed by another flow since); whether the flow's entry was there.
+fn remove_flow(
+    fwd: &mut BpfHashMap<&mut MapData, NatKey, NatEntry>,
+    rev: &mut BpfHashMap<&mut MapData, NatKey, NatRevEntry>,
+    key: &NatKey,
+    rkey: &NatKey,
+) -> bool {
+    let removed = fwd.remove(key).is_ok();
+    if rev
+        .get(rkey, 0)
+        .is_ok_and(|r| r.orig_addr == key.saddr && r.orig_port == key.sport)
+    {
+        let _ = rev.remove(rkey);
+    }
+    removed
 }
 
 #[cfg(test)]
@@ -822,6 +867,31 @@ mod tests {
             sized.to_string(),
             "335544 flows (~61 MiB of kernel memory), 0.25 % of 24576 MiB node memory"
         );
+    }
+
+    #[test]
+    fn a_decoded_flow_gives_back_the_keys_of_its_entries() {
+        // As the programs key a TCP flow and a pod's echo (identifier 77, source port 0 on
+        // the reply side), and as the agent decodes them.
+        let tcp = NatKey::new([10, 244, 1, 5], [1, 1, 1, 1], 40000, 443, proto::TCP);
+        let echo = NatKey::new([10, 244, 1, 5], [1, 1, 1, 1], 77, 0, proto::ICMP);
+        let nat = Ipv4Addr::new(192, 168, 1, 11);
+        for (key, remote_port, nat_port) in [(tcp, 443, 40001), (echo, 0, 32801)] {
+            let flow = NatFlow {
+                proto: key.proto,
+                orig: SocketAddrV4::new(key.saddr.into(), key.sport),
+                remote: SocketAddrV4::new(key.daddr.into(), remote_port),
+                nat: SocketAddrV4::new(nat, nat_port),
+                state: ST_REPLIED,
+                host: false,
+                age: Duration::from_secs(1),
+                idle: Duration::ZERO,
+                expired: false,
+                reverse_ok: true,
+            };
+            assert_eq!(flow.key(), key);
+            assert_eq!(flow.reply_key(), key.reply_of(nat.octets(), nat_port));
+        }
     }
 
     #[test]

@@ -623,9 +623,9 @@ fn seed(fp: &mut bpf::FastPath, seeds: &bpf::seed::Seeds, at: SeedAt<'_>, metric
     }
 }
 
-/// Sets the `held` entries gauge to what the held flow tables hold ([`bpf::seed::Seeds::held`]);
-/// says when they changed, and warns when open connections did not fit (those rely on the LRU
-/// tables and the resync, as all did before).
+/// Sets the `held` entries gauge to what the held flow tables hold
+/// ([`bpf::seed::Seeds::held`]); says when they changed, and warns when open connections did
+/// not fit (those rely on the LRU tables and the resync, as all did before).
 fn report_held(held: &bpf::seed::HeldSync, metrics: &Metrics) {
     metrics
         .bpf_entries

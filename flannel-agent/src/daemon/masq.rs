@@ -188,8 +188,8 @@ fn flows_to_hand_over(fp: &crate::bpf::FastPath) -> Option<usize> {
 /// The handover: marks the programs' NAT as handing over (call it once the traffic rules are
 /// the kernel's: until then new flows still skip the kernel's MASQUERADE) and hands its ICMP
 /// echo flows to conntrack, then every `period` (`--ebpf-nat-sweep-interval`) sweeps expired
-/// flows and turns the NAT off when none is left to translate. Runs until then or `cancel` (a restarted agent takes the handover up
-/// again).
+/// flows and turns the NAT off when none is left to translate. Runs until then or `cancel` (a
+/// restarted agent takes the handover up again).
 pub async fn hand_over(fast_path: SharedFastPath, period: Duration, cancel: CancellationToken) {
     let fp = fast_path.clone();
     let begun = tokio::task::spawn_blocking(move || {
@@ -198,7 +198,7 @@ pub async fn hand_over(fast_path: SharedFastPath, period: Duration, cancel: Canc
             .map_err(|_| "the fast-path handle is poisoned".to_owned())?;
         let begun = fp.begin_nat_handover().map_err(|e| e.to_string())?;
         if begun {
-            hand_echoes_over(&fp);
+            hand_echoes_over(&mut fp);
         }
         Ok::<_, String>(begun)
     })
@@ -220,7 +220,7 @@ pub async fn hand_over(fast_path: SharedFastPath, period: Duration, cancel: Canc
                 .lock()
                 .map_err(|_| "the fast-path handle is poisoned".to_owned())?;
             fp.nat_sweep().map_err(|e| e.to_string())?;
-            hand_echoes_over(&fp);
+            hand_echoes_over(&mut fp);
             let pending = handover_pending(&fp.nat_flows().map_err(|e| e.to_string())?);
             if pending == 0 {
                 fp.set_nat(None).map_err(|e| e.to_string())?;
@@ -243,8 +243,8 @@ pub async fn hand_over(fast_path: SharedFastPath, period: Duration, cancel: Canc
 /// Hands the pods' ICMP echo flows of the programs' NAT over to conntrack
 /// ([`crate::bpf::handover::hand_echoes_over`]): a ping that goes on would keep the handover
 /// going for as long as it runs. A failure leaves them to the programs (logged).
-fn hand_echoes_over(fp: &crate::bpf::FastPath) {
-    if let Err(err) = crate::bpf::handover::hand_echoes_over(fp.pins()) {
+fn hand_echoes_over(fp: &mut crate::bpf::FastPath) {
+    if let Err(err) = crate::bpf::handover::hand_echoes_over(fp) {
         warn!("handing the pods' ICMP echo flows to conntrack: {err}");
     }
 }

@@ -41,7 +41,7 @@ const IP_CT_TCP_FLAG_BE_LIBERAL: u8 = 0x08;
 const TCP_CONNTRACK_ESTABLISHED: u8 = 3;
 /// `IPS_SEEN_REPLY | IPS_ASSURED | IPS_CONFIRMED` (the kernel marks an entry it creates for
 /// ctnetlink confirmed before applying the status, and refuses a status that clears it).
-const STATUS_ESTABLISHED: u32 = 1 << 1 | 1 << 2 | 1 << 3;
+const STATUS_ESTABLISHED: u32 = 1 << 1 | IPS_ASSURED | 1 << 3;
 /// `IPS_ASSURED` in `CTA_STATUS`.
 const IPS_ASSURED: u32 = 1 << 2;
 /// `TCP_CONNTRACK_TIME_WAIT` and `TCP_CONNTRACK_CLOSE`: a connection that is over.

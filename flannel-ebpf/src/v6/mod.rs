@@ -96,7 +96,7 @@ pub static FLANNEL_NATGRD6: LruHashMap<PeerKey6, u32, { NAT_GUARD6_MAX_ENTRIES a
 pub static FLANNEL_KFLOWS6: LruHashMap<FlowKey6, u32, { KERNEL_FLOWS6_MAX_ENTRIES as usize }> =
     LruHashMap::new();
 
-/// The NAT-guard keys of open NATed IPv6 TCP connections, never evicted
+/// The NAT-guard keys of open NATed IPv6 TCP connections and UDP streams, never evicted
 /// (`flannel_common::v6::HELD_GUARD6`).
 #[btf_map]
 pub static FLANNEL_HNATGD6: HashMap<
@@ -106,7 +106,7 @@ pub static FLANNEL_HNATGD6: HashMap<
     NO_PREALLOC,
 > = HashMap::new();
 
-/// The kernel-flow keys of open NATed IPv6 TCP connections, never evicted
+/// The kernel-flow keys of open NATed IPv6 TCP connections and UDP streams, never evicted
 /// (`flannel_common::v6::HELD_FLOWS6`).
 #[btf_map]
 pub static FLANNEL_HFLOWS6: HashMap<
