@@ -266,6 +266,13 @@ pub struct Cli {
     #[arg(long, default_value = "0")]
     pub ebpf_nat_max_entries: u32,
 
+    /// open NATed connections per family the eBPF held flow tables keep out of reach of LRU
+    /// eviction (hostPort guards: a quarter); 0 sizes them to conntrack's maximum
+    /// (nf_conntrack_max, within 65536-1048576)
+    #[arg(long, default_value = "0",
+          value_parser = clap::value_parser!(u32).range(0..=i64::from(crate::bpf::held::HELD_MAX_ENTRIES)))]
+    pub ebpf_held_max_entries: u32,
+
     /// ports eBPF masquerade hands out, MIN-MAX (default: the node's
     /// net.ipv4.ip_local_port_range)
     #[arg(long, value_parser = crate::bpf::nat::parse_port_range)]
@@ -569,6 +576,7 @@ mod tests {
             "--ebpf-masq=false",
             "--ebpf-nat-max-entries",
             "100000",
+            "--ebpf-held-max-entries=200000",
             "--ebpf-nat-port-range=20000-29999",
             "--ebpf-nat-sweep-interval=2",
             "--ebpf-conntrack-resync=3",
@@ -579,6 +587,7 @@ mod tests {
         ]);
         assert!(!c.ebpf_masq);
         assert_eq!(c.ebpf_nat_max_entries, 100_000);
+        assert_eq!(c.ebpf_held_max_entries, 200_000);
         assert_eq!(c.ebpf_nat_port_range, Some((20000, 29999)));
         assert_eq!(c.ebpf_nat_sweep_interval, 2);
         assert_eq!(c.ebpf_conntrack_resync, 3);
@@ -599,6 +608,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.ip_masq_exclude_cidrs.len(), 2);
         assert!(err(&["--ebpf-nat-port-range=9-1"]).contains("MIN <= MAX"));
+        assert!(err(&["--ebpf-held-max-entries=16777217"]).contains("16777216"));
         assert!(err(&["--ip-masq-exclude-cidrs=10.0.0.0/33"]).contains("10.0.0.0/33"));
     }
 
@@ -651,6 +661,7 @@ mod tests {
         assert_eq!(c.dataplane, Dataplane::Auto);
         assert!(c.ebpf_masq);
         assert_eq!(c.ebpf_nat_max_entries, 0);
+        assert_eq!(c.ebpf_held_max_entries, 0);
         assert_eq!(c.ebpf_nat_port_range, None);
         assert_eq!(c.ebpf_nat_sweep_interval, 30);
         assert_eq!(c.ebpf_conntrack_resync, 10);

@@ -812,7 +812,9 @@ fn ebpf_lost_kernel_flows_come_back_from_conntrack() {
 /// touches. With `--ebpf-conntrack-resync` at an hour, the backend pushes a line to the idle
 /// client after the LRU entry is gone: the client gets it through the Service (conntrack
 /// un-DNATs it). (Without the held table the push reached the pod with the backend's address
-/// and the connection was lost.) The `held` entries gauge counts the key.
+/// and the connection was lost.) The `held` entries gauge counts the key. The agent that
+/// starts asks for held tables of 1,000 connections (`--ebpf-held-max-entries`): they are
+/// created at that size, the guards a quarter, and its log says so.
 #[test]
 fn ebpf_held_service_connection_survives_an_eviction_without_a_resync() {
     use std::io::Write as _;
@@ -869,13 +871,36 @@ fn ebpf_held_service_connection_survives_an_eviction_without_a_resync() {
         ] {
             std::fs::remove_file(layout.join(name)).with_context(|| format!("unpinning {name}"))?;
         }
-        restart_with(c, 1, |_| {})?;
+        // It starts with held tables of the size asked for.
+        restart_with(c, 1, |args| {
+            args.push("--ebpf-held-max-entries=1000".into())
+        })?;
+        let log_path = c.agent_mut(1).context("agent")?.log_path().to_owned();
         let node1 = c.topology().node(1).ns();
         wait::until_ok(CONVERGE, "node1 holding the connection", || {
             let held = fastpath::held_kernel_flows(&pins)?;
             ensure!(held.iter().any(ours), "held: {held:?}");
             Ok(())
         })?;
+        for (name, size) in [
+            (flannel_common::maps::HELD_FLOWS4, 1000),
+            (flannel_common::maps::HELD_GUARD4, 250),
+            (flannel_common::v6::HELD_FLOWS6, 1000),
+        ] {
+            let info = aya::maps::MapInfo::from_pin(layout.join(name))?;
+            ensure!(
+                info.max_entries() == size,
+                "{name} holds {}",
+                info.max_entries()
+            );
+        }
+        let log = std::fs::read_to_string(&log_path)?;
+        let sized = "held flow tables: 1000 connections and 250 hostPort guards per family, set \
+                     by --ebpf-held-max-entries";
+        ensure!(
+            log.contains(sized),
+            "node1's log does not say how the held tables are sized"
+        );
         let gauge = status::metric_sum(
             node1,
             DEFAULT_HEALTHZ_PORT,

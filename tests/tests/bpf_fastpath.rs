@@ -20,7 +20,7 @@ use std::{
 
 use aya::{TestRun as _, TestRunOptions};
 use flannel_agent::bpf::{
-    Attached, FastPath, Hook, LocalConfig, NetdevAttach, Remote, Via, VxlanLocal,
+    Attached, FastPath, Hook, LoadOptions, LocalConfig, NetdevAttach, Remote, Via, VxlanLocal,
 };
 use flannel_common::{
     config::FASTPATH_MARK,
@@ -95,14 +95,24 @@ impl Rig {
 
     /// Runs `f` inside the namespace with a fast path that is loaded, configured and synced.
     fn with_fast_path<R: Send>(&self, f: impl FnOnce(&mut FastPath, &Ifaces) -> R + Send) -> R {
+        self.with_fast_path_loaded(LoadOptions::default(), f)
+    }
+
+    /// [`Rig::with_fast_path`] loaded with `options`.
+    fn with_fast_path_loaded<R: Send>(
+        &self,
+        options: LoadOptions,
+        f: impl FnOnce(&mut FastPath, &Ifaces) -> R + Send,
+    ) -> R {
         let pin = self.pin.clone();
         self.ns
             .enter(move || {
                 let ifaces = Ifaces::current();
-                let mut fp = FastPath::load(&pin).expect("loading the fast path");
+                let mut fp = FastPath::load_with(&pin, &options).expect("loading the fast path");
                 fp.set_config(&config(ifaces.ext)).expect("config");
                 let stats = fp.sync(&remotes()).expect("sync");
-                assert_eq!(stats.added, 6);
+                // Six routes: written, or adopted from a fast path loaded before.
+                assert_eq!(stats.added + stats.unchanged, 6, "{stats:?}");
                 f(&mut fp, &ifaces)
             })
             .expect("entering the namespace")
@@ -2959,6 +2969,124 @@ fn held_keys_outlive_their_lru_entries_until_conntrack_lets_them_go() {
             "{crowded:?}"
         );
     });
+}
+
+/// The held tables take the size the agent asks for (`--ebpf-held-max-entries`), and the
+/// programs look up the tables of that size: a held key keeps its flow in the stack, and keys
+/// past the size are counted as full. A restart with the same size adopts the tables with
+/// their keys; one with another size creates them afresh at the new size (both families, the
+/// guards a quarter), empty until conntrack's next read fills them.
+#[test]
+fn held_tables_take_the_size_asked_for_and_a_restart_resizes_them() {
+    use flannel_agent::bpf::seed::{Keys, Seeds};
+    use flannel_common::{flow::FlowKey, maps as names, v6};
+
+    let Some(rig) = Rig::new("fphsize") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    let size = |name: &str| {
+        let path = pin.join(names::PIN_LAYOUT_VERSION).join(name);
+        aya::maps::MapInfo::from_pin(&path)
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+            .max_entries()
+    };
+    // Nine Service connections from the pod; the first is the one whose reply is sent.
+    let flow = |i: u16| FlowKey {
+        local_addr: POD.octets(),
+        remote_addr: HOSTGW_POD.octets(),
+        local_port: (40000 + i).to_be_bytes(),
+        remote_port: 80u16.to_be_bytes(),
+        proto: 6,
+        _pad: [0; 3],
+    };
+    let nine = Seeds {
+        held: Keys {
+            flows4: (0..9).map(flow).collect(),
+            ..Keys::default()
+        },
+        ..Seeds::default()
+    };
+    let reply = underlay(
+        PEER2_MAC,
+        Ipv4 {
+            ttl: 63,
+            ..Ipv4::new(HOSTGW_POD, POD, Tcp::new(80, 40000))
+        },
+    );
+    let kept = |fp: &mut FastPath, ifs: &Ifaces, what: &str| {
+        let r = run(fp, Hook::FromNetdev, &reply, Skb::on(ifs.ext));
+        assert_passed(
+            &r,
+            &reply,
+            &[Reason::Ipv4Tcp, Reason::PassKernelFlow],
+            &format!("the Service's reply, {what}"),
+        );
+    };
+    let sizes = || {
+        [
+            names::HELD_FLOWS4,
+            names::HELD_GUARD4,
+            v6::HELD_FLOWS6,
+            v6::HELD_GUARD6,
+        ]
+        .map(size)
+    };
+    // A read that could not decode every entry: it removes nothing.
+    let unreadable = Seeds {
+        unreadable: 1,
+        ..Seeds::default()
+    };
+    let sized = |held_max_entries| LoadOptions {
+        held_max_entries,
+        ..LoadOptions::default()
+    };
+
+    rig.with_fast_path_loaded(sized(8), |fp, ifs| {
+        assert_eq!(fp.held_capacity().expect("capacity"), 8);
+        let first = Seeds {
+            held: Keys {
+                flows4: [flow(0)].into(),
+                ..Keys::default()
+            },
+            ..Seeds::default()
+        };
+        let seeded = fp.seed(&first).expect("seed");
+        // Held only (nothing in the LRU table): the programs find the key in the table of
+        // the size asked for.
+        assert_eq!(
+            (seeded.kernel_flows, seeded.held.held),
+            (0, 1),
+            "{seeded:?}"
+        );
+        kept(fp, ifs, "held in a table of 8");
+        let seeded = fp.seed(&nine).expect("seed");
+        assert_eq!(
+            (seeded.held.held, seeded.held.added, seeded.held.full),
+            (8, 7, 1),
+            "{seeded:?}"
+        );
+    });
+    assert_eq!(sizes(), [8, 2, 8, 2]);
+    // The same size again: the tables are adopted with their keys (a read that missed
+    // entries removes nothing and finds the eight).
+    rig.with_fast_path_loaded(sized(8), |fp, _| {
+        let read = fp.seed(&unreadable).expect("seed");
+        assert_eq!((read.held.held, read.held.removed), (8, 0), "{read:?}");
+    });
+    // Another size: created afresh, empty, and the nine fit.
+    rig.with_fast_path_loaded(sized(16), |fp, ifs| {
+        assert_eq!(fp.held_capacity().expect("capacity"), 16);
+        assert_eq!(fp.seed(&unreadable).expect("seed").held.held, 0);
+        let seeded = fp.seed(&nine).expect("seed");
+        assert_eq!(
+            (seeded.held.held, seeded.held.added, seeded.held.full),
+            (9, 9, 0),
+            "{seeded:?}"
+        );
+        kept(fp, ifs, "held in the resized table");
+    });
+    assert_eq!(sizes(), [16, 4, 16, 4]);
 }
 
 // ---------------------------------------------------------------------------------------------

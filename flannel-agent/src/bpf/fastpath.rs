@@ -165,6 +165,9 @@ pub struct LoadOptions {
     /// Flows each of the NAT maps (`FLANNEL_NAT4`, `FLANNEL_NATREV4`) holds
     /// (`--ebpf-nat-max-entries`; see [`super::nat::NatSizing`]).
     pub nat_max_entries: u32,
+    /// Connections each held flow table holds, per family; the guard tables a quarter
+    /// (`--ebpf-held-max-entries`; see [`super::held::HeldSizing`]).
+    pub held_max_entries: u32,
     /// How to attach the TC programs (`--tc-attach`); `None`: TCX where the kernel has it,
     /// `clsact` filters otherwise.
     pub tc_attach: Option<TcAttach>,
@@ -175,6 +178,7 @@ impl Default for LoadOptions {
     fn default() -> Self {
         LoadOptions {
             nat_max_entries: names::NAT4_DEFAULT_MAX_ENTRIES,
+            held_max_entries: super::held::HELD_MIN_ENTRIES,
             tc_attach: None,
         }
     }
@@ -193,17 +197,23 @@ impl FastPath {
     /// Pinned NAT maps of another size than `options` asks for are replaced by maps of the new
     /// size holding their entries (as many as fit), so resizing does not reset the
     /// masqueraded connections; flows created by the old programs between the copy and the
-    /// attach are lost.
+    /// attach are lost. Held flow tables of another size are created afresh, empty: the
+    /// conntrack read before the attach fills them.
     pub fn load_with(pin_path: &Path, options: &LoadOptions) -> Result<FastPath, BpfError> {
         if crate::EBPF_OBJECT.is_empty() {
             return Err(BpfError::NoObject);
         }
-        if options.nat_max_entries == 0 {
-            return Err(BpfError::Invalid {
-                field: "NAT map size",
-                value: "0".into(),
-                reason: "a map holds at least one entry",
-            });
+        for (field, size) in [
+            ("NAT map size", options.nat_max_entries),
+            ("held flow table size", options.held_max_entries),
+        ] {
+            if size == 0 {
+                return Err(BpfError::Invalid {
+                    field,
+                    value: "0".into(),
+                    reason: "a map holds at least one entry",
+                });
+            }
         }
         probe()?;
         let tcx = tcx_supported();
@@ -228,6 +238,16 @@ impl FastPath {
             (names::NAT_REV4, options.nat_max_entries),
         ];
         let resized = super::nat::take_resized(&layout, &sizes)?;
+        let held = super::held::held_sizes(options.held_max_entries);
+        for (name, from, to) in layout.drop_resized(&held)? {
+            tracing::info!(
+                map = name,
+                from,
+                to,
+                "held flow table resized; conntrack's next read fills it"
+            );
+        }
+        let sizes: Vec<(&'static str, u32)> = sizes.into_iter().chain(held).collect();
         for name in layout.drop_incompatible_maps_sized(&sizes)? {
             tracing::warn!(
                 map = name,
@@ -281,6 +301,14 @@ impl FastPath {
     /// How this handle attaches the TC programs.
     pub fn tc_attach(&self) -> TcAttach {
         self.tc_attach
+    }
+
+    /// The size (`max_entries`) of map `name` as loaded: created at the size asked for, or
+    /// adopted from its pin.
+    pub(super) fn capacity(&self, name: &'static str) -> Result<u32, BpfError> {
+        aya::maps::MapInfo::from_pin(self.layout.map(name))
+            .map(|info| info.max_entries())
+            .map_err(|e| BpfError::map(name, e))
     }
 
     /// The pin layout in use.

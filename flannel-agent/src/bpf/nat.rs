@@ -641,17 +641,7 @@ impl FastPath {
 
     /// The number of flows the NAT maps hold at most (their `max_entries`).
     pub fn nat_capacity(&self) -> Result<u32, BpfError> {
-        match self.ebpf().map(names::NAT4) {
-            Some(aya::maps::Map::LruHashMap(data)) => data
-                .info()
-                .map(|info| info.max_entries())
-                .map_err(|e| BpfError::map(names::NAT4, e)),
-            Some(_) => Err(BpfError::BadMap {
-                name: names::NAT4,
-                reason: "not an LRU hash map".into(),
-            }),
-            None => Err(missing(names::NAT4)),
-        }
+        self.capacity(names::NAT4)
     }
 
     fn nat_maps(&self) -> Result<NatMaps<'_>, BpfError> {

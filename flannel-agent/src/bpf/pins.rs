@@ -327,6 +327,30 @@ impl PinLayout {
         Ok(dropped)
     }
 
+    /// Unpins the maps of `sizes` (`(name, max_entries)`) that match their spec in everything
+    /// but their size, so that the loader creates them afresh at the size asked for; returns
+    /// each as `(name, old size, new size)`. Their entries are not carried over.
+    pub fn drop_resized(
+        &self,
+        sizes: &[(&'static str, u32)],
+    ) -> Result<Vec<(&'static str, u32, u32)>, BpfError> {
+        let mut dropped = Vec::new();
+        for (name, size) in sizes {
+            let Some(spec) = MAP_SPECS.iter().find(|spec| spec.name == *name) else {
+                continue;
+            };
+            let path = self.map(name);
+            let Ok(info) = MapInfo::from_pin(&path) else {
+                continue;
+            };
+            if spec.matches_but_size(&info) && info.max_entries() != *size {
+                fs::remove_file(&path).map_err(|e| BpfError::io("removing", &path, e))?;
+                dropped.push((spec.name, info.max_entries(), *size));
+            }
+        }
+        Ok(dropped)
+    }
+
     /// Removes layout version directories other than this build's (their maps live on while an
     /// old program still uses them); returns what was removed.
     pub fn prune_old_versions(&self) -> Result<Vec<PathBuf>, BpfError> {

@@ -638,7 +638,8 @@ fn report_held(held: &bpf::seed::HeldSync, metrics: &Metrics) {
             held = held.held,
             not_held = held.full,
             "the held flow tables are full: open NATed connections beyond them can lose their \
-             flow-table entry to an eviction until the next resync"
+             flow-table entry to an eviction until the next resync (--ebpf-held-max-entries \
+             raises their size)"
         );
     } else if held.added + held.removed > 0 {
         debug!(

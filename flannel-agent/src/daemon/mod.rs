@@ -268,6 +268,7 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         (requested, _) => requested,
     };
     let nat_sizing = crate::bpf::NatSizing::resolve(cli.ebpf_nat_max_entries);
+    let held_sizing = crate::bpf::HeldSizing::resolve(cli.ebpf_held_max_entries);
     let mut active = fastpath::start(
         requested,
         &cli.bpf_pin_path,
@@ -275,6 +276,7 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         stack,
         &crate::bpf::LoadOptions {
             nat_max_entries: nat_sizing.entries,
+            held_max_entries: held_sizing.flows,
             tc_attach: match cli.tc_attach {
                 crate::cli::TcAttachMode::Auto => None,
                 crate::cli::TcAttachMode::Tcx => Some(crate::bpf::TcAttach::Tcx),
@@ -282,6 +284,18 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             },
         },
     )?;
+    if let Some(fp) = active.fast_path()
+        && let Ok(fp) = fp.lock()
+    {
+        let flows = fp.held_capacity().unwrap_or(held_sizing.flows);
+        info!(
+            "held flow tables: {}",
+            crate::bpf::HeldSizing {
+                flows,
+                ..held_sizing
+            }
+        );
+    }
     local.ipip_via_ebpf =
         matches!(backend, BackendOptions::Ipip(_)) && active.fast_path().is_some();
     // udp: the forwarder creates flannel0 (it holds the TUN descriptor) before the device
