@@ -385,6 +385,20 @@ impl Node {
     /// `ip6tables` by family), as kube-proxy does for a Service's ClusterIP or a hostPort for
     /// the node's addresses.
     pub fn dnat_tcp(&self, from: std::net::SocketAddr, to: std::net::SocketAddr) -> Result<()> {
+        self.dnat("tcp", from, to)
+    }
+
+    /// [`Node::dnat_tcp`] for UDP (a DNS Service).
+    pub fn dnat_udp(&self, from: std::net::SocketAddr, to: std::net::SocketAddr) -> Result<()> {
+        self.dnat("udp", from, to)
+    }
+
+    fn dnat(
+        &self,
+        proto: &str,
+        from: std::net::SocketAddr,
+        to: std::net::SocketAddr,
+    ) -> Result<()> {
         let tool = if from.is_ipv4() {
             "iptables"
         } else {
@@ -400,7 +414,7 @@ impl Node {
             "-d",
             &from.ip().to_string(),
             "-p",
-            "tcp",
+            proto,
             "--dport",
             &from.port().to_string(),
             "-j",

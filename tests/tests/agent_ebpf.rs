@@ -736,13 +736,16 @@ fn moving_back(extra: Option<&str>) {
     );
 }
 
-/// A Service connection's kernel-flow entry lost from the table (as the LRU evicts a long-idle
-/// one on a node whose short flows, DNS lookups through a Service, fill it) comes back from
-/// conntrack within a resync (`--ebpf-conntrack-resync`), without a packet of the connection
-/// to learn it from: otherwise the backend's next packet would reach the pod with its own
-/// address instead of the Service's. The connection (a pod on node1 to a ClusterIP-style DNAT
-/// to a pod on node2, with `--ip-masq`) is idle while its entry is removed and while it comes back; the agent
-/// counts it as kept, and the connection goes on.
+/// A DNS-like UDP flow through a Service whose kernel-flow entry is lost from the table (as the
+/// LRU evicts one on a node whose short flows fill it) comes back from conntrack within a
+/// resync (`--ebpf-conntrack-resync`), without a packet of the flow to learn it from:
+/// otherwise the backend's next answer would reach the pod with its own address instead of
+/// the Service's. Such a flow (one query answered, not yet a stream) is not held, so the
+/// resync's rewrite of the LRU table is what keeps it. The flow (a pod on node1, a connected
+/// UDP socket, to a ClusterIP-style DNAT to a UDP echo on a pod on node2, with `--ip-masq`) is
+/// idle while its entry is removed and while it comes back; the agent counts it as kept, and
+/// the next queries are answered from the Service's address (the connected socket takes
+/// nothing else).
 #[test]
 fn ebpf_lost_kernel_flows_come_back_from_conntrack() {
     require_root!();
@@ -757,31 +760,32 @@ fn ebpf_lost_kernel_flows_come_back_from_conntrack() {
         |c| {
             let t = c.topology();
             let (client, server) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
-            let backend = SocketAddr::new(IpAddr::V4(server.ip()), 7100);
-            probe::line_echo_server(server.ns(), backend, 1)?;
-            let service = SocketAddr::new("10.96.0.10".parse()?, 80);
-            t.node(1).dnat_tcp(service, backend)?;
-            let mut stream = client
-                .ns()
-                .enter(move || std::net::TcpStream::connect(service))??;
-            stream.set_read_timeout(Some(Duration::from_secs(3)))?;
-            let local_port = stream.local_addr()?.port().to_be_bytes();
-            probe::line_round_trip(&mut stream, "s1").context("through the Service")?;
+            let echo = probe::UdpEcho::start(server.ns(), IpAddr::V4(server.ip()), 7100)?;
+            let service = SocketAddr::new("10.96.0.10".parse()?, 53);
+            t.node(1).dnat_udp(service, echo.addr())?;
+            let client_udp = probe::UdpClient::connect(client.ns(), service)?;
+            let local_port = client_udp.port()?.to_be_bytes();
+            client_udp.echo("q1").context("through the Service")?;
             let pins = t.node(1).bpf_pin_path();
             let ours = |k: &flannel_common::flow::FlowKey| {
                 k.local_addr == client.ip().octets()
                     && k.remote_addr == server.ip().octets()
                     && k.local_port == local_port
                     && k.remote_port == 7100u16.to_be_bytes()
-                    && k.proto == 6
+                    && k.proto == 17
             };
             let node1 = t.node(1).ns();
             let after =
                 fastpath::kernel_flow_comes_back(node1, DEFAULT_HEALTHZ_PORT, pins, ours, CONVERGE)
                     .context("node1")?;
+            ensure!(
+                !fastpath::held_kernel_flows(pins)?.iter().any(ours),
+                "the one-query flow is held: it was to come back to the LRU table"
+            );
             for i in 2..5 {
-                probe::line_round_trip(&mut stream, &format!("s{i}"))
-                    .with_context(|| format!("message {i} through the Service"))?;
+                client_udp
+                    .echo(&format!("q{i}"))
+                    .context("through the Service")?;
             }
             // Later resyncs find the entry there: refreshed, not counted again.
             std::thread::sleep(Duration::from_millis(2500));
@@ -798,7 +802,7 @@ fn ebpf_lost_kernel_flows_come_back_from_conntrack() {
             );
             ensure!(
                 fastpath::kernel_flows(pins)?.iter().any(ours),
-                "the connection's entry is gone again"
+                "the flow's entry is gone again"
             );
             Ok(())
         },

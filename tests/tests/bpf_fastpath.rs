@@ -2794,17 +2794,27 @@ fn kernel_flows_keep_their_replies_in_the_stack() {
 
 /// Removes `key` from the pinned LRU flow table `name` under `pin`, as an eviction would;
 /// panics if it is not there.
-fn evict<K: aya::Pod>(pin: &std::path::Path, name: &str, key: &K) {
+/// Whether table `name` (a hash of `K` to `u32`) has `key`.
+fn in_table<K: aya::Pod>(pin: &std::path::Path, name: &str, key: &K) -> bool {
+    let table = table::<K>(pin, name);
+    match table.get(key, 0) {
+        Ok(_) => true,
+        Err(aya::maps::MapError::KeyNotFound) => false,
+        Err(e) => panic!("{name}: {e}"),
+    }
+}
+
+/// The pinned hash `name` (of `K` to `u32`) under `pin`.
+fn table<K: aya::Pod>(
+    pin: &std::path::Path,
+    name: &str,
+) -> aya::maps::HashMap<aya::maps::MapData, K, u32> {
     let path = pin
         .join(flannel_common::maps::PIN_LAYOUT_VERSION)
         .join(name);
     let data = aya::maps::MapData::from_pin(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
     let map = aya::maps::Map::from_map_data(data).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let mut table: aya::maps::HashMap<_, K, u32> =
-        aya::maps::HashMap::try_from(map).unwrap_or_else(|e| panic!("{name}: {e}"));
-    table
-        .remove(key)
-        .unwrap_or_else(|e| panic!("evicting from {name}: {e}"));
+    aya::maps::HashMap::try_from(map).unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
 /// The IPv4 slot of the pinned `FLANNEL_HELDCNT` under `pin`: the keys held, as the programs
@@ -2819,9 +2829,10 @@ fn held_count(pin: &std::path::Path) -> u32 {
 }
 
 /// The held tables the agent writes from conntrack (`bpf::seed::Seeds::held`): a Service
-/// connection's kernel-flow key held there keeps its replies in the stack after its LRU entry
-/// is gone (as an eviction takes it), and a hostPort client's NAT-guard key held there keeps
-/// the local pod's answers in the stack the same way. A read of conntrack that could not read
+/// connection's kernel-flow key held there keeps its replies in the stack with no entry in the
+/// LRU table (the agent does not write held keys there, and an eviction takes the programs'
+/// own), and a hostPort client's NAT-guard key held there keeps the local pod's answers in the
+/// stack the same way. A read of conntrack that could not read
 /// every entry removes nothing; one that no longer calls for them removes them, and both
 /// flows take the fast path again. Keys past a held table's size are counted, not an error.
 #[test]
@@ -2890,8 +2901,10 @@ fn held_keys_outlive_their_lru_entries_until_conntrack_lets_them_go() {
             ),
             "{json}"
         );
-        evict(&pin, flannel_common::maps::KERNEL_FLOWS4, &flow);
-        evict(&pin, flannel_common::maps::NAT_GUARD4, &guard);
+        // Held keys are not written into the LRU tables (the reads would evict what the
+        // programs learnt there): the programs find them in the held ones.
+        assert!(!in_table(&pin, flannel_common::maps::KERNEL_FLOWS4, &flow));
+        assert!(!in_table(&pin, flannel_common::maps::NAT_GUARD4, &guard));
 
         let reply = underlay(
             PEER2_MAC,
@@ -3052,11 +3065,11 @@ fn held_tables_take_the_size_asked_for_and_a_restart_resizes_them() {
             ..Seeds::default()
         };
         let seeded = fp.seed(&first).expect("seed");
-        // Held only (nothing in the LRU table): the programs find the key in the table of
-        // the size asked for.
+        // Held only (not written into the LRU table, and counted as lacking there): the
+        // programs find the key in the table of the size asked for.
         assert_eq!(
             (seeded.kernel_flows, seeded.held.held),
-            (0, 1),
+            (1, 1),
             "{seeded:?}"
         );
         kept(fp, ifs, "held in a table of 8");
@@ -3087,6 +3100,75 @@ fn held_tables_take_the_size_asked_for_and_a_restart_resizes_them() {
         kept(fp, ifs, "held in the resized table");
     });
     assert_eq!(sizes(), [16, 4, 16, 4]);
+}
+
+/// A read of conntrack that holds more open connections than the kernel-flow LRU table holds
+/// (70,000 against 65,536) does not write them there too: the entry the programs learnt just
+/// before (a DNS lookup's, not held) stays, where rewriting the held keys into the LRU table
+/// evicted it (and the lookup's answer then reached the pod past conntrack). Each held key the
+/// LRU table lacked is counted as kept.
+#[test]
+fn holding_more_connections_than_the_lru_table_evicts_nothing_the_programs_learnt() {
+    use flannel_agent::bpf::seed::{Keys, Seeds};
+    use flannel_common::{flow::FlowKey, maps as names};
+
+    let Some(rig) = Rig::new("fphmany") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    let options = LoadOptions {
+        held_max_entries: 131_072,
+        ..LoadOptions::default()
+    };
+    rig.with_fast_path_loaded(options, |fp, _| {
+        let lookup = FlowKey {
+            local_addr: POD.octets(),
+            remote_addr: HOSTGW_POD.octets(),
+            local_port: 53000u16.to_be_bytes(),
+            remote_port: 53u16.to_be_bytes(),
+            proto: 17,
+            _pad: [0; 3],
+        };
+        table::<FlowKey>(&pin, names::KERNEL_FLOWS4)
+            .insert(lookup, 1, 0)
+            .expect("learning the lookup");
+        let many: std::collections::HashSet<FlowKey> = (0..70_000u32)
+            .map(|i| FlowKey {
+                local_addr: [10, 244, 1, 10 + (i >> 16) as u8],
+                remote_addr: HOSTGW_POD.octets(),
+                local_port: (i as u16).to_be_bytes(),
+                remote_port: 80u16.to_be_bytes(),
+                proto: 6,
+                _pad: [0; 3],
+            })
+            .collect();
+        let keys = Keys {
+            flows4: many,
+            ..Keys::default()
+        };
+        let seeded = fp
+            .seed(&Seeds {
+                keys: keys.clone(),
+                held: keys,
+                ..Seeds::default()
+            })
+            .expect("seed");
+        assert_eq!(
+            (seeded.kernel_flows, seeded.held.held, seeded.held.full),
+            (70_000, 70_000, 0),
+            "{seeded:?}"
+        );
+        assert!(
+            in_table(&pin, names::KERNEL_FLOWS4, &lookup),
+            "the read evicted the lookup the programs learnt"
+        );
+        let lru = table::<FlowKey>(&pin, names::KERNEL_FLOWS4);
+        assert_eq!(
+            lru.keys().count(),
+            1,
+            "held keys written into the LRU table"
+        );
+    });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -717,15 +717,18 @@ fn connection_crosses_a_move(from: Dataplane, to: Dataplane) -> Result<()> {
     outcome
 }
 
-/// An IPv6 Service connection's kernel-flow entry lost from `FLANNEL_KFLOWS6` (as the LRU
-/// evicts a long-idle one) comes back from conntrack within a resync
-/// (`--ebpf-conntrack-resync=1`), with no packet of the connection to learn it from: else a
-/// packet the backend sends before the client's next one (which would teach the programs the
-/// flow again) would be delivered past the stack, from the pod's own address instead of the
-/// Service's, and the client would reset it. Without the resync the entry never comes back. A pod on node 1 connects to an
-/// ip6tables DNAT (a kube-proxy ClusterIP) to node 2's pod over VXLAN, with `--ip-masq`; the
-/// connection is idle while its entry is removed and comes back; node 1 counts it as kept, and
-/// the connection goes on. The IPv4 twin is `agent_ebpf::ebpf_lost_kernel_flows_come_back_from_conntrack`.
+/// An IPv6 DNS-like UDP flow through a Service whose kernel-flow entry is lost from
+/// `FLANNEL_KFLOWS6` (as the LRU evicts one) comes back from conntrack within a resync
+/// (`--ebpf-conntrack-resync=1`), with no packet of the flow to learn it from: else an answer
+/// the backend sends before the client's next query (which would teach the programs the flow
+/// again) would be delivered past the stack, from the pod's own address instead of the
+/// Service's, and the client's connected socket would not take it. Such a flow (one query
+/// answered, not yet a stream) is not held, so the resync's rewrite of the LRU table is what
+/// keeps it. Without the resync the entry never comes back. A pod on node 1 sends to an
+/// ip6tables DNAT (a kube-proxy ClusterIP) to a UDP echo on node 2's pod over VXLAN, with
+/// `--ip-masq`; the flow is idle while its entry is removed and comes back; node 1 counts it
+/// as kept, and the next queries are answered from the Service's address. The IPv4 twin is
+/// `agent_ebpf::ebpf_lost_kernel_flows_come_back_from_conntrack`.
 #[test]
 fn ipv6_lost_kernel_flows_come_back_from_conntrack() {
     require_root!();
@@ -740,23 +743,19 @@ fn lost_kernel_flows_come_back() -> Result<()> {
     let t = cluster.topology();
     let (client, server) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
     let (client_ip, server_ip) = (client.ip6_required()?, server.ip6_required()?);
-    let backend = SocketAddr::new(IpAddr::V6(server_ip), 7100);
-    let peers = probe::line_echo_server(server.ns(), backend, 1)?;
-    let service = SocketAddr::new("fd00:96::10".parse()?, 80);
-    t.node(1).dnat_tcp(service, backend)?;
-    let mut stream = client
-        .ns()
-        .enter(move || std::net::TcpStream::connect_timeout(&service, Duration::from_secs(5)))??;
-    stream.set_read_timeout(Some(Duration::from_secs(3)))?;
-    let local_port = stream.local_addr()?.port().to_be_bytes();
-    probe::line_round_trip(&mut stream, "s1").context("through the Service")?;
+    let echo = probe::UdpEcho::start(server.ns(), IpAddr::V6(server_ip), 7100)?;
+    let service = SocketAddr::new("fd00:96::10".parse()?, 53);
+    t.node(1).dnat_udp(service, echo.addr())?;
+    let client_udp = probe::UdpClient::connect(client.ns(), service)?;
+    let local_port = client_udp.port()?.to_be_bytes();
+    client_udp.echo("q1").context("through the Service")?;
     let pins = t.node(1).bpf_pin_path();
     let ours = |k: &flannel_common::v6::FlowKey6| {
         k.local_addr == client_ip.octets()
             && k.remote_addr == server_ip.octets()
             && k.local_port == local_port
             && k.remote_port == 7100u16.to_be_bytes()
-            && k.proto == 6
+            && k.proto == 17
     };
     fastpath::kernel_flow_comes_back(
         t.node(1).ns(),
@@ -766,15 +765,15 @@ fn lost_kernel_flows_come_back() -> Result<()> {
         Duration::from_secs(20),
     )
     .context("node 1")?;
-    for i in 2..5 {
-        probe::line_round_trip(&mut stream, &format!("s{i}"))
-            .with_context(|| format!("message {i} through the Service"))?;
-    }
-    let seen = peers.seen();
     ensure!(
-        seen == [IpAddr::V6(client_ip)],
-        "the server saw {seen:?}, not the pod {client_ip} once"
+        !fastpath::held_kernel_flows(pins)?.iter().any(ours),
+        "the one-query flow is held: it was to come back to the LRU table"
     );
+    for i in 2..5 {
+        client_udp
+            .echo(&format!("q{i}"))
+            .context("through the Service")?;
+    }
     Ok(())
 }
 

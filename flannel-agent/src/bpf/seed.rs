@@ -25,14 +25,17 @@
 //! an eviction took.
 //! Connections conntrack holds no NAT state for change path harmlessly and are left alone.
 //!
-//! The keys of open NATed TCP connections (and UDP streams) are also written into the held
-//! tables ([`Seeds::held`]: plain hashes the programs read next to the LRU ones, which no
+//! The keys of open NATed TCP connections (and UDP streams) are written into the held tables
+//! instead ([`Seeds::held`]: plain hashes the programs read when the LRU ones miss, which no
 //! eviction touches), and each read of conntrack removes from them the keys it no longer calls
-//! for: a long-idle
-//! Service connection stays on the kernel path however fast short flows (UDP DNS lookups,
-//! which are left to the LRU tables alone) churn the LRU ones, instead of being lost until
-//! the next resync puts it back. A UDP flow is held once conntrack marks it assured (it was
-//! answered and still sends after its first two seconds), which a lookup never is.
+//! for: a long-idle Service connection stays on the kernel path however fast short flows (UDP
+//! DNS lookups, which are left to the LRU tables alone) churn the LRU ones, instead of being
+//! lost until the next resync puts it back. A UDP flow is held once conntrack marks it assured
+//! (it was answered and still sends after its first two seconds), which a lookup never is.
+//! The reads do not write held keys into the LRU tables (the programs still learn the active
+//! ones there from their packets): on a node with more open connections than an LRU table
+//! holds, rewriting them all would evict what the programs learnt meanwhile, and it took most
+//! of a read's time.
 
 use std::{
     collections::HashSet,
@@ -335,6 +338,30 @@ impl std::ops::AddAssign for HeldSync {
     }
 }
 
+/// What [`FastPath::hold`] did to one held table.
+struct Hold<K> {
+    sync: HeldSync,
+    /// Keys written.
+    written: Vec<K>,
+    /// Keys not written: the table was full.
+    full: HashSet<K>,
+    /// Keys written that the LRU table next to it lacked.
+    lacking: usize,
+}
+
+/// The keys of `keys` that the held table does not hold after `hold` made it hold `held`: the
+/// ones not called for there, and the ones that did not fit.
+fn not_held<K: std::hash::Hash + Eq + Copy>(
+    keys: &HashSet<K>,
+    held: &HashSet<K>,
+    hold: &Hold<K>,
+) -> HashSet<K> {
+    keys.iter()
+        .filter(|k| !held.contains(k) || hold.full.contains(k))
+        .copied()
+        .collect()
+}
+
 /// Reads conntrack's table (the families `scope` enables) in the calling thread's network
 /// namespace and returns the keys it calls for. Blocking: run it on
 /// `tokio::task::spawn_blocking`.
@@ -364,32 +391,57 @@ impl FastPath {
         })
     }
 
-    /// Writes `seeds` into the kernel-flow and NAT-guard tables: a key already there is
+    /// Makes the held tables hold [`Seeds::held`] (removing nothing when the read missed
+    /// entries) and tells the programs how much each family holds; then writes the other keys
+    /// of [`Seeds::keys`] into the kernel-flow and NAT-guard LRU tables: a key already there is
     /// refreshed (rewritten, so that it becomes one of the LRU's most recent entries, among
-    /// the last its eviction picks), a missing one added; returns how many were added in each
-    /// and how many refreshed. Retires the programs' remembered decisions when any was added,
-    /// as a learnt entry does. Then makes the held tables hold [`Seeds::held`] (removing
-    /// nothing when the read missed entries) and tells the programs how much each family
-    /// holds.
+    /// the last its eviction picks), a missing one added. A held key is not written there:
+    /// the programs find it in the held table when the LRU table misses, and a node with more
+    /// open connections than an LRU table holds would otherwise have each read evict the
+    /// entries the programs learnt meanwhile (a DNS lookup's, its answer then delivered past
+    /// conntrack). Returns how many keys the tables lacked (added to an LRU table, or newly
+    /// held and not in the LRU table) and how many were refreshed; retires the programs'
+    /// remembered decisions when any was lacking, as a learnt entry does.
     pub fn seed(&mut self, seeds: &Seeds) -> Result<Seeded, BpfError> {
-        let keys = &seeds.keys;
-        let (flows4, kept_flows4) = self.seed_table(names::KERNEL_FLOWS4, &keys.flows4)?;
-        let (flows6, kept_flows6) = self.seed_table(v6::KERNEL_FLOWS6, &keys.flows6)?;
-        let (guards4, kept_guards4) = self.seed_table(names::NAT_GUARD4, &keys.guards4)?;
-        let (guards6, kept_guards6) = self.seed_table(v6::NAT_GUARD6, &keys.guards6)?;
-        let (kernel_flows, nat_guards) = (flows4 + flows6, guards4 + guards6);
+        // A read that missed entries may have missed live connections: nothing is removed.
+        let prune = seeds.unreadable == 0;
+        let (held, keys) = (&seeds.held, &seeds.keys);
+        let flows4 = self.hold(
+            names::HELD_FLOWS4,
+            names::KERNEL_FLOWS4,
+            &held.flows4,
+            prune,
+        )?;
+        let guards4 = self.hold(names::HELD_GUARD4, names::NAT_GUARD4, &held.guards4, prune)?;
+        let flows6 = self.hold(v6::HELD_FLOWS6, v6::KERNEL_FLOWS6, &held.flows6, prune)?;
+        let guards6 = self.hold(v6::HELD_GUARD6, v6::NAT_GUARD6, &held.guards6, prune)?;
+        let mut ipv4 = flows4.sync;
+        ipv4 += guards4.sync;
+        let mut ipv6 = flows6.sync;
+        ipv6 += guards6.sync;
+        self.set_held_counts(ipv4.held, ipv6.held)?;
+        let (lru_flows4, kept_flows4) = self.seed_table(
+            names::KERNEL_FLOWS4,
+            &not_held(&keys.flows4, &held.flows4, &flows4),
+        )?;
+        let (lru_flows6, kept_flows6) = self.seed_table(
+            v6::KERNEL_FLOWS6,
+            &not_held(&keys.flows6, &held.flows6, &flows6),
+        )?;
+        let (lru_guards4, kept_guards4) = self.seed_table(
+            names::NAT_GUARD4,
+            &not_held(&keys.guards4, &held.guards4, &guards4),
+        )?;
+        let (lru_guards6, kept_guards6) = self.seed_table(
+            v6::NAT_GUARD6,
+            &not_held(&keys.guards6, &held.guards6, &guards6),
+        )?;
+        let kernel_flows = lru_flows4 + lru_flows6 + flows4.lacking + flows6.lacking;
+        let nat_guards = lru_guards4 + lru_guards6 + guards4.lacking + guards6.lacking;
         let refreshed = kept_flows4 + kept_flows6 + kept_guards4 + kept_guards6;
         if kernel_flows + nat_guards > 0 {
             self.retire_memos()?;
         }
-        // A read that missed entries may have missed live connections: nothing is removed.
-        let prune = seeds.unreadable == 0;
-        let held = &seeds.held;
-        let mut ipv4 = self.hold(names::HELD_FLOWS4, &held.flows4, prune)?;
-        ipv4 += self.hold(names::HELD_GUARD4, &held.guards4, prune)?;
-        let mut ipv6 = self.hold(v6::HELD_FLOWS6, &held.flows6, prune)?;
-        ipv6 += self.hold(v6::HELD_GUARD6, &held.guards6, prune)?;
-        self.set_held_counts(ipv4.held, ipv6.held)?;
         ipv4 += ipv6;
         Ok(Seeded {
             kernel_flows,
@@ -414,26 +466,32 @@ impl FastPath {
     }
 
     /// Makes the held table `name` hold `keys`: writes the missing ones, and with `prune`
-    /// removes the ones not among them. (Its keys are in the LRU table next to it too, written
-    /// just before, so a change here changes no decision a memo rests on: no retiring.)
+    /// removes the ones not among them. Of the keys it writes, counts those that the LRU
+    /// table `lru` next to it lacks (the programs did not know them as the kernel's).
     fn hold<K: aya::Pod + std::hash::Hash + Eq>(
         &mut self,
         name: &'static str,
+        lru: &'static str,
         keys: &HashSet<K>,
         prune: bool,
-    ) -> Result<HeldSync, BpfError> {
+    ) -> Result<Hold<K>, BpfError> {
         let map = self.ebpf_mut().map_mut(name).ok_or_else(|| missing(name))?;
         let mut table: HashMap<&mut MapData, K, u32> =
             HashMap::try_from(map).map_err(|e| BpfError::map(name, e))?;
         let present: HashSet<K> = table.keys().filter_map(Result::ok).collect();
-        let mut out = HeldSync {
-            held: present.len(),
-            ..HeldSync::default()
+        let mut out = Hold {
+            sync: HeldSync {
+                held: present.len(),
+                ..HeldSync::default()
+            },
+            written: Vec::new(),
+            full: HashSet::new(),
+            lacking: 0,
         };
         if prune {
             for key in present.difference(keys) {
                 match table.remove(key) {
-                    Ok(()) => out.removed += 1,
+                    Ok(()) => out.sync.removed += 1,
                     Err(e) if errno(&e) == Some(libc::ENOENT) => {}
                     Err(e) => return Err(BpfError::map(name, e)),
                 }
@@ -441,13 +499,29 @@ impl FastPath {
         }
         for key in keys.difference(&present) {
             match table.insert(key, 1u32, BPF_NOEXIST) {
-                Ok(()) => out.added += 1,
+                Ok(()) => out.written.push(*key),
                 Err(e) if errno(&e) == Some(libc::EEXIST) => {}
-                Err(e) if errno(&e) == Some(libc::E2BIG) => out.full += 1,
+                Err(e) if errno(&e) == Some(libc::E2BIG) => {
+                    out.full.insert(*key);
+                }
                 Err(e) => return Err(BpfError::map(name, e)),
             }
         }
-        out.held = out.held + out.added - out.removed;
+        out.sync.added = out.written.len();
+        out.sync.full = out.full.len();
+        out.sync.held = out.sync.held + out.sync.added - out.sync.removed;
+        if !out.written.is_empty() {
+            let map = self.ebpf().map(lru).ok_or_else(|| missing(lru))?;
+            let table: HashMap<&MapData, K, u32> =
+                HashMap::try_from(map).map_err(|e| BpfError::map(lru, e))?;
+            for key in &out.written {
+                match table.get(key, 0) {
+                    Ok(_) => {}
+                    Err(aya::maps::MapError::KeyNotFound) => out.lacking += 1,
+                    Err(e) => return Err(BpfError::map(lru, e)),
+                }
+            }
+        }
         Ok(out)
     }
 

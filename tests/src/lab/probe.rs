@@ -630,6 +630,48 @@ impl Drop for UdpEcho {
     }
 }
 
+/// A UDP socket in some namespace connected to one address (it takes datagrams from that
+/// address only), for request/response exchanges with a [`UdpEcho`] behind it.
+#[derive(Debug)]
+pub struct UdpClient {
+    socket: UdpSocket,
+}
+
+impl UdpClient {
+    /// Binds an ephemeral port in `ns` and connects it to `target`; answers wait 3 s.
+    pub fn connect(ns: &NetNs, target: SocketAddr) -> Result<UdpClient> {
+        let any: SocketAddr = if target.is_ipv4() {
+            (Ipv4Addr::UNSPECIFIED, 0).into()
+        } else {
+            (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+        };
+        let socket = ns.enter(move || -> std::io::Result<UdpSocket> {
+            let s = UdpSocket::bind(any)?;
+            s.connect(target)?;
+            Ok(s)
+        })??;
+        socket.set_read_timeout(Some(Duration::from_secs(3)))?;
+        Ok(UdpClient { socket })
+    }
+
+    /// The local port.
+    pub fn port(&self) -> Result<u16> {
+        Ok(self.socket.local_addr()?.port())
+    }
+
+    /// Sends `text` and waits for it to come back from the connected address.
+    pub fn echo(&self, text: &str) -> Result<()> {
+        self.socket.send(text.as_bytes())?;
+        let mut buf = [0u8; 64];
+        let n = self
+            .socket
+            .recv(&mut buf)
+            .with_context(|| format!("the answer to {text:?}"))?;
+        ensure!(&buf[..n] == text.as_bytes(), "answered {:?}", &buf[..n]);
+        Ok(())
+    }
+}
+
 /// Counts of a [`UdpStream`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StreamStats {
