@@ -15,6 +15,7 @@
 //! | [`learn`] | `bench learn`: the programs' time while kernel flows are learnt at a high rate, against a quiet run |
 //! | [`programs`] | `bench programs`: one program run on a remembered flow's packet, timed in the kernel against the floor |
 //! | [`masq`] | `bench masq`: pod → outside through eBPF SNAT, iptables MASQUERADE, no NAT |
+//! | [`resync`] | `bench resync`: one read of conntrack's open NATed connections into the flow tables, held against lookups |
 //! | [`crr`] | the TCP connection-rate tool `bench masq` uses (`flannel-lab crr`) |
 //! | [`rr`] | the TCP ping-pong latency tool `bench dataplane` uses for IPv6 (`flannel-lab rr`) |
 //! | [`report`] | Markdown, JSON and SVG output with the machine header |
@@ -29,6 +30,7 @@ pub mod measure;
 pub mod programs;
 pub mod progtime;
 pub mod report;
+pub mod resync;
 pub mod rounds;
 pub mod rr;
 pub mod stats;

@@ -31,6 +31,7 @@ use flannel_tests::{
         masq::{self, MasqOptions},
         measure::TcpTuning,
         programs::{self, ProgramsOptions},
+        resync::{self, ResyncOptions},
         report, rr, targets,
         variant::{self, SetupCtx},
     },
@@ -197,6 +198,9 @@ enum BenchCommand {
     /// echo), timed in the kernel with BPF_PROG_TEST_RUN against the floor program (the eBPF
     /// object built into flannel-lab).
     Programs(ProgramsArgs),
+    /// One read of conntrack's N open NATed connections written into the fast path's flow
+    /// tables (held TCP connections, steady or churning), against N DNS lookups.
+    Resync(ResyncArgs),
 }
 
 /// Where a lab benchmark writes its report and which binaries its clusters run.
@@ -221,6 +225,19 @@ impl BenchBins {
             bins::resolve(self.cni.as_deref(), bins::CNI_PLUGIN, "flannel-cni")?,
         ))
     }
+}
+
+#[derive(Args)]
+struct ResyncArgs {
+    /// Repetitions (round-robin across the variants).
+    #[arg(long, default_value_t = 7)]
+    reps: usize,
+    /// Flows each read finds.
+    #[arg(long, default_value_t = 32_768)]
+    connections: u32,
+    /// Output directory (default: target/bench of this workspace).
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -401,6 +418,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Masq(args)) => bench_masq(args),
         Command::Bench(BenchCommand::Learn(args)) => bench_learn(args),
         Command::Bench(BenchCommand::Programs(args)) => bench_programs(args),
+        Command::Bench(BenchCommand::Resync(args)) => bench_resync(args),
         Command::Host { .. }
         | Command::Variants
         | Command::Render { .. }
@@ -675,6 +693,16 @@ fn bench_programs(args: ProgramsArgs) -> Result<()> {
         ..ProgramsOptions::default()
     };
     let report = programs::run_all(&opts, &bench_progress, &stopped)?;
+    publish(report, Vec::new(), args.out)
+}
+
+fn bench_resync(args: ResyncArgs) -> Result<()> {
+    let opts = ResyncOptions {
+        reps: args.reps,
+        connections: args.connections,
+        ..ResyncOptions::default()
+    };
+    let report = resync::run_all(&opts, &bench_progress, &stopped)?;
     publish(report, Vec::new(), args.out)
 }
 
