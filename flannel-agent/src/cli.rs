@@ -284,7 +284,8 @@ pub struct Cli {
     pub ebpf_nat_sweep_interval: u64,
 
     /// seconds between reads of conntrack's table that keep the open NATed pod connections
-    /// on the kernel path (refreshing their flow-table entries, putting evicted ones back)
+    /// on the kernel path (holding them, putting evicted entries back); a read comes sooner
+    /// once the programs have learnt half a flow table since the last
     #[arg(long, default_value = "10", value_parser = parse_seconds)]
     pub ebpf_conntrack_resync: u64,
 

@@ -209,6 +209,9 @@ pub struct Metrics {
     /// them (when the fast path attached, or on a resync), by table (`kernel_flow`,
     /// `nat_guard`).
     pub fastpath_conntrack_kept: Family<KindLabel, Counter>,
+    /// Reads of conntrack by the fast path's resync, by what started them (`period`, or
+    /// `learning`: the programs learnt half a flow table since the last read).
+    pub fastpath_conntrack_resyncs: Family<KindLabel, Counter>,
     /// IPIP packets that arrived in fragments and were reassembled by the kernel, taken by
     /// [`crate::ipip_rx`]: `delivered`, or why each was dropped.
     pub ipip_reassembled: Family<KindLabel, Counter>,
@@ -278,6 +281,14 @@ impl Metrics {
              (kind: kernel_flow, nat_guard)",
             fastpath_conntrack_kept.clone(),
         );
+        let fastpath_conntrack_resyncs = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "fastpath_conntrack_resyncs",
+            "Reads of conntrack's table into the eBPF flow tables by the periodic resync, by \
+             what started them (kind: period, or learning: the programs learnt half a flow \
+             table since the last read)",
+            fastpath_conntrack_resyncs.clone(),
+        );
         let ipip_reassembled = Family::<KindLabel, Counter>::default();
         registry.register(
             "ipip_reassembled_packets",
@@ -341,6 +352,7 @@ impl Metrics {
             peers_unreachable,
             fastpath_pod_ports,
             fastpath_conntrack_kept,
+            fastpath_conntrack_resyncs,
             ipip_reassembled,
             ipip_inner_fragments_to_agent,
             fastpath_program_verified,

@@ -828,19 +828,12 @@ fn ebpf_held_service_connection_survives_an_eviction_without_a_resync() {
     spec.agent_args.push("--ebpf-conntrack-resync=3600".into());
     with_cluster(&named(EBPF, "held kernel flows"), spec, |c| {
         let t = c.topology();
-        let (client, server) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
-        let (client_ip, server_ip) = (client.ip(), server.ip());
-        let backend = SocketAddr::new(IpAddr::V4(server_ip), 7100);
+        let server = t.first_pod_on(2)?;
+        let backend = SocketAddr::new(IpAddr::V4(server.ip()), 7100);
         let listener = server
             .ns()
             .enter(move || std::net::TcpListener::bind(backend))??;
-        let service = SocketAddr::new("10.96.0.10".parse()?, 80);
-        t.node(1).dnat_tcp(service, backend)?;
-        let stream = client
-            .ns()
-            .enter(move || std::net::TcpStream::connect(service))??;
-        stream.set_read_timeout(Some(Duration::from_secs(3)))?;
-        let local_port = stream.local_addr()?.port().to_be_bytes();
+        let (stream, key) = connect_through_service(t, backend)?;
         let (mut pusher, _) = listener.accept()?;
         let mut lines = std::io::BufReader::new(stream);
         let mut push = |text: &str| -> Result<()> {
@@ -853,13 +846,7 @@ fn ebpf_held_service_connection_survives_an_eviction_without_a_resync() {
         };
         push("before")?;
         let pins = t.node(1).bpf_pin_path().to_path_buf();
-        let ours = |k: &flannel_common::flow::FlowKey| {
-            k.local_addr == client_ip.octets()
-                && k.remote_addr == server_ip.octets()
-                && k.local_port == local_port
-                && k.remote_port == 7100u16.to_be_bytes()
-                && k.proto == 6
-        };
+        let ours = |k: &flannel_common::flow::FlowKey| *k == key;
         // As after an upgrade from a build without the held tables: node1's agent stops and
         // their pins go (the programs keep theirs); the agent that starts creates them.
         c.agent_mut(1)
@@ -921,6 +908,95 @@ fn ebpf_held_service_connection_survives_an_eviction_without_a_resync() {
         }
         Ok(())
     });
+}
+
+/// A Service connection opened after node1's agent started, on a node whose programs then
+/// learn a burst of short flows (40,000 DNS-like UDP flows through a Service, more than half
+/// the kernel-flow LRU table), is held long before the resync's period (an hour here) comes:
+/// the learning calls for an early read of conntrack
+/// (`flannel_fastpath_conntrack_resyncs_total{kind="learning"}`), which holds the connection,
+/// so the burst's entries cannot evict it from the kernel path. (Without the early read it
+/// stayed unheld for the hour, open to eviction by the next burst.)
+#[test]
+fn ebpf_a_burst_of_learnt_flows_brings_the_next_conntrack_read_forward() {
+    require_root!();
+    let mut spec = spec_on(EBPF, 2, Underlay::L2, "host-gw", 1);
+    spec.ip_masq = true;
+    spec.agent_args.push("--ebpf-conntrack-resync=3600".into());
+    with_cluster(&named(EBPF, "early conntrack read"), spec, |c| {
+        let t = c.topology();
+        let (client, server) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
+        let server_ip = server.ip();
+        let backend = SocketAddr::new(IpAddr::V4(server_ip), 7100);
+        probe::line_echo_server(server.ns(), backend, 1)?;
+        let (mut stream, key) = connect_through_service(t, backend)?;
+        probe::line_round_trip(&mut stream, "before").context("through the Service")?;
+        let pins = t.node(1).bpf_pin_path();
+        let node1 = t.node(1).ns();
+        let ours = |k: &flannel_common::flow::FlowKey| *k == key;
+        let held = || -> Result<bool> { Ok(fastpath::held_kernel_flows(pins)?.iter().any(ours)) };
+        std::thread::sleep(Duration::from_secs(2));
+        ensure!(
+            !held()?,
+            "the connection is held before any read could have seen it"
+        );
+        // The burst: one datagram from each of 40,000 ports to a DNS Service on node2's pod.
+        let dns = SocketAddr::new("10.96.0.11".parse()?, 53);
+        t.node(1)
+            .dnat_udp(dns, SocketAddr::new(IpAddr::V4(server_ip), 5353))?;
+        client.ns().enter(move || -> std::io::Result<()> {
+            for port in 20_000..60_000u16 {
+                let s = std::net::UdpSocket::bind((std::net::Ipv4Addr::UNSPECIFIED, port))?;
+                s.send_to(b"q", dns)?;
+            }
+            Ok(())
+        })??;
+        wait::until_ok(
+            Duration::from_secs(20),
+            "node1 holding the connection",
+            || {
+                ensure!(held()?, "not held");
+                Ok(())
+            },
+        )?;
+        let early = status::metric_sum(
+            node1,
+            DEFAULT_HEALTHZ_PORT,
+            "flannel_fastpath_conntrack_resyncs_total",
+            "kind=\"learning\"",
+        )?;
+        ensure!(early >= 1.0, "node1 reports {early} early reads");
+        probe::line_round_trip(&mut stream, "after").context("through the Service")?;
+        Ok(())
+    });
+}
+
+/// Connects node1's first pod to `backend` (a pod on another node) through a ClusterIP-style
+/// DNAT on node1 (10.96.0.10:80, as kube-proxy's): the stream (3 s read timeout) and the
+/// connection's kernel-flow key as node1's programs learn it and its agent holds it.
+fn connect_through_service(
+    t: &Topology,
+    backend: SocketAddr,
+) -> Result<(std::net::TcpStream, flannel_common::flow::FlowKey)> {
+    let client = t.first_pod_on(1)?;
+    let IpAddr::V4(backend_ip) = backend.ip() else {
+        bail!("IPv4 only")
+    };
+    let service = SocketAddr::new("10.96.0.10".parse()?, 80);
+    t.node(1).dnat_tcp(service, backend)?;
+    let stream = client
+        .ns()
+        .enter(move || std::net::TcpStream::connect(service))??;
+    stream.set_read_timeout(Some(Duration::from_secs(3)))?;
+    let key = flannel_common::flow::FlowKey {
+        local_addr: client.ip().octets(),
+        remote_addr: backend_ip.octets(),
+        local_port: stream.local_addr()?.port().to_be_bytes(),
+        remote_port: backend.port().to_be_bytes(),
+        proto: 6,
+        _pad: [0; 3],
+    };
+    Ok((stream, key))
 }
 
 /// A TCP connection to `addr` whose every packet carries IP options (three NOPs and an end of

@@ -75,15 +75,7 @@ pub struct Counters {
 
 impl Counters {
     pub(crate) fn read(ebpf: &Ebpf) -> Result<Counters, BpfError> {
-        Counters::read_each(|name| {
-            let map = ebpf.map(name).ok_or_else(|| BpfError::BadMap {
-                name,
-                reason: "not in the eBPF object".into(),
-            })?;
-            let array: PerCpuArray<&MapData, Counter> =
-                PerCpuArray::try_from(map).map_err(|e| BpfError::map(name, e))?;
-            sum_by_reason(&array, name)
-        })
+        Counters::read_each(|name| sum_by_reason(&counter_map(ebpf, name)?, name))
     }
 
     /// The counters in the maps pinned under `pin_path` (`--bpf-pin-path`): readable by
@@ -112,12 +104,73 @@ impl Counters {
     fn read_each(
         read: impl Fn(&'static str) -> Result<ReasonCounters, BpfError>,
     ) -> Result<Counters, BpfError> {
+        let [from_bridge, from_netdev, to_netdev, xdp_from_netdev] = COUNTER_MAPS;
         Ok(Counters {
-            from_bridge: read(names::CNT_FROM_BRIDGE)?,
-            from_netdev: read(names::CNT_FROM_NETDEV)?,
-            to_netdev: read(names::CNT_TO_NETDEV)?,
-            xdp_from_netdev: read(names::CNT_XDP_NETDEV)?,
+            from_bridge: read(from_bridge)?,
+            from_netdev: read(from_netdev)?,
+            to_netdev: read(to_netdev)?,
+            xdp_from_netdev: read(xdp_from_netdev)?,
         })
+    }
+}
+
+/// The programs' counter maps: `tc_from_bridge`, `tc_from_netdev`, `tc_to_netdev`,
+/// `xdp_from_netdev`.
+const COUNTER_MAPS: [&str; 4] = [
+    names::CNT_FROM_BRIDGE,
+    names::CNT_FROM_NETDEV,
+    names::CNT_TO_NETDEV,
+    names::CNT_XDP_NETDEV,
+];
+
+/// The loaded counter map `name`.
+fn counter_map<'a>(
+    ebpf: &'a Ebpf,
+    name: &'static str,
+) -> Result<PerCpuArray<&'a MapData, Counter>, BpfError> {
+    let map = ebpf.map(name).ok_or_else(|| BpfError::BadMap {
+        name,
+        reason: "not in the eBPF object".into(),
+    })?;
+    PerCpuArray::try_from(map).map_err(|e| BpfError::map(name, e))
+}
+
+/// Flow-table entries the programs have learnt since they were loaded (both families, every
+/// program), as their counters say.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Learnt {
+    /// New kernel-flow entries ([`Reason::LearnKernelFlow`]).
+    pub kernel_flows: u64,
+    /// New NAT-guard entries ([`Reason::LearnNatGuard`]).
+    pub nat_guards: u64,
+}
+
+impl Learnt {
+    /// What was learnt since `before`.
+    pub fn since(self, before: Learnt) -> Learnt {
+        Learnt {
+            kernel_flows: self.kernel_flows.saturating_sub(before.kernel_flows),
+            nat_guards: self.nat_guards.saturating_sub(before.nat_guards),
+        }
+    }
+
+    /// Reads the two reasons from every program's counter map: eight lookups, cheap enough to
+    /// poll.
+    pub(crate) fn read(ebpf: &Ebpf) -> Result<Learnt, BpfError> {
+        let mut out = Learnt::default();
+        for name in COUNTER_MAPS {
+            let array = counter_map(ebpf, name)?;
+            for (reason, total) in [
+                (Reason::LearnKernelFlow, &mut out.kernel_flows),
+                (Reason::LearnNatGuard, &mut out.nat_guards),
+            ] {
+                let values = array
+                    .get(&reason.index(), 0)
+                    .map_err(|e| BpfError::map(name, e))?;
+                *total += values.iter().map(|c| c.packets).sum::<u64>();
+            }
+        }
+        Ok(out)
     }
 }
 

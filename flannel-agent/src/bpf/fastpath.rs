@@ -650,6 +650,11 @@ impl FastPath {
         Counters::read(&self.ebpf)
     }
 
+    /// Flow-table entries the programs have learnt so far (two of their counters).
+    pub fn learnt(&self) -> Result<super::counters::Learnt, BpfError> {
+        super::counters::Learnt::read(&self.ebpf)
+    }
+
     /// Attaches `hook`'s program to `ifindex` and removes its links on other interfaces (an
     /// old bridge, a previous external interface).
     fn attach(&mut self, hook: Hook, ifindex: u32) -> Result<Attached, BpfError> {

@@ -89,7 +89,7 @@ use std::{fmt, path::Path, str::FromStr};
 
 pub use applier::{BpfApplier, FastPathCounters, SharedFastPath};
 pub use config::{LocalConfig, VxlanLocal};
-pub use counters::{Counters, ReasonCounters};
+pub use counters::{Counters, Learnt, ReasonCounters};
 pub use error::BpfError;
 pub use fastpath::{Attached, FastPath, Hook, LoadOptions, NetdevAttach, PortAttach, TcAttach};
 pub use held::HeldSizing;

@@ -9,6 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use flannel_common::maps as names;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -656,20 +657,88 @@ fn report_held(held: &bpf::seed::HeldSync, metrics: &Metrics) {
 /// so that the resync never takes more than 2 % of a core.
 const RESYNC_DUTY: u32 = 50;
 
+/// How often the resync looks at how many flow-table entries the programs have learnt.
+const LEARN_POLL: Duration = Duration::from_secs(1);
+
 /// The wait before the next resync: `period`, or longer when the last one took `took`
 /// ([`RESYNC_DUTY`]).
 fn resync_delay(period: Duration, took: Duration) -> Duration {
     period.max(took.saturating_mul(RESYNC_DUTY))
 }
 
+/// Whether the programs have learnt so many flow-table entries since the last read that the
+/// next one should not wait for its period: half an LRU table's worth (of kernel flows, or of
+/// NAT guards; both families counted together). A connection opened just after a read is then
+/// read, and held, before the entries learnt after it could have evicted it from the LRU
+/// table, however fast short flows (DNS lookups through a Service) come.
+fn learning_calls_for_a_read(learnt: bpf::Learnt) -> bool {
+    learnt.kernel_flows >= u64::from(names::KERNEL_FLOWS4_MAX_ENTRIES / 2)
+        || learnt.nat_guards >= u64::from(names::NAT_GUARD4_MAX_ENTRIES / 2)
+}
+
+/// What started a resync.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ResyncCause {
+    /// Its period passed.
+    Period,
+    /// The programs learnt half an LRU table since the last read ([`learning_calls_for_a_read`]).
+    Learning,
+}
+
+impl ResyncCause {
+    fn label(self) -> &'static str {
+        match self {
+            ResyncCause::Period => "period",
+            ResyncCause::Learning => "learning",
+        }
+    }
+}
+
+/// The programs' learnt entries so far; `None` when the handle cannot be read (the period
+/// alone then paces the reads).
+fn learnt(fast_path: &SharedFastPath) -> Option<bpf::Learnt> {
+    fast_path.lock().ok()?.learnt().ok()
+}
+
+/// Waits for the next resync: `delay` after the last one ended (`ended`), or sooner once the
+/// programs have learnt enough since `before` ([`learning_calls_for_a_read`]), but never
+/// sooner than `floor` after it (the duty limit). `None` when `cancel` fired.
+async fn next_resync(
+    fast_path: &SharedFastPath,
+    before: Option<bpf::Learnt>,
+    ended: Instant,
+    delay: Duration,
+    floor: Duration,
+    cancel: &CancellationToken,
+) -> Option<ResyncCause> {
+    loop {
+        let elapsed = ended.elapsed();
+        if elapsed >= delay {
+            return Some(ResyncCause::Period);
+        }
+        if elapsed >= floor
+            && let (Some(before), Some(now)) = (before, learnt(fast_path))
+            && learning_calls_for_a_read(now.since(before))
+        {
+            return Some(ResyncCause::Learning);
+        }
+        tokio::select! {
+            () = cancel.cancelled() => return None,
+            () = tokio::time::sleep(LEARN_POLL.min(delay - elapsed)) => {}
+        }
+    }
+}
+
 /// Reads conntrack's table every `period` (`--ebpf-conntrack-resync`, stretched for a huge
-/// table: [`resync_delay`]) and writes what it calls for into the flow tables ([`bpf::seed`]),
-/// until `cancel`. The programs learn a NATed connection from its packets, and the start-up
-/// and new-port reads cover the ones open before; this resync covers the rest: an entry the
-/// LRU evicted (a long-idle Service connection on a node whose DNS lookups fill the table: the
-/// backend's next packet would reach the pod un-translated) comes back within a period, and
-/// every live one is rewritten, so that eviction takes closed flows first. Also a connection
-/// begun between a read and the attach it preceded.
+/// table: [`resync_delay`]), or sooner when the programs learn flows fast
+/// ([`learning_calls_for_a_read`]), and writes what it calls for into the flow tables
+/// ([`bpf::seed`]), until `cancel`. The programs learn a NATed connection from its packets,
+/// and the start-up and new-port reads cover the ones open before; this resync covers the
+/// rest: an entry the LRU evicted (a long-idle Service connection on a node whose DNS lookups
+/// fill the table: the backend's next packet would reach the pod un-translated) comes back
+/// within a period, open connections are held, and every other live one is rewritten, so that
+/// eviction takes closed flows first. Also a connection begun between a read and the attach
+/// it preceded.
 pub async fn resync_conntrack(
     fast_path: SharedFastPath,
     period: Duration,
@@ -677,14 +746,27 @@ pub async fn resync_conntrack(
     cancel: CancellationToken,
 ) {
     // The attach has just read the table: the first resync is a period away.
-    let mut delay = period;
+    let (mut delay, mut floor) = (period, Duration::ZERO);
+    let mut ended = Instant::now();
+    let mut before = learnt(&fast_path);
     let mut failing = false;
     loop {
-        tokio::select! {
-            () = cancel.cancelled() => return,
-            () = tokio::time::sleep(delay) => {}
+        let Some(cause) = next_resync(&fast_path, before, ended, delay, floor, &cancel).await
+        else {
+            return;
+        };
+        metrics
+            .fastpath_conntrack_resyncs
+            .get_or_create(&KindLabel {
+                kind: cause.label().into(),
+            })
+            .inc();
+        if cause == ResyncCause::Learning {
+            debug!("conntrack read early: the programs learnt half a flow table since the last");
         }
         let started = Instant::now();
+        // Learnt from here on counts towards the next read (this one may miss it).
+        before = learnt(&fast_path);
         let scope = match fast_path.lock() {
             Ok(fp) => fp.seed_scope(),
             Err(_) => return,
@@ -715,7 +797,9 @@ pub async fn resync_conntrack(
             seed(&mut fp, &seeds, SeedAt::Resync, &metrics);
         }
         let took = started.elapsed();
+        ended = Instant::now();
         delay = resync_delay(period, took);
+        floor = took.saturating_mul(RESYNC_DUTY);
         if delay > period {
             debug!(
                 took_ms = took.as_millis() as u64,
@@ -730,6 +814,23 @@ pub async fn resync_conntrack(
 mod tests {
     use super::*;
     use crate::backend::{IpipOptions, UdpOptions, VxlanOptions};
+
+    #[test]
+    fn half_a_flow_table_learnt_calls_for_a_read() {
+        let learnt = |kernel_flows, nat_guards| bpf::Learnt {
+            kernel_flows,
+            nat_guards,
+        };
+        assert!(!learning_calls_for_a_read(learnt(32_767, 8_191)));
+        assert!(learning_calls_for_a_read(learnt(32_768, 0)));
+        assert!(learning_calls_for_a_read(learnt(0, 8_192)));
+        // Counters read after the programs were reloaded (lower than before): nothing learnt.
+        assert_eq!(learnt(5, 5).since(learnt(40_000, 9_000)), learnt(0, 0));
+        assert_eq!(
+            learnt(40_000, 9_000).since(learnt(5, 5)),
+            learnt(39_995, 8_995)
+        );
+    }
 
     #[test]
     fn a_slow_resync_waits_longer() {

@@ -31,8 +31,9 @@ use flannel_tests::{
         masq::{self, MasqOptions},
         measure::TcpTuning,
         programs::{self, ProgramsOptions},
+        report,
         resync::{self, ResyncOptions},
-        report, rr, targets,
+        rr, targets,
         variant::{self, SetupCtx},
     },
     lab::{
