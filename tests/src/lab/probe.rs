@@ -663,10 +663,13 @@ impl UdpClient {
     pub fn echo(&self, text: &str) -> Result<()> {
         self.socket.send(text.as_bytes())?;
         let mut buf = [0u8; 64];
-        let n = self
-            .socket
-            .recv(&mut buf)
-            .with_context(|| format!("the answer to {text:?}"))?;
+        // A signal (a child process of the test ending) interrupts the wait; wait on.
+        let n = loop {
+            match self.socket.recv(&mut buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                read => break read.with_context(|| format!("the answer to {text:?}"))?,
+            }
+        };
         ensure!(&buf[..n] == text.as_bytes(), "answered {:?}", &buf[..n]);
         Ok(())
     }
