@@ -3102,6 +3102,21 @@ fn held_tables_take_the_size_asked_for_and_a_restart_resizes_them() {
     assert_eq!(sizes(), [16, 4, 16, 4]);
 }
 
+/// The kernel-flow keys of `n` TCP connections from local pods to a Service's backend on
+/// another node.
+fn service_connections(n: u32) -> std::collections::HashSet<flannel_common::flow::FlowKey> {
+    (0..n)
+        .map(|i| flannel_common::flow::FlowKey {
+            local_addr: [10, 244, 1, 10 + (i >> 16) as u8],
+            remote_addr: HOSTGW_POD.octets(),
+            local_port: (i as u16).to_be_bytes(),
+            remote_port: 80u16.to_be_bytes(),
+            proto: 6,
+            _pad: [0; 3],
+        })
+        .collect()
+}
+
 /// A read of conntrack that holds more open connections than the kernel-flow LRU table holds
 /// (70,000 against 65,536) does not write them there too: the entry the programs learnt just
 /// before (a DNS lookup's, not held) stays, where rewriting the held keys into the LRU table
@@ -3132,16 +3147,7 @@ fn holding_more_connections_than_the_lru_table_evicts_nothing_the_programs_learn
         table::<FlowKey>(&pin, names::KERNEL_FLOWS4)
             .insert(lookup, 1, 0)
             .expect("learning the lookup");
-        let many: std::collections::HashSet<FlowKey> = (0..70_000u32)
-            .map(|i| FlowKey {
-                local_addr: [10, 244, 1, 10 + (i >> 16) as u8],
-                remote_addr: HOSTGW_POD.octets(),
-                local_port: (i as u16).to_be_bytes(),
-                remote_port: 80u16.to_be_bytes(),
-                proto: 6,
-                _pad: [0; 3],
-            })
-            .collect();
+        let many = service_connections(70_000);
         let keys = Keys {
             flows4: many,
             ..Keys::default()
@@ -3168,6 +3174,55 @@ fn holding_more_connections_than_the_lru_table_evicts_nothing_the_programs_learn
             1,
             "held keys written into the LRU table"
         );
+    });
+}
+
+/// `bpf::batch::keys` (`BPF_MAP_LOOKUP_BATCH`, what a read of conntrack walks the held tables
+/// with) finds every key of a held table that the one-by-one walk finds, across several
+/// batches (10,000 keys), and none in an empty one.
+#[test]
+fn batched_key_reads_find_what_the_walk_finds() {
+    use flannel_agent::bpf::{
+        batch,
+        seed::{Keys, Seeds},
+    };
+    use flannel_common::{
+        flow::{FlowKey, PeerKey},
+        maps as names,
+    };
+
+    let Some(rig) = Rig::new("fpbatch") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    rig.with_fast_path(move |fp, _| {
+        let flows = service_connections(10_000);
+        let held = Keys {
+            flows4: flows.clone(),
+            ..Keys::default()
+        };
+        fp.seed(&Seeds {
+            held,
+            ..Seeds::default()
+        })
+        .expect("seed");
+        let data = |name: &str| {
+            aya::maps::MapData::from_pin(pin.join(names::PIN_LAYOUT_VERSION).join(name))
+                .unwrap_or_else(|e| panic!("{name}: {e}"))
+        };
+        let batched = batch::keys::<FlowKey>(&data(names::HELD_FLOWS4), 4)
+            .expect("batch lookup")
+            .expect("this kernel has batch lookups");
+        assert_eq!(batched.len(), 10_000, "a key read twice or missed");
+        let walked: std::collections::HashSet<FlowKey> = table::<FlowKey>(&pin, names::HELD_FLOWS4)
+            .keys()
+            .map(|k| k.expect("key"))
+            .collect();
+        let batched: std::collections::HashSet<FlowKey> = batched.into_iter().collect();
+        assert_eq!(batched, walked);
+        assert_eq!(batched, flows);
+        let empty = batch::keys::<PeerKey>(&data(names::HELD_GUARD4), 4).expect("batch lookup");
+        assert_eq!(empty, Some(Vec::new()));
     });
 }
 

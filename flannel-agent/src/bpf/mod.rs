@@ -68,6 +68,7 @@
 //! | [`v6`] | [`LocalConfig6`], [`Remote6`]: IPv6 on the fast path |
 
 pub mod applier;
+pub mod batch;
 pub mod config;
 pub mod counters;
 pub mod error;

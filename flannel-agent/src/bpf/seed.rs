@@ -476,9 +476,17 @@ impl FastPath {
         prune: bool,
     ) -> Result<Hold<K>, BpfError> {
         let map = self.ebpf_mut().map_mut(name).ok_or_else(|| missing(name))?;
+        let batched = match &*map {
+            aya::maps::Map::HashMap(data) => super::batch::keys::<K>(data, size_of::<u32>())
+                .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))?,
+            _ => None,
+        };
         let mut table: HashMap<&mut MapData, K, u32> =
             HashMap::try_from(map).map_err(|e| BpfError::map(name, e))?;
-        let present: HashSet<K> = table.keys().filter_map(Result::ok).collect();
+        let present: HashSet<K> = match batched {
+            Some(keys) => keys.into_iter().collect(),
+            None => table.keys().filter_map(Result::ok).collect(),
+        };
         let mut out = Hold {
             sync: HeldSync {
                 held: present.len(),
