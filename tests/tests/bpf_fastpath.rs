@@ -3177,6 +3177,69 @@ fn holding_more_connections_than_the_lru_table_evicts_nothing_the_programs_learn
     });
 }
 
+/// A read of conntrack writes the flows it does not hold (DNS lookups through a Service) into
+/// the kernel-flow LRU table: all of them (in batches of thousands, `BPF_MAP_UPDATE_BATCH`,
+/// 10,000 here), counted as added the first time and as refreshed when read again, the
+/// programs' memos retired only when one was added; one evicted in between is counted as
+/// added again.
+#[test]
+fn lookups_are_written_into_the_lru_table_and_counted_once() {
+    use flannel_agent::bpf::seed::{Keys, Seeds};
+    use flannel_common::{flow::FlowKey, maps as names};
+
+    let Some(rig) = Rig::new("fplookup") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    rig.with_fast_path(move |fp, _| {
+        let lookups: std::collections::HashSet<FlowKey> = service_connections(10_000)
+            .into_iter()
+            .map(|k| FlowKey {
+                proto: 17,
+                remote_port: 53u16.to_be_bytes(),
+                ..k
+            })
+            .collect();
+        let read = Seeds {
+            keys: Keys {
+                flows4: lookups.clone(),
+                ..Keys::default()
+            },
+            ..Seeds::default()
+        };
+        let generation = |fp: &FastPath| fp.memo_generation(0).expect("generation");
+        let before = generation(fp);
+        let first = fp.seed(&read).expect("seed");
+        assert_eq!(
+            (first.kernel_flows, first.refreshed),
+            (10_000, 0),
+            "{first:?}"
+        );
+        let in_lru: std::collections::HashSet<FlowKey> =
+            table::<FlowKey>(&pin, names::KERNEL_FLOWS4)
+                .keys()
+                .map(|k| k.expect("key"))
+                .collect();
+        assert_eq!(in_lru, lookups);
+        let retired = generation(fp);
+        assert_ne!(retired, before, "memos not retired for new entries");
+        let again = fp.seed(&read).expect("seed");
+        assert_eq!(
+            (again.kernel_flows, again.refreshed),
+            (0, 10_000),
+            "{again:?}"
+        );
+        assert_eq!(generation(fp), retired, "memos retired with nothing added");
+        let gone = *lookups.iter().next().expect("a lookup");
+        table::<FlowKey>(&pin, names::KERNEL_FLOWS4)
+            .remove(&gone)
+            .expect("evicting one");
+        let back = fp.seed(&read).expect("seed");
+        assert_eq!((back.kernel_flows, back.refreshed), (1, 9_999), "{back:?}");
+        assert!(in_table(&pin, names::KERNEL_FLOWS4, &gone));
+    });
+}
+
 /// `bpf::batch::keys` (`BPF_MAP_LOOKUP_BATCH`, what a read of conntrack walks the held tables
 /// with) finds every key of a held table that the one-by-one walk finds, across several
 /// batches (10,000 keys), and none in an empty one.

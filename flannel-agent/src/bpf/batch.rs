@@ -1,7 +1,8 @@
-//! Reading every key of a hash map in batches (`BPF_MAP_LOOKUP_BATCH`, Linux 5.6): one syscall
-//! per few thousand entries instead of one per key (`BPF_MAP_GET_NEXT_KEY`, what aya's
-//! iterators do), which is most of what a walk over a large held flow table costs
-//! ([`super::seed`]). aya 0.14 has no batch API, so this is the syscall itself.
+//! Reading every key of a hash map, and writing many entries, in batches
+//! (`BPF_MAP_LOOKUP_BATCH`, `BPF_MAP_UPDATE_BATCH`, Linux 5.6): one syscall per few thousand
+//! entries instead of one per key (`BPF_MAP_GET_NEXT_KEY`, `BPF_MAP_UPDATE_ELEM`, what aya's
+//! maps do), which is most of what a read of conntrack into large flow tables costs
+//! ([`super::seed`]). aya 0.14 has no batch API, so these are the syscalls themselves.
 
 use std::{
     io,
@@ -13,6 +14,8 @@ use aya::maps::MapData;
 
 /// `BPF_MAP_LOOKUP_BATCH` (`enum bpf_cmd`).
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+/// `BPF_MAP_UPDATE_BATCH` (`enum bpf_cmd`).
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 /// The kernel's `ENOTSUPP` (not `EOPNOTSUPP`): a map type without batch operations.
 const ENOTSUPP: i32 = 524;
 /// Entries asked for per call (a hash bucket never holds more).
@@ -57,15 +60,7 @@ pub fn keys<K: aya::Pod>(map: &MapData, value_size: usize) -> io::Result<Option<
         // SAFETY: `attr` describes buffers of `BATCH` keys and values of this map's sizes and a
         // token of the size a hash map's batch takes, all alive for the call; the kernel reads
         // and writes no more than that.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_LOOKUP_BATCH,
-                &raw mut attr,
-                size_of::<BatchAttr>(),
-            )
-        };
-        let err = (rc < 0).then(io::Error::last_os_error);
+        let err = unsafe { bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) }.err();
         // The kernel says how many entries it filled in, also with the last batch (ENOENT).
         let filled = (attr.count as usize).min(BATCH);
         out.extend(key_buf.chunks_exact(key_size).take(filled).map(|bytes| {
@@ -85,5 +80,61 @@ pub fn keys<K: aya::Pod>(map: &MapData, value_size: usize) -> io::Result<Option<
                 };
             }
         }
+    }
+}
+
+/// Writes `values[i]` under `keys[i]` into the map `map` (whose keys are `K` and values `V`)
+/// with `flags` (`BPF_ANY`, ...), a few thousand entries a syscall. `Ok(false)` when the kernel
+/// or the map type has no batch update (nothing was written: the caller writes one by one);
+/// an error after some were written is returned as is.
+pub fn update<K: aya::Pod, V: aya::Pod>(
+    map: &MapData,
+    keys: &[K],
+    values: &[V],
+    flags: u64,
+) -> io::Result<bool> {
+    if keys.len() != values.len() {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    let fd = map.fd().as_fd().as_raw_fd();
+    for (first, (keys, values)) in keys.chunks(BATCH).zip(values.chunks(BATCH)).enumerate() {
+        let mut attr = BatchAttr {
+            keys: keys.as_ptr() as u64,
+            values: values.as_ptr() as u64,
+            count: keys.len() as u32,
+            map_fd: fd as u32,
+            elem_flags: flags,
+            ..BatchAttr::default()
+        };
+        // SAFETY: `attr` describes `count` keys and values of this map's sizes, alive for the
+        // call; the kernel only reads them.
+        if let Err(e) = unsafe { bpf(BPF_MAP_UPDATE_BATCH, &mut attr) } {
+            return match e.raw_os_error() {
+                Some(libc::EINVAL | ENOTSUPP | libc::EOPNOTSUPP) if first == 0 => Ok(false),
+                _ => Err(e),
+            };
+        }
+    }
+    Ok(true)
+}
+
+/// The `bpf(2)` syscall with the batch part of `union bpf_attr`.
+///
+/// # Safety
+/// The pointers in `attr` must describe buffers that the command may read and write.
+unsafe fn bpf(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
+    // SAFETY: the caller vouches for the buffers; `attr` itself is alive and sized as said.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            std::ptr::from_mut(attr),
+            size_of::<BatchAttr>(),
+        )
+    };
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
     }
 }

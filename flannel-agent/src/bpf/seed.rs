@@ -198,6 +198,8 @@ fn errno(e: &aya::maps::MapError) -> Option<i32> {
     }
 }
 
+/// `BPF_ANY`: insert or update.
+const BPF_ANY: u64 = 0;
 /// `BPF_NOEXIST`: insert only when the key is absent.
 const BPF_NOEXIST: u64 = 1;
 /// `BPF_EXIST`: update only when the key is present.
@@ -336,6 +338,27 @@ impl std::ops::AddAssign for HeldSync {
         self.removed += o.removed;
         self.full += o.full;
     }
+}
+
+/// [`FastPath::seed_table`] in batches: reads the LRU table's keys, then writes every key of
+/// `keys` (a few thousand a syscall); returns (added, refreshed), where added are the keys the
+/// table lacked when read. (A key the programs learn, or the LRU evicts, between the read and
+/// the write is counted by what the read found; a memo the miscount leaves in place is used
+/// for at most its 100 ticks.) `None` when the kernel has no batch operations.
+fn seed_batched<K: aya::Pod + std::hash::Hash + Eq>(
+    table: &MapData,
+    keys: &HashSet<K>,
+) -> std::io::Result<Option<(usize, usize)>> {
+    let Some(present) = super::batch::keys::<K>(table, size_of::<u32>())? else {
+        return Ok(None);
+    };
+    let present: HashSet<K> = present.into_iter().collect();
+    let keys: Vec<K> = keys.iter().copied().collect();
+    if !super::batch::update(table, &keys, &vec![1u32; keys.len()], BPF_ANY)? {
+        return Ok(None);
+    }
+    let added = keys.iter().filter(|k| !present.contains(k)).count();
+    Ok(Some((added, keys.len() - added)))
 }
 
 /// What [`FastPath::hold`] did to one held table.
@@ -533,7 +556,8 @@ impl FastPath {
         Ok(out)
     }
 
-    /// Writes `keys` into table `name`; returns (added, refreshed).
+    /// Writes `keys` into table `name`; returns (added, refreshed). In batches where the kernel
+    /// has them ([`seed_batched`]), else one key at a time.
     fn seed_table<K: aya::Pod + std::hash::Hash + Eq>(
         &mut self,
         name: &'static str,
@@ -543,6 +567,12 @@ impl FastPath {
             return Ok((0, 0));
         }
         let map = self.ebpf_mut().map_mut(name).ok_or_else(|| missing(name))?;
+        if let aya::maps::Map::LruHashMap(data) = &*map
+            && let Some(counts) = seed_batched(data, keys)
+                .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))?
+        {
+            return Ok(counts);
+        }
         let mut table: HashMap<&mut MapData, K, u32> =
             HashMap::try_from(map).map_err(|e| BpfError::map(name, e))?;
         let (mut added, mut refreshed) = (0, 0);
