@@ -3286,6 +3286,32 @@ fn batched_key_reads_find_what_the_walk_finds() {
         assert_eq!(batched, flows);
         let empty = batch::keys::<PeerKey>(&data(names::HELD_GUARD4), 4).expect("batch lookup");
         assert_eq!(empty, Some(Vec::new()));
+        // A map the kernel's generic batch serves (the routes' LPM trie: its token is the last
+        // key read, 8 bytes, where a hash map's is 4) reads as its own walk does.
+        let routes = batch::keys::<[u8; 8]>(
+            &data(names::ROUTES4),
+            size_of::<flannel_common::route::RemoteEntry>(),
+        )
+        .expect("batch lookup")
+        .expect("this kernel's generic batch serves LPM tries");
+        let trie: aya::maps::LpmTrie<_, [u8; 4], flannel_common::route::RemoteEntry> =
+            aya::maps::LpmTrie::try_from(aya::maps::Map::LpmTrie(data(names::ROUTES4)))
+                .expect("trie");
+        let mut walked: Vec<[u8; 8]> = trie
+            .keys()
+            .map(|k| {
+                let k = k.expect("key");
+                let mut raw = [0u8; 8];
+                raw[..4].copy_from_slice(&k.prefix_len().to_ne_bytes());
+                raw[4..].copy_from_slice(&k.data());
+                raw
+            })
+            .collect();
+        walked.sort_unstable();
+        let mut routes = routes;
+        routes.sort_unstable();
+        assert_eq!(routes, walked);
+        assert_eq!(walked.len(), 6);
     });
 }
 

@@ -35,22 +35,23 @@ struct BatchAttr {
     flags: u64,
 }
 
-/// Every key of the hash map `map`, whose keys are `K` and values `value_size` bytes, read in
-/// batches. `Ok(None)` when the kernel or the map type has no batch lookup (the caller walks
+/// Every key of the map `map` (a hash map, or any map the kernel's batch lookup serves), whose
+/// keys are `K` and values `value_size` bytes, read in batches. `Ok(None)` when the kernel or the map type has no batch lookup (the caller walks
 /// the keys one by one instead).
 pub fn keys<K: aya::Pod>(map: &MapData, value_size: usize) -> io::Result<Option<Vec<K>>> {
     let fd = map.fd().as_fd().as_raw_fd();
     let key_size = size_of::<K>();
     let mut key_buf = vec![0u8; BATCH * key_size];
     let mut value_buf = vec![0u8; BATCH * value_size.max(1)];
-    // A hash map's batch token: the bucket to go on from.
-    let mut token: u32 = 0;
+    // The batch token: a bucket index (4 bytes) for a hash map, the last key read for the
+    // maps the kernel's generic batch serves (an LPM trie): room for either.
+    let mut token = vec![0u64; key_size.div_ceil(8).max(1)];
     let mut out = Vec::new();
     let mut first = true;
     loop {
         let mut attr = BatchAttr {
-            in_batch: if first { 0 } else { (&raw const token) as u64 },
-            out_batch: (&raw mut token) as u64,
+            in_batch: if first { 0 } else { token.as_ptr() as u64 },
+            out_batch: token.as_mut_ptr() as u64,
             keys: key_buf.as_mut_ptr() as u64,
             values: value_buf.as_mut_ptr() as u64,
             count: BATCH as u32,
@@ -58,8 +59,8 @@ pub fn keys<K: aya::Pod>(map: &MapData, value_size: usize) -> io::Result<Option<
             ..BatchAttr::default()
         };
         // SAFETY: `attr` describes buffers of `BATCH` keys and values of this map's sizes and a
-        // token of the size a hash map's batch takes, all alive for the call; the kernel reads
-        // and writes no more than that.
+        // token as large as a key (and at least the 4 bytes of a hash map's), all alive for the
+        // call; the kernel reads and writes no more than that.
         let err = unsafe { bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) }.err();
         // The kernel says how many entries it filled in, also with the last batch (ENOENT).
         let filled = (attr.count as usize).min(BATCH);
