@@ -36,8 +36,8 @@ struct BatchAttr {
 }
 
 /// Every key of the map `map` (a hash map, or any map the kernel's batch lookup serves), whose
-/// keys are `K` and values `value_size` bytes, read in batches. `Ok(None)` when the kernel or the map type has no batch lookup (the caller walks
-/// the keys one by one instead).
+/// keys are `K` and values `value_size` bytes, read in batches. `Ok(None)` when the kernel or
+/// the map type has no batch lookup (the caller walks the keys one by one instead).
 pub fn keys<K: aya::Pod>(map: &MapData, value_size: usize) -> io::Result<Option<Vec<K>>> {
     let fd = map.fd().as_fd().as_raw_fd();
     let key_size = size_of::<K>();

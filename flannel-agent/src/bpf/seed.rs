@@ -202,8 +202,6 @@ fn errno(e: &aya::maps::MapError) -> Option<i32> {
 const BPF_ANY: u64 = 0;
 /// `BPF_NOEXIST`: insert only when the key is absent.
 const BPF_NOEXIST: u64 = 1;
-/// `BPF_EXIST`: update only when the key is present.
-const BPF_EXIST: u64 = 2;
 
 const PROTO_ICMP: u8 = 1;
 const PROTO_TCP: u8 = 6;
@@ -340,36 +338,15 @@ impl std::ops::AddAssign for HeldSync {
     }
 }
 
-/// [`FastPath::seed_table`] in batches: reads the LRU table's keys, then writes every key of
-/// `keys` (a few thousand a syscall); returns (added, refreshed), where added are the keys the
-/// table lacked when read. (A key the programs learn, or the LRU evicts, between the read and
-/// the write is counted by what the read found; a memo the miscount leaves in place is used
-/// for at most its 100 ticks.) `None` when the kernel has no batch operations.
-fn seed_batched<K: aya::Pod + std::hash::Hash + Eq>(
-    table: &MapData,
-    keys: &HashSet<K>,
-) -> std::io::Result<Option<(usize, usize)>> {
-    let Some(present) = super::batch::keys::<K>(table, size_of::<u32>())? else {
-        return Ok(None);
-    };
-    let present: HashSet<K> = present.into_iter().collect();
-    let keys: Vec<K> = keys.iter().copied().collect();
-    if !super::batch::update(table, &keys, &vec![1u32; keys.len()], BPF_ANY)? {
-        return Ok(None);
-    }
-    let added = keys.iter().filter(|k| !present.contains(k)).count();
-    Ok(Some((added, keys.len() - added)))
-}
-
-/// What [`FastPath::hold`] did to one held table.
+/// What [`FastPath::hold`] did to one held table, and what the LRU table next to it held.
 struct Hold<K> {
     sync: HeldSync,
-    /// Keys written.
-    written: Vec<K>,
     /// Keys not written: the table was full.
     full: HashSet<K>,
     /// Keys written that the LRU table next to it lacked.
     lacking: usize,
+    /// The keys the LRU table next to it held when read.
+    lru: HashSet<K>,
 }
 
 /// The keys of `keys` that the held table does not hold after `hold` made it hold `held`: the
@@ -378,7 +355,7 @@ fn not_held<K: std::hash::Hash + Eq + Copy>(
     keys: &HashSet<K>,
     held: &HashSet<K>,
     hold: &Hold<K>,
-) -> HashSet<K> {
+) -> Vec<K> {
     keys.iter()
         .filter(|k| !held.contains(k) || hold.full.contains(k))
         .copied()
@@ -446,18 +423,22 @@ impl FastPath {
         let (lru_flows4, kept_flows4) = self.seed_table(
             names::KERNEL_FLOWS4,
             &not_held(&keys.flows4, &held.flows4, &flows4),
+            &flows4.lru,
         )?;
         let (lru_flows6, kept_flows6) = self.seed_table(
             v6::KERNEL_FLOWS6,
             &not_held(&keys.flows6, &held.flows6, &flows6),
+            &flows6.lru,
         )?;
         let (lru_guards4, kept_guards4) = self.seed_table(
             names::NAT_GUARD4,
             &not_held(&keys.guards4, &held.guards4, &guards4),
+            &guards4.lru,
         )?;
         let (lru_guards6, kept_guards6) = self.seed_table(
             v6::NAT_GUARD6,
             &not_held(&keys.guards6, &held.guards6, &guards6),
+            &guards6.lru,
         )?;
         let kernel_flows = lru_flows4 + lru_flows6 + flows4.lacking + flows6.lacking;
         let nat_guards = lru_guards4 + lru_guards6 + guards4.lacking + guards6.lacking;
@@ -489,8 +470,9 @@ impl FastPath {
     }
 
     /// Makes the held table `name` hold `keys`: writes the missing ones, and with `prune`
-    /// removes the ones not among them. Of the keys it writes, counts those that the LRU
-    /// table `lru` next to it lacks (the programs did not know them as the kernel's).
+    /// removes the ones not among them. Reads the LRU table `lru` next to it first, and counts
+    /// the keys it writes that the LRU table lacks (the programs did not know them as the
+    /// kernel's).
     fn hold<K: aya::Pod + std::hash::Hash + Eq>(
         &mut self,
         name: &'static str,
@@ -498,26 +480,19 @@ impl FastPath {
         keys: &HashSet<K>,
         prune: bool,
     ) -> Result<Hold<K>, BpfError> {
+        let lru = self.table_keys::<K>(lru)?;
+        let present = self.table_keys::<K>(name)?;
         let map = self.ebpf_mut().map_mut(name).ok_or_else(|| missing(name))?;
-        let batched = match &*map {
-            aya::maps::Map::HashMap(data) => super::batch::keys::<K>(data, size_of::<u32>())
-                .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))?,
-            _ => None,
-        };
         let mut table: HashMap<&mut MapData, K, u32> =
             HashMap::try_from(map).map_err(|e| BpfError::map(name, e))?;
-        let present: HashSet<K> = match batched {
-            Some(keys) => keys.into_iter().collect(),
-            None => table.keys().filter_map(Result::ok).collect(),
-        };
         let mut out = Hold {
             sync: HeldSync {
                 held: present.len(),
                 ..HeldSync::default()
             },
-            written: Vec::new(),
             full: HashSet::new(),
             lacking: 0,
+            lru: HashSet::new(),
         };
         if prune {
             for key in present.difference(keys) {
@@ -530,7 +505,10 @@ impl FastPath {
         }
         for key in keys.difference(&present) {
             match table.insert(key, 1u32, BPF_NOEXIST) {
-                Ok(()) => out.written.push(*key),
+                Ok(()) => {
+                    out.sync.added += 1;
+                    out.lacking += usize::from(!lru.contains(key));
+                }
                 Err(e) if errno(&e) == Some(libc::EEXIST) => {}
                 Err(e) if errno(&e) == Some(libc::E2BIG) => {
                     out.full.insert(*key);
@@ -538,60 +516,66 @@ impl FastPath {
                 Err(e) => return Err(BpfError::map(name, e)),
             }
         }
-        out.sync.added = out.written.len();
         out.sync.full = out.full.len();
         out.sync.held = out.sync.held + out.sync.added - out.sync.removed;
-        if !out.written.is_empty() {
-            let map = self.ebpf().map(lru).ok_or_else(|| missing(lru))?;
-            let table: HashMap<&MapData, K, u32> =
-                HashMap::try_from(map).map_err(|e| BpfError::map(lru, e))?;
-            for key in &out.written {
-                match table.get(key, 0) {
-                    Ok(_) => {}
-                    Err(aya::maps::MapError::KeyNotFound) => out.lacking += 1,
-                    Err(e) => return Err(BpfError::map(lru, e)),
-                }
-            }
-        }
+        out.lru = lru;
         Ok(out)
     }
 
-    /// Writes `keys` into table `name`; returns (added, refreshed). In batches where the kernel
-    /// has them ([`seed_batched`]), else one key at a time.
+    /// Writes `keys` into the LRU table `name`, which held `present` when read; returns
+    /// (added, refreshed): the keys it lacked then, and the others. (A key the programs learn,
+    /// or the LRU evicts, between the read and the write is counted by what the read found; a
+    /// memo the miscount leaves in place is used for at most its 100 ticks.)
     fn seed_table<K: aya::Pod + std::hash::Hash + Eq>(
         &mut self,
         name: &'static str,
-        keys: &HashSet<K>,
+        keys: &[K],
+        present: &HashSet<K>,
     ) -> Result<(usize, usize), BpfError> {
         if keys.is_empty() {
             return Ok((0, 0));
         }
-        let map = self.ebpf_mut().map_mut(name).ok_or_else(|| missing(name))?;
-        if let aya::maps::Map::LruHashMap(data) = &*map
-            && let Some(counts) = seed_batched(data, keys)
+        self.write_all(name, keys)?;
+        let added = keys.iter().filter(|k| !present.contains(k)).count();
+        Ok((added, keys.len() - added))
+    }
+
+    /// Every key of the flow table `name` (a hash or LRU hash of `K` to `u32`): read in
+    /// batches ([`super::batch::keys`]) where the kernel has them, else walked one by one.
+    fn table_keys<K: aya::Pod + std::hash::Hash + Eq>(
+        &self,
+        name: &'static str,
+    ) -> Result<HashSet<K>, BpfError> {
+        let map = self.ebpf().map(name).ok_or_else(|| missing(name))?;
+        if let aya::maps::Map::HashMap(data) | aya::maps::Map::LruHashMap(data) = map
+            && let Some(keys) = super::batch::keys::<K>(data, size_of::<u32>())
                 .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))?
         {
-            return Ok(counts);
+            return Ok(keys.into_iter().collect());
+        }
+        let table: HashMap<&MapData, K, u32> =
+            HashMap::try_from(map).map_err(|e| BpfError::map(name, e))?;
+        Ok(table.keys().filter_map(Result::ok).collect())
+    }
+
+    /// Writes every key of `keys` into the flow table `name` (`BPF_ANY`, value 1): in batches
+    /// ([`super::batch::update`]) where the kernel has them, else one by one.
+    fn write_all<K: aya::Pod>(&mut self, name: &'static str, keys: &[K]) -> Result<(), BpfError> {
+        let map = self.ebpf_mut().map_mut(name).ok_or_else(|| missing(name))?;
+        if let aya::maps::Map::HashMap(data) | aya::maps::Map::LruHashMap(data) = &*map
+            && super::batch::update(data, keys, &vec![1u32; keys.len()], BPF_ANY)
+                .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))?
+        {
+            return Ok(());
         }
         let mut table: HashMap<&mut MapData, K, u32> =
             HashMap::try_from(map).map_err(|e| BpfError::map(name, e))?;
-        let (mut added, mut refreshed) = (0, 0);
         for key in keys {
-            // One call per key that is there (the common case on a resync), two for a missing
-            // one. An insert that finds the key (learnt by a program meanwhile) is a refresh.
-            match table.insert(key, 1u32, BPF_EXIST) {
-                Ok(()) => refreshed += 1,
-                Err(e) if errno(&e) == Some(libc::ENOENT) => {
-                    match table.insert(key, 1u32, BPF_NOEXIST) {
-                        Ok(()) => added += 1,
-                        Err(e) if errno(&e) == Some(libc::EEXIST) => refreshed += 1,
-                        Err(e) => return Err(BpfError::map(name, e)),
-                    }
-                }
-                Err(e) => return Err(BpfError::map(name, e)),
-            }
+            table
+                .insert(key, 1u32, BPF_ANY)
+                .map_err(|e| BpfError::map(name, e))?;
         }
-        Ok((added, refreshed))
+        Ok(())
     }
 }
 
