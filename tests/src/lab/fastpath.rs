@@ -489,7 +489,9 @@ pub fn clear_kernel_flows<K: KernelFlowKey>(pin_path: &Path) -> Result<usize> {
 /// whose kernel-flow key `ours` matches within `timeout`; then its table is emptied, as the
 /// LRU's eviction would, and the agent must put the entry back from conntrack within
 /// `timeout` (its `--ebpf-conntrack-resync`) and count it in
-/// `flannel_fastpath_conntrack_kept_total{kind="kernel_flow"}`. Returns that count after.
+/// `flannel_fastpath_conntrack_kept_total{kind="kernel_flow"}`; the flow must not be held
+/// (a held one is kept in the held table, not put back into this one). Returns that count
+/// after.
 pub fn kernel_flow_comes_back<K: KernelFlowKey>(
     ns: &NetNs,
     port: u16,
@@ -526,6 +528,11 @@ pub fn kernel_flow_comes_back<K: KernelFlowKey>(
     ensure!(
         after >= before + 1.0,
         "the agent counted {before} then {after} kernel flows kept from conntrack"
+    );
+    ensure!(
+        !held_kernel_flows::<K>(pin_path)?.iter().any(&ours),
+        "the flow is held: it was to come back to {}",
+        K::TABLE
     );
     Ok(after)
 }
