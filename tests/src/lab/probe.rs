@@ -832,17 +832,26 @@ pub struct FlowStats {
     /// Segments the sender retransmitted (`tcpi_total_retrans`): 0 means no segment was lost
     /// (or delayed past the retransmission timeout) on the way.
     pub retransmits: u32,
-    /// Retransmitted segments the receiver reported as needless (segments covered by the
-    /// D-SACKs the sender received, `TcpExtTCPDSACKRecvSegs` of the sender's namespace): a tail
-    /// loss probe or a retransmission after reordering that duplicated a segment that had
-    /// arrived. Counted in segments, as [`FlowStats::retransmits`] is: one D-SACK block may
-    /// cover a retransmission of several segments.
+    /// Retransmitted segments shown needless: a tail loss probe or a retransmission after
+    /// reordering that duplicated a segment that had arrived. The larger of two counts of the
+    /// same thing: the segments covered by the D-SACKs the sender received
+    /// (`TcpExtTCPDSACKRecvSegs` of the sender's namespace; one D-SACK block may cover a
+    /// retransmission of several segments, as [`FlowStats::retransmits`] counts them), and
+    /// the duplicates the receiver reported (`TCPDSACKOldSent` + `TCPDSACKOfoSent` of its
+    /// namespace, one per duplicate packet, so never more than the segments), which the
+    /// sender may not have counted yet when the flow ends or may have taken for an old one.
     pub spurious: u64,
     /// The sender namespace's non-zero retransmission counters (`TcpExt` of
     /// `/proc/net/netstat`: `TCPLossProbes`, `TCPFastRetrans`, `TCPTimeouts`, ...), which
     /// say why segments were sent again: their growth from the start of the flow to its end,
     /// so nothing else may send TCP from that namespace meanwhile.
     pub sender_netstat: BTreeMap<String, u64>,
+    /// The receiver namespace's non-zero counters of what arrived out of order, twice or not
+    /// at all into the socket (`TCPOFOQueue`, `TCPDSACKOldSent`, `TCPRcvQDrop`, ...): their
+    /// growth over the flow, as [`FlowStats::sender_netstat`]. A segment lost on the way
+    /// shows as the segments after it queued out of order; one dropped at the receiver, in
+    /// its drop counters.
+    pub receiver_netstat: BTreeMap<String, u64>,
 }
 
 impl FlowStats {
@@ -853,14 +862,19 @@ impl FlowStats {
     }
 }
 
-/// The segments D-SACKs showed needless, from the sender's counters: `TCPDSACKRecvSegs`
-/// (segments), or on kernels without it `TCPDSACKRecv` (blocks, a lower bound).
-fn spurious_retransmits(netstat: &BTreeMap<String, u64>) -> u64 {
-    netstat
-        .get("TCPDSACKRecvSegs")
-        .or_else(|| netstat.get("TCPDSACKRecv"))
-        .copied()
-        .unwrap_or(0)
+/// The retransmissions shown needless ([`FlowStats::spurious`]): from the sender's counters,
+/// the segments its D-SACKs covered, `TCPDSACKRecvSegs` (or on kernels without it
+/// `TCPDSACKRecv`, blocks, a lower bound); from the receiver's, the duplicates it reported.
+fn spurious_retransmits(sender: &BTreeMap<String, u64>, receiver: &BTreeMap<String, u64>) -> u64 {
+    let count = |netstat: &BTreeMap<String, u64>, name: &str| netstat.get(name).copied();
+    let acked = count(sender, "TCPDSACKRecvSegs")
+        .or_else(|| count(sender, "TCPDSACKRecv"))
+        .unwrap_or(0);
+    let reported = ["TCPDSACKOldSent", "TCPDSACKOfoSent"]
+        .iter()
+        .filter_map(|name| count(receiver, name))
+        .sum();
+    acked.max(reported)
 }
 
 /// `TcpExt` counters about retransmissions, as named in `/proc/net/netstat`.
@@ -882,20 +896,36 @@ const RETRANS_COUNTERS: &[&str] = &[
     "TCPRetransFail",
 ];
 
-/// The non-zero [`RETRANS_COUNTERS`] of the namespace at `ns_path`.
-fn retrans_counters(ns_path: &std::path::Path) -> Result<BTreeMap<String, u64>> {
+/// `TcpExt` counters of what reached a receiving socket out of order, twice or not at all,
+/// as named in `/proc/net/netstat`.
+const RECEIVE_COUNTERS: &[&str] = &[
+    "TCPOFOQueue",
+    "TCPOFODrop",
+    "TCPOFOMerge",
+    "TCPDSACKOldSent",
+    "TCPDSACKOfoSent",
+    "TCPRcvQDrop",
+    "TCPBacklogDrop",
+    "TCPZeroWindowDrop",
+    "RcvPruned",
+    "OfoPruned",
+    "TCPMinTTLDrop",
+];
+
+/// The non-zero counters named in `names` of the namespace at `ns_path` (`TcpExt`).
+fn tcp_ext_counters(ns_path: &std::path::Path, names: &[&str]) -> Result<BTreeMap<String, u64>> {
     let text = crate::lab::kv::in_netns(ns_path, || {
         std::fs::read_to_string("/proc/thread-self/net/netstat").context("netstat")
     })?;
     let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("TcpExt:")).collect();
     let mut out = BTreeMap::new();
-    if let [names, values] = lines.as_slice() {
-        for (name, value) in names
+    if let [header, values] = lines.as_slice() {
+        for (name, value) in header
             .split_whitespace()
             .zip(values.split_whitespace())
             .skip(1)
         {
-            if RETRANS_COUNTERS.contains(&name)
+            if names.contains(&name)
                 && let Ok(v) = value.parse::<u64>()
                 && v > 0
             {
@@ -906,15 +936,44 @@ fn retrans_counters(ns_path: &std::path::Path) -> Result<BTreeMap<String, u64>> 
     Ok(out)
 }
 
+/// Some `TcpExt` counters of a namespace, from a start to now.
+#[derive(Debug)]
+struct CounterWatch {
+    ns: std::path::PathBuf,
+    names: &'static [&'static str],
+    before: BTreeMap<String, u64>,
+}
+
+impl CounterWatch {
+    fn start(ns: &NetNs, names: &'static [&'static str]) -> Result<CounterWatch> {
+        let ns = ns.path();
+        let before = tcp_ext_counters(&ns, names)?;
+        Ok(CounterWatch { ns, names, before })
+    }
+
+    /// The counters that grew since the start, by how much.
+    fn growth(&self) -> Result<BTreeMap<String, u64>> {
+        Ok(tcp_ext_counters(&self.ns, self.names)?
+            .into_iter()
+            .map(|(k, v)| {
+                let base = self.before.get(&k).copied().unwrap_or(0);
+                (k, v.saturating_sub(base))
+            })
+            .filter(|&(_, v)| v > 0)
+            .collect())
+    }
+}
+
 /// A long TCP transfer at a fixed pace from one namespace to a receiver in another, running
 /// on two threads until [`TcpFlow::finish`]: every byte is checksummed, the receiver records
 /// its longest wait for data, the sender reads its retransmission count at the end.
 #[derive(Debug)]
 pub struct TcpFlow {
     stop: Arc<AtomicBool>,
-    sender_ns: std::path::PathBuf,
-    /// The sender namespace's [`RETRANS_COUNTERS`] when the flow started.
-    netstat_before: BTreeMap<String, u64>,
+    /// The sender namespace's [`RETRANS_COUNTERS`].
+    sender_netstat: CounterWatch,
+    /// The receiver namespace's [`RECEIVE_COUNTERS`].
+    receiver_netstat: CounterWatch,
     sender: Option<thread::JoinHandle<Result<(u64, u64, u32)>>>,
     receiver: Option<thread::JoinHandle<Result<(u64, u64, Duration)>>>,
     started: Instant,
@@ -931,7 +990,8 @@ impl TcpFlow {
             .enter(move || TcpListener::bind(SocketAddr::new(ip, 0)))?
             .with_context(|| format!("bind {ip}:0 in {}", to.name()))?;
         let target = listener.local_addr()?;
-        let netstat_before = retrans_counters(&from.path())?;
+        let sender_netstat = CounterWatch::start(from, RETRANS_COUNTERS)?;
+        let receiver_netstat = CounterWatch::start(to, RECEIVE_COUNTERS)?;
         let stream = from
             .enter(move || TcpStream::connect_timeout(&target, Duration::from_secs(5)))?
             .with_context(|| format!("connect {target} from {}", from.name()))?;
@@ -942,8 +1002,8 @@ impl TcpFlow {
         let sender = thread::spawn(move || flow_send(stream, bytes_per_sec.max(1), &flag));
         Ok(TcpFlow {
             stop,
-            sender_ns: from.path(),
-            netstat_before,
+            sender_netstat,
+            receiver_netstat,
             sender: Some(sender),
             receiver: Some(receiver),
             started: Instant::now(),
@@ -974,21 +1034,16 @@ impl TcpFlow {
                  with {sent_hash:016x}"
             );
         }
-        let sender_netstat: BTreeMap<String, u64> = retrans_counters(&self.sender_ns)?
-            .into_iter()
-            .map(|(k, v)| {
-                let base = self.netstat_before.get(&k).copied().unwrap_or(0);
-                (k, v.saturating_sub(base))
-            })
-            .filter(|&(_, v)| v > 0)
-            .collect();
+        let sender_netstat = self.sender_netstat.growth()?;
+        let receiver_netstat = self.receiver_netstat.growth()?;
         Ok(FlowStats {
             bytes: got_bytes,
             elapsed: self.started.elapsed(),
             longest_stall,
             retransmits,
-            spurious: spurious_retransmits(&sender_netstat),
+            spurious: spurious_retransmits(&sender_netstat, &receiver_netstat),
             sender_netstat,
+            receiver_netstat,
         })
     }
 }
@@ -1127,23 +1182,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn needless_retransmissions_are_counted_in_segments() {
+    fn needless_retransmissions_are_counted_on_either_end() {
         let counters = |pairs: &[(&str, u64)]| -> BTreeMap<String, u64> {
             pairs.iter().map(|&(k, v)| (k.to_owned(), v)).collect()
         };
+        let none = counters(&[]);
         // One D-SACK block covering a two-segment retransmission.
         let both = counters(&[("TCPDSACKRecv", 1), ("TCPDSACKRecvSegs", 2)]);
-        assert_eq!(spurious_retransmits(&both), 2);
+        assert_eq!(spurious_retransmits(&both, &none), 2);
         let stats = FlowStats {
             bytes: 0,
             elapsed: Duration::ZERO,
             longest_stall: Duration::ZERO,
             retransmits: 2,
-            spurious: spurious_retransmits(&both),
-            sender_netstat: both,
+            spurious: spurious_retransmits(&both, &none),
+            sender_netstat: both.clone(),
+            receiver_netstat: none.clone(),
         };
         assert_eq!(stats.lost(), 0);
-        assert_eq!(spurious_retransmits(&counters(&[("TCPDSACKRecv", 3)])), 3);
-        assert_eq!(spurious_retransmits(&counters(&[])), 0);
+        assert_eq!(
+            spurious_retransmits(&counters(&[("TCPDSACKRecv", 3)]), &none),
+            3
+        );
+        assert_eq!(spurious_retransmits(&none, &none), 0);
+        // Three duplicates the receiver reported, two of which the sender counted: three.
+        let dups = counters(&[("TCPDSACKOldSent", 2), ("TCPDSACKOfoSent", 1)]);
+        assert_eq!(spurious_retransmits(&both, &dups), 3);
+        // Segments that only arrived out of order are no duplicates.
+        let ofo = counters(&[("TCPOFOQueue", 5)]);
+        assert_eq!(spurious_retransmits(&none, &ofo), 0);
     }
 }

@@ -126,6 +126,34 @@ fn per_fast_node(
         .collect()
 }
 
+/// The fast paths' drops since `before` (read from the pinned counters), for a failure
+/// message: each node's `drop_*` reasons that grew, by program.
+fn drops_since(cluster: &Cluster, before: &BTreeMap<usize, Counters>) -> String {
+    let now = match pinned_fast_counters(cluster) {
+        Ok(now) => now,
+        Err(e) => return format!("the fast paths' counters cannot be read: {e:#}"),
+    };
+    let mut drops = Vec::new();
+    for (n, counters) in &now {
+        for ((program, reason), packets) in &counters.packets {
+            let key = (program.clone(), reason.clone());
+            let was = before
+                .get(n)
+                .and_then(|c| c.packets.get(&key))
+                .copied()
+                .unwrap_or(0);
+            if reason.starts_with("drop_") && *packets > was {
+                drops.push(format!("node{n} {program} {reason} +{}", packets - was));
+            }
+        }
+    }
+    if drops.is_empty() {
+        "the fast paths dropped nothing meanwhile".into()
+    } else {
+        format!("the fast paths dropped: {}", drops.join(", "))
+    }
+}
+
 /// What a fast path must have counted between two scrapes.
 #[derive(Debug, Default)]
 pub struct Expect {
@@ -326,11 +354,12 @@ impl Undisturbed {
         ensure!(
             flow.lost() == 0,
             "the TCP transfer {what} lost {} segments: {} retransmitted, {} of them shown \
-             needless by D-SACKs; sender's counters {:?}",
+             needless by D-SACKs; sender's counters {:?}, receiver's {:?}",
             flow.lost(),
             flow.retransmits,
             flow.spurious,
-            flow.sender_netstat
+            flow.sender_netstat,
+            flow.receiver_netstat
         );
         ensure!(
             flow.longest_stall < MAX_STALL,
@@ -402,6 +431,7 @@ pub fn restart_is_hitless(
     };
     let lease_before = cluster.lease_key(n);
     let counters_before = fast_counters(cluster)?;
+    let pinned_before = pinned_fast_counters(cluster)?;
     let traffic = Undisturbed::start(cluster, peer, n)?;
     thread::sleep(Duration::from_secs(1));
 
@@ -439,7 +469,9 @@ pub fn restart_is_hitless(
     cluster.wait_ready(Duration::from_secs(30))?;
     // A few resyncs of the second run must not change anything either.
     thread::sleep(Duration::from_secs(2));
-    let (stream, flow) = traffic.finish("across the restart", 400)?;
+    let (stream, flow) = traffic
+        .finish("across the restart", 400)
+        .with_context(|| drops_since(cluster, &pinned_before))?;
 
     let after = cluster.kernel_state(n)?;
     ensure!(
