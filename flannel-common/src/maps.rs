@@ -25,8 +25,8 @@
 //! | [`crate::pods::PORTS`] (not pinned) | hash | [`crate::pods::PortKey`] (pod MAC) → [`crate::pods::PodPort`] | agent (bridge FDB mirror) |
 //! | [`FRAGS4`], [`crate::v6::FRAGS6`] (not pinned) | LRU hash | [`crate::nat::FragKey`], [`crate::v6::FragKey6`] → `u32` | `tc_from_bridge` (fragments following their first) |
 //! | [`crate::hops::HOPS4`] (not pinned) | LRU hash | [`crate::hops::HopKey`] → [`crate::hops::Hop`] | `tc_from_netdev`, `tc_from_bridge` (remembered route lookups) |
-//! | [`crate::memo::MEMO4`] (not pinned) | LRU hash | [`crate::memo::MemoKey`] → [`crate::memo::FlowMemo`] | `tc_from_netdev`, `tc_from_bridge` (remembered per-flow decisions) |
-//! | [`crate::memo::MEMO6`] (not pinned) | LRU hash | [`crate::memo::MemoKey6`] → [`crate::memo::FlowMemo6`] | `tc_from_netdev`, `tc_from_bridge` (IPv6 per-flow decisions) |
+//! | [`crate::memo::MEMO4`] (not adopted; pinned in [`PIN_MEMOS_DIR`]) | LRU hash | [`crate::memo::MemoKey`] → [`crate::memo::FlowMemo`] | `tc_from_netdev`, `tc_from_bridge` (remembered per-flow decisions) |
+//! | [`crate::memo::MEMO6`] (not adopted; pinned in [`PIN_MEMOS_DIR`]) | LRU hash | [`crate::memo::MemoKey6`] → [`crate::memo::FlowMemo6`] | `tc_from_netdev`, `tc_from_bridge` (IPv6 per-flow decisions) |
 //! | [`crate::memo::MEMO_GEN`] (not pinned) | array (2) | slot → `u64` | the agent (generation, host-gw switch) |
 //! | [`crate::memo::LEARN_GEN`] (not pinned) | array (4096) | remote endpoint's learn slot → `u64` | the programs' learners |
 //! | [`CNT_FROM_BRIDGE`], [`CNT_FROM_NETDEV`], [`CNT_TO_NETDEV`], [`CNT_XDP_NETDEV`] | per-CPU array | [`crate::stats::Reason`] → [`crate::stats::Counter`] | the program of that name |
@@ -41,6 +41,14 @@ pub const PIN_LAYOUT_VERSION: &str = "v1";
 /// links, named `<program>-<ifindex>` (bpffs refuses dots in link names). Links outlive layout versions: a new agent replaces the
 /// program behind an existing link atomically.
 pub const PIN_LINKS_DIR: &str = "links";
+
+/// Directory (under the bpffs pin path, next to the layout versions) where the agent pins the
+/// flow memo maps ([`crate::memo::MEMO4`], [`crate::memo::MEMO6`]) of the programs it attached
+/// last, replacing the previous ones. A restarted agent does not adopt them (its programs
+/// start with memos of their own); they are there so that the way back to the kernel path
+/// (`--dataplane kernel`, `--detach-fastpath`) finds the programs' flows by path, which needs
+/// no more than `CAP_BPF`, instead of by program and map ID, which needs `CAP_SYS_ADMIN`.
+pub const PIN_MEMOS_DIR: &str = "memos";
 
 /// LPM trie of remote IPv4 pod subnets.
 pub const ROUTES4: &str = "FLANNEL_ROUTES4";

@@ -50,8 +50,10 @@ use crate::{
     v6::FlowKey6,
 };
 
-/// LRU hash of flows → the decision taken for them ([`MemoKey`] → [`FlowMemo`]). Not pinned:
-/// a cache the programs fill, which a restarted agent starts afresh.
+/// LRU hash of flows → the decision taken for them ([`MemoKey`] → [`FlowMemo`]). Not adopted:
+/// a cache the programs fill, which a restarted agent starts afresh (the agent pins the
+/// attached programs' one in [`crate::maps::PIN_MEMOS_DIR`] for the way back to the kernel
+/// path).
 pub const MEMO4: &str = "FLANNEL_MEMO4";
 /// Most flows [`MEMO4`] remembers.
 pub const MEMO4_MAX_ENTRIES: u32 = 65536;
@@ -133,7 +135,7 @@ pub fn learn_slot6(addr: &[u8; 16], port: [u8; 2], proto: u8) -> u32 {
 }
 
 /// [`MEMO4`]'s IPv6 twin: LRU hash of IPv6 flows → the decision taken for them
-/// ([`MemoKey6`] → [`FlowMemo6`]). Not pinned.
+/// ([`MemoKey6`] → [`FlowMemo6`]). Not adopted, pinned as [`MEMO4`] is.
 pub const MEMO6: &str = "FLANNEL_MEMO6";
 /// Most IPv6 flows [`MEMO6`] remembers (about 5 MiB of kernel memory, allocated up front as
 /// for every LRU map; a flow it no longer holds takes the full checks).

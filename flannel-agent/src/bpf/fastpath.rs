@@ -22,7 +22,7 @@ use aya::{
 use flannel_common::{
     config::Config,
     maps as names,
-    memo::{GEN_AGENT, LEARN_GEN, MEMO_GEN, MEMO_ROUTES, generation},
+    memo::{GEN_AGENT, LEARN_GEN, MEMO_GEN, MEMO_ROUTES, MEMO4, MEMO6, generation},
     programs,
     route::{NodeEntry, RemoteEntry, RouteKind},
 };
@@ -477,6 +477,13 @@ impl FastPath {
     pub fn attach_netdev(&mut self, ifindex: u32, xdp: bool) -> Result<NetdevAttach, BpfError> {
         let ingress = self.attach(Hook::FromNetdev, ifindex)?;
         let egress = self.attach(Hook::ToNetdev, ifindex)?;
+        if let Err(e) = self.pin_memos() {
+            tracing::warn!(
+                error = %e,
+                "cannot pin the flow memo maps: the way back to the kernel path can find the \
+                 programs' connections only with CAP_SYS_ADMIN"
+            );
+        }
         if !xdp {
             self.detach_xdp()?;
         }
@@ -503,6 +510,20 @@ impl FastPath {
             egress,
             xdp,
         })
+    }
+
+    /// Pins this object's flow memo maps under [`PinLayout::memos_dir`], in place of those of
+    /// the programs attached before: now that its programs run, their memos hold the flows
+    /// the way back to the kernel path hands over ([`super::handover`]), which it reads there.
+    fn pin_memos(&self) -> Result<(), BpfError> {
+        for name in [MEMO4, MEMO6] {
+            let map = self.ebpf.map(name).ok_or_else(|| missing(name))?;
+            let path = self.layout.memo(name);
+            remove_pin(&path)?;
+            map.pin(&path)
+                .map_err(|e| BpfError::io("pinning", &path, std::io::Error::other(e)))?;
+        }
+        Ok(())
     }
 
     /// Attaches `xdp_from_netdev` to `ifindex` in native (driver) mode, adopting a pinned link.

@@ -9,8 +9,11 @@
 //! pod's own address, resets it (with `--ip-masq` no rule matches pod-to-pod traffic and
 //! nothing changes). The connections are in the programs' memo maps (`FLANNEL_MEMO4`,
 //! `FLANNEL_MEMO6`: a remembered decision per flow and direction, see
-//! [`flannel_common::memo`]), which are not pinned but are reachable from the pinned links:
-//! link → program → its maps. Each flow checked recently is entered as an established
+//! [`flannel_common::memo`]), which the agent that attached the programs pinned under
+//! [`PinLayout::memos_dir`], and which are also reachable from the pinned links: link →
+//! program → its maps. The pins are what an agent with the DaemonSet's capabilities can
+//! read: opening programs and maps by ID takes `CAP_SYS_ADMIN`; by ID it also finds the memos
+//! of programs attached by an agent that pinned none. Each flow checked recently is entered as an established
 //! connection without NAT ([`crate::netlink::conntrack::insert_established`]), whose packets
 //! no NAT rule touches; then the links are dropped, which detaches the programs.
 //!
@@ -100,7 +103,7 @@ pub fn detach_handing_over(layout: &PinLayout) -> HandOver {
         links: held.len(),
         ..HandOver::default()
     };
-    let flows = recent_flows(&programs);
+    let flows = recent_flows(layout, &programs);
     out.flows = flows.len();
     if let Some(inserted) = entered(
         flows.len(),
@@ -246,20 +249,58 @@ pub fn hand_echoes_over(fp: &mut super::FastPath) -> Result<usize, super::BpfErr
 }
 
 /// The flows (local pod → remote pod tuples, one per connection) in the memo maps of
-/// `programs`, checked within [`RECENT_TICKS`] of the newest.
-fn recent_flows(programs: &BTreeSet<u32>) -> Vec<CtTuple> {
+/// `programs` (the ones pinned under `layout`, and those found by ID), checked within
+/// [`RECENT_TICKS`] of the newest. Nothing when no program is attached.
+fn recent_flows(layout: &PinLayout, programs: &BTreeSet<u32>) -> Vec<CtTuple> {
     if programs.is_empty() {
         return Vec::new();
     }
+    let mut memos: Vec<(CtTuple, u64)> = Vec::new();
+    let pinned = pinned_memos(layout, &mut memos);
+    let listed = memos_by_id(programs, &mut memos);
+    if !pinned && !listed {
+        warn!(
+            "the fast path's flow memos cannot be read (none pinned under {}, and finding them \
+             by program needs CAP_SYS_ADMIN): its pod connections are not handed to conntrack, \
+             and without --ip-masq they may be reset",
+            layout.memos_dir().display()
+        );
+    }
+    recent(memos, RECENT_TICKS)
+}
+
+/// Adds the memos of the memo maps pinned by the agent that attached the programs
+/// ([`PinLayout::memos_dir`]; by path, which takes no more than `CAP_BPF`) to `memos`. Whether
+/// any was found.
+fn pinned_memos(layout: &PinLayout, memos: &mut Vec<(CtTuple, u64)>) -> bool {
+    let mut found = false;
+    if let Ok(data) = MapData::from_pin(layout.memo(MEMO4)) {
+        memos.extend(read_memos(data, tuple4, |m: &FlowMemo| m.checked_at));
+        found = true;
+    }
+    if let Ok(data) = MapData::from_pin(layout.memo(MEMO6)) {
+        memos.extend(read_memos(data, tuple6, |m: &FlowMemo6| m.checked_at));
+        found = true;
+    }
+    found
+}
+
+/// Adds the memos of the memo maps of `programs` (by ID: the programs behind this layout's
+/// links and this agent's filters, also those of an agent that pinned no memo maps) to
+/// `memos`. Opening programs and maps by ID takes `CAP_SYS_ADMIN`: `false` when the
+/// programs could not be listed.
+fn memos_by_id(programs: &BTreeSet<u32>, memos: &mut Vec<(CtTuple, u64)>) -> bool {
     let mut map_ids = BTreeSet::new();
-    for info in loaded_programs().flatten() {
+    for info in loaded_programs() {
+        let Ok(info) = info else {
+            return false;
+        };
         if programs.contains(&info.id())
             && let Ok(Some(ids)) = info.map_ids()
         {
             map_ids.extend(ids);
         }
     }
-    let mut memos: Vec<(CtTuple, u64)> = Vec::new();
     for id in map_ids {
         let Ok(data) = MapData::from_id(id) else {
             continue;
@@ -273,7 +314,7 @@ fn recent_flows(programs: &BTreeSet<u32>) -> Vec<CtTuple> {
             _ => {}
         }
     }
-    recent(memos, RECENT_TICKS)
+    true
 }
 
 /// Every memo of the LRU map `data` as (its flow's tuple, when it was checked); none when the

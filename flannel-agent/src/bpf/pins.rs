@@ -6,6 +6,9 @@
 //!     FLANNEL_ROUTES4 ...     the pinned maps, by name
 //!   links/
 //!     tc_from_netdev-<ifindex>  pinned TCX links, one per program and interface
+//!   memos/
+//!     FLANNEL_MEMO4 ...       the attached programs' flow memos (not adopted; read by the
+//!                             way back to the kernel path, see `super::handover`)
 //! ```
 //!
 //! (bpffs refuses dots in the names of pinned links and programs, hence the dash.)
@@ -270,6 +273,16 @@ impl PinLayout {
         self.root.join(names::PIN_LINKS_DIR)
     }
 
+    /// The directory of the attached programs' pinned flow memo maps.
+    pub fn memos_dir(&self) -> PathBuf {
+        self.root.join(names::PIN_MEMOS_DIR)
+    }
+
+    /// Where the attached programs' memo map `name` is pinned.
+    pub fn memo(&self, name: &str) -> PathBuf {
+        self.memos_dir().join(name)
+    }
+
     /// Where the link of `program` on `ifindex` is pinned.
     pub fn link(&self, program: &str, ifindex: u32) -> PathBuf {
         self.links_dir().join(format!("{program}-{ifindex}"))
@@ -294,7 +307,7 @@ impl PinLayout {
     /// the root is (or will be) on a BPF filesystem.
     pub fn prepare(&self) -> Result<(), BpfError> {
         check_bpffs(&self.root)?;
-        for dir in [self.maps_dir(), self.links_dir()] {
+        for dir in [self.maps_dir(), self.links_dir(), self.memos_dir()] {
             fs::create_dir_all(&dir).map_err(|e| BpfError::io("creating", &dir, e))?;
         }
         Ok(())
@@ -376,6 +389,9 @@ impl PinLayout {
         let mut count = 0;
         if self.links_dir().exists() {
             count += remove_dir_contents(&self.links_dir())?;
+        }
+        if self.memos_dir().exists() {
+            count += remove_dir_contents(&self.memos_dir())?;
         }
         if let Ok(entries) = fs::read_dir(&self.root) {
             for entry in entries.flatten() {

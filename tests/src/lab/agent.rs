@@ -84,6 +84,10 @@ pub struct AgentSpec {
     /// Environment for the agent (e.g. `RUST_LOG`); `RUST_LOG=info` unless set here or in
     /// the lab's own environment.
     pub env: Vec<(String, String)>,
+    /// The only capabilities the agent gets (names as in a pod's `securityContext`, e.g.
+    /// `NET_ADMIN`), as a container runtime grants them to a root process: it runs under
+    /// `setpriv` with every other one dropped from its bounding set. `None`: all of root's.
+    pub capabilities: Option<Vec<String>>,
 }
 
 impl AgentSpec {
@@ -101,6 +105,7 @@ impl AgentSpec {
             healthz_port: Some(DEFAULT_HEALTHZ_PORT),
             extra_args: Vec::new(),
             env: Vec::new(),
+            capabilities: None,
         }
     }
 
@@ -151,6 +156,7 @@ pub struct Agent {
     binary: PathBuf,
     args: Vec<String>,
     env: Vec<(String, String)>,
+    capabilities: Option<Vec<String>>,
     log: PathBuf,
     healthz_port: Option<u16>,
     process: Process,
@@ -172,7 +178,7 @@ impl Agent {
         let process = spawn(
             &node.name(),
             &node.ns().path(),
-            &spec.binary,
+            (&spec.binary, spec.capabilities.as_deref()),
             &args,
             &env,
             Output::File(log.clone()),
@@ -183,6 +189,7 @@ impl Agent {
             binary: spec.binary.clone(),
             args,
             env,
+            capabilities: spec.capabilities.clone(),
             log,
             healthz_port: spec.healthz_port,
             process,
@@ -261,7 +268,7 @@ impl Agent {
         self.process = spawn(
             &self.node,
             &self.ns_path,
-            &self.binary,
+            (&self.binary, self.capabilities.as_deref()),
             &self.args,
             &self.env,
             Output::Append(self.log.clone()),
@@ -300,20 +307,41 @@ impl Agent {
     }
 }
 
+/// Starts `binary` in the namespace at `ns_path`, with only `capabilities` when given
+/// ([`AgentSpec::capabilities`]).
 fn spawn(
     node: &str,
     ns_path: &Path,
-    binary: &Path,
+    (binary, capabilities): (&Path, Option<&[String]>),
     args: &[String],
     env: &[(String, String)],
     output: Output,
 ) -> Result<Process> {
-    let mut cmd = ns_command(ns_path, binary);
+    let mut cmd = match capabilities {
+        None => ns_command(ns_path, binary),
+        Some(caps) => {
+            let mut cmd = ns_command(ns_path, "setpriv");
+            cmd.arg(bounding_set(caps))
+                .args(["--inh-caps=-all", "--"])
+                .arg(binary);
+            cmd
+        }
+    };
     cmd.args(args);
     for (k, v) in env {
         cmd.env(k, v);
     }
     Process::start(&format!("flannel-agent on {node}"), cmd, output)
+}
+
+/// `setpriv`'s flag that leaves a root process only `caps` (`NET_ADMIN` → `+net_admin`): a
+/// root process's permitted and effective sets are its bounding set.
+fn bounding_set(caps: &[String]) -> String {
+    let keep: Vec<String> = caps
+        .iter()
+        .map(|c| format!("+{}", c.trim_start_matches("CAP_").to_lowercase()))
+        .collect();
+    format!("--bounding-set=-all,{}", keep.join(","))
 }
 
 /// A `kB` field of `/proc/<pid>/status`.
@@ -327,6 +355,12 @@ pub fn proc_status_kib(pid: u32, field: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn capabilities_become_setpriv_bounding_set() {
+        let caps = ["NET_ADMIN", "CAP_BPF"].map(String::from);
+        assert_eq!(bounding_set(&caps), "--bounding-set=-all,+net_admin,+bpf");
+    }
 
     #[test]
     fn dataplane_parses() {

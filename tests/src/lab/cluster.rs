@@ -53,6 +53,8 @@ pub struct ClusterSpec {
     pub ip_masq: bool,
     /// Extra agent flags.
     pub agent_args: Vec<String>,
+    /// The only capabilities the agents get ([`AgentSpec::capabilities`]); `None`: root's.
+    pub agent_capabilities: Option<Vec<String>>,
     /// Pods created through CNI on every node.
     pub pods_per_node: usize,
     /// How long each node may take to write subnet.env.
@@ -76,6 +78,7 @@ impl ClusterSpec {
             node_dataplanes: Vec::new(),
             ip_masq: false,
             agent_args: Vec::new(),
+            agent_capabilities: None,
             pods_per_node: 2,
             subnet_env_timeout: Duration::from_secs(60),
             etcd_prefix: lease::DEFAULT_PREFIX.to_owned(),
@@ -283,6 +286,7 @@ impl Cluster {
         spec.dataplane = Some(self.spec.dataplane);
         spec.ip_masq = self.spec.ip_masq;
         spec.extra_args = self.spec.agent_args.clone();
+        spec.capabilities = self.spec.agent_capabilities.clone();
         spec
     }
 

@@ -356,3 +356,41 @@ pub fn node_of(cluster: &Cluster, lease: &LeaseRecord) -> Option<usize> {
 pub fn count_lines(log: &str, needle: &str) -> usize {
     log.lines().filter(|l| l.contains(needle)).count()
 }
+
+/// The capabilities `deploy/kube-flannel.yml` gives the agent's container
+/// (`securityContext.capabilities.add` of the DaemonSet's `kube-flannel` container), which
+/// is all a container runtime grants a root process besides its default set; fails unless the
+/// manifest has that container, unprivileged.
+pub fn daemonset_capabilities() -> Result<Vec<String>> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kube-flannel.yml");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let doc = <serde_yaml::Value as serde::Deserialize>::deserialize(doc)?;
+        if doc["kind"].as_str() != Some("DaemonSet") {
+            continue;
+        }
+        let containers = doc["spec"]["template"]["spec"]["containers"]
+            .as_sequence()
+            .context("the DaemonSet has no containers")?;
+        let agent = containers
+            .iter()
+            .find(|c| c["name"].as_str() == Some("kube-flannel"))
+            .context("no kube-flannel container")?;
+        let security = &agent["securityContext"];
+        anyhow::ensure!(
+            security["privileged"].as_bool() != Some(true),
+            "the agent's container is privileged"
+        );
+        return security["capabilities"]["add"]
+            .as_sequence()
+            .context("no capabilities added")?
+            .iter()
+            .map(|c| {
+                c.as_str()
+                    .map(str::to_owned)
+                    .context("a capability is not a string")
+            })
+            .collect();
+    }
+    anyhow::bail!("no DaemonSet in {}", path.display())
+}
