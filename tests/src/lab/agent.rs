@@ -87,6 +87,7 @@ pub struct AgentSpec {
     /// The only capabilities the agent gets (names as in a pod's `securityContext`, e.g.
     /// `NET_ADMIN`), as a container runtime grants them to a root process: it runs under
     /// `setpriv` with every other one dropped from its bounding set. `None`: all of root's.
+    /// Defaults to [`CAPS_ENV`] when set.
     pub capabilities: Option<Vec<String>>,
 }
 
@@ -105,7 +106,7 @@ impl AgentSpec {
             healthz_port: Some(DEFAULT_HEALTHZ_PORT),
             extra_args: Vec::new(),
             env: Vec::new(),
-            capabilities: None,
+            capabilities: capabilities_from_env(),
         }
     }
 
@@ -332,6 +333,23 @@ fn spawn(
         cmd.env(k, v);
     }
     Process::start(&format!("flannel-agent on {node}"), cmd, output)
+}
+
+/// An environment variable that runs every test agent with only the capabilities it lists
+/// (comma-separated, e.g. `NET_ADMIN,NET_RAW,BPF,PERFMON`, what `deploy/kube-flannel.yml`
+/// gives), to check a whole test suite against a container's capabilities.
+pub const CAPS_ENV: &str = "FLANNEL_TEST_AGENT_CAPS";
+
+/// The capabilities [`CAPS_ENV`] lists, if set.
+pub fn capabilities_from_env() -> Option<Vec<String>> {
+    let list = std::env::var(CAPS_ENV).ok()?;
+    Some(
+        list.split(',')
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .map(str::to_owned)
+            .collect(),
+    )
 }
 
 /// `setpriv`'s flag that leaves a root process only `caps` (`NET_ADMIN` → `+net_admin`): a

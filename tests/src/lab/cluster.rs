@@ -53,7 +53,8 @@ pub struct ClusterSpec {
     pub ip_masq: bool,
     /// Extra agent flags.
     pub agent_args: Vec<String>,
-    /// The only capabilities the agents get ([`AgentSpec::capabilities`]); `None`: root's.
+    /// The only capabilities the agents get ([`AgentSpec::capabilities`]); `None`: root's
+    /// (or [`super::agent::CAPS_ENV`]'s).
     pub agent_capabilities: Option<Vec<String>>,
     /// Pods created through CNI on every node.
     pub pods_per_node: usize,
@@ -286,7 +287,9 @@ impl Cluster {
         spec.dataplane = Some(self.spec.dataplane);
         spec.ip_masq = self.spec.ip_masq;
         spec.extra_args = self.spec.agent_args.clone();
-        spec.capabilities = self.spec.agent_capabilities.clone();
+        if let Some(caps) = &self.spec.agent_capabilities {
+            spec.capabilities = Some(caps.clone());
+        }
         spec
     }
 
