@@ -33,7 +33,7 @@ use flannel_agent::{
 };
 use flannel_tests::{
     lab::{
-        bins,
+        agent, bins,
         cluster::{Cluster, ClusterSpec},
         kv::in_netns,
         lease::LeaseRecord,
@@ -68,13 +68,26 @@ fn cni_plugin() -> PathBuf {
         .clone()
 }
 
-fn up(nodes: usize) -> Cluster {
+/// The capabilities `deploy/kube-flannel.yml` gives the agent.
+const DAEMONSET_CAPS: [&str; 4] = ["NET_ADMIN", "NET_RAW", "BPF", "PERFMON"];
+
+fn spec(nodes: usize) -> ClusterSpec {
     let topo = TopologySpec::new(nodes, Underlay::L2).cni_plugin(cni_plugin());
     let mut spec = ClusterSpec::new(topo, "wireguard", agent_bin());
     spec.backend_options = json!({"PSK": PSK, "PersistentKeepaliveInterval": KEEPALIVE});
     spec.pods_per_node = 1;
     spec.agent_args = vec!["--resync-interval=2".into()];
-    Cluster::up(spec, &|line| eprintln!("lab: {line}"), &|| false).expect("cluster up")
+    // Each node has a socket directory of its own (several userspace devices on one host),
+    // which the agent bind-mounts for wireguard-go: that takes CAP_SYS_ADMIN, also when the
+    // agents run with restricted capabilities (FLANNEL_TEST_AGENT_CAPS).
+    if let Some(caps) = agent::capabilities_from_env() {
+        spec.agent_capabilities = Some(caps.into_iter().chain(["SYS_ADMIN".into()]).collect());
+    }
+    spec
+}
+
+fn up(nodes: usize) -> Cluster {
+    Cluster::up(spec(nodes), &|line| eprintln!("lab: {line}"), &|| false).expect("cluster up")
 }
 
 fn socket(node: &Node) -> PathBuf {
@@ -307,6 +320,26 @@ fn assert_encrypted_on_the_wire(cluster: &Cluster) {
         "expected the probes as WireGuard data packets, saw {wireguard_data} in {} frames; \
          tcpdump: {tcpdump_said}",
         frames.len()
+    );
+}
+
+/// An agent without CAP_SYS_ADMIN (the DaemonSet's capabilities) cannot give wireguard-go a
+/// socket directory other than the standard one, which it bind-mounts in a mount namespace
+/// of wireguard-go's own: it exits with an error that says so and what to do, instead of the
+/// bare "Operation not permitted" and a hint to install wireguard-go.
+#[test]
+fn a_private_socket_dir_without_sys_admin_is_a_clear_error() {
+    require_root!();
+    let mut spec = spec(1);
+    spec.agent_capabilities = Some(DAEMONSET_CAPS.map(String::from).to_vec());
+    let err = match Cluster::up(spec, &|line| eprintln!("lab: {line}"), &|| false) {
+        Ok(_) => panic!("the agent ran"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(
+        err.contains("which takes CAP_SYS_ADMIN")
+            && err.contains("leave --wireguard-socket-dir at /var/run/wireguard"),
+        "{err}"
     );
 }
 

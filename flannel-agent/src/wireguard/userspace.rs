@@ -57,6 +57,26 @@ pub enum UserspaceError {
         #[source]
         source: std::io::Error,
     },
+    /// A socket directory of its own could not be given to the program: the bind mount over
+    /// the standard one, in a mount namespace of the program's own, takes `CAP_SYS_ADMIN`.
+    #[error(
+        "cannot start the userspace WireGuard implementation {program:?} for {device} with its \
+         socket in {}: a --wireguard-socket-dir other than {STANDARD_SOCKET_DIR} is bind-mounted \
+         over it in a mount namespace of the program's own, which takes CAP_SYS_ADMIN ({source}); \
+         leave --wireguard-socket-dir at {STANDARD_SOCKET_DIR} or grant CAP_SYS_ADMIN",
+        dir.display()
+    )]
+    SocketDirMount {
+        /// The program.
+        program: String,
+        /// The device.
+        device: String,
+        /// The socket directory asked for.
+        dir: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
     /// The program ran and failed.
     #[error("{program} {device} failed ({status}): {stderr}")]
     Failed {
@@ -279,10 +299,21 @@ impl Userspace {
                 program: program.clone(),
                 device: device.to_owned(),
             })?
-            .map_err(|source| UserspaceError::Spawn {
-                program: program.clone(),
-                device: device.to_owned(),
-                source,
+            .map_err(|source| {
+                if !self.uses_standard_dir() && source.raw_os_error() == Some(libc::EPERM) {
+                    UserspaceError::SocketDirMount {
+                        program: program.clone(),
+                        device: device.to_owned(),
+                        dir: self.socket_dir.clone(),
+                        source,
+                    }
+                } else {
+                    UserspaceError::Spawn {
+                        program: program.clone(),
+                        device: device.to_owned(),
+                        source,
+                    }
+                }
             })?;
         if !output.status.success() {
             let stderr = String::from_utf8_lossy(&output.stderr);
