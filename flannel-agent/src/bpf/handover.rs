@@ -13,9 +13,9 @@
 //! [`PinLayout::memos_dir`], and which are also reachable from the pinned links: link →
 //! program → its maps. The pins are what an agent with the DaemonSet's capabilities can
 //! read: opening programs and maps by ID takes `CAP_SYS_ADMIN`; by ID it also finds the memos
-//! of programs attached by an agent that pinned none. Each flow checked recently is entered as an established
-//! connection without NAT ([`crate::netlink::conntrack::insert_established`]), whose packets
-//! no NAT rule touches; then the links are dropped, which detaches the programs.
+//! of programs attached by an agent that pinned none. Each flow checked recently is entered as
+//! an established connection without NAT ([`crate::netlink::conntrack::insert_established`]),
+//! whose packets no NAT rule touches; then the links are dropped, which detaches the programs.
 //!
 //! Only flows checked within [`RECENT_TICKS`] of the newest memo are entered: the LRU also
 //! holds connections long closed, and an entry for one of those could meet a new connection
@@ -287,14 +287,15 @@ fn pinned_memos(layout: &PinLayout, memos: &mut Vec<(CtTuple, u64)>) -> bool {
 
 /// Adds the memos of the memo maps of `programs` (by ID: the programs behind this layout's
 /// links and this agent's filters, also those of an agent that pinned no memo maps) to
-/// `memos`. Opening programs and maps by ID takes `CAP_SYS_ADMIN`: `false` when the
-/// programs could not be listed.
+/// `memos`. Opening programs and maps by ID takes `CAP_SYS_ADMIN`: `false` when no program
+/// could be opened.
 fn memos_by_id(programs: &BTreeSet<u32>, memos: &mut Vec<(CtTuple, u64)>) -> bool {
     let mut map_ids = BTreeSet::new();
+    let mut listed = false;
     for info in loaded_programs() {
-        let Ok(info) = info else {
-            return false;
-        };
+        // Refused listing (one error, then the end), or a program gone meanwhile.
+        let Ok(info) = info else { continue };
+        listed = true;
         if programs.contains(&info.id())
             && let Ok(Some(ids)) = info.map_ids()
         {
@@ -314,7 +315,7 @@ fn memos_by_id(programs: &BTreeSet<u32>, memos: &mut Vec<(CtTuple, u64)>) -> boo
             _ => {}
         }
     }
-    true
+    listed
 }
 
 /// Every memo of the LRU map `data` as (its flow's tuple, when it was checked); none when the
