@@ -46,6 +46,8 @@ use flannel_tests::{
 };
 use serde_json::json;
 
+mod agent_support;
+
 /// Base64 of 32 bytes.
 const PSK: &str = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=";
 const KEEPALIVE: u16 = 25;
@@ -67,9 +69,6 @@ fn cni_plugin() -> PathBuf {
     BIN.get_or_init(|| built("flannel-cni", bins::CNI_PLUGIN, "FLANNEL_CNI_BIN"))
         .clone()
 }
-
-/// The capabilities `deploy/kube-flannel.yml` gives the agent.
-const DAEMONSET_CAPS: [&str; 4] = ["NET_ADMIN", "NET_RAW", "BPF", "PERFMON"];
 
 fn spec(nodes: usize) -> ClusterSpec {
     let topo = TopologySpec::new(nodes, Underlay::L2).cni_plugin(cni_plugin());
@@ -331,7 +330,8 @@ fn assert_encrypted_on_the_wire(cluster: &Cluster) {
 fn a_private_socket_dir_without_sys_admin_is_a_clear_error() {
     require_root!();
     let mut spec = spec(1);
-    spec.agent_capabilities = Some(DAEMONSET_CAPS.map(String::from).to_vec());
+    spec.agent_capabilities =
+        Some(agent_support::daemonset_capabilities().unwrap_or_else(|e| panic!("{e:#}")));
     let err = match Cluster::up(spec, &|line| eprintln!("lab: {line}"), &|| false) {
         Ok(_) => panic!("the agent ran"),
         Err(e) => format!("{e:#}"),

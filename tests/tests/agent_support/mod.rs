@@ -357,10 +357,11 @@ pub fn count_lines(log: &str, needle: &str) -> usize {
     log.lines().filter(|l| l.contains(needle)).count()
 }
 
-/// The capabilities `deploy/kube-flannel.yml` gives the agent's container
-/// (`securityContext.capabilities.add` of the DaemonSet's `kube-flannel` container), which
-/// is all a container runtime grants a root process besides its default set; fails unless the
-/// manifest has that container, unprivileged.
+/// The capabilities `deploy/kube-flannel.yml` adds for the agent's container
+/// (`securityContext.capabilities.add` of the DaemonSet's `kube-flannel` container); fails
+/// unless the manifest has that container, unprivileged. A container runtime grants them on
+/// top of its default set (`CHOWN`, `DAC_OVERRIDE`, `KILL`, ...: no `SYS_ADMIN`); an agent
+/// given only these is held to less, so what it does here it does in the container too.
 pub fn daemonset_capabilities() -> Result<Vec<String>> {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kube-flannel.yml");
     let text = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
