@@ -1106,6 +1106,83 @@ fn lifecycle(backend: &str) {
     );
 }
 
+/// An agent that crashes (SIGKILL), also at any point of its start, leaves a dataplane that
+/// forwards, and the next agent adopts it: under traffic between node1's pod and node2's,
+/// node1's agent is killed, then started and killed again at each step of its start (50 ms
+/// in, while it takes its lease; as soon as it logs that its programs are loaded, before it
+/// swaps them in; that the held tables are sized; that the fast path is active; that it
+/// wrote subnet.env; that it is ready; that it follows the pod bridge's ports, whose programs
+/// it swaps next), then started for good. Nothing is lost, the pinned maps and links are the ones from before (same ids),
+/// and the last agent becomes ready with the kernel state as it was.
+#[test]
+fn ebpf_an_agent_killed_while_it_starts_leaves_forwarding_alone() {
+    require_root!();
+    let path = Path::of_backend("vxlan");
+    let p = move |_: usize, _: usize| path;
+    with_cluster(
+        &named(EBPF, "vxlan/l2 agent killed while it starts"),
+        spec_on(EBPF, 2, Underlay::L2, "vxlan", 1),
+        |c| {
+            scenarios::converged(c, &p)?;
+            let pins = c.topology().node(1).bpf_pin_path().to_owned();
+            let log_path = c.topology().node(1).agent_log();
+            let ids_before = fastpath::pin_ids(&pins)?;
+            let state_before = c.kernel_state(1)?;
+            let traffic = scenarios::Undisturbed::start(c, 2, 1)?;
+            std::thread::sleep(Duration::from_secs(1));
+            c.agent_mut(1).context("agent")?.kill()?;
+            let steps = [
+                None,
+                Some("eBPF programs loaded"),
+                Some("held flow tables:"),
+                Some("eBPF fast path active"),
+                Some("Wrote subnet file"),
+                Some("flannel is ready"),
+                Some("fast path following the pod bridge's ports"),
+            ];
+            for step in steps {
+                let logged = || -> Result<usize> {
+                    let log = std::fs::read_to_string(&log_path)?;
+                    Ok(step.map_or(0, |s| agent_support::count_lines(&log, s)))
+                };
+                let before = logged()?;
+                let agent = c.agent_mut(1).context("agent")?;
+                agent.restart()?;
+                match step {
+                    None => std::thread::sleep(Duration::from_millis(50)),
+                    Some(line) => {
+                        let started = std::time::Instant::now();
+                        while logged()? == before {
+                            ensure!(
+                                started.elapsed() < Duration::from_secs(20),
+                                "the agent never logged {line:?}"
+                            );
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                    }
+                }
+                agent.kill()?;
+                eprintln!("killed at {}", step.unwrap_or("50 ms"));
+            }
+            c.agent_mut(1).context("agent")?.restart()?;
+            c.wait_ready(Duration::from_secs(30))?;
+            std::thread::sleep(Duration::from_secs(2));
+            traffic.finish("across the crashes", 300)?;
+            let ids_after = fastpath::pin_ids(&pins)?;
+            ensure!(
+                ids_after.maps == ids_before.maps && ids_after.links == ids_before.links,
+                "the pins were not adopted: {ids_before:?} -> {ids_after:?}"
+            );
+            let state_after = c.kernel_state(1)?;
+            ensure!(
+                state_after == state_before,
+                "kernel state changed:\nbefore\n{state_before}after\n{state_after}"
+            );
+            scenarios::converged(c, &p)
+        },
+    );
+}
+
 #[test]
 fn ebpf_host_gw_lifecycle() {
     require_root!();
