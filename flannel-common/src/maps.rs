@@ -50,6 +50,13 @@ pub const PIN_LINKS_DIR: &str = "links";
 /// no more than `CAP_BPF`, instead of by program and map ID, which needs `CAP_SYS_ADMIN`.
 pub const PIN_MEMOS_DIR: &str = "memos";
 
+/// Directory (under the bpffs pin path, next to the layout versions) where an agent that
+/// resizes the NAT maps ([`NAT4`], [`NAT_REV4`]) moves their old instances while it creates
+/// the new ones and copies the flows over; it removes them once the copy is done. A start
+/// that finds one there (its predecessor died in between) finishes that copy first, so a
+/// crash during a resize loses no masqueraded connection.
+pub const PIN_RESIZING_DIR: &str = "resizing";
+
 /// LPM trie of remote IPv4 pod subnets.
 pub const ROUTES4: &str = "FLANNEL_ROUTES4";
 /// Maximum remote IPv4 subnets (nodes) the trie holds.

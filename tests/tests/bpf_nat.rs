@@ -20,7 +20,7 @@ use std::{
 };
 
 use flannel_agent::bpf::{
-    FastPath, Hook, LoadOptions, LocalConfig, NatSettings, Remote, Via, VxlanLocal,
+    FastPath, Hook, LoadOptions, LocalConfig, NatSettings, PinLayout, Remote, Via, VxlanLocal,
 };
 use flannel_common::{
     maps as names,
@@ -1361,6 +1361,58 @@ fn restart_adopts_and_resize_carries_the_flows_over() {
             "reply after resize",
         );
     });
+}
+
+/// A NAT map resize that a crash interrupted is finished by the next start: the agent moves
+/// the old maps aside (`<pin path>/resizing/`) before it creates the new ones, and unpins
+/// them only once their flows are copied. Here the state a crash right after the move leaves
+/// (the old maps aside, no new ones pinned): the next start copies the flow into maps of the
+/// new size, translates its reply, and removes the old maps. (The old maps used to be unpinned
+/// before the copy: a crash in between left no pin of the flows, and every masqueraded
+/// connection was cut.) A leftover of an incompatible layout is removed, not copied.
+#[test]
+fn a_resize_a_crash_interrupted_is_finished_by_the_next_start() {
+    let Some(rig) = Rig::new("ntcrash") else {
+        return;
+    };
+    rig.with_nat_sized(1024, settings(), |fp, ext| {
+        let syn = Ipv4::new(POD, OUT, tcp(40000, 443, tcp_flags::SYN));
+        let _ = run(fp, Hook::ToNetdev, &egress_frame(&syn), Skb::on(ext));
+        assert_eq!(fp.nat_flows().expect("flows").len(), 1);
+    });
+    let layout = PinLayout::new(&rig.pin);
+    std::fs::create_dir_all(layout.resizing_dir()).expect("resizing dir");
+    for name in [names::NAT4, names::NAT_REV4] {
+        std::fs::rename(layout.map(name), layout.resizing(name)).expect("move aside");
+    }
+    rig.with_nat_sized(2048, settings(), |fp, ext| {
+        assert_eq!(fp.nat_capacity().expect("capacity"), 2048);
+        let flows = fp.nat_flows().expect("flows");
+        assert_eq!(flows.len(), 1, "{flows:#?}");
+        assert!(flows[0].reverse_ok);
+        let reply = Ipv4::new(OUT, NODE, tcp(443, 40000, tcp_flags::SYN | tcp_flags::ACK));
+        let r = run(fp, Hook::FromNetdev, &ingress_frame(&reply), Skb::on(ext));
+        assert_bytes(
+            &r.out,
+            &ingress_frame(&with_destination(&reply, POD, None)),
+            "reply after the finished resize",
+        );
+    });
+    for name in [names::NAT4, names::NAT_REV4] {
+        assert!(
+            !layout.resizing(name).exists(),
+            "{name}'s old instance is still pinned"
+        );
+    }
+    // A leftover that is no NAT map of this build (here the route map) is dropped.
+    std::fs::create_dir_all(layout.resizing_dir()).expect("resizing dir");
+    std::fs::hard_link(layout.map(names::ROUTES4), layout.resizing(names::NAT4))
+        .expect("a foreign pin");
+    rig.with_nat_sized(1024, settings(), |fp, _| {
+        assert_eq!(fp.nat_capacity().expect("capacity"), 1024);
+        assert_eq!(fp.nat_flows().expect("flows").len(), 1);
+    });
+    assert!(!layout.resizing(names::NAT4).exists());
 }
 
 /// Variants of masqueraded packets both ways (TCP, UDP with and without checksum, ICMP echo,

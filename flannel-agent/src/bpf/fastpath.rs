@@ -197,7 +197,9 @@ impl FastPath {
     /// Pinned NAT maps of another size than `options` asks for are replaced by maps of the new
     /// size holding their entries (as many as fit), so resizing does not reset the
     /// masqueraded connections; flows created by the old programs between the copy and the
-    /// attach are lost. Held flow tables of another size are created afresh, empty: the
+    /// attach are lost. The old maps stay pinned aside until the copy is done, so a start that
+    /// dies meanwhile leaves them to the next, which finishes the copy
+    /// ([`super::nat::take_resized`]). Held flow tables of another size are created afresh, empty: the
     /// conntrack read before the attach fills them.
     pub fn load_with(pin_path: &Path, options: &LoadOptions) -> Result<FastPath, BpfError> {
         if crate::EBPF_OBJECT.is_empty() {
@@ -269,7 +271,7 @@ impl FastPath {
             .load(crate::EBPF_OBJECT)
             .map_err(|e| BpfError::Load(Box::new(e)))?;
         for (name, old) in resized {
-            let copied = super::nat::copy_resized(&mut ebpf, name, old)?;
+            let copied = super::nat::finish_resize(&mut ebpf, &layout, name, old)?;
             tracing::info!(
                 map = name,
                 entries = copied,

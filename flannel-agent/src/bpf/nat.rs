@@ -11,6 +11,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt, fs,
     net::{Ipv4Addr, SocketAddrV4},
+    path::Path,
     time::Duration,
 };
 
@@ -448,9 +449,12 @@ pub fn pinned_nat_flows(layout: &PinLayout) -> Result<Option<Vec<NatFlow>>, BpfE
 /// writes the reply entry first and the flow's entry right after.
 const ORPHAN_GRACE_NS: u64 = 5 * NS_PER_S;
 
-/// Pinned NAT maps (of `sizes`) whose size differs from the one asked for but which are
-/// otherwise compatible: opened (so their entries survive), then unpinned so the loader
-/// creates maps of the new size in their place.
+/// The NAT maps (of `sizes`) whose flows must be carried into maps of a new size: an old
+/// instance a resize left under [`PinLayout::resizing_dir`] (its agent died before the copy
+/// was done), else a pinned map whose size differs from the one asked for but which is
+/// otherwise compatible, moved there first (a rename within bpffs) so that the loader
+/// creates a map of the new size in its place. Each stays pinned there until
+/// [`finish_resize`] has copied it: a crash on the way leaves it for the next start.
 pub(super) fn take_resized(
     layout: &PinLayout,
     sizes: &[(&'static str, u32)],
@@ -460,6 +464,20 @@ pub(super) fn take_resized(
         let Some((_, size)) = sizes.iter().find(|(name, _)| *name == spec.name) else {
             continue;
         };
+        let aside = layout.resizing(spec.name);
+        match aya::maps::MapInfo::from_pin(&aside) {
+            Ok(info) if spec.matches_but_size(&info) => {
+                let data = MapData::from_pin(&aside).map_err(|e| BpfError::map(spec.name, e))?;
+                tracing::info!(
+                    map = spec.name,
+                    "finishing a NAT map resize an earlier run did not complete"
+                );
+                out.push((spec.name, data));
+                continue;
+            }
+            Ok(_) => remove_pin_file(&aside)?,
+            Err(_) => {}
+        }
         let path = layout.map(spec.name);
         let Ok(info) = aya::maps::MapInfo::from_pin(&path) else {
             continue;
@@ -467,26 +485,44 @@ pub(super) fn take_resized(
         if !spec.matches_but_size(&info) || info.max_entries() == *size {
             continue;
         }
-        let data = MapData::from_pin(&path).map_err(|e| BpfError::map(spec.name, e))?;
-        fs::remove_file(&path).map_err(|e| BpfError::io("removing", &path, e))?;
+        let dir = layout.resizing_dir();
+        fs::create_dir_all(&dir).map_err(|e| BpfError::io("creating", &dir, e))?;
+        fs::rename(&path, &aside).map_err(|e| BpfError::io("moving aside", &path, e))?;
+        let data = MapData::from_pin(&aside).map_err(|e| BpfError::map(spec.name, e))?;
         out.push((spec.name, data));
     }
     Ok(out)
 }
 
-/// Copies the entries of a resized NAT map's old instance into the new one; returns how many
-/// were copied (an LRU map of a smaller size keeps the last ones).
-pub(super) fn copy_resized(
+/// Copies the entries of a resized NAT map's old instance into the new one (those the new
+/// one lacks: after a crash it may hold some already), then unpins the old instance; returns
+/// how many were copied (an LRU map of a smaller size keeps the last ones).
+pub(super) fn finish_resize(
     ebpf: &mut aya::Ebpf,
+    layout: &PinLayout,
     name: &'static str,
     old: MapData,
 ) -> Result<usize, BpfError> {
     let old = aya::maps::Map::from_map_data(old).map_err(|e| BpfError::map(name, e))?;
     let new = ebpf.map_mut(name).ok_or_else(|| missing(name))?;
-    if name == names::NAT4 {
-        copy_all::<NatEntry>(name, &old, new)
+    let copied = if name == names::NAT4 {
+        copy_all::<NatEntry>(name, &old, new)?
     } else {
-        copy_all::<NatRevEntry>(name, &old, new)
+        copy_all::<NatRevEntry>(name, &old, new)?
+    };
+    remove_pin_file(&layout.resizing(name))?;
+    Ok(copied)
+}
+
+/// `BPF_NOEXIST`: insert only a key the map lacks.
+const BPF_NOEXIST: u64 = 1;
+
+/// Removes a pin; a missing one is fine.
+fn remove_pin_file(path: &Path) -> Result<(), BpfError> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(BpfError::io("removing", path, e)),
     }
 }
 
@@ -502,7 +538,7 @@ fn copy_all<V: aya::Pod>(
     let mut copied = 0;
     for item in old.iter() {
         let Ok((key, value)) = item else { continue };
-        if new.insert(key, value, 0).is_ok() {
+        if new.insert(key, value, BPF_NOEXIST).is_ok() {
             copied += 1;
         }
     }

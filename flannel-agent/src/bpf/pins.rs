@@ -9,6 +9,9 @@
 //!   memos/
 //!     FLANNEL_MEMO4 ...       the attached programs' flow memos (not adopted; read by the
 //!                             way back to the kernel path, see `super::handover`)
+//!   resizing/
+//!     FLANNEL_NAT4 ...        NAT maps of the old size while a resize copies them (see
+//!                             `super::nat::take_resized`)
 //! ```
 //!
 //! (bpffs refuses dots in the names of pinned links and programs, hence the dash.)
@@ -283,6 +286,16 @@ impl PinLayout {
         self.memos_dir().join(name)
     }
 
+    /// The directory where a resize keeps the old NAT maps until their flows are copied.
+    pub fn resizing_dir(&self) -> PathBuf {
+        self.root.join(names::PIN_RESIZING_DIR)
+    }
+
+    /// Where a resize keeps the old instance of map `name`.
+    pub fn resizing(&self, name: &str) -> PathBuf {
+        self.resizing_dir().join(name)
+    }
+
     /// Where the link of `program` on `ifindex` is pinned.
     pub fn link(&self, program: &str, ifindex: u32) -> PathBuf {
         self.links_dir().join(format!("{program}-{ifindex}"))
@@ -390,8 +403,10 @@ impl PinLayout {
         if self.links_dir().exists() {
             count += remove_dir_contents(&self.links_dir())?;
         }
-        if self.memos_dir().exists() {
-            count += remove_dir_contents(&self.memos_dir())?;
+        for dir in [self.memos_dir(), self.resizing_dir()] {
+            if dir.exists() {
+                count += remove_dir_contents(&dir)?;
+            }
         }
         if let Ok(entries) = fs::read_dir(&self.root) {
             for entry in entries.flatten() {
