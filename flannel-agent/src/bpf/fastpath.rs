@@ -517,13 +517,17 @@ impl FastPath {
     /// Pins this object's flow memo maps under [`PinLayout::memos_dir`], in place of those of
     /// the programs attached before: now that its programs run, their memos hold the flows
     /// the way back to the kernel path hands over ([`super::handover`]), which it reads there.
+    /// Each is pinned under a temporary name and renamed over the old pin, so that one of the
+    /// two is always there, even if the agent dies meanwhile.
     fn pin_memos(&self) -> Result<(), BpfError> {
         for name in [MEMO4, MEMO6] {
             let map = self.ebpf.map(name).ok_or_else(|| missing(name))?;
             let path = self.layout.memo(name);
-            remove_pin(&path)?;
-            map.pin(&path)
-                .map_err(|e| BpfError::io("pinning", &path, std::io::Error::other(e)))?;
+            let fresh = self.layout.memo(&format!("{name}_new"));
+            remove_pin(&fresh)?;
+            map.pin(&fresh)
+                .map_err(|e| BpfError::io("pinning", &fresh, std::io::Error::other(e)))?;
+            fs::rename(&fresh, &path).map_err(|e| BpfError::io("renaming", &fresh, e))?;
         }
         Ok(())
     }
