@@ -197,10 +197,10 @@ impl FastPath {
     /// Pinned NAT maps of another size than `options` asks for are replaced by maps of the new
     /// size holding their entries (as many as fit), so resizing does not reset the
     /// masqueraded connections; flows created by the old programs between the copy and the
-    /// attach are lost. The old maps stay pinned aside until the copy is done, so a start that
-    /// dies meanwhile leaves them to the next, which finishes the copy
-    /// ([`super::nat::take_resized`]). Held flow tables of another size are created afresh, empty: the
-    /// conntrack read before the attach fills them.
+    /// attach are lost. The old maps stay pinned aside ([`PinLayout::resizing_dir`]) until the
+    /// copy is done, so a start that dies meanwhile leaves them to the next, which finishes
+    /// the copy. Held flow tables of another size are created afresh, empty: the conntrack
+    /// read before the attach fills them.
     pub fn load_with(pin_path: &Path, options: &LoadOptions) -> Result<FastPath, BpfError> {
         if crate::EBPF_OBJECT.is_empty() {
             return Err(BpfError::NoObject);
