@@ -44,7 +44,10 @@ use std::{
 
 use aya::{
     maps::{HashMap, Map, MapData},
-    programs::{links::PinnedLink, loaded_programs},
+    programs::{
+        links::{FdLink, PinnedLink},
+        loaded_programs,
+    },
 };
 use flannel_common::{
     memo::{FlowMemo, FlowMemo6, MEMO4, MEMO6, MemoKey, MemoKey6},
@@ -75,11 +78,13 @@ pub struct HandOver {
     pub masqueraded_inserted: conntrack::Inserted,
 }
 
-/// Unpins every link under `layout` (the links stay attached while this holds them), enters
-/// the recent flows of their programs' memo maps (and of the programs of this agent's
-/// `clsact` filters) into conntrack, then drops the links (the programs are detached; the
-/// filters are the caller's to remove). A conntrack that cannot be reached is logged; the links are
-/// detached all the same.
+/// Opens every link pinned under `layout`, enters the recent flows of their programs' memo
+/// maps (and of the programs of this agent's `clsact` filters) into conntrack, then unpins and
+/// drops the links (the programs are detached; the filters are the caller's to remove). A
+/// conntrack that cannot be reached is logged; the links are detached all the same. The links
+/// stay pinned until conntrack holds the flows: an agent that dies before leaves the fast path
+/// attached and forwarding, and the next start hands over again (a flow entered twice is
+/// counted as already tracked).
 pub fn detach_handing_over(layout: &PinLayout) -> HandOver {
     let mut held = Vec::new();
     let mut programs = BTreeSet::new();
@@ -88,12 +93,11 @@ pub fn detach_handing_over(layout: &PinLayout) -> HandOver {
             let Ok(pinned) = PinnedLink::from_pin(entry.path()) else {
                 continue;
             };
-            // Unpinning removes the file; the link lives on in `link` until it is dropped.
-            let Ok(link) = pinned.unpin() else { continue };
+            let link = FdLink::from(pinned);
             if let Ok(info) = link.info() {
                 programs.insert(info.program_id());
             }
-            held.push(link);
+            held.push((entry.path(), link));
         }
     }
     // Programs attached as `clsact` filters: found through the filters (removed afterwards by
@@ -122,6 +126,14 @@ pub fn detach_handing_over(layout: &PinLayout) -> HandOver {
         "they will be cut",
     ) {
         out.masqueraded_inserted = inserted;
+    }
+    // Unpinned, the links live on in `held` until it is dropped, which detaches the programs.
+    for (path, _) in &held {
+        if let Err(e) = fs::remove_file(path)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            warn!(path = %path.display(), error = %e, "cannot unpin a fast-path link");
+        }
     }
     drop(held);
     out
