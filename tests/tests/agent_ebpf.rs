@@ -1766,6 +1766,100 @@ fn ebpf_detach_fastpath_hands_over_and_removes_the_programs() {
     );
 }
 
+/// The way back does not let go of the fast path before conntrack holds its flows: a
+/// `flannel-agent --detach-fastpath` killed (SIGKILL) while it enters node1's remembered
+/// flows into conntrack (30,000 made up besides the pod connection's, so that the entering
+/// takes a while) leaves node1's links pinned and its programs attached, and the pods'
+/// connection goes on; the command run again hands the connection over and detaches. (It
+/// used to unpin the links first: killed there, it left the programs detached with the flows
+/// half entered, and no links for the next run to hand over from.)
+#[test]
+fn ebpf_a_detach_killed_while_it_hands_over_leaves_the_fast_path_attached() {
+    require_root!();
+    with_cluster(
+        &named(EBPF, "detach killed while it hands over"),
+        spec_on(EBPF, 2, Underlay::L2, "vxlan", 1),
+        |c| {
+            const MADE_UP: u16 = 30_000;
+            let mut conn = EchoConnection::open(c.topology())?;
+            c.agent_mut(1)
+                .context("node1's agent")?
+                .stop(Duration::from_secs(10))?;
+            let t = c.topology();
+            let pins = t.node(1).bpf_pin_path();
+            add_memos(pins, MADE_UP)?;
+            let ns_path = t.node(1).ns().path();
+            let tracked = || -> Result<u64> {
+                flannel_tests::lab::kv::in_netns(&ns_path, || {
+                    let text =
+                        std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_count")?;
+                    Ok(text.trim().parse()?)
+                })
+            };
+            let before = tracked()?;
+            let detach = detach_command(t, 1)?;
+            let argv: Vec<&str> = detach.iter().map(String::as_str).collect();
+            let log = t.node(1).dir().join("detach.log");
+            let mut run = Process::spawn(t.node(1).ns(), &argv, Output::File(log))?;
+            // Killed as soon as conntrack holds a first share of the flows.
+            let started = std::time::Instant::now();
+            while tracked()? < before + 1000 {
+                ensure!(run.is_running(), "the command ended before it was killed");
+                ensure!(
+                    started.elapsed() < Duration::from_secs(30),
+                    "conntrack never took the flows"
+                );
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            run.kill()?;
+            let entered = tracked()? - before;
+            eprintln!("killed after {entered} of {MADE_UP} flows were in conntrack");
+            ensure!(
+                entered < u64::from(MADE_UP),
+                "all {entered} flows were entered before the kill: too late to tell"
+            );
+            let links = fastpath::pin_ids(pins)?.links;
+            ensure!(
+                !links.is_empty(),
+                "killed after {entered} flows, the command left no link pinned"
+            );
+            let attached = fastpath::tcx_programs(t.node(1).ns(), "eth0")?;
+            ensure!(
+                attached.iter().any(|p| p == "tc_from_netdev"),
+                "killed after {entered} flows, node1's eth0 shows {attached:?}"
+            );
+            conn.goes_on("after the killed detach")?;
+            t.node(1).run(&argv)?;
+            fast_path_removed(t, 1)?;
+            conn.goes_on("on node1's kernel path")
+        },
+    );
+}
+
+/// Adds `count` made-up TCP flows to the flow memos pinned under `pins`, copies of the most
+/// recent one with other local ports (as recent, so the way back hands them over too).
+fn add_memos(pins: &std::path::Path, count: u16) -> Result<()> {
+    use flannel_common::memo::{FlowMemo, MEMO4, MemoKey};
+    let path = pins.join(flannel_common::maps::PIN_MEMOS_DIR).join(MEMO4);
+    let data = aya::maps::MapData::from_pin(&path).context("the pinned memos")?;
+    let mut memos: aya::maps::HashMap<_, MemoKey, FlowMemo> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data))?;
+    let (key, memo) = memos
+        .iter()
+        .flatten()
+        .max_by_key(|(_, m)| m.checked_at)
+        .context("no memo to copy")?;
+    for i in 0..count {
+        let fake = MemoKey {
+            local_port: (20_000 + i).to_be_bytes(),
+            remote_port: 9u16.to_be_bytes(),
+            ..key
+        };
+        memos.insert(fake, memo, 0)?;
+    }
+    Ok(())
+}
+
 /// One agent per node: while node1's agent runs, a second agent with its flags and
 /// `flannel-agent --detach-fastpath` for its pins and state directory both exit 1 at once,
 /// naming the running agent's pid, and change nothing: node1's pins and programs stay, its
