@@ -861,91 +861,93 @@ fn ebpf_lost_kernel_flows_come_back_from_conntrack() {
 fn ebpf_held_service_connection_survives_an_eviction_without_a_resync() {
     use std::io::Write as _;
     require_root!();
-    let mut spec = spec_on(EBPF, 2, Underlay::L2, "host-gw", 1);
-    spec.ip_masq = true;
-    spec.agent_args.push("--ebpf-conntrack-resync=3600".into());
-    with_cluster(&named(EBPF, "held kernel flows"), spec, |c| {
-        let t = c.topology();
-        let server = t.first_pod_on(2)?;
-        let backend = SocketAddr::new(IpAddr::V4(server.ip()), 7100);
-        let listener = server
-            .ns()
-            .enter(move || std::net::TcpListener::bind(backend))??;
-        let (stream, key) = connect_through_service(t, backend)?;
-        let (mut pusher, _) = listener.accept()?;
-        let mut lines = std::io::BufReader::new(stream);
-        let mut push = |text: &str| -> Result<()> {
-            pusher.write_all(format!("{text}\n").as_bytes())?;
-            let mut line = String::new();
-            std::io::BufRead::read_line(&mut lines, &mut line)
-                .with_context(|| format!("{text:?} pushed through the Service"))?;
-            ensure!(line == format!("{text}\n"), "read {line:?}");
-            Ok(())
-        };
-        push("before")?;
-        let pins = t.node(1).bpf_pin_path().to_path_buf();
-        let ours = |k: &flannel_common::flow::FlowKey| *k == key;
-        // As after an upgrade from a build without the held tables: node1's agent stops and
-        // their pins go (the programs keep theirs); the agent that starts creates them.
-        c.agent_mut(1)
-            .context("agent")?
-            .stop(Duration::from_secs(10))?;
-        let layout = pins.join(flannel_common::maps::PIN_LAYOUT_VERSION);
-        for name in [
-            flannel_common::maps::HELD_FLOWS4,
-            flannel_common::maps::HELD_GUARD4,
-            flannel_common::v6::HELD_FLOWS6,
-            flannel_common::v6::HELD_GUARD6,
-            flannel_common::maps::HELD_COUNT,
-        ] {
-            std::fs::remove_file(layout.join(name)).with_context(|| format!("unpinning {name}"))?;
-        }
-        // It starts with held tables of the size asked for.
-        restart_with(c, 1, |args| {
-            args.push("--ebpf-held-max-entries=1000".into())
-        })?;
-        let log_path = c.agent_mut(1).context("agent")?.log_path().to_owned();
-        let node1 = c.topology().node(1).ns();
-        wait::until_ok(CONVERGE, "node1 holding the connection", || {
-            let held = fastpath::held_kernel_flows(&pins)?;
-            ensure!(held.iter().any(ours), "held: {held:?}");
-            Ok(())
-        })?;
-        for (name, size) in [
-            (flannel_common::maps::HELD_FLOWS4, 1000),
-            (flannel_common::maps::HELD_GUARD4, 250),
-            (flannel_common::v6::HELD_FLOWS6, 1000),
-        ] {
-            let info = aya::maps::MapInfo::from_pin(layout.join(name))?;
-            ensure!(
-                info.max_entries() == size,
-                "{name} holds {}",
-                info.max_entries()
-            );
-        }
-        let log = std::fs::read_to_string(&log_path)?;
-        let sized = "held flow tables: 1000 connections and 250 hostPort guards per family, set \
+    with_cluster(
+        &named(EBPF, "held kernel flows"),
+        hourly_resync_spec(),
+        |c| {
+            let t = c.topology();
+            let server = t.first_pod_on(2)?;
+            let backend = SocketAddr::new(IpAddr::V4(server.ip()), 7100);
+            let listener = server
+                .ns()
+                .enter(move || std::net::TcpListener::bind(backend))??;
+            let (stream, key) = connect_through_service(t, backend)?;
+            let (mut pusher, _) = listener.accept()?;
+            let mut lines = std::io::BufReader::new(stream);
+            let mut push = |text: &str| -> Result<()> {
+                pusher.write_all(format!("{text}\n").as_bytes())?;
+                let mut line = String::new();
+                std::io::BufRead::read_line(&mut lines, &mut line)
+                    .with_context(|| format!("{text:?} pushed through the Service"))?;
+                ensure!(line == format!("{text}\n"), "read {line:?}");
+                Ok(())
+            };
+            push("before")?;
+            let pins = t.node(1).bpf_pin_path().to_path_buf();
+            let ours = |k: &flannel_common::flow::FlowKey| *k == key;
+            // As after an upgrade from a build without the held tables: node1's agent stops and
+            // their pins go (the programs keep theirs); the agent that starts creates them.
+            c.agent_mut(1)
+                .context("agent")?
+                .stop(Duration::from_secs(10))?;
+            let layout = pins.join(flannel_common::maps::PIN_LAYOUT_VERSION);
+            for name in [
+                flannel_common::maps::HELD_FLOWS4,
+                flannel_common::maps::HELD_GUARD4,
+                flannel_common::v6::HELD_FLOWS6,
+                flannel_common::v6::HELD_GUARD6,
+                flannel_common::maps::HELD_COUNT,
+            ] {
+                std::fs::remove_file(layout.join(name))
+                    .with_context(|| format!("unpinning {name}"))?;
+            }
+            // It starts with held tables of the size asked for.
+            restart_with(c, 1, |args| {
+                args.push("--ebpf-held-max-entries=1000".into())
+            })?;
+            let log_path = c.agent_mut(1).context("agent")?.log_path().to_owned();
+            let node1 = c.topology().node(1).ns();
+            wait::until_ok(CONVERGE, "node1 holding the connection", || {
+                let held = fastpath::held_kernel_flows(&pins)?;
+                ensure!(held.iter().any(ours), "held: {held:?}");
+                Ok(())
+            })?;
+            for (name, size) in [
+                (flannel_common::maps::HELD_FLOWS4, 1000),
+                (flannel_common::maps::HELD_GUARD4, 250),
+                (flannel_common::v6::HELD_FLOWS6, 1000),
+            ] {
+                let info = aya::maps::MapInfo::from_pin(layout.join(name))?;
+                ensure!(
+                    info.max_entries() == size,
+                    "{name} holds {}",
+                    info.max_entries()
+                );
+            }
+            let log = std::fs::read_to_string(&log_path)?;
+            let sized = "held flow tables: 1000 connections and 250 hostPort guards per family, set \
                      by --ebpf-held-max-entries";
-        ensure!(
-            log.contains(sized),
-            "node1's log does not say how the held tables are sized"
-        );
-        let gauge = status::metric_sum(
-            node1,
-            DEFAULT_HEALTHZ_PORT,
-            "flannel_bpf_map_entries",
-            "kind=\"held\"",
-        )?;
-        ensure!(gauge >= 1.0, "node1's held entries gauge says {gauge}");
-        // Idle, then evicted.
-        std::thread::sleep(Duration::from_millis(300));
-        let evicted = fastpath::clear_kernel_flows::<flannel_common::flow::FlowKey>(&pins)?;
-        ensure!(evicted >= 1, "node1's kernel-flow table was empty");
-        for i in 0..3 {
-            push(&format!("after the eviction {i}"))?;
-        }
-        Ok(())
-    });
+            ensure!(
+                log.contains(sized),
+                "node1's log does not say how the held tables are sized"
+            );
+            let gauge = status::metric_sum(
+                node1,
+                DEFAULT_HEALTHZ_PORT,
+                "flannel_bpf_map_entries",
+                "kind=\"held\"",
+            )?;
+            ensure!(gauge >= 1.0, "node1's held entries gauge says {gauge}");
+            // Idle, then evicted.
+            std::thread::sleep(Duration::from_millis(300));
+            let evicted = fastpath::clear_kernel_flows::<flannel_common::flow::FlowKey>(&pins)?;
+            ensure!(evicted >= 1, "node1's kernel-flow table was empty");
+            for i in 0..3 {
+                push(&format!("after the eviction {i}"))?;
+            }
+            Ok(())
+        },
+    );
 }
 
 /// A Service connection opened after node1's agent started, on a node whose programs then
@@ -958,55 +960,68 @@ fn ebpf_held_service_connection_survives_an_eviction_without_a_resync() {
 #[test]
 fn ebpf_a_burst_of_learnt_flows_brings_the_next_conntrack_read_forward() {
     require_root!();
+    with_cluster(
+        &named(EBPF, "early conntrack read"),
+        hourly_resync_spec(),
+        |c| {
+            let t = c.topology();
+            let (client, server) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
+            let server_ip = server.ip();
+            let backend = SocketAddr::new(IpAddr::V4(server_ip), 7100);
+            probe::line_echo_server(server.ns(), backend, 1)?;
+            let (mut stream, key) = connect_through_service(t, backend)?;
+            probe::line_round_trip(&mut stream, "before").context("through the Service")?;
+            let pins = t.node(1).bpf_pin_path();
+            let node1 = t.node(1).ns();
+            let ours = |k: &flannel_common::flow::FlowKey| *k == key;
+            let held =
+                || -> Result<bool> { Ok(fastpath::held_kernel_flows(pins)?.iter().any(ours)) };
+            std::thread::sleep(Duration::from_secs(2));
+            ensure!(
+                !held()?,
+                "the connection is held before any read could have seen it"
+            );
+            // The burst: one datagram from each of 40,000 ports to a DNS Service on node2's pod.
+            let dns = SocketAddr::new("10.96.0.11".parse()?, 53);
+            t.node(1)
+                .dnat_udp(dns, SocketAddr::new(IpAddr::V4(server_ip), 5353))?;
+            client.ns().enter(move || -> std::io::Result<()> {
+                for port in 20_000..60_000u16 {
+                    let s = std::net::UdpSocket::bind((std::net::Ipv4Addr::UNSPECIFIED, port))?;
+                    s.send_to(b"q", dns)?;
+                }
+                Ok(())
+            })??;
+            wait::until_ok(
+                Duration::from_secs(20),
+                "node1 holding the connection",
+                || {
+                    ensure!(held()?, "not held");
+                    Ok(())
+                },
+            )?;
+            let early = status::metric_sum(
+                node1,
+                DEFAULT_HEALTHZ_PORT,
+                "flannel_fastpath_conntrack_resyncs_total",
+                "kind=\"learning\"",
+            )?;
+            ensure!(early >= 1.0, "node1 reports {early} early reads");
+            probe::line_round_trip(&mut stream, "after").context("through the Service")?;
+            Ok(())
+        },
+    );
+}
+
+/// Two host-gw nodes on the fast path with `--ip-masq` (pod-to-pod traffic keeps its
+/// addresses, so a Service's answers need conntrack on the way back) and a resync of the flow
+/// tables from conntrack only every hour, so that nothing but the start-up read, the held
+/// tables and an early read keeps a connection on the kernel path.
+fn hourly_resync_spec() -> ClusterSpec {
     let mut spec = spec_on(EBPF, 2, Underlay::L2, "host-gw", 1);
     spec.ip_masq = true;
     spec.agent_args.push("--ebpf-conntrack-resync=3600".into());
-    with_cluster(&named(EBPF, "early conntrack read"), spec, |c| {
-        let t = c.topology();
-        let (client, server) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
-        let server_ip = server.ip();
-        let backend = SocketAddr::new(IpAddr::V4(server_ip), 7100);
-        probe::line_echo_server(server.ns(), backend, 1)?;
-        let (mut stream, key) = connect_through_service(t, backend)?;
-        probe::line_round_trip(&mut stream, "before").context("through the Service")?;
-        let pins = t.node(1).bpf_pin_path();
-        let node1 = t.node(1).ns();
-        let ours = |k: &flannel_common::flow::FlowKey| *k == key;
-        let held = || -> Result<bool> { Ok(fastpath::held_kernel_flows(pins)?.iter().any(ours)) };
-        std::thread::sleep(Duration::from_secs(2));
-        ensure!(
-            !held()?,
-            "the connection is held before any read could have seen it"
-        );
-        // The burst: one datagram from each of 40,000 ports to a DNS Service on node2's pod.
-        let dns = SocketAddr::new("10.96.0.11".parse()?, 53);
-        t.node(1)
-            .dnat_udp(dns, SocketAddr::new(IpAddr::V4(server_ip), 5353))?;
-        client.ns().enter(move || -> std::io::Result<()> {
-            for port in 20_000..60_000u16 {
-                let s = std::net::UdpSocket::bind((std::net::Ipv4Addr::UNSPECIFIED, port))?;
-                s.send_to(b"q", dns)?;
-            }
-            Ok(())
-        })??;
-        wait::until_ok(
-            Duration::from_secs(20),
-            "node1 holding the connection",
-            || {
-                ensure!(held()?, "not held");
-                Ok(())
-            },
-        )?;
-        let early = status::metric_sum(
-            node1,
-            DEFAULT_HEALTHZ_PORT,
-            "flannel_fastpath_conntrack_resyncs_total",
-            "kind=\"learning\"",
-        )?;
-        ensure!(early >= 1.0, "node1 reports {early} early reads");
-        probe::line_round_trip(&mut stream, "after").context("through the Service")?;
-        Ok(())
-    });
+    spec
 }
 
 /// Connects node1's first pod to `backend` (a pod on another node) through a ClusterIP-style

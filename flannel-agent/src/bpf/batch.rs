@@ -12,6 +12,11 @@ use std::{
 
 use aya::maps::MapData;
 
+/// `BPF_ANY`: insert or update (the `flags` of a map update).
+pub const BPF_ANY: u64 = 0;
+/// `BPF_NOEXIST`: insert only when the key is absent.
+pub const BPF_NOEXIST: u64 = 1;
+
 /// `BPF_MAP_LOOKUP_BATCH` (`enum bpf_cmd`).
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 /// `BPF_MAP_UPDATE_BATCH` (`enum bpf_cmd`).

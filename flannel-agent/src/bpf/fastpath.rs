@@ -31,7 +31,7 @@ use ipnet::Ipv4Net;
 use super::{
     BpfError, LocalConfig, Remote, SyncStats,
     counters::Counters,
-    pins::{MAP_SPECS, PinLayout},
+    pins::{MAP_SPECS, PinLayout, remove_pin},
     probe::{probe, tcx_supported},
     remote::{DesiredEntries, desired_entries, diff},
     tcfilter,
@@ -955,14 +955,6 @@ fn adopt(
     let pinned = PinnedLink::from_pin(path).map_err(|e| e.to_string())?;
     let link = SchedClassifierLink::try_from(FdLink::from(pinned)).map_err(|e| e.to_string())?;
     program.attach_to_link(link).map_err(|e| e.to_string())
-}
-
-fn remove_pin(path: &Path) -> Result<(), BpfError> {
-    match fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(BpfError::io("removing", path, e)),
-    }
 }
 
 pub(super) fn remove_ignoring_missing(

@@ -55,7 +55,10 @@ use flannel_common::{
 };
 use tracing::{info, warn};
 
-use super::{nat, pins::PinLayout};
+use super::{
+    nat,
+    pins::{PinLayout, remove_pin},
+};
 use crate::netlink::conntrack::{self, CtTuple};
 
 /// How far behind the newest memo (in kernel ticks, `bpf_jiffies64`) a memo may have been
@@ -129,10 +132,8 @@ pub fn detach_handing_over(layout: &PinLayout) -> HandOver {
     }
     // Unpinned, the links live on in `held` until it is dropped, which detaches the programs.
     for (path, _) in &held {
-        if let Err(e) = fs::remove_file(path)
-            && e.kind() != std::io::ErrorKind::NotFound
-        {
-            warn!(path = %path.display(), error = %e, "cannot unpin a fast-path link");
+        if let Err(e) = remove_pin(path) {
+            warn!(error = %e, "cannot unpin a fast-path link");
         }
     }
     drop(held);
@@ -286,13 +287,11 @@ fn recent_flows(layout: &PinLayout, programs: &BTreeSet<u32>) -> Vec<CtTuple> {
 /// any was found.
 fn pinned_memos(layout: &PinLayout, memos: &mut Vec<(CtTuple, u64)>) -> bool {
     let mut found = false;
-    if let Ok(data) = MapData::from_pin(layout.memo(MEMO4)) {
-        memos.extend(read_memos(data, tuple4, |m: &FlowMemo| m.checked_at));
-        found = true;
-    }
-    if let Ok(data) = MapData::from_pin(layout.memo(MEMO6)) {
-        memos.extend(read_memos(data, tuple6, |m: &FlowMemo6| m.checked_at));
-        found = true;
+    for name in [MEMO4, MEMO6] {
+        if let Ok(data) = MapData::from_pin(layout.memo(name)) {
+            memos.extend(memos_of(name, data));
+            found = true;
+        }
     }
     found
 }
@@ -318,16 +317,22 @@ fn memos_by_id(programs: &BTreeSet<u32>, memos: &mut Vec<(CtTuple, u64)>) -> boo
         let Ok(data) = MapData::from_id(id) else {
             continue;
         };
-        let Ok(name) = data.info().map(|i| i.name_as_str().map(str::to_owned)) else {
+        let Ok(Some(name)) = data.info().map(|i| i.name_as_str().map(str::to_owned)) else {
             continue;
         };
-        match name.as_deref() {
-            Some(MEMO4) => memos.extend(read_memos(data, tuple4, |m: &FlowMemo| m.checked_at)),
-            Some(MEMO6) => memos.extend(read_memos(data, tuple6, |m: &FlowMemo6| m.checked_at)),
-            _ => {}
-        }
+        memos.extend(memos_of(&name, data));
     }
     listed
+}
+
+/// The memos (tuple, checked at) of the map `data` named `name`: none unless it is
+/// [`MEMO4`] or [`MEMO6`].
+fn memos_of(name: &str, data: MapData) -> Vec<(CtTuple, u64)> {
+    match name {
+        MEMO4 => read_memos(data, tuple4, |m: &FlowMemo| m.checked_at),
+        MEMO6 => read_memos(data, tuple6, |m: &FlowMemo6| m.checked_at),
+        _ => Vec::new(),
+    }
 }
 
 /// Every memo of the LRU map `data` as (its flow's tuple, when it was checked); none when the

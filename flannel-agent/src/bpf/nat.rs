@@ -11,7 +11,6 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt, fs,
     net::{Ipv4Addr, SocketAddrV4},
-    path::Path,
     time::Duration,
 };
 
@@ -26,7 +25,12 @@ use flannel_common::{
 };
 use ipnet::Ipv4Net;
 
-use super::{BpfError, FastPath, PinLayout, config::kernel_source_ports, pins::MAP_SPECS};
+use super::{
+    BpfError, FastPath, PinLayout,
+    batch::BPF_NOEXIST,
+    config::kernel_source_ports,
+    pins::{MAP_SPECS, remove_pin},
+};
 
 /// Idle timeouts of masqueraded flows, per state (conntrack's defaults where it has one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -475,7 +479,7 @@ pub(super) fn take_resized(
                 out.push((spec.name, data));
                 continue;
             }
-            Ok(_) => remove_pin_file(&aside)?,
+            Ok(_) => remove_pin(&aside)?,
             Err(_) => {}
         }
         let path = layout.map(spec.name);
@@ -510,20 +514,8 @@ pub(super) fn finish_resize(
     } else {
         copy_all::<NatRevEntry>(name, &old, new)?
     };
-    remove_pin_file(&layout.resizing(name))?;
+    remove_pin(&layout.resizing(name))?;
     Ok(copied)
-}
-
-/// `BPF_NOEXIST`: insert only a key the map lacks.
-const BPF_NOEXIST: u64 = 1;
-
-/// Removes a pin; a missing one is fine.
-fn remove_pin_file(path: &Path) -> Result<(), BpfError> {
-    match fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(BpfError::io("removing", path, e)),
-    }
 }
 
 fn copy_all<V: aya::Pod>(

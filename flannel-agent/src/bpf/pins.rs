@@ -468,6 +468,15 @@ fn parse_link_name(name: &str, program: &str) -> Option<u32> {
 }
 
 /// Removes the files in `dir` and then `dir`; returns how many files were removed.
+/// Removes the pin at `path`; a missing one is fine.
+pub(super) fn remove_pin(path: &Path) -> Result<(), BpfError> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(BpfError::io("removing", path, e)),
+    }
+}
+
 fn remove_dir_contents(dir: &Path) -> Result<usize, BpfError> {
     let mut count = 0;
     let entries = match fs::read_dir(dir) {

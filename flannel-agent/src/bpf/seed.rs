@@ -50,7 +50,11 @@ use flannel_common::{
     v6::{self, Config6, FlowKey6, PeerKey6},
 };
 
-use super::{BpfError, FastPath, fastpath::missing};
+use super::{
+    BpfError, FastPath,
+    batch::{BPF_ANY, BPF_NOEXIST},
+    fastpath::missing,
+};
 use crate::netlink::{
     conntrack::{self, CtEntry, CtTuple, Family},
     raw::RawError,
@@ -197,11 +201,6 @@ fn errno(e: &aya::maps::MapError) -> Option<i32> {
         _ => None,
     }
 }
-
-/// `BPF_ANY`: insert or update.
-const BPF_ANY: u64 = 0;
-/// `BPF_NOEXIST`: insert only when the key is absent.
-const BPF_NOEXIST: u64 = 1;
 
 const PROTO_ICMP: u8 = 1;
 const PROTO_TCP: u8 = 6;

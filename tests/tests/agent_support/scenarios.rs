@@ -133,25 +133,21 @@ fn drops_since(cluster: &Cluster, before: &BTreeMap<usize, Counters>) -> String 
         Ok(now) => now,
         Err(e) => return format!("the fast paths' counters cannot be read: {e:#}"),
     };
-    let mut drops = Vec::new();
-    for (n, counters) in &now {
-        for ((program, reason), packets) in &counters.packets {
-            let key = (program.clone(), reason.clone());
-            let was = before
-                .get(n)
-                .and_then(|c| c.packets.get(&key))
-                .copied()
-                .unwrap_or(0);
-            if reason.starts_with("drop_") && *packets > was {
-                drops.push(format!("node{n} {program} {reason} +{}", packets - was));
-            }
-        }
-    }
-    if drops.is_empty() {
-        "the fast paths dropped nothing meanwhile".into()
-    } else {
-        format!("the fast paths dropped: {}", drops.join(", "))
-    }
+    let drops = |c: &Counters| -> fastpath::Counts {
+        c.packets
+            .iter()
+            .filter(|((_, reason), _)| reason.starts_with("drop_"))
+            .map(|(k, v)| (k.clone(), *v))
+            .collect()
+    };
+    let per_node: Vec<String> = now
+        .iter()
+        .map(|(n, c)| {
+            let was = before.get(n).map(drops).unwrap_or_default();
+            format!("node{n} {}", fastpath::growth_text(&was, &drops(c)))
+        })
+        .collect();
+    format!("the fast paths' drops meanwhile: {}", per_node.join("; "))
 }
 
 /// What a fast path must have counted between two scrapes.
