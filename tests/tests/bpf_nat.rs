@@ -84,19 +84,31 @@ impl Rig {
         let pin = self.pin.clone();
         self.ns
             .enter(move || {
-                let ext = nix::net::if_::if_nametoindex("ext0").expect("ext0");
-                let options = LoadOptions {
-                    nat_max_entries: nat_entries,
-                    ..LoadOptions::default()
-                };
-                let mut fp = FastPath::load_with(&pin, &options).expect("loading");
-                fp.set_config(&config(ext)).expect("config");
-                fp.sync(&remotes()).expect("sync");
-                fp.set_nat(Some(&settings)).expect("nat settings");
+                let ext = ext0();
+                let mut fp = loaded(&pin, nat_entries, &settings);
                 f(&mut fp, ext)
             })
             .expect("entering the namespace")
     }
+}
+
+/// `ext0`'s index (in the rig's namespace).
+fn ext0() -> u32 {
+    nix::net::if_::if_nametoindex("ext0").expect("ext0")
+}
+
+/// A fast path loaded with its maps pinned under `pin` (NAT maps of `nat_entries` flows),
+/// configured, synced, and masquerading with `settings` (in the rig's namespace).
+fn loaded(pin: &Path, nat_entries: u32, settings: &NatSettings) -> FastPath {
+    let options = LoadOptions {
+        nat_max_entries: nat_entries,
+        ..LoadOptions::default()
+    };
+    let mut fp = FastPath::load_with(pin, &options).expect("loading");
+    fp.set_config(&config(ext0())).expect("config");
+    fp.sync(&remotes()).expect("sync");
+    fp.set_nat(Some(settings)).expect("nat settings");
+    fp
 }
 
 fn config(ext: u32) -> LocalConfig {
@@ -1365,11 +1377,12 @@ fn restart_adopts_and_resize_carries_the_flows_over() {
 
 /// A NAT map resize that a crash interrupted is finished by the next start: the agent moves
 /// the old maps aside (`<pin path>/resizing/`) before it creates the new ones, and unpins
-/// them only once their flows are copied. Here the state a crash right after the move leaves
-/// (the old maps aside, no new ones pinned): the next start copies the flow into maps of the
-/// new size, translates its reply, and removes the old maps. (The old maps used to be unpinned
-/// before the copy: a crash in between left no pin of the flows, and every masqueraded
-/// connection was cut.) A leftover of an incompatible layout is removed, not copied.
+/// them only once their flows are copied and its programs attached. Here the state a crash
+/// right after the move leaves (the old maps aside, no new ones pinned): the next start copies
+/// the flow into maps of the new size, translates its reply, and removes the old maps once
+/// attached. (The old maps used to be unpinned before the copy: a crash in between left no pin
+/// of the flows, and every masqueraded connection was cut.) A leftover of an incompatible
+/// layout is removed, not copied.
 #[test]
 fn a_resize_a_crash_interrupted_is_finished_by_the_next_start() {
     let Some(rig) = Rig::new("ntcrash") else {
@@ -1387,6 +1400,7 @@ fn a_resize_a_crash_interrupted_is_finished_by_the_next_start() {
     }
     rig.with_nat_sized(2048, settings(), |fp, ext| {
         assert_eq!(fp.nat_capacity().expect("capacity"), 2048);
+        fp.attach_netdev(ext, false).expect("attaching");
         let flows = fp.nat_flows().expect("flows");
         assert_eq!(flows.len(), 1, "{flows:#?}");
         assert!(flows[0].reverse_ok);
@@ -1408,11 +1422,129 @@ fn a_resize_a_crash_interrupted_is_finished_by_the_next_start() {
     std::fs::create_dir_all(layout.resizing_dir()).expect("resizing dir");
     std::fs::hard_link(layout.map(names::ROUTES4), layout.resizing(names::NAT4))
         .expect("a foreign pin");
-    rig.with_nat_sized(1024, settings(), |fp, _| {
+    rig.with_nat_sized(1024, settings(), |fp, ext| {
         assert_eq!(fp.nat_capacity().expect("capacity"), 1024);
         assert_eq!(fp.nat_flows().expect("flows").len(), 1);
+        fp.attach_netdev(ext, false).expect("attaching");
     });
     assert!(!layout.resizing(names::NAT4).exists());
+}
+
+/// A resize midway: the old programs (NAT maps of 1,024 flows) attached, with a flow from
+/// `POD`:40000 to `OUT`:443 made before a new fast path (maps of 2,048) was loaded, and one
+/// from `POD2`:40001 made after; the new one is not attached yet. (In the rig's namespace.)
+fn resized_midway(pin: &Path, ext: u32) -> (FastPath, FastPath) {
+    let mut old = loaded(pin, 1024, &settings());
+    old.attach_netdev(ext, false)
+        .expect("attaching the old programs");
+    let early = Ipv4::new(POD, OUT, tcp(40000, 443, tcp_flags::SYN));
+    let _ = run(
+        &mut old,
+        Hook::ToNetdev,
+        &egress_frame(&early),
+        Skb::on(ext),
+    );
+    let new = loaded(pin, 2048, &settings());
+    let late = Ipv4::new(POD2, OUT, tcp(40001, 443, tcp_flags::SYN));
+    let _ = run(&mut old, Hook::ToNetdev, &egress_frame(&late), Skb::on(ext));
+    (old, new)
+}
+
+/// A resize carries over what the old programs do until the new ones are attached: the old
+/// ones stay attached while the new agent starts (the conntrack read, the lease), and go on
+/// masquerading into the old maps. Here a flow they make after the load copied the maps, and
+/// a reply they see to a flow copied before, are both in the new maps once the new programs
+/// are attached, which unpins the old maps only then. (They used to be unpinned at load time,
+/// and such flows were lost: their replies went to the node, which reset them.)
+#[test]
+fn a_resize_carries_the_old_programs_flows_until_the_new_ones_are_attached() {
+    let Some(rig) = Rig::new("ntlate") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    rig.ns
+        .enter(move || {
+            let ext = ext0();
+            let layout = PinLayout::new(&pin);
+            let (mut old, mut new) = resized_midway(&pin, ext);
+            assert_eq!(new.nat_flows().expect("flows").len(), 1, "copied at load");
+            // The old programs, still attached, see the early flow's reply.
+            let early_reply =
+                Ipv4::new(OUT, NODE, tcp(443, 40000, tcp_flags::SYN | tcp_flags::ACK));
+            let r = run(
+                &mut old,
+                Hook::FromNetdev,
+                &ingress_frame(&early_reply),
+                Skb::on(ext),
+            );
+            assert_counted(
+                &r,
+                &[Reason::Ipv4Tcp, Reason::FastSnatReply],
+                "the early flow's reply, by the old programs",
+            );
+
+            new.attach_netdev(ext, false)
+                .expect("attaching the new programs");
+            let flows = new.nat_flows().expect("flows");
+            assert_eq!(flows.len(), 2, "{flows:#?}");
+            let flow = |pod: Ipv4Addr| flows.iter().find(|f| *f.orig.ip() == pod);
+            let early_flow = flow(POD).expect("the early flow");
+            assert_ne!(early_flow.state & nat::ST_REPLIED, 0, "{early_flow:?}");
+            let late_flow = flow(POD2).expect("the late flow");
+            assert!(late_flow.reverse_ok, "{late_flow:?}");
+            for name in [names::NAT4, names::NAT_REV4] {
+                assert!(
+                    !layout.resizing(name).exists(),
+                    "{name}'s old instance still pinned"
+                );
+            }
+            let late_reply = Ipv4::new(OUT, NODE, tcp(443, 40001, tcp_flags::SYN | tcp_flags::ACK));
+            let r = run(
+                &mut new,
+                Hook::FromNetdev,
+                &ingress_frame(&late_reply),
+                Skb::on(ext),
+            );
+            assert_bytes(
+                &r.out,
+                &ingress_frame(&with_destination(&late_reply, POD2, None)),
+                "the late flow's reply, by the new programs",
+            );
+        })
+        .expect("entering the namespace");
+}
+
+/// The way back to the kernel path during a resize (a new size loaded, the agent gone before
+/// it attached its programs, the node then started with `--dataplane=kernel`) hands conntrack
+/// the flows of the old maps pinned aside too, where the old programs, still attached, made
+/// them: each is bound to the port the programs gave it. (The handover used to read only the
+/// new maps' copy, and a flow made after it was cut.)
+#[test]
+fn the_way_back_during_a_resize_hands_over_the_old_maps_flows() {
+    let Some(rig) = Rig::new("ntback") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    rig.ns
+        .enter(move || {
+            let ext = ext0();
+            drop(resized_midway(&pin, ext));
+        })
+        .expect("entering the namespace");
+    flannel_tests::bpfrig::cleanup_in(&rig.ns, &rig.pin).expect("the way back");
+    let table = rig
+        .ns
+        .run(&["cat", "/proc/net/nf_conntrack"])
+        .expect("conntrack");
+    for (pod, port) in [(POD, 40000), (POD2, 40001)] {
+        let original = format!("src={pod} dst={OUT} sport={port} dport=443 ");
+        let line = table
+            .lines()
+            .find(|l| l.contains(" tcp ") && l.contains(&original))
+            .unwrap_or_else(|| panic!("no conntrack entry for {original}:\n{table}"));
+        let reply = format!("src={OUT} dst={NODE} sport=443 dport={port} ");
+        assert!(line.contains(&reply), "not bound to {NODE}:{port}: {line}");
+    }
 }
 
 /// Variants of masqueraded packets both ways (TCP, UDP with and without checksum, ICMP echo,

@@ -1,7 +1,8 @@
 //! Masquerade in eBPF with real agents (`--dataplane=ebpf --ip-masq`) in a simulated cluster:
 //! pods reach a server in the hub namespace ("the outside", which has no route to the pod
 //! network) and the server sees their node's address; many concurrent flows from several
-//! pods keep distinct tuples; a long-lived TCP connection survives an agent restart; replies
+//! pods keep distinct tuples; a long-lived TCP connection survives an agent restart, and
+//! connections opened while a restart resizes the NAT maps go on; replies
 //! to unknown tuples reach the node's stack and are counted; a node switched from iptables
 //! MASQUERADE to eBPF keeps its kernel-masqueraded connections, and one switched back hands
 //! its eBPF-masqueraded connections over without breaking them; so does a node moved to the
@@ -175,26 +176,7 @@ impl Conn {
     /// [`Conn::open`] from the address and port `local`.
     fn open_from(from: &NetNs, local: SocketAddrV4, server: SocketAddrV4) -> Conn {
         let stream = from
-            .enter(move || -> nix::Result<TcpStream> {
-                use nix::sys::{
-                    socket::{
-                        AddressFamily, SockFlag, SockType, SockaddrIn, bind, connect, setsockopt,
-                        socket, sockopt::SendTimeout,
-                    },
-                    time::TimeVal,
-                };
-                let fd = socket(
-                    AddressFamily::Inet,
-                    SockType::Stream,
-                    SockFlag::SOCK_CLOEXEC,
-                    None,
-                )?;
-                // Bounds the connect too.
-                setsockopt(&fd, SendTimeout, &TimeVal::new(T.as_secs() as _, 0))?;
-                bind(fd.as_raw_fd(), &SockaddrIn::from(local))?;
-                connect(fd.as_raw_fd(), &SockaddrIn::from(server))?;
-                Ok(TcpStream::from(fd))
-            })
+            .enter(move || connect_from(local, server))
             .expect("enter")
             .unwrap_or_else(|e| panic!("connect from {local} to {server}: {e}"));
         Conn::greeted(stream)
@@ -228,6 +210,29 @@ impl Conn {
         }
         Ok(())
     }
+}
+
+/// A TCP connection from the address and port `local` to `server`, from the calling thread's
+/// network namespace.
+fn connect_from(local: SocketAddrV4, server: SocketAddrV4) -> nix::Result<TcpStream> {
+    use nix::sys::{
+        socket::{
+            AddressFamily, SockFlag, SockType, SockaddrIn, bind, connect, setsockopt, socket,
+            sockopt::SendTimeout,
+        },
+        time::TimeVal,
+    };
+    let fd = socket(
+        AddressFamily::Inet,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    // Bounds the connect too.
+    setsockopt(&fd, SendTimeout, &TimeVal::new(T.as_secs() as _, 0))?;
+    bind(fd.as_raw_fd(), &SockaddrIn::from(local))?;
+    connect(fd.as_raw_fd(), &SockaddrIn::from(server))?;
+    Ok(TcpStream::from(fd))
 }
 
 /// Sends one datagram from `from` to `server` and returns the address the server saw.
@@ -518,6 +523,107 @@ fn a_long_lived_connection_survives_an_agent_restart() {
     assert!(
         flows.contains(&(pod_ip, conn.local.port(), conn.seen.port())),
         "{flows:?}"
+    );
+}
+
+/// Connections opened while node1's agent restarts with another `--ebpf-nat-max-entries` go
+/// on after it. Every 20 ms, from before the agent stops until after the new one is ready,
+/// both pods open a connection from the same port to the same server, so that the programs
+/// move the second of each pair to another port. The new agent copies the NAT maps into maps
+/// of the new size when it loads, but the old programs stay attached until it attaches its
+/// own, and the connections they open meanwhile must be carried over too: without them, the
+/// new programs map such a flow afresh, a moved one to a port the server does not know.
+#[test]
+fn connections_opened_while_the_nat_maps_are_resized_go_on() {
+    if !runnable() {
+        return;
+    }
+    let mut c = up(1, 2, Dataplane::Ebpf);
+    let server = SocketAddrV4::new(c.topology().hub_addr(), SERVER_PORT);
+    let _tcp = WhoAmI::start(c.topology().hub(), IpAddr::V4(*server.ip()), SERVER_PORT);
+    let pods: Vec<(PathBuf, Ipv4Addr)> = c
+        .topology()
+        .pods_on(1)
+        .iter()
+        .map(|p| (p.ns().path(), p.ip()))
+        .collect();
+    assert_eq!(pods.len(), 2);
+    let stop = Arc::new(AtomicBool::new(false));
+    let opener = {
+        let stop = stop.clone();
+        thread::spawn(move || {
+            let mut conns = Vec::new();
+            for port in 41000u16.. {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                for (ns, ip) in &pods {
+                    let ns = std::fs::File::open(ns).expect("the pod's namespace");
+                    nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+                    let local = SocketAddrV4::new(*ip, port);
+                    let stream = connect_from(local, server)
+                        .unwrap_or_else(|e| panic!("connect from {local}: {e}"));
+                    conns.push(Conn::greeted(stream));
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
+            conns
+        })
+    };
+    thread::sleep(Duration::from_millis(200));
+    let mut spec = c.agent_spec();
+    for arg in &mut spec.extra_args {
+        if arg.starts_with("--ebpf-nat-max-entries=") {
+            *arg = "--ebpf-nat-max-entries=32768".into();
+        }
+    }
+    restart_as(&mut c, &spec);
+    thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    let mut conns = opener
+        .join()
+        .expect("a connection opened while the agent restarts (its panic is above)");
+    let node = c.topology().node(1);
+    let nat4 = node
+        .bpf_pin_path()
+        .join(flannel_common::maps::PIN_LAYOUT_VERSION)
+        .join(flannel_common::maps::NAT4);
+    let shown = Command::new("bpftool")
+        .args(["-j", "map", "show", "pinned"])
+        .arg(&nat4)
+        .output()
+        .expect("bpftool");
+    let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).expect("JSON");
+    assert_eq!(shown["max_entries"], 32768, "{shown}");
+    let moved = conns
+        .iter()
+        .filter(|conn| conn.seen.port() != conn.local.port())
+        .count();
+    assert!(
+        moved * 2 >= conns.len() - 2,
+        "{moved} of {} moved",
+        conns.len()
+    );
+    eprintln!(
+        "{} connections opened across the restart, {moved} of them moved to another port",
+        conns.len()
+    );
+    let flows = pod_flows(node);
+    let mut lost = Vec::new();
+    for conn in &mut conns {
+        let IpAddr::V4(ip) = conn.local.ip() else {
+            unreachable!("IPv4 pods")
+        };
+        let known = flows.contains(&(ip, conn.local.port(), conn.seen.port()));
+        if !known || conn.echo(b"after the resize").is_err() {
+            lost.push((conn.local, conn.seen, known));
+        }
+    }
+    assert!(
+        lost.is_empty(),
+        "{} of {} connections lost (local, seen by the server, in the new maps): {lost:?}",
+        lost.len(),
+        conns.len()
     );
 }
 

@@ -16,6 +16,8 @@ use aya::maps::MapData;
 pub const BPF_ANY: u64 = 0;
 /// `BPF_NOEXIST`: insert only when the key is absent.
 pub const BPF_NOEXIST: u64 = 1;
+/// `BPF_EXIST`: update only when the key is present.
+pub const BPF_EXIST: u64 = 2;
 
 /// `BPF_MAP_LOOKUP_BATCH` (`enum bpf_cmd`).
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;

@@ -157,6 +157,9 @@ pub struct FastPath {
     swept: BTreeSet<Hook>,
     xdp_links: HashMap<u32, HeldLink>,
     loaded: Vec<super::programs::Loaded>,
+    /// The old instances of resized NAT maps, pinned aside until the new programs are
+    /// attached ([`FastPath::attach_netdev`]): the old programs use them until then.
+    resizing: Vec<(&'static str, aya::maps::Map)>,
 }
 
 /// What [`FastPath::load_with`] decides at load time.
@@ -196,11 +199,11 @@ impl FastPath {
     ///
     /// Pinned NAT maps of another size than `options` asks for are replaced by maps of the new
     /// size holding their entries (as many as fit), so resizing does not reset the
-    /// masqueraded connections; flows created by the old programs between the copy and the
-    /// attach are lost. The old maps stay pinned aside ([`PinLayout::resizing_dir`]) until the
-    /// copy is done, so a start that dies meanwhile leaves them to the next, which finishes
-    /// the copy. Held flow tables of another size are created afresh, empty: the conntrack
-    /// read before the attach fills them.
+    /// masqueraded connections. The old maps stay pinned aside ([`PinLayout::resizing_dir`])
+    /// until the new programs are attached, when what the old programs made or updated in
+    /// them since is carried over too ([`FastPath::attach_netdev`]); a start that dies before
+    /// leaves them to the next, which copies them again. Held flow tables of another size are
+    /// created afresh, empty: the conntrack read before the attach fills them.
     pub fn load_with(pin_path: &Path, options: &LoadOptions) -> Result<FastPath, BpfError> {
         if crate::EBPF_OBJECT.is_empty() {
             return Err(BpfError::NoObject);
@@ -270,14 +273,17 @@ impl FastPath {
         let mut ebpf = loader
             .load(crate::EBPF_OBJECT)
             .map_err(|e| BpfError::Load(Box::new(e)))?;
+        let mut resizing = Vec::new();
         for (name, old) in resized {
-            let copied = super::nat::finish_resize(&mut ebpf, &layout, name, old)?;
+            let old = aya::maps::Map::from_map_data(old).map_err(|e| BpfError::map(name, e))?;
+            let copied = super::nat::carry_over(&mut ebpf, name, &old)?;
             tracing::info!(
                 map = name,
                 entries = copied,
                 size = options.nat_max_entries,
                 "NAT map resized; entries carried over"
             );
+            resizing.push((name, old));
         }
         let loaded = super::programs::load_all(&mut ebpf)?;
         tracing::info!(
@@ -292,6 +298,7 @@ impl FastPath {
             swept: BTreeSet::new(),
             xdp_links: HashMap::new(),
             loaded,
+            resizing,
         })
     }
 
@@ -472,13 +479,24 @@ impl FastPath {
     /// programs on other interfaces are removed (and the XDP link when `xdp` is false). Then
     /// removes older layout versions' pins. Call [`FastPath::set_config`] and
     /// [`FastPath::sync`] first: a replaced program starts using this object's maps at once.
+    /// After a NAT map resize, the old maps' flows are carried over right before and right
+    /// after the two TC programs are replaced, and the old maps unpinned.
     ///
     /// Pass `xdp: false` by default: decapsulating in XDP (before GRO) only pays on NICs whose
     /// driver runs native XDP with GRO behind it; on veth it cost throughput (see
     /// `flannel_ebpf::xdp`).
     pub fn attach_netdev(&mut self, ifindex: u32, xdp: bool) -> Result<NetdevAttach, BpfError> {
-        let ingress = self.attach(Hook::FromNetdev, ifindex)?;
-        let egress = self.attach(Hook::ToNetdev, ifindex)?;
+        // A resize's old programs still run, into the old NAT maps: what they did since the
+        // load copied them is carried over right before both hooks switch, back to back, and
+        // again right after (then the old maps go), so that replies the new programs see
+        // find their flows.
+        let carried = self.carry_resized()?;
+        let ingress = self.attach_one(Hook::FromNetdev, ifindex)?;
+        let egress = self.attach_one(Hook::ToNetdev, ifindex)?;
+        self.end_resizes(&carried)?;
+        let here = BTreeSet::from([ifindex]);
+        self.prune(Hook::FromNetdev, &here)?;
+        self.prune(Hook::ToNetdev, &here)?;
         if let Err(e) = self.pin_memos() {
             tracing::warn!(
                 error = %e,
@@ -512,6 +530,36 @@ impl FastPath {
             egress,
             xdp,
         })
+    }
+
+    /// Carries over, from the old instances of resized NAT maps, the flows the old programs
+    /// made or updated since the last copy; how many per map.
+    fn carry_resized(&mut self) -> Result<Vec<(&'static str, usize)>, BpfError> {
+        self.resizing
+            .iter()
+            .map(|(name, old)| Ok((*name, super::nat::carry_over(&mut self.ebpf, name, old)?)))
+            .collect()
+    }
+
+    /// Once the new programs are attached (the old ones no longer run): the last
+    /// [`FastPath::carry_resized`], then the old instances are unpinned. `before`: what the
+    /// carry right before the attach wrote.
+    fn end_resizes(&mut self, before: &[(&'static str, usize)]) -> Result<(), BpfError> {
+        for (name, carried) in self.carry_resized()? {
+            super::nat::end_resize(&self.layout, name)?;
+            let before = before
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map_or(0, |(_, c)| *c);
+            tracing::info!(
+                map = name,
+                entries = before + carried,
+                "NAT map resize done; entries the old programs made or updated since the load \
+                 carried over"
+            );
+        }
+        self.resizing.clear();
+        Ok(())
     }
 
     /// Pins this object's flow memo maps under [`PinLayout::memos_dir`], in place of those of

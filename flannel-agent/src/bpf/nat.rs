@@ -11,6 +11,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt, fs,
     net::{Ipv4Addr, SocketAddrV4},
+    path::Path,
     time::Duration,
 };
 
@@ -27,7 +28,7 @@ use ipnet::Ipv4Net;
 
 use super::{
     BpfError, FastPath, PinLayout,
-    batch::BPF_NOEXIST,
+    batch::{BPF_EXIST, BPF_NOEXIST},
     config::kernel_source_ports,
     pins::{MAP_SPECS, remove_pin},
 };
@@ -412,8 +413,13 @@ fn decode_flows<T: std::borrow::Borrow<MapData>>(
             reverse_ok,
         });
     }
-    // The programs stamp flows with the coarse clock (one tick is several ms), so flows
-    // made together tie on age: the addresses decide between them.
+    sort_flows(&mut flows);
+    Ok(flows)
+}
+
+/// Oldest first. The programs stamp flows with the coarse clock (one tick is several ms), so
+/// flows made together tie on age: the addresses decide between them.
+fn sort_flows(flows: &mut [NatFlow]) {
     flows.sort_by(|a, b| {
         b.age
             .cmp(&a.age)
@@ -421,32 +427,75 @@ fn decode_flows<T: std::borrow::Borrow<MapData>>(
             .then(a.remote.cmp(&b.remote))
             .then(a.proto.cmp(&b.proto))
     });
-    Ok(flows)
 }
 
 /// [`FastPath::nat_flows`] of the NAT maps pinned under `layout`, as a former run left them
-/// (no loaded fast path needed); `None` when they are not there.
+/// (no loaded fast path needed); `None` when they are not there. With the old instances of
+/// a resize still pinned aside (the new programs were not attached yet, and the old ones
+/// still make and update flows in them; or the load failed after moving them aside), the
+/// flows of both, the more recently seen copy of each.
 pub fn pinned_nat_flows(layout: &PinLayout) -> Result<Option<Vec<NatFlow>>, BpfError> {
-    let open = |name: &'static str| match MapData::from_pin(layout.map(name)) {
-        Ok(data) => Ok(Some(data)),
-        Err(_) if !layout.map(name).exists() => Ok(None),
-        Err(e) => Err(BpfError::map(name, e)),
-    };
-    let (Some(cfg), Some(fwd), Some(rev)) = (
-        open(names::NAT_CONFIG)?,
-        open(names::NAT4)?,
-        open(names::NAT_REV4)?,
-    ) else {
+    let Some(cfg) = open_pinned(&layout.map(names::NAT_CONFIG), names::NAT_CONFIG)? else {
         return Ok(None);
     };
     let cfg = Array::<MapData, NatConfig>::try_from(aya::maps::Map::Array(cfg))
         .and_then(|a| a.get(&0, 0))
         .map_err(|e| BpfError::map(names::NAT_CONFIG, e))?;
+    let current = flows_pinned(&cfg, &layout.map(names::NAT4), &layout.map(names::NAT_REV4))?;
+    let aside = flows_pinned(
+        &cfg,
+        &layout.resizing(names::NAT4),
+        &layout.resizing(names::NAT_REV4),
+    )?;
+    Ok(match (current, aside) {
+        (Some(current), Some(aside)) => Some(merge_flows(current, aside)),
+        (current, aside) => current.or(aside),
+    })
+}
+
+/// The flows of the NAT maps pinned at `fwd` and `rev`; `None` when either is not there.
+fn flows_pinned(cfg: &NatConfig, fwd: &Path, rev: &Path) -> Result<Option<Vec<NatFlow>>, BpfError> {
+    let (Some(fwd), Some(rev)) = (
+        open_pinned(fwd, names::NAT4)?,
+        open_pinned(rev, names::NAT_REV4)?,
+    ) else {
+        return Ok(None);
+    };
     let fwd = BpfHashMap::try_from(aya::maps::Map::LruHashMap(fwd))
         .map_err(|e| BpfError::map(names::NAT4, e))?;
     let rev = BpfHashMap::try_from(aya::maps::Map::LruHashMap(rev))
         .map_err(|e| BpfError::map(names::NAT_REV4, e))?;
-    decode_flows(&cfg, &fwd, &rev).map(Some)
+    decode_flows(cfg, &fwd, &rev).map(Some)
+}
+
+/// The map pinned at `path`; `None` when nothing is pinned there.
+fn open_pinned(path: &Path, name: &'static str) -> Result<Option<MapData>, BpfError> {
+    match MapData::from_pin(path) {
+        Ok(data) => Ok(Some(data)),
+        Err(_) if !path.exists() => Ok(None),
+        Err(e) => Err(BpfError::map(name, e)),
+    }
+}
+
+/// The flows of `a` and `b`, a flow in both once, as the copy seen more recently; in the
+/// order of [`decode_flows`].
+fn merge_flows(a: Vec<NatFlow>, b: Vec<NatFlow>) -> Vec<NatFlow> {
+    let mut by_flow: BTreeMap<(u8, SocketAddrV4, SocketAddrV4), NatFlow> = BTreeMap::new();
+    for flow in a.into_iter().chain(b) {
+        match by_flow.entry((flow.proto, flow.orig, flow.remote)) {
+            std::collections::btree_map::Entry::Occupied(mut seen) => {
+                if flow.idle < seen.get().idle {
+                    seen.insert(flow);
+                }
+            }
+            std::collections::btree_map::Entry::Vacant(slot) => {
+                slot.insert(flow);
+            }
+        }
+    }
+    let mut flows: Vec<NatFlow> = by_flow.into_values().collect();
+    sort_flows(&mut flows);
+    flows
 }
 
 /// Reply entries made or found live more recently than this are never orphans: the program
@@ -458,7 +507,8 @@ const ORPHAN_GRACE_NS: u64 = 5 * NS_PER_S;
 /// was done), else a pinned map whose size differs from the one asked for but which is
 /// otherwise compatible, moved there first (a rename within bpffs) so that the loader
 /// creates a map of the new size in its place. Each stays pinned there until
-/// [`finish_resize`] has copied it: a crash on the way leaves it for the next start.
+/// [`end_resize`], after the new programs are attached: a crash before leaves it for the
+/// next start.
 pub(super) fn take_resized(
     layout: &PinLayout,
     sizes: &[(&'static str, u32)],
@@ -498,27 +548,65 @@ pub(super) fn take_resized(
     Ok(out)
 }
 
-/// Copies the entries of a resized NAT map's old instance into the new one (those the new
-/// one lacks: after a crash it may hold some already), then unpins the old instance; returns
-/// how many were copied (an LRU map of a smaller size keeps the last ones).
-pub(super) fn finish_resize(
+/// Carries the entries of a resized NAT map's old instance `old` into the new one: those
+/// the new one lacks, and those the old programs updated since it got its copy
+/// ([`Stamped::newer`]); returns how many were written (an LRU map of a smaller size keeps
+/// the last ones). Run at load time, and again right before and right after the new
+/// programs are attached ([`FastPath::attach_netdev`]): the old ones, attached until then,
+/// make and update flows in the old instance meanwhile. The old instance stays pinned
+/// ([`end_resize`]).
+pub(super) fn carry_over(
     ebpf: &mut aya::Ebpf,
-    layout: &PinLayout,
     name: &'static str,
-    old: MapData,
+    old: &aya::maps::Map,
 ) -> Result<usize, BpfError> {
-    let old = aya::maps::Map::from_map_data(old).map_err(|e| BpfError::map(name, e))?;
     let new = ebpf.map_mut(name).ok_or_else(|| missing(name))?;
-    let copied = if name == names::NAT4 {
-        copy_all::<NatEntry>(name, &old, new)?
+    if name == names::NAT4 {
+        carry::<NatEntry>(name, old, new)
     } else {
-        copy_all::<NatRevEntry>(name, &old, new)?
-    };
-    remove_pin(&layout.resizing(name))?;
-    Ok(copied)
+        carry::<NatRevEntry>(name, old, new)
+    }
 }
 
-fn copy_all<V: aya::Pod>(
+/// Unpins the old instance of the resized NAT map `name`, once its entries are carried over.
+pub(super) fn end_resize(layout: &PinLayout, name: &'static str) -> Result<(), BpfError> {
+    remove_pin(&layout.resizing(name))
+}
+
+/// A NAT map value the programs stamp when they update it.
+trait Stamped: aya::Pod {
+    /// When the programs last updated it.
+    fn stamp(&self) -> u64;
+    /// Its `ST_*` bits.
+    fn state(&self) -> u8;
+    /// Whether this copy of an entry is more recent than `than`: stamped later, or at the
+    /// same time (the programs stamp at most about once a second) with state bits `than`
+    /// lacks (the bits only accumulate within a flow).
+    fn newer(&self, than: &Self) -> bool {
+        self.stamp() > than.stamp()
+            || (self.stamp() == than.stamp() && self.state() & !than.state() != 0)
+    }
+}
+
+impl Stamped for NatEntry {
+    fn stamp(&self) -> u64 {
+        self.last_seen_ns
+    }
+    fn state(&self) -> u8 {
+        self.state
+    }
+}
+
+impl Stamped for NatRevEntry {
+    fn stamp(&self) -> u64 {
+        self.checked_ns
+    }
+    fn state(&self) -> u8 {
+        self.state
+    }
+}
+
+fn carry<V: Stamped>(
     name: &'static str,
     old: &aya::maps::Map,
     new: &mut aya::maps::Map,
@@ -527,14 +615,20 @@ fn copy_all<V: aya::Pod>(
         BpfHashMap::try_from(old).map_err(|e| BpfError::map(name, e))?;
     let mut new: BpfHashMap<&mut MapData, NatKey, V> =
         BpfHashMap::try_from(new).map_err(|e| BpfError::map(name, e))?;
-    let mut copied = 0;
+    let mut carried = 0;
     for item in old.iter() {
         let Ok((key, value)) = item else { continue };
-        if new.insert(key, value, BPF_NOEXIST).is_ok() {
-            copied += 1;
+        let flags = match new.get(&key, 0) {
+            Ok(current) if value.newer(&current) => BPF_EXIST,
+            Ok(_) => continue,
+            Err(_) => BPF_NOEXIST,
+        };
+        // (A write that loses a race with the new programs, or with the LRU, is left out.)
+        if new.insert(key, value, flags).is_ok() {
+            carried += 1;
         }
     }
-    Ok(copied)
+    Ok(carried)
 }
 
 /// Both NAT maps, read-only: the flows and their reply entries.
@@ -934,6 +1028,51 @@ mod tests {
         assert_eq!(handover_pending(&[node.clone(), gone.clone()]), 0);
         assert_eq!(handover_pending(&[node.clone(), moved]), 1);
         assert_eq!(handover_pending(&[node, pod, gone]), 1);
+    }
+
+    #[test]
+    fn a_copy_is_newer_when_stamped_later_or_with_more_state() {
+        let entry = |last_seen_ns, state| NatEntry {
+            state,
+            last_seen_ns,
+            ..NatEntry::default()
+        };
+        assert!(entry(2, 0).newer(&entry(1, ST_REPLIED)));
+        assert!(!entry(1, ST_REPLIED).newer(&entry(2, 0)));
+        assert!(entry(1, ST_REPLIED | ST_FIN_OUT).newer(&entry(1, ST_REPLIED)));
+        assert!(!entry(1, ST_REPLIED).newer(&entry(1, ST_REPLIED | ST_FIN_OUT)));
+        assert!(!entry(1, ST_REPLIED).newer(&entry(1, ST_REPLIED)));
+        let rev = |checked_ns| NatRevEntry {
+            checked_ns,
+            ..NatRevEntry::default()
+        };
+        assert!(rev(5).newer(&rev(4)));
+        assert!(!rev(4).newer(&rev(4)));
+    }
+
+    #[test]
+    fn merged_flows_keep_the_copy_seen_last_once() {
+        let flow = |orig: &str, age: u64, idle: u64, state| NatFlow {
+            proto: proto::TCP,
+            orig: orig.parse().expect("addr"),
+            remote: "1.1.1.1:443".parse().expect("addr"),
+            nat: "192.168.1.11:40000".parse().expect("addr"),
+            state,
+            host: false,
+            age: Duration::from_secs(age),
+            idle: Duration::from_secs(idle),
+            expired: false,
+            reverse_ok: true,
+        };
+        let copied = flow("10.244.1.5:40000", 9, 5, 0);
+        let updated = flow("10.244.1.5:40000", 9, 1, ST_REPLIED);
+        let only_new = flow("10.244.1.6:40000", 3, 3, 0);
+        let only_old = flow("10.244.1.7:40000", 20, 2, ST_REPLIED);
+        let merged = merge_flows(
+            vec![copied, only_new.clone()],
+            vec![updated.clone(), only_old.clone()],
+        );
+        assert_eq!(merged, vec![only_old, updated, only_new]);
     }
 
     #[test]

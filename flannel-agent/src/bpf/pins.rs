@@ -10,8 +10,8 @@
 //!     FLANNEL_MEMO4 ...       the attached programs' flow memos (not adopted; read by the
 //!                             way back to the kernel path, see `super::handover`)
 //!   resizing/
-//!     FLANNEL_NAT4 ...        NAT maps of the old size while a resize copies them (see
-//!                             `super::nat::take_resized`)
+//!     FLANNEL_NAT4 ...        NAT maps of the old size, which the old programs use until
+//!                             the new ones are attached (see `super::nat::take_resized`)
 //! ```
 //!
 //! (bpffs refuses dots in the names of pinned links and programs, hence the dash.)
