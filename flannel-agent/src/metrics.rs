@@ -230,6 +230,8 @@ pub struct Metrics {
     pub errors: Family<KindLabel, Counter>,
     /// Times the masquerade/forward rules were found wrong and repaired.
     pub traffic_rule_repairs: Counter,
+    /// Fast-path TC programs found detached by something else and attached again, by program.
+    pub fastpath_reattached: Family<KindLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -337,6 +339,13 @@ impl Metrics {
             "Times the masquerade/forward rules were found changed and repaired",
             traffic_rule_repairs.clone(),
         );
+        let fastpath_reattached = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "fastpath_reattached",
+            "eBPF fast-path programs found detached from an interface by something else and \
+             attached again, by program (kind: tc_from_netdev, tc_to_netdev, tc_from_bridge)",
+            fastpath_reattached.clone(),
+        );
         let fast_path = Arc::new(FastPathCollector::fast_path(errors.clone()));
         registry.register_collector(Box::new(fast_path.clone()));
         let udp = Arc::new(FastPathCollector::udp(errors.clone()));
@@ -361,6 +370,7 @@ impl Metrics {
             reconcile_duration,
             errors,
             traffic_rule_repairs,
+            fastpath_reattached,
         }
     }
 

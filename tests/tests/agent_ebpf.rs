@@ -20,7 +20,9 @@
 //! * kube mode: two nodes taking their leases from a fake Kubernetes API server, vxlan on
 //!   the fast path;
 //! * `clsact` filters instead of TCX links (kernels before 6.6): connectivity, a restart
-//!   without a gap, and switching a node between the two and to the kernel path.
+//!   without a gap, and switching a node between the two and to the kernel path;
+//! * programs detached by something else (`bpftool link detach`, `tc qdisc del`), on TCX
+//!   links and on filters: attached again within `--resync-interval`, once each.
 //!
 //! Run: `cargo test -p flannel-tests --test agent_ebpf` (as root; skipped otherwise).
 
@@ -1386,6 +1388,101 @@ fn ebpf_host_gw_on_clsact_filters() {
         ensure!(matrix.all_ok(), "pods cannot reach each other:\n{matrix}");
         Ok(())
     });
+}
+
+/// Programs removed from their interfaces by something else while the agent runs come back
+/// within `--resync-interval` (1 s here), as a route deleted by hand does: on TCX links
+/// (`bpftool link detach` of each of node1's pinned links: eth0 both ways and the pod's port)
+/// and on `clsact` filters (`tc qdisc del ... clsact` on eth0 and the pod's port, which takes
+/// the filters with it). Each program runs again, once, on its hook and carries the pods'
+/// traffic, and the agent logs each one it attached again. (They used to stay detached until
+/// the agent's next start: traffic the programs masquerade then left untranslated.)
+#[test]
+fn ebpf_programs_detached_by_something_else_are_attached_again() {
+    require_root!();
+    for clsact in [false, true] {
+        let path = Path::of_backend("host-gw");
+        let p = move |_: usize, _: usize| path;
+        let mut spec = spec_on(EBPF, 2, Underlay::L2, "host-gw", 1);
+        spec.agent_args.push("--resync-interval=1".into());
+        let mut name = "host-gw/l2, programs detached by hand".to_owned();
+        if clsact {
+            spec.agent_args.push("--tc-attach=clsact".into());
+            name += " (clsact)";
+        }
+        with_cluster(&named(EBPF, &name), spec, |c| {
+            reachable_everywhere(c, &p, &[])?;
+            let node = c.topology().node(1);
+            let ports = bridge_ports(c, 1)?;
+            let devs: Vec<&str> = ports.iter().map(String::as_str).chain(["eth0"]).collect();
+            if clsact {
+                for dev in &devs {
+                    node.ns()
+                        .run(&["tc", "qdisc", "del", "dev", dev, "clsact"])?;
+                }
+            } else {
+                // By id, all read first: the agent may pin new links at the same paths
+                // before the last is detached.
+                let links = fastpath::pin_ids(node.bpf_pin_path())?.links;
+                ensure!(links.len() == devs.len() + 1, "node1's links: {links:?}");
+                for id in links.values() {
+                    node.ns()
+                        .run(&["bpftool", "link", "detach", "id", &id.to_string()])?;
+                }
+            }
+            wait::until_ok(
+                Duration::from_secs(10),
+                "node1's programs attached again",
+                || {
+                    if clsact {
+                        return filters_in_place(c, 1).map(drop);
+                    }
+                    for dev in &devs {
+                        let mut found = fastpath::tcx_programs(node.ns(), dev)?;
+                        found.sort();
+                        let want: &[&str] = if *dev == "eth0" {
+                            &["tc_from_netdev", "tc_to_netdev"]
+                        } else {
+                            &["tc_from_bridge"]
+                        };
+                        ensure!(found == want, "node1 {dev}: TCX runs {found:?}");
+                    }
+                    Ok(())
+                },
+            )?;
+            reachable_everywhere(c, &p, &[])?;
+            let metrics = SocketAddr::new(
+                IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+                DEFAULT_HEALTHZ_PORT,
+            );
+            let (_, body) = status::http_get(node.ns(), metrics, "/metrics")?;
+            let counted: BTreeMap<String, f64> = status::parse_metrics(&body)
+                .into_iter()
+                .filter(|s| s.name == "flannel_fastpath_reattached_total")
+                .map(|s| (s.labels, s.value))
+                .collect();
+            let want: BTreeMap<String, f64> = ["tc_from_bridge", "tc_from_netdev", "tc_to_netdev"]
+                .into_iter()
+                .map(|p| (format!("{{kind=\"{p}\"}}"), 1.0))
+                .collect();
+            ensure!(
+                counted == want,
+                "flannel_fastpath_reattached_total: {counted:?}"
+            );
+            let agent = c.agent_mut(1).context("agent")?;
+            let log = std::fs::read_to_string(agent.log_path())?;
+            let healed =
+                agent_support::count_lines(&log, "detached by something else; attached again");
+            let failed = agent_support::count_lines(&log, "attaching it again failed");
+            ensure!(
+                (healed, failed) == (3, 0),
+                "node1's agent logged {healed} programs attached again, not 3, and {failed} \
+                 failures:\n{}",
+                agent.log_tail(30)
+            );
+            Ok(())
+        });
+    }
 }
 
 /// Four nodes, kernel path on 1 and 3, fast path on 2 and 4: every pod reaches every pod,

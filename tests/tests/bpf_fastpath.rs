@@ -3716,6 +3716,84 @@ fn links_are_pinned_replaced_atomically_and_cleaned_up() {
         .expect("namespace");
 }
 
+/// `FastPath::heal` attaches again what something else detached and forgets what went with
+/// its interface: nothing to do while all is in place; ext0's ingress link detached
+/// (`bpftool link detach`) comes back as a new link pinned at the same path, running the
+/// same program, once; a veth carrying `tc_from_bridge` deleted is forgotten, its pin
+/// removed, and not attached anywhere.
+#[test]
+fn heal_attaches_again_what_was_detached_and_forgets_gone_interfaces() {
+    let Some(rig) = Rig::new("fpheal") else {
+        return;
+    };
+    rig.sh("ip link add fphealA type veth peer name fphealB");
+    let pin = rig.pin.clone();
+    rig.ns
+        .enter(move || {
+            let ifs = Ifaces::current();
+            let veth = nix::net::if_::if_nametoindex("fphealA").expect("fphealA");
+            let mut fp = FastPath::load(&pin).expect("load");
+            fp.attach_netdev(ifs.ext, false).expect("attach");
+            fp.attach_bridge(veth).expect("attach to the veth");
+            assert!(fp.heal().is_empty(), "all in place");
+
+            let ingress = || {
+                aya::programs::SchedClassifier::query_tcx(
+                    "ext0",
+                    aya::programs::TcAttachType::Ingress,
+                )
+                .expect("query tcx")
+                .1
+                .iter()
+                .map(|p| p.id())
+                .collect::<Vec<u32>>()
+            };
+            let before = ingress();
+            assert_eq!(before.len(), 1);
+            let link = pin
+                .join("links")
+                .join(format!("tc_from_netdev-{}", ifs.ext));
+            let detach = std::process::Command::new("bpftool")
+                .args(["link", "detach", "pinned"])
+                .arg(&link)
+                .status()
+                .expect("bpftool");
+            assert!(detach.success());
+            assert!(ingress().is_empty(), "detached");
+            let healed = fp.heal();
+            assert_eq!(healed.len(), 1, "{healed:?}");
+            assert_eq!(
+                (healed[0].hook, healed[0].ifindex),
+                (Hook::FromNetdev, ifs.ext)
+            );
+            assert!(matches!(healed[0].outcome, Ok(true)), "{healed:?}");
+            assert_eq!(ingress(), before, "the same program, once");
+            assert!(link.exists(), "the new link is pinned");
+            assert!(fp.heal().is_empty(), "nothing left to heal");
+
+            let status = std::process::Command::new("ip")
+                .args(["link", "del", "fphealA"])
+                .status()
+                .expect("ip");
+            assert!(status.success());
+            let healed = fp.heal();
+            assert_eq!(healed.len(), 1, "{healed:?}");
+            assert_eq!(
+                (healed[0].hook, healed[0].ifindex),
+                (Hook::FromBridge, veth)
+            );
+            assert!(matches!(healed[0].outcome, Ok(false)), "{healed:?}");
+            assert!(!fp.attachments().contains(&(Hook::FromBridge, veth)));
+            assert!(
+                !pin.join("links")
+                    .join(format!("tc_from_bridge-{veth}"))
+                    .exists()
+            );
+            assert!(fp.heal().is_empty());
+        })
+        .expect("namespace");
+}
+
 #[test]
 fn start_modes() {
     use flannel_agent::bpf::{DataplaneMode, Startup, start};

@@ -160,6 +160,20 @@ pub struct FastPath {
     /// The old instances of resized NAT maps, pinned aside until the new programs are
     /// attached ([`FastPath::attach_netdev`]): the old programs use them until then.
     resizing: Vec<(&'static str, aya::maps::Map)>,
+    /// Attachments that something else removed and that [`FastPath::heal`] could not make
+    /// again: tried again at the next heal.
+    unhealed: BTreeSet<(Hook, u32)>,
+}
+
+/// One of a fast path's TC attachments that something else removed, and what
+/// [`FastPath::heal`] did about it.
+#[derive(Debug)]
+pub struct Healed {
+    pub hook: Hook,
+    pub ifindex: u32,
+    /// `Ok(true)`: attached again; `Ok(false)`: the interface is gone, and the attachment with
+    /// it; `Err`: attaching again failed (tried again at the next heal).
+    pub outcome: Result<bool, BpfError>,
 }
 
 /// What [`FastPath::load_with`] decides at load time.
@@ -299,6 +313,7 @@ impl FastPath {
             xdp_links: HashMap::new(),
             loaded,
             resizing,
+            unhealed: BTreeSet::new(),
         })
     }
 
@@ -701,6 +716,69 @@ impl FastPath {
     /// The interface `xdp_from_netdev` is attached to by this handle, if any.
     pub fn xdp_attachment(&self) -> Option<u32> {
         self.xdp_links.keys().next().copied()
+    }
+
+    /// Attaches again this handle's TC programs that something else removed since they were
+    /// attached: a TCX link detached (`bpftool link detach`; its interface deleted), a
+    /// `clsact` filter of ours deleted or replaced (`tc filter del`, `tc qdisc del dev <if>
+    /// clsact`). Each comes back on the same hook of the same interface, running this
+    /// handle's program with its maps; an attachment whose interface is gone is forgotten.
+    /// Returns what it found (nothing when all are in place). XDP (opt-in) is not checked.
+    pub fn heal(&mut self) -> Vec<Healed> {
+        let mut ours = BTreeMap::new();
+        for hook in Hook::ALL {
+            if let Some(info) = classifier(&mut self.ebpf, hook)
+                .ok()
+                .and_then(|p| p.info().ok())
+            {
+                ours.insert(hook, info.id());
+            }
+        }
+        let mut lost = std::mem::take(&mut self.unhealed);
+        lost.retain(|key| !self.links.contains_key(key));
+        for (&(hook, ifindex), held) in &self.links {
+            let in_place = match held {
+                // Only a link found detached is lost: one whose pin cannot be read (removed,
+                // say) is left as it is.
+                TcHeld::Link(link) => {
+                    super::attached::tcx_ifindex(&link.path).map_or(true, |i| i == ifindex)
+                }
+                // Lost when another program or none is there; left alone when either side
+                // cannot be read.
+                TcHeld::Filter => match (
+                    ours.get(&hook),
+                    tcfilter::program_id_on(ifindex, hook.attach_type()),
+                ) {
+                    (Some(ours), Ok(there)) => there == Some(*ours),
+                    _ => true,
+                },
+            };
+            if !in_place {
+                lost.insert((hook, ifindex));
+            }
+        }
+        let mut out = Vec::new();
+        for (hook, ifindex) in lost {
+            // A detached link is released (unpinned and dropped) before it is made again.
+            let released = match self.links.remove(&(hook, ifindex)) {
+                Some(TcHeld::Link(link)) => remove_pin(&link.path),
+                _ => Ok(()),
+            };
+            let outcome = match released {
+                Err(e) => Err(e),
+                Ok(()) if interface_name(ifindex).is_err() => Ok(false),
+                Ok(()) => self.attach_one(hook, ifindex).map(|_| true),
+            };
+            if outcome.is_err() {
+                self.unhealed.insert((hook, ifindex));
+            }
+            out.push(Healed {
+                hook,
+                ifindex,
+                outcome,
+            });
+        }
+        out
     }
 
     /// Where each hook is attached by this handle, as `(hook, ifindex)`.

@@ -68,6 +68,7 @@
 //! | [`v6`] | [`LocalConfig6`], [`Remote6`]: IPv6 on the fast path |
 
 pub mod applier;
+pub mod attached;
 pub mod batch;
 pub mod config;
 pub mod counters;
@@ -92,7 +93,9 @@ pub use applier::{BpfApplier, FastPathCounters, SharedFastPath};
 pub use config::{LocalConfig, VxlanLocal};
 pub use counters::{Counters, Learnt, ReasonCounters};
 pub use error::BpfError;
-pub use fastpath::{Attached, FastPath, Hook, LoadOptions, NetdevAttach, PortAttach, TcAttach};
+pub use fastpath::{
+    Attached, FastPath, Healed, Hook, LoadOptions, NetdevAttach, PortAttach, TcAttach,
+};
 pub use held::HeldSizing;
 pub use nat::{NatFlow, NatSettings, NatSizing, NatTimeouts, SweepStats};
 pub use pins::PinLayout;

@@ -147,25 +147,52 @@ pub fn program_ids() -> BTreeSet<u32> {
         return ids;
     };
     for interface in interfaces.iter() {
-        let Ok(ifindex) = i32::try_from(interface.index()) else {
-            continue;
-        };
         for parent in CLSACT_PARENTS {
-            let mut message = MessageBuilder::new(RTM_GETTFILTER, NLM_F_REQUEST | NLM_F_DUMP);
-            let mut tcmsg = [0u8; TCMSG_LEN];
-            tcmsg[4..8].copy_from_slice(&ifindex.to_ne_bytes());
-            tcmsg[12..16].copy_from_slice(&parent.to_ne_bytes());
-            message.header(&tcmsg);
-            let _ = socket.request_each(message, |ty, payload| {
-                if ty == RTM_NEWTFILTER
-                    && let Some(id) = our_program_id(payload)
-                {
-                    ids.insert(id);
-                }
-            });
+            ids.extend(filter_programs(&mut socket, interface.index(), parent).unwrap_or_default());
         }
     }
     ids
+}
+
+/// The id of the program behind this agent's filter on `ifindex`'s `attach_type` hook:
+/// `Ok(None)` when there is none (the filter, the `clsact` qdisc or the interface was
+/// removed); an error when the hook cannot be read.
+pub fn program_id_on(ifindex: u32, attach_type: TcAttachType) -> Result<Option<u32>, String> {
+    let parent = match attach_type {
+        TcAttachType::Ingress => CLSACT_PARENTS[0],
+        TcAttachType::Egress => CLSACT_PARENTS[1],
+        TcAttachType::Custom(parent) => parent,
+    };
+    let mut socket =
+        RawSocket::open(netlink_sys::constants::NETLINK_ROUTE).map_err(|e| e.to_string())?;
+    match filter_programs(&mut socket, ifindex, parent) {
+        Ok(ids) => Ok(ids.into_iter().next()),
+        Err(e) if absent(e.errno()) => Ok(None),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The programs of this agent's filters under `parent` on `ifindex` (a dump of its filters).
+fn filter_programs(
+    socket: &mut RawSocket,
+    ifindex: u32,
+    parent: u32,
+) -> Result<Vec<u32>, raw::RawError> {
+    let mut ids = Vec::new();
+    let ifindex = i32::try_from(ifindex).map_err(|_| raw::RawError::Errno(libc::ENODEV))?;
+    let mut message = MessageBuilder::new(RTM_GETTFILTER, NLM_F_REQUEST | NLM_F_DUMP);
+    let mut tcmsg = [0u8; TCMSG_LEN];
+    tcmsg[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+    tcmsg[12..16].copy_from_slice(&parent.to_ne_bytes());
+    message.header(&tcmsg);
+    socket.request_each(message, |ty, payload| {
+        if ty == RTM_NEWTFILTER
+            && let Some(id) = our_program_id(payload)
+        {
+            ids.push(id);
+        }
+    })?;
+    Ok(ids)
 }
 
 /// The program id of a filter dump entry (`tcmsg` and attributes) if it is a `bpf` filter at

@@ -554,6 +554,65 @@ async fn sync_ports(
     })
 }
 
+/// Every `period` (`--resync-interval`), until `cancel`: attaches again the fast path's TC
+/// programs that something else detached from their interfaces ([`bpf::FastPath::heal`]), as
+/// the reconciler puts back a route deleted by hand. Without it a `bpftool link detach` or
+/// a `tc qdisc del dev <if> clsact` would leave the node without its programs until the next
+/// agent start: VXLAN and host-gw traffic fall back on the kernel path, but traffic the
+/// programs masquerade leaves untranslated.
+pub async fn keep_attached(
+    fast_path: SharedFastPath,
+    period: Duration,
+    metrics: Arc<Metrics>,
+    cancel: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let healed = match fast_path.lock() {
+            Ok(mut fp) => fp.heal(),
+            Err(_) => return,
+        };
+        for bpf::Healed {
+            hook,
+            ifindex,
+            outcome,
+        } in healed
+        {
+            let program = hook.program();
+            match outcome {
+                Ok(true) => {
+                    warn!(
+                        program,
+                        ifindex, "fast-path program was detached by something else; attached again"
+                    );
+                    metrics
+                        .fastpath_reattached
+                        .get_or_create(&KindLabel {
+                            kind: program.into(),
+                        })
+                        .inc();
+                }
+                Ok(false) => debug!(
+                    program,
+                    ifindex, "interface gone with its fast-path program"
+                ),
+                Err(err) => warn!(
+                    program,
+                    ifindex,
+                    "fast-path program was detached by something else; attaching it again \
+                     failed ({err}), trying again in {}s",
+                    period.as_secs()
+                ),
+            }
+        }
+    }
+}
+
 /// When conntrack's table is read into the flow tables.
 #[derive(Clone, Copy, Debug)]
 enum SeedAt<'a> {

@@ -497,6 +497,16 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     }
     if let Some(fp) = active.fast_path() {
         let fp = fp.clone();
+        let period = Duration::from_secs(cli.resync_interval);
+        let cancel = cancel.clone();
+        let metrics = metrics.clone();
+        tasks.spawn(async move {
+            fastpath::keep_attached(fp, period, metrics, cancel).await;
+            Ok(None)
+        });
+    }
+    if let Some(fp) = active.fast_path() {
+        let fp = fp.clone();
         let period = Duration::from_secs(cli.ebpf_conntrack_resync);
         let cancel = cancel.clone();
         let metrics = metrics.clone();

@@ -166,7 +166,7 @@ impl Frames {
 /// The programs of a variant, loaded in its namespace.
 enum Loaded {
     Floor(Ebpf),
-    Agent(FastPath),
+    Agent(Box<FastPath>),
 }
 
 impl Loaded {
@@ -257,7 +257,7 @@ fn set_up(v: &ProgramsVariant) -> Result<ProgramsBed> {
         };
         let (ext, bridge) = (index("ext0")?, index("br0")?);
         let loaded = if agent {
-            Loaded::Agent(load_agent(&pin_in, ext, bridge)?)
+            Loaded::Agent(Box::new(load_agent(&pin_in, ext, bridge)?))
         } else {
             Loaded::Floor(load_floor(ext)?)
         };

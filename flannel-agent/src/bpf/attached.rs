@@ -1,0 +1,98 @@
+//! Whether a TC attachment an agent made is still in place: something else may remove it
+//! while the agent runs (`bpftool link detach`, `tc qdisc del dev <if> clsact`, a tool that
+//! owns the interface's hooks, the interface itself deleted). [`super::FastPath::heal`] asks
+//! this of each attachment and attaches again what is gone.
+
+use std::{
+    ffi::CString,
+    io,
+    mem::size_of,
+    os::{
+        fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+        unix::ffi::OsStrExt as _,
+    },
+    path::Path,
+};
+
+/// `BPF_OBJ_GET` (`enum bpf_cmd`).
+const BPF_OBJ_GET: libc::c_long = 7;
+/// `BPF_OBJ_GET_INFO_BY_FD` (`enum bpf_cmd`).
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+/// Room for `struct bpf_link_info` (120 bytes on 6.18); the kernel fills in what it has and
+/// requires the rest to be zero.
+const LINK_INFO_LEN: usize = 256;
+/// Where `struct bpf_link_info` keeps a TCX link's interface: after `type`, `id` and `prog_id`
+/// (three `u32`), the union of the link types' details, 8-byte aligned, whose `tcx` member
+/// starts with `ifindex`.
+const TCX_IFINDEX_OFFSET: usize = 16;
+
+/// The `obj` member of `union bpf_attr` (`BPF_OBJ_GET`).
+#[repr(C)]
+#[derive(Default)]
+struct ObjAttr {
+    pathname: u64,
+    bpf_fd: u32,
+    file_flags: u32,
+    path_fd: i32,
+    /// The struct's padding, spelled out: the kernel refuses (`EINVAL`) an attribute whose
+    /// bytes after the command's last field are not zero.
+    _pad: u32,
+}
+
+/// The `info` member of `union bpf_attr`.
+#[repr(C)]
+struct InfoAttr {
+    bpf_fd: u32,
+    info_len: u32,
+    info: u64,
+}
+
+/// The interface the TCX link pinned at `pin` runs its program on; 0 once the link is
+/// detached (by `BPF_LINK_DETACH`, or with its interface). Opens the pin (which `CAP_BPF`
+/// allows, unlike a link by id) and asks for the link's info.
+pub fn tcx_ifindex(pin: &Path) -> io::Result<u32> {
+    let link = open_pinned(pin)?;
+    let mut info = [0u8; LINK_INFO_LEN];
+    let mut attr = InfoAttr {
+        bpf_fd: link.as_raw_fd() as u32,
+        info_len: LINK_INFO_LEN as u32,
+        info: info.as_mut_ptr() as u64,
+    };
+    // SAFETY: `attr` points at `info`, `LINK_INFO_LEN` bytes alive for the call, which the
+    // kernel writes at most `info_len` of.
+    unsafe { bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr) }?;
+    let bytes = info
+        .get(TCX_IFINDEX_OFFSET..TCX_IFINDEX_OFFSET + 4)
+        .and_then(|b| <[u8; 4]>::try_from(b).ok())
+        .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidData))?;
+    Ok(u32::from_ne_bytes(bytes))
+}
+
+/// A new descriptor of the object pinned at `pin`.
+fn open_pinned(pin: &Path) -> io::Result<OwnedFd> {
+    let path = CString::new(pin.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let mut attr = ObjAttr {
+        pathname: path.as_ptr() as u64,
+        ..ObjAttr::default()
+    };
+    // SAFETY: `attr` points at `path`, a NUL-terminated string alive for the call.
+    let fd = unsafe { bpf(BPF_OBJ_GET, &mut attr) }?;
+    // SAFETY: on success `BPF_OBJ_GET` returns a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The `bpf(2)` syscall with the attribute struct `attr`; its return value.
+///
+/// # Safety
+/// The pointers inside `attr` must describe memory that `cmd` may read and write.
+unsafe fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<i32> {
+    // SAFETY: `attr` is alive and `size_of::<T>()` bytes long; the caller vouches for the
+    // pointers inside it.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(attr), size_of::<T>()) };
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        i32::try_from(rc).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))
+    }
+}
