@@ -723,7 +723,8 @@ impl FastPath {
     /// `clsact` filter of ours deleted or replaced (`tc filter del`, `tc qdisc del dev <if>
     /// clsact`). Each comes back on the same hook of the same interface, running this
     /// handle's program with its maps; an attachment whose interface is gone is forgotten.
-    /// Returns what it found (nothing when all are in place). XDP (opt-in) is not checked.
+    /// Returns what it found (nothing when all are in place). XDP, which the daemon does not
+    /// attach, is not checked.
     pub fn heal(&mut self) -> Vec<Healed> {
         let mut ours = BTreeMap::new();
         for hook in Hook::ALL {
