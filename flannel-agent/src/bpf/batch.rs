@@ -16,8 +16,6 @@ use aya::maps::MapData;
 pub const BPF_ANY: u64 = 0;
 /// `BPF_NOEXIST`: insert only when the key is absent.
 pub const BPF_NOEXIST: u64 = 1;
-/// `BPF_EXIST`: update only when the key is present.
-pub const BPF_EXIST: u64 = 2;
 
 /// `BPF_MAP_LOOKUP_BATCH` (`enum bpf_cmd`).
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
@@ -46,14 +44,50 @@ struct BatchAttr {
 /// keys are `K` and values `value_size` bytes, read in batches. `Ok(None)` when the kernel or
 /// the map type has no batch lookup (the caller walks the keys one by one instead).
 pub fn keys<K: aya::Pod>(map: &MapData, value_size: usize) -> io::Result<Option<Vec<K>>> {
+    let mut out = Vec::new();
+    let read = lookup_all(map, size_of::<K>(), value_size, |key, _| {
+        out.push(read_pod::<K>(key));
+    })?;
+    Ok(read.then_some(out))
+}
+
+/// Calls `each` with every entry of the map `map` (keys `K`, values `V`), read in batches as
+/// [`keys`] does, without holding more than a batch. `Ok(false)` when the kernel or the map
+/// type has no batch lookup (nothing was read).
+pub fn for_each_entry<K: aya::Pod, V: aya::Pod>(
+    map: &MapData,
+    mut each: impl FnMut(K, V),
+) -> io::Result<bool> {
+    lookup_all(map, size_of::<K>(), size_of::<V>(), |key, value| {
+        each(read_pod::<K>(key), read_pod::<V>(value));
+    })
+}
+
+/// A `T` from the front of `bytes`, which holds at least `size_of::<T>()` bytes the kernel
+/// copied out.
+fn read_pod<T: aya::Pod>(bytes: &[u8]) -> T {
+    assert!(bytes.len() >= size_of::<T>());
+    // SAFETY: `bytes` holds at least `size_of::<T>()` bytes (checked above); `T: Pod` takes
+    // any bit pattern, read unaligned from the byte buffer.
+    unsafe { bytes.as_ptr().cast::<T>().read_unaligned() }
+}
+
+/// Reads every entry of the map `map` (keys `key_size` bytes, values `value_size`) with
+/// `BPF_MAP_LOOKUP_BATCH`, calling `each` with each key's and value's bytes. `Ok(false)` when
+/// the kernel or the map type has no batch lookup (nothing was read).
+fn lookup_all(
+    map: &MapData,
+    key_size: usize,
+    value_size: usize,
+    mut each: impl FnMut(&[u8], &[u8]),
+) -> io::Result<bool> {
     let fd = map.fd().as_fd().as_raw_fd();
-    let key_size = size_of::<K>();
+    let value_size = value_size.max(1);
     let mut key_buf = vec![0u8; BATCH * key_size];
-    let mut value_buf = vec![0u8; BATCH * value_size.max(1)];
+    let mut value_buf = vec![0u8; BATCH * value_size];
     // The batch token: a bucket index (4 bytes) for a hash map, the last key read for the
     // maps the kernel's generic batch serves (an LPM trie): room for either.
     let mut token = vec![0u64; key_size.div_ceil(8).max(1)];
-    let mut out = Vec::new();
     let mut first = true;
     loop {
         let mut attr = BatchAttr {
@@ -71,19 +105,21 @@ pub fn keys<K: aya::Pod>(map: &MapData, value_size: usize) -> io::Result<Option<
         let err = unsafe { bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) }.err();
         // The kernel says how many entries it filled in, also with the last batch (ENOENT).
         let filled = (attr.count as usize).min(BATCH);
-        out.extend(key_buf.chunks_exact(key_size).take(filled).map(|bytes| {
-            // SAFETY: `bytes` holds a key the kernel copied out, `size_of::<K>()` bytes;
-            // `K: Pod` takes any bit pattern, read unaligned from the byte buffer.
-            unsafe { bytes.as_ptr().cast::<K>().read_unaligned() }
-        }));
+        for (key, value) in key_buf
+            .chunks_exact(key_size)
+            .zip(value_buf.chunks_exact(value_size))
+            .take(filled)
+        {
+            each(key, value);
+        }
         match err {
             // (A kernel that found nothing more says ENOENT; an empty batch ends it too.)
-            None if filled == 0 => return Ok(Some(out)),
+            None if filled == 0 => return Ok(true),
             None => first = false,
             Some(e) => {
                 return match e.raw_os_error() {
-                    Some(libc::ENOENT) => Ok(Some(out)),
-                    Some(libc::EINVAL | ENOTSUPP | libc::EOPNOTSUPP) if first => Ok(None),
+                    Some(libc::ENOENT) => Ok(true),
+                    Some(libc::EINVAL | ENOTSUPP | libc::EOPNOTSUPP) if first => Ok(false),
                     _ => Err(e),
                 };
             }

@@ -122,6 +122,16 @@ pub enum Attached {
     Already,
 }
 
+/// How far the programs' clock (`bpf_ktime_get_coarse_ns`) may lag `CLOCK_MONOTONIC`: a
+/// timer tick, 10 ms at `HZ=100`; with room to spare.
+const CLOCK_LAG_NS: u64 = 100_000_000;
+
+/// The time from which a carry of resized NAT maps started now is to take the entries the
+/// programs stamp (see [`super::nat::Carry`]).
+fn carry_clock() -> u64 {
+    super::nat::monotonic_ns().saturating_sub(CLOCK_LAG_NS)
+}
+
 /// A link this handle holds, and where it is pinned.
 #[derive(Debug)]
 struct HeldLink {
@@ -160,6 +170,8 @@ pub struct FastPath {
     /// The old instances of resized NAT maps, pinned aside until the new programs are
     /// attached ([`FastPath::attach_netdev`]): the old programs use them until then.
     resizing: Vec<(&'static str, aya::maps::Map)>,
+    /// When the last carry from them started ([`carry_clock`]).
+    resized_at: u64,
     /// Attachments that something else removed and that [`FastPath::heal`] could not make
     /// again: tried again at the next heal.
     unhealed: BTreeSet<(Hook, u32)>,
@@ -288,9 +300,10 @@ impl FastPath {
             .load(crate::EBPF_OBJECT)
             .map_err(|e| BpfError::Load(Box::new(e)))?;
         let mut resizing = Vec::new();
+        let resized_at = carry_clock();
         for (name, old) in resized {
             let old = aya::maps::Map::from_map_data(old).map_err(|e| BpfError::map(name, e))?;
-            let copied = super::nat::carry_over(&mut ebpf, name, &old)?;
+            let copied = super::nat::carry_over(&mut ebpf, name, &old, super::nat::Carry::All)?;
             tracing::info!(
                 map = name,
                 entries = copied,
@@ -313,6 +326,7 @@ impl FastPath {
             xdp_links: HashMap::new(),
             loaded,
             resizing,
+            resized_at,
             unhealed: BTreeSet::new(),
         })
     }
@@ -505,10 +519,12 @@ impl FastPath {
         // load copied them is carried over right before both hooks switch, back to back, and
         // again right after (then the old maps go), so that replies the new programs see
         // find their flows.
-        let carried = self.carry_resized()?;
+        let since = carry_clock();
+        let carried = self.carry_resized(super::nat::Carry::Since(self.resized_at))?;
         let ingress = self.attach_one(Hook::FromNetdev, ifindex)?;
         let egress = self.attach_one(Hook::ToNetdev, ifindex)?;
-        self.end_resizes(&carried)?;
+        self.end_resizes(&carried, super::nat::Carry::SinceIfNewer(since))?;
+        self.resized_at = since;
         let here = BTreeSet::from([ifindex]);
         self.prune(Hook::FromNetdev, &here)?;
         self.prune(Hook::ToNetdev, &here)?;
@@ -548,19 +564,31 @@ impl FastPath {
     }
 
     /// Carries over, from the old instances of resized NAT maps, the flows the old programs
-    /// made or updated since the last copy; how many per map.
-    fn carry_resized(&mut self) -> Result<Vec<(&'static str, usize)>, BpfError> {
+    /// made or updated, as `how` says; how many per map.
+    fn carry_resized(
+        &mut self,
+        how: super::nat::Carry,
+    ) -> Result<Vec<(&'static str, usize)>, BpfError> {
         self.resizing
             .iter()
-            .map(|(name, old)| Ok((*name, super::nat::carry_over(&mut self.ebpf, name, old)?)))
+            .map(|(name, old)| {
+                Ok((
+                    *name,
+                    super::nat::carry_over(&mut self.ebpf, name, old, how)?,
+                ))
+            })
             .collect()
     }
 
     /// Once the new programs are attached (the old ones no longer run): the last
-    /// [`FastPath::carry_resized`], then the old instances are unpinned. `before`: what the
-    /// carry right before the attach wrote.
-    fn end_resizes(&mut self, before: &[(&'static str, usize)]) -> Result<(), BpfError> {
-        for (name, carried) in self.carry_resized()? {
+    /// [`FastPath::carry_resized`] (`how`), then the old instances are unpinned. `before`:
+    /// what the carry right before the attach wrote.
+    fn end_resizes(
+        &mut self,
+        before: &[(&'static str, usize)],
+        how: super::nat::Carry,
+    ) -> Result<(), BpfError> {
+        for (name, carried) in self.carry_resized(how)? {
             super::nat::end_resize(&self.layout, name)?;
             let before = before
                 .iter()

@@ -28,7 +28,7 @@ use ipnet::Ipv4Net;
 
 use super::{
     BpfError, FastPath, PinLayout,
-    batch::{BPF_EXIST, BPF_NOEXIST},
+    batch::BPF_ANY,
     config::kernel_source_ports,
     pins::{MAP_SPECS, remove_pin},
 };
@@ -548,24 +548,55 @@ pub(super) fn take_resized(
     Ok(out)
 }
 
-/// Carries the entries of a resized NAT map's old instance `old` into the new one: those
-/// the new one lacks, and those the old programs updated since it got its copy
-/// ([`Stamped::newer`]); returns how many were written (an LRU map of a smaller size keeps
-/// the last ones). Run at load time, and again right before and right after the new
-/// programs are attached ([`FastPath::attach_netdev`]): the old ones, attached until then,
-/// make and update flows in the old instance meanwhile. The old instance stays pinned
-/// ([`end_resize`]).
+/// Which entries of a resized NAT map's old instance [`carry_over`] writes into the new one.
+/// While the new programs are not attached, the old ones are the only writers, so the old
+/// instance holds the newest copy of every entry; an entry the programs make or change is
+/// stamped with the time (`CLOCK_MONOTONIC`, ns).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Carry {
+    /// Every one (at load time).
+    All,
+    /// Those stamped at or after this time (right before the attach: what the old programs
+    /// did since the last carry).
+    Since(u64),
+    /// Those stamped at or after this time, where the new instance lacks them or holds an
+    /// older copy ([`Stamped::newer`]): right after the attach, when the new programs write
+    /// too.
+    SinceIfNewer(u64),
+}
+
+impl Carry {
+    /// Whether `old`, an entry of the old instance, is to be written over `current`, the new
+    /// instance's copy (if it has one).
+    fn wants<V: Stamped>(self, old: &V, current: impl FnOnce() -> Option<V>) -> bool {
+        match self {
+            Carry::All => true,
+            Carry::Since(since) => old.stamp() >= since,
+            Carry::SinceIfNewer(since) => {
+                old.stamp() >= since && current().is_none_or(|current| old.newer(&current))
+            }
+        }
+    }
+}
+
+/// Carries the entries of a resized NAT map's old instance `old` into the new one, as `how`
+/// says; returns how many were written (an LRU map of a smaller size keeps the last ones).
+/// Run at load time, right before the new programs are attached and right after (see
+/// [`Carry`]): the old programs, attached until then, make and update flows in the old
+/// instance meanwhile. The old instance stays pinned ([`end_resize`]).
 pub(super) fn carry_over(
     ebpf: &mut aya::Ebpf,
     name: &'static str,
     old: &aya::maps::Map,
+    how: Carry,
 ) -> Result<usize, BpfError> {
     let new = ebpf.map_mut(name).ok_or_else(|| missing(name))?;
     if name == names::NAT4 {
-        carry::<NatEntry>(name, old, new)
+        carry::<NatEntry>(old, new, how)
     } else {
-        carry::<NatRevEntry>(name, old, new)
+        carry::<NatRevEntry>(old, new, how)
     }
+    .map_err(|e| BpfError::map(name, e))
 }
 
 /// Unpins the old instance of the resized NAT map `name`, once its entries are carried over.
@@ -606,30 +637,68 @@ impl Stamped for NatRevEntry {
     }
 }
 
+/// [`carry_over`] of one map: batch reads of `old` and batch writes (`BPF_ANY`) into `new`,
+/// holding at most [`CARRY_CHUNK`] entries, where the kernel has them (a few syscalls for
+/// thousands of flows: the carry right after the attach is raced by replies the new programs
+/// see), else one entry at a time.
 fn carry<V: Stamped>(
-    name: &'static str,
     old: &aya::maps::Map,
     new: &mut aya::maps::Map,
-) -> Result<usize, BpfError> {
-    let old: BpfHashMap<&MapData, NatKey, V> =
-        BpfHashMap::try_from(old).map_err(|e| BpfError::map(name, e))?;
-    let mut new: BpfHashMap<&mut MapData, NatKey, V> =
-        BpfHashMap::try_from(new).map_err(|e| BpfError::map(name, e))?;
+    how: Carry,
+) -> Result<usize, aya::maps::MapError> {
+    if let (
+        aya::maps::Map::LruHashMap(old_data) | aya::maps::Map::HashMap(old_data),
+        aya::maps::Map::LruHashMap(new_data) | aya::maps::Map::HashMap(new_data),
+    ) = (old, &*new)
+    {
+        let current: BpfHashMap<&MapData, NatKey, V> = BpfHashMap::try_from(&*new)?;
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        let mut carried = 0;
+        let mut written = Ok(());
+        let mut flush = |keys: &mut Vec<NatKey>, values: &mut Vec<V>| {
+            if written.is_ok() && !keys.is_empty() {
+                written = match super::batch::update(new_data, keys, values, BPF_ANY) {
+                    Ok(true) => {
+                        carried += keys.len();
+                        Ok(())
+                    }
+                    Ok(false) => Err(std::io::Error::from(std::io::ErrorKind::Unsupported)),
+                    Err(e) => Err(e),
+                };
+            }
+            keys.clear();
+            values.clear();
+        };
+        let read = super::batch::for_each_entry::<NatKey, V>(old_data, |key, value| {
+            if how.wants(&value, || current.get(&key, 0).ok()) {
+                keys.push(key);
+                values.push(value);
+                if keys.len() == CARRY_CHUNK {
+                    flush(&mut keys, &mut values);
+                }
+            }
+        })?;
+        flush(&mut keys, &mut values);
+        written?;
+        if read {
+            return Ok(carried);
+        }
+    }
+    let old: BpfHashMap<&MapData, NatKey, V> = BpfHashMap::try_from(old)?;
+    let mut new: BpfHashMap<&mut MapData, NatKey, V> = BpfHashMap::try_from(new)?;
     let mut carried = 0;
     for item in old.iter() {
         let Ok((key, value)) = item else { continue };
-        let flags = match new.get(&key, 0) {
-            Ok(current) if value.newer(&current) => BPF_EXIST,
-            Ok(_) => continue,
-            Err(_) => BPF_NOEXIST,
-        };
-        // (A write that loses a race with the new programs, or with the LRU, is left out.)
-        if new.insert(key, value, flags).is_ok() {
+        // (A write that loses a race with the LRU is left out.)
+        if how.wants(&value, || new.get(&key, 0).ok()) && new.insert(key, value, BPF_ANY).is_ok() {
             carried += 1;
         }
     }
     Ok(carried)
 }
+
+/// Entries [`carry`] writes per batch.
+const CARRY_CHUNK: usize = 4096;
 
 /// Both NAT maps, read-only: the flows and their reply entries.
 type NatMaps<'a> = (
@@ -1048,6 +1117,29 @@ mod tests {
         };
         assert!(rev(5).newer(&rev(4)));
         assert!(!rev(4).newer(&rev(4)));
+    }
+
+    #[test]
+    fn after_the_attach_only_entries_stamped_since_and_newer_are_carried() {
+        let entry = |last_seen_ns, state| NatEntry {
+            state,
+            last_seen_ns,
+            ..NatEntry::default()
+        };
+        // At load, everything; before the attach, what the old programs touched since.
+        assert!(Carry::All.wants(&entry(1, 0), || Some(entry(500, ST_REPLIED))));
+        assert!(Carry::Since(100).wants(&entry(100, 0), || Some(entry(500, ST_REPLIED))));
+        assert!(!Carry::Since(100).wants(&entry(99, ST_REPLIED), || None));
+        let since = Carry::SinceIfNewer(100);
+        // After: not what the old programs left alone since (carried before the attach) ...
+        assert!(!since.wants(&entry(99, ST_REPLIED), || None));
+        // ... what they made or changed since, unless the new programs have a newer copy.
+        assert!(since.wants(&entry(100, 0), || None));
+        assert!(since.wants(&entry(150, ST_REPLIED), || Some(entry(120, ST_REPLIED))));
+        assert!(!since.wants(&entry(150, ST_REPLIED), || Some(entry(160, ST_REPLIED))));
+        assert!(since.wants(&entry(150, ST_REPLIED | ST_RST), || Some(entry(
+            150, ST_REPLIED
+        ))));
     }
 
     #[test]
