@@ -3794,6 +3794,55 @@ fn heal_attaches_again_what_was_detached_and_forgets_gone_interfaces() {
         .expect("namespace");
 }
 
+/// `FastPath::heal` pins again what lost its pins (the whole pin directory removed while the
+/// programs run): the same maps and links come back at the same paths, with the flow memos,
+/// and nothing counts as detached; a restarted agent then adopts them: its maps are the
+/// running ones and its attach replaces the programs behind the pinned links. (Without the
+/// pins it would start with empty maps and new links, after a gap.)
+#[test]
+fn heal_pins_again_what_lost_its_pins() {
+    use flannel_tests::lab::fastpath::pin_ids;
+    let Some(rig) = Rig::new("fprepin") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    rig.ns
+        .enter(move || {
+            let ifs = Ifaces::current();
+            let mut fp = FastPath::load(&pin).expect("load");
+            fp.attach_netdev(ifs.ext, false).expect("attach");
+            let before = pin_ids(&pin).expect("pins");
+            assert!(
+                !before.maps.is_empty() && before.links.len() == 2,
+                "{before:?}"
+            );
+            std::fs::remove_dir_all(&pin).expect("removing the pins");
+            let healed = fp.heal();
+            assert!(healed.is_empty(), "nothing was detached: {healed:?}");
+            let after = pin_ids(&pin).expect("pins again");
+            assert_eq!(after.maps, before.maps, "the same maps, pinned again");
+            assert_eq!(after.links, before.links, "the same links, pinned again");
+            for memo in ["FLANNEL_MEMO4", "FLANNEL_MEMO6"] {
+                assert!(pin.join("memos").join(memo).exists(), "{memo} pinned again");
+            }
+            drop(fp);
+            let mut next = FastPath::load(&pin).expect("load again");
+            assert_eq!(
+                pin_ids(&pin).expect("pins").maps,
+                before.maps,
+                "maps adopted"
+            );
+            let attach = next.attach_netdev(ifs.ext, false).expect("attach again");
+            assert_eq!(
+                (attach.ingress, attach.egress),
+                (Attached::Replaced, Attached::Replaced),
+                "links adopted"
+            );
+            assert_eq!(pin_ids(&pin).expect("pins").links, before.links);
+        })
+        .expect("namespace");
+}
+
 #[test]
 fn start_modes() {
     use flannel_agent::bpf::{DataplaneMode, Startup, start};

@@ -1,19 +1,22 @@
-//! Whether a TC attachment an agent made is still in place: something else may remove it
-//! while the agent runs (`bpftool link detach`, `tc qdisc del dev <if> clsact`, a tool that
-//! owns the interface's hooks, the interface itself deleted). [`super::FastPath::heal`] asks
-//! this of each attachment and attaches again what is gone.
+//! Whether a TC attachment an agent made is still in place, and its pin: something else may
+//! remove either while the agent runs (`bpftool link detach`, `tc qdisc del dev <if> clsact`,
+//! a tool that owns the interface's hooks, the interface itself deleted, `rm` in bpffs).
+//! [`super::FastPath::heal`] asks this of each attachment, attaches again what is gone and
+//! pins again what lost its pin.
 
 use std::{
     ffi::CString,
     io,
     mem::size_of,
     os::{
-        fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+        fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
         unix::ffi::OsStrExt as _,
     },
     path::Path,
 };
 
+/// `BPF_OBJ_PIN` (`enum bpf_cmd`).
+const BPF_OBJ_PIN: libc::c_long = 6;
 /// `BPF_OBJ_GET` (`enum bpf_cmd`).
 const BPF_OBJ_GET: libc::c_long = 7;
 /// `BPF_OBJ_GET_INFO_BY_FD` (`enum bpf_cmd`).
@@ -47,11 +50,9 @@ struct InfoAttr {
     info: u64,
 }
 
-/// The interface the TCX link pinned at `pin` runs its program on; 0 once the link is
-/// detached (by `BPF_LINK_DETACH`, or with its interface). Opens the pin (which `CAP_BPF`
-/// allows, unlike a link by id) and asks for the link's info.
-pub fn tcx_ifindex(pin: &Path) -> io::Result<u32> {
-    let link = open_pinned(pin)?;
+/// The interface the TCX link `link` runs its program on; 0 once the link is detached (by
+/// `BPF_LINK_DETACH`, or with its interface).
+pub fn tcx_ifindex(link: BorrowedFd<'_>) -> io::Result<u32> {
     let mut info = [0u8; LINK_INFO_LEN];
     let mut attr = InfoAttr {
         bpf_fd: link.as_raw_fd() as u32,
@@ -68,10 +69,29 @@ pub fn tcx_ifindex(pin: &Path) -> io::Result<u32> {
     Ok(u32::from_ne_bytes(bytes))
 }
 
-/// A new descriptor of the object pinned at `pin`.
-fn open_pinned(pin: &Path) -> io::Result<OwnedFd> {
-    let path = CString::new(pin.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+/// Pins the object behind `fd` at `path` (`BPF_OBJ_PIN`; the directory must exist).
+pub fn pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
+    let path = c_path(path)?;
+    let mut attr = ObjAttr {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: fd.as_raw_fd() as u32,
+        ..ObjAttr::default()
+    };
+    // SAFETY: `attr` points at `path`, a NUL-terminated string alive for the call.
+    unsafe { bpf(BPF_OBJ_PIN, &mut attr) }?;
+    Ok(())
+}
+
+/// `path` as the kernel takes it.
+fn c_path(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+/// A new descriptor of the object pinned at `pin` (`BPF_OBJ_GET`, which `CAP_BPF` allows,
+/// unlike opening a link by id).
+pub fn open_pinned(pin: &Path) -> io::Result<OwnedFd> {
+    let path = c_path(pin)?;
     let mut attr = ObjAttr {
         pathname: path.as_ptr() as u64,
         ..ObjAttr::default()

@@ -6,6 +6,7 @@ use std::{
     ffi::CStr,
     fs,
     net::Ipv4Addr,
+    os::fd::{AsFd as _, OwnedFd},
     path::{Path, PathBuf},
 };
 
@@ -138,6 +139,22 @@ struct HeldLink {
     path: PathBuf,
     // Keeps the kernel link referenced while this handle lives; the pin keeps it afterwards.
     _link: FdLink,
+    /// A descriptor of the same link, opened through the pin (aya's does not lend its own):
+    /// what [`FastPath::heal`] asks whether the link is still attached, and pins again when
+    /// the pin was removed.
+    fd: OwnedFd,
+}
+
+impl HeldLink {
+    /// `link`, just pinned (or adopted from the pin) at `path`.
+    fn new(path: PathBuf, link: FdLink) -> std::io::Result<HeldLink> {
+        let fd = super::attached::open_pinned(&path)?;
+        Ok(HeldLink {
+            path,
+            _link: link,
+            fd,
+        })
+    }
 }
 
 /// A TC attachment this handle made or adopted.
@@ -672,13 +689,8 @@ impl FastPath {
                     .map_err(|e| attach_error(format!("pinning {}: {e:?}", path.display())))?,
             );
         }
-        self.xdp_links.insert(
-            ifindex,
-            HeldLink {
-                path,
-                _link: fd_link,
-            },
-        );
+        let held = HeldLink::new(path, fd_link).map_err(|e| attach_error(e.to_string()))?;
+        self.xdp_links.insert(ifindex, held);
         let stale: Vec<u32> = self
             .xdp_links
             .keys()
@@ -767,10 +779,15 @@ impl FastPath {
         lost.retain(|key| !self.links.contains_key(key));
         for (&(hook, ifindex), held) in &self.links {
             let in_place = match held {
-                // Only a link found detached is lost: one whose pin cannot be read (removed,
-                // say) is left as it is.
+                // Only a link found detached is lost (one that cannot be asked is left alone);
+                // one whose pin was removed is pinned again.
                 TcHeld::Link(link) => {
-                    super::attached::tcx_ifindex(&link.path).map_or(true, |i| i == ifindex)
+                    let in_place = super::attached::tcx_ifindex(link.fd.as_fd())
+                        .map_or(true, |i| i == ifindex);
+                    if in_place {
+                        self.repin_link(link);
+                    }
+                    in_place
                 }
                 // Lost when another program or none is there; left alone when either side
                 // cannot be read.
@@ -786,6 +803,7 @@ impl FastPath {
                 lost.insert((hook, ifindex));
             }
         }
+        self.repin_maps();
         let mut out = Vec::new();
         for (hook, ifindex) in lost {
             // A detached link is released (unpinned and dropped) before it is made again.
@@ -808,6 +826,76 @@ impl FastPath {
             });
         }
         out
+    }
+
+    /// Pins `link` again where its pin was, if something removed the pin: without it the next
+    /// agent would not adopt the link, and forwarding would stop between this agent's exit
+    /// and the next one's attach.
+    fn repin_link(&self, link: &HeldLink) {
+        if link.path.exists() {
+            return;
+        }
+        let pinned = fs::create_dir_all(self.layout.links_dir())
+            .and_then(|()| super::attached::pin(link.fd.as_fd(), &link.path));
+        match pinned {
+            Ok(()) => tracing::warn!(
+                path = %link.path.display(),
+                "a fast-path link's pin was removed by something else; pinned again"
+            ),
+            Err(e) => tracing::warn!(
+                path = %link.path.display(),
+                error = %e,
+                "a fast-path link's pin was removed by something else; pinning it again failed"
+            ),
+        }
+    }
+
+    /// Pins again the maps (and the attached programs' flow memos) whose pins something
+    /// removed: without them the next agent would start with empty maps, and the masqueraded
+    /// connections would be cut.
+    fn repin_maps(&self) {
+        let maps_dir = self.layout.maps_dir();
+        for spec in MAP_SPECS.iter() {
+            let path = self.layout.map(spec.name);
+            if path.exists() {
+                continue;
+            }
+            let Some(map) = self.ebpf.map(spec.name) else {
+                continue;
+            };
+            let pinned = fs::create_dir_all(&maps_dir)
+                .map_err(|e| e.to_string())
+                .and_then(|()| map.pin(&path).map_err(|e| e.to_string()));
+            match pinned {
+                Ok(()) => tracing::warn!(
+                    path = %path.display(),
+                    "a fast-path map's pin was removed by something else; pinned again"
+                ),
+                Err(e) => tracing::warn!(
+                    path = %path.display(),
+                    error = %e,
+                    "a fast-path map's pin was removed by something else; pinning it again failed"
+                ),
+            }
+        }
+        let netdev_attached = self.links.keys().any(|(hook, _)| *hook == Hook::FromNetdev);
+        if netdev_attached
+            && [MEMO4, MEMO6]
+                .iter()
+                .any(|name| !self.layout.memo(name).exists())
+        {
+            let dir = self.layout.memos_dir();
+            let repinned = fs::create_dir_all(&dir)
+                .map_err(|e| BpfError::io("creating", dir, e))
+                .and_then(|()| self.pin_memos());
+            if let Err(e) = repinned {
+                tracing::warn!(error = %e, "pinning the flow memo maps again failed");
+            } else {
+                tracing::warn!(
+                    "the flow memo maps' pins were removed by something else; pinned again"
+                );
+            }
+        }
     }
 
     /// Where each hook is attached by this handle, as `(hook, ifindex)`.
@@ -950,13 +1038,8 @@ impl FastPath {
                 .map_err(|e| attach_error(format!("pinning {}: {e:?}", path.display())))?;
             fd_link = FdLink::from(pinned);
         }
-        self.links.insert(
-            (hook, ifindex),
-            TcHeld::Link(HeldLink {
-                path,
-                _link: fd_link,
-            }),
-        );
+        let held = HeldLink::new(path, fd_link).map_err(|e| attach_error(e.to_string()))?;
+        self.links.insert((hook, ifindex), TcHeld::Link(held));
         Ok(outcome)
     }
 
