@@ -2,7 +2,8 @@
 //! pods reach a server in the hub namespace ("the outside", which has no route to the pod
 //! network) and the server sees their node's address; many concurrent flows from several
 //! pods keep distinct tuples; a long-lived TCP connection survives an agent restart, and
-//! connections opened while a restart resizes the NAT maps go on; replies
+//! connections opened while a restart resizes the NAT maps go on, and so do connections
+//! across a restart after the node's pins were removed (and pinned again); replies
 //! to unknown tuples reach the node's stack and are counted; a node switched from iptables
 //! MASQUERADE to eBPF keeps its kernel-masqueraded connections, and one switched back hands
 //! its eBPF-masqueraded connections over without breaking them; so does a node moved to the
@@ -625,6 +626,57 @@ fn connections_opened_while_the_nat_maps_are_resized_go_on() {
         lost.len(),
         conns.len()
     );
+}
+
+/// Pins removed while the agent runs (`rm -r` of node1's pin directory) are pinned again
+/// within `--resync-interval` (1 s here), so that the restarted agent still adopts the NAT
+/// maps: two pods hold connections from the same port to the same server, the second moved
+/// to another port by the programs, and both go on across the restart. (Without the pins the
+/// restarted agent started with empty maps and mapped the moved one afresh, to a port the
+/// server did not know.)
+#[test]
+fn pins_removed_while_the_agent_runs_come_back_for_the_restart() {
+    if !runnable() {
+        return;
+    }
+    let mut c = up_with(1, 2, Dataplane::Ebpf, &["--resync-interval=1"]);
+    let server = SocketAddrV4::new(c.topology().hub_addr(), SERVER_PORT);
+    let _tcp = WhoAmI::start(c.topology().hub(), IpAddr::V4(*server.ip()), SERVER_PORT);
+    let pods = c.topology().pods_on(1);
+    let mut conns: Vec<Conn> = pods
+        .iter()
+        .map(|pod| Conn::open_from(pod.ns(), SocketAddrV4::new(pod.ip(), 41000), server))
+        .collect();
+    assert!(
+        conns.iter().any(|conn| conn.seen.port() != 41000),
+        "no connection was moved to another port"
+    );
+    let pins = c.topology().node(1).bpf_pin_path().to_owned();
+    std::fs::remove_dir_all(&pins).expect("removing node1's pins");
+    let nat4 = pins
+        .join(flannel_common::maps::PIN_LAYOUT_VERSION)
+        .join(flannel_common::maps::NAT4);
+    eventually("node1's pins back", || {
+        nat4.exists()
+            && std::fs::read_dir(pins.join(flannel_common::maps::PIN_LINKS_DIR))
+                .is_ok_and(|links| links.count() >= 3)
+    });
+    let spec = c.agent_spec();
+    restart_as(&mut c, &spec);
+    let flows = pod_flows(c.topology().node(1));
+    for conn in &mut conns {
+        conn.echo(b"after the restart")
+            .unwrap_or_else(|e| panic!("{} seen as {}: {e}", conn.local, conn.seen));
+        let IpAddr::V4(ip) = conn.local.ip() else {
+            unreachable!("IPv4 pods")
+        };
+        assert!(
+            flows.contains(&(ip, conn.local.port(), conn.seen.port())),
+            "{} as {} not in the adopted maps: {flows:?}",
+            conn.local,
+            conn.seen
+        );
+    }
 }
 
 #[test]
