@@ -1785,6 +1785,15 @@ struct EchoConnection {
 }
 
 impl EchoConnection {
+    /// [`EchoConnection::open`], then node1's agent stopped (its programs stay attached).
+    fn open_and_stop_node1(c: &mut Cluster) -> Result<EchoConnection> {
+        let conn = EchoConnection::open(c.topology())?;
+        c.agent_mut(1)
+            .context("node1's agent")?
+            .stop(Duration::from_secs(10))?;
+        Ok(conn)
+    }
+
     /// Connects and makes a first round trip.
     fn open(t: &Topology) -> Result<EchoConnection> {
         let (client, server) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
@@ -1862,10 +1871,7 @@ fn ebpf_detach_fastpath_hands_over_and_removes_the_programs() {
         &named(EBPF, "detach-fastpath"),
         spec_on(EBPF, 2, Underlay::L2, "vxlan", 1),
         |c| {
-            let mut conn = EchoConnection::open(c.topology())?;
-            c.agent_mut(1)
-                .context("node1's agent")?
-                .stop(Duration::from_secs(10))?;
+            let mut conn = EchoConnection::open_and_stop_node1(c)?;
             let t = c.topology();
             let pins = t.node(1).bpf_pin_path();
             ensure!(pins.exists(), "the stopped agent left no pins to detach");
@@ -1893,10 +1899,7 @@ fn ebpf_a_detach_killed_while_it_hands_over_leaves_the_fast_path_attached() {
         spec_on(EBPF, 2, Underlay::L2, "vxlan", 1),
         |c| {
             const MADE_UP: u16 = 30_000;
-            let mut conn = EchoConnection::open(c.topology())?;
-            c.agent_mut(1)
-                .context("node1's agent")?
-                .stop(Duration::from_secs(10))?;
+            let mut conn = EchoConnection::open_and_stop_node1(c)?;
             let t = c.topology();
             let pins = t.node(1).bpf_pin_path();
             add_memos(pins, MADE_UP)?;

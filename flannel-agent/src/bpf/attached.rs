@@ -7,13 +7,14 @@
 use std::{
     ffi::CString,
     io,
-    mem::size_of,
     os::{
         fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
         unix::ffi::OsStrExt as _,
     },
     path::Path,
 };
+
+use super::sys::bpf;
 
 /// `BPF_OBJ_PIN` (`enum bpf_cmd`).
 const BPF_OBJ_PIN: libc::c_long = 6;
@@ -100,19 +101,4 @@ pub fn open_pinned(pin: &Path) -> io::Result<OwnedFd> {
     let fd = unsafe { bpf(BPF_OBJ_GET, &mut attr) }?;
     // SAFETY: on success `BPF_OBJ_GET` returns a new descriptor that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// The `bpf(2)` syscall with the attribute struct `attr`; its return value.
-///
-/// # Safety
-/// The pointers inside `attr` must describe memory that `cmd` may read and write.
-unsafe fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<i32> {
-    // SAFETY: `attr` is alive and `size_of::<T>()` bytes long; the caller vouches for the
-    // pointers inside it.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(attr), size_of::<T>()) };
-    if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        i32::try_from(rc).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))
-    }
 }

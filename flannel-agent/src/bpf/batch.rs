@@ -12,6 +12,8 @@ use std::{
 
 use aya::maps::MapData;
 
+use super::sys::bpf;
+
 /// `BPF_ANY`: insert or update (the `flags` of a map update).
 pub const BPF_ANY: u64 = 0;
 /// `BPF_NOEXIST`: insert only when the key is absent.
@@ -45,21 +47,27 @@ struct BatchAttr {
 /// the map type has no batch lookup (the caller walks the keys one by one instead).
 pub fn keys<K: aya::Pod>(map: &MapData, value_size: usize) -> io::Result<Option<Vec<K>>> {
     let mut out = Vec::new();
-    let read = lookup_all(map, size_of::<K>(), value_size, |key, _| {
-        out.push(read_pod::<K>(key));
+    let read = lookup_all(map, size_of::<K>(), value_size, |keys, _| {
+        out.extend(keys.map(read_pod::<K>));
+        Ok(())
     })?;
     Ok(read.then_some(out))
 }
 
-/// Calls `each` with every entry of the map `map` (keys `K`, values `V`), read in batches as
-/// [`keys`] does, without holding more than a batch. `Ok(false)` when the kernel or the map
-/// type has no batch lookup (nothing was read).
-pub fn for_each_entry<K: aya::Pod, V: aya::Pod>(
+/// Calls `each` with every batch of entries of the map `map` (keys `K`, values `V`), read as
+/// [`keys`] does, holding one batch at a time; the first error `each` returns ends the read
+/// and is returned. `Ok(false)` when the kernel or the map type has no batch lookup (nothing
+/// was read).
+pub fn for_each_batch<K: aya::Pod, V: aya::Pod>(
     map: &MapData,
-    mut each: impl FnMut(K, V),
+    mut each: impl FnMut(Vec<(K, V)>) -> io::Result<()>,
 ) -> io::Result<bool> {
-    lookup_all(map, size_of::<K>(), size_of::<V>(), |key, value| {
-        each(read_pod::<K>(key), read_pod::<V>(value));
+    lookup_all(map, size_of::<K>(), size_of::<V>(), |keys, values| {
+        each(
+            keys.map(read_pod::<K>)
+                .zip(values.map(read_pod::<V>))
+                .collect(),
+        )
     })
 }
 
@@ -73,13 +81,17 @@ fn read_pod<T: aya::Pod>(bytes: &[u8]) -> T {
 }
 
 /// Reads every entry of the map `map` (keys `key_size` bytes, values `value_size`) with
-/// `BPF_MAP_LOOKUP_BATCH`, calling `each` with each key's and value's bytes. `Ok(false)` when
-/// the kernel or the map type has no batch lookup (nothing was read).
+/// `BPF_MAP_LOOKUP_BATCH`, calling `each` with the bytes of each batch's keys and values (one
+/// item per entry); an error of `each` ends the read. `Ok(false)` when the kernel or the map
+/// type has no batch lookup (nothing was read).
 fn lookup_all(
     map: &MapData,
     key_size: usize,
     value_size: usize,
-    mut each: impl FnMut(&[u8], &[u8]),
+    mut each: impl FnMut(
+        std::slice::ChunksExact<'_, u8>,
+        std::slice::ChunksExact<'_, u8>,
+    ) -> io::Result<()>,
 ) -> io::Result<bool> {
     let fd = map.fd().as_fd().as_raw_fd();
     let value_size = value_size.max(1);
@@ -105,12 +117,11 @@ fn lookup_all(
         let err = unsafe { bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) }.err();
         // The kernel says how many entries it filled in, also with the last batch (ENOENT).
         let filled = (attr.count as usize).min(BATCH);
-        for (key, value) in key_buf
-            .chunks_exact(key_size)
-            .zip(value_buf.chunks_exact(value_size))
-            .take(filled)
-        {
-            each(key, value);
+        if filled > 0 {
+            each(
+                key_buf[..filled * key_size].chunks_exact(key_size),
+                value_buf[..filled * value_size].chunks_exact(value_size),
+            )?;
         }
         match err {
             // (A kernel that found nothing more says ENOENT; an empty batch ends it too.)
@@ -160,25 +171,4 @@ pub fn update<K: aya::Pod, V: aya::Pod>(
         }
     }
     Ok(true)
-}
-
-/// The `bpf(2)` syscall with the batch part of `union bpf_attr`.
-///
-/// # Safety
-/// The pointers in `attr` must describe buffers that the command may read and write.
-unsafe fn bpf(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
-    // SAFETY: the caller vouches for the buffers; `attr` itself is alive and sized as said.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            cmd,
-            std::ptr::from_mut(attr),
-            size_of::<BatchAttr>(),
-        )
-    };
-    if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
 }

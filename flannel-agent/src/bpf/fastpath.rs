@@ -137,23 +137,20 @@ fn carry_clock() -> u64 {
 #[derive(Debug)]
 struct HeldLink {
     path: PathBuf,
-    // Keeps the kernel link referenced while this handle lives; the pin keeps it afterwards.
-    _link: FdLink,
-    /// A descriptor of the same link, opened through the pin (aya's does not lend its own):
-    /// what [`FastPath::heal`] asks whether the link is still attached, and pins again when
-    /// the pin was removed.
+    /// A descriptor of the link, opened through the pin (aya's `FdLink` does not lend its
+    /// own): it keeps the link referenced while this handle lives (the pin keeps it
+    /// afterwards), and is what [`FastPath::heal`] asks whether the link is still attached,
+    /// and pins again when the pin was removed.
     fd: OwnedFd,
 }
 
 impl HeldLink {
-    /// `link`, just pinned (or adopted from the pin) at `path`.
+    /// `link`, just pinned (or adopted from the pin) at `path`: held through a descriptor of
+    /// our own from then on.
     fn new(path: PathBuf, link: FdLink) -> std::io::Result<HeldLink> {
         let fd = super::attached::open_pinned(&path)?;
-        Ok(HeldLink {
-            path,
-            _link: link,
-            fd,
-        })
+        drop(link);
+        Ok(HeldLink { path, fd })
     }
 }
 
@@ -320,7 +317,7 @@ impl FastPath {
         let resized_at = carry_clock();
         for (name, old) in resized {
             let old = aya::maps::Map::from_map_data(old).map_err(|e| BpfError::map(name, e))?;
-            let copied = super::nat::carry_over(&mut ebpf, name, &old, super::nat::Carry::All)?;
+            let copied = super::nat::carry_over(&ebpf, name, &old, super::nat::Carry::All)?;
             tracing::info!(
                 map = name,
                 entries = copied,
@@ -583,17 +580,12 @@ impl FastPath {
     /// Carries over, from the old instances of resized NAT maps, the flows the old programs
     /// made or updated, as `how` says; how many per map.
     fn carry_resized(
-        &mut self,
+        &self,
         how: super::nat::Carry,
     ) -> Result<Vec<(&'static str, usize)>, BpfError> {
         self.resizing
             .iter()
-            .map(|(name, old)| {
-                Ok((
-                    *name,
-                    super::nat::carry_over(&mut self.ebpf, name, old, how)?,
-                ))
-            })
+            .map(|(name, old)| Ok((*name, super::nat::carry_over(&self.ebpf, name, old, how)?)))
             .collect()
     }
 

@@ -83,6 +83,7 @@ pub mod probe;
 pub mod programs;
 pub mod remote;
 pub mod seed;
+mod sys;
 pub mod tcfilter;
 pub mod udp;
 pub mod v6;

@@ -585,12 +585,12 @@ impl Carry {
 /// [`Carry`]): the old programs, attached until then, make and update flows in the old
 /// instance meanwhile. The old instance stays pinned ([`end_resize`]).
 pub(super) fn carry_over(
-    ebpf: &mut aya::Ebpf,
+    ebpf: &aya::Ebpf,
     name: &'static str,
     old: &aya::maps::Map,
     how: Carry,
 ) -> Result<usize, BpfError> {
-    let new = ebpf.map_mut(name).ok_or_else(|| missing(name))?;
+    let new = ebpf.map(name).ok_or_else(|| missing(name))?;
     if name == names::NAT4 {
         carry::<NatEntry>(old, new, how)
     } else {
@@ -638,67 +638,48 @@ impl Stamped for NatRevEntry {
 }
 
 /// [`carry_over`] of one map: batch reads of `old` and batch writes (`BPF_ANY`) into `new`,
-/// holding at most [`CARRY_CHUNK`] entries, where the kernel has them (a few syscalls for
-/// thousands of flows: the carry right after the attach is raced by replies the new programs
-/// see), else one entry at a time.
+/// one batch at a time (a few syscalls for thousands of flows: the carry right after the
+/// attach is raced by replies the new programs see). Every kernel the fast path loads on
+/// (>= 5.15) has batch operations for hash maps.
 fn carry<V: Stamped>(
     old: &aya::maps::Map,
-    new: &mut aya::maps::Map,
+    new: &aya::maps::Map,
     how: Carry,
 ) -> Result<usize, aya::maps::MapError> {
-    if let (
+    let unsupported = || {
+        std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "no batch operations for the NAT maps",
+        )
+    };
+    let (
         aya::maps::Map::LruHashMap(old_data) | aya::maps::Map::HashMap(old_data),
         aya::maps::Map::LruHashMap(new_data) | aya::maps::Map::HashMap(new_data),
-    ) = (old, &*new)
-    {
-        let current: BpfHashMap<&MapData, NatKey, V> = BpfHashMap::try_from(&*new)?;
-        let (mut keys, mut values) = (Vec::new(), Vec::new());
-        let mut carried = 0;
-        let mut written = Ok(());
-        let mut flush = |keys: &mut Vec<NatKey>, values: &mut Vec<V>| {
-            if written.is_ok() && !keys.is_empty() {
-                written = match super::batch::update(new_data, keys, values, BPF_ANY) {
-                    Ok(true) => {
-                        carried += keys.len();
-                        Ok(())
-                    }
-                    Ok(false) => Err(std::io::Error::from(std::io::ErrorKind::Unsupported)),
-                    Err(e) => Err(e),
-                };
-            }
-            keys.clear();
-            values.clear();
-        };
-        let read = super::batch::for_each_entry::<NatKey, V>(old_data, |key, value| {
-            if how.wants(&value, || current.get(&key, 0).ok()) {
-                keys.push(key);
-                values.push(value);
-                if keys.len() == CARRY_CHUNK {
-                    flush(&mut keys, &mut values);
-                }
-            }
-        })?;
-        flush(&mut keys, &mut values);
-        written?;
-        if read {
-            return Ok(carried);
-        }
-    }
-    let old: BpfHashMap<&MapData, NatKey, V> = BpfHashMap::try_from(old)?;
-    let mut new: BpfHashMap<&mut MapData, NatKey, V> = BpfHashMap::try_from(new)?;
+    ) = (old, new)
+    else {
+        return Err(unsupported().into());
+    };
+    let current: BpfHashMap<&MapData, NatKey, V> = BpfHashMap::try_from(new)?;
     let mut carried = 0;
-    for item in old.iter() {
-        let Ok((key, value)) = item else { continue };
-        // (A write that loses a race with the LRU is left out.)
-        if how.wants(&value, || new.get(&key, 0).ok()) && new.insert(key, value, BPF_ANY).is_ok() {
-            carried += 1;
+    let read = super::batch::for_each_batch::<NatKey, V>(old_data, |entries| {
+        let (keys, values): (Vec<NatKey>, Vec<V>) = entries
+            .into_iter()
+            .filter(|(key, value)| how.wants(value, || current.get(key, 0).ok()))
+            .unzip();
+        if keys.is_empty() {
+            return Ok(());
         }
+        if !super::batch::update(new_data, &keys, &values, BPF_ANY)? {
+            return Err(unsupported());
+        }
+        carried += keys.len();
+        Ok(())
+    })?;
+    if !read {
+        return Err(unsupported().into());
     }
     Ok(carried)
 }
-
-/// Entries [`carry`] writes per batch.
-const CARRY_CHUNK: usize = 4096;
 
 /// Both NAT maps, read-only: the flows and their reply entries.
 type NatMaps<'a> = (

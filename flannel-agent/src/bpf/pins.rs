@@ -467,7 +467,6 @@ fn parse_link_name(name: &str, program: &str) -> Option<u32> {
     name.strip_prefix(program)?.strip_prefix('-')?.parse().ok()
 }
 
-/// Removes the files in `dir` and then `dir`; returns how many files were removed.
 /// Removes the pin at `path`; a missing one is fine.
 pub(super) fn remove_pin(path: &Path) -> Result<(), BpfError> {
     match fs::remove_file(path) {
@@ -477,6 +476,7 @@ pub(super) fn remove_pin(path: &Path) -> Result<(), BpfError> {
     }
 }
 
+/// Removes the files in `dir` and then `dir`; returns how many files were removed.
 fn remove_dir_contents(dir: &Path) -> Result<usize, BpfError> {
     let mut count = 0;
     let entries = match fs::read_dir(dir) {
