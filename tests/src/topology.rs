@@ -704,7 +704,20 @@ impl Topology {
             ns,
             pods_created: 0,
         };
-        let port = format!("n{index}");
+        // Before the uplink: a re-created one inherits them (the `default` settings).
+        node.sysctl("net.ipv4.ip_forward", "1")?;
+        if node.addr6.is_some() {
+            node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+        }
+        self.wire_uplink(&node)?;
+        fs::create_dir_all(node.state_dir())?;
+        Ok(node)
+    }
+
+    /// Connects `node` to its segment: a veth pair, `n<index>` on the hub's bridge and `eth0`
+    /// in the node, with the node's addresses and default routes.
+    fn wire_uplink(&self, node: &Node) -> Result<()> {
+        let port = format!("n{}", node.index);
         let mtu = self.spec.mtu.to_string();
         netns::veth(&self.hub, &port, &node.ns, "eth0")?;
         self.hub.run(&["ip", "link", "set", &port, "mtu", &mtu])?;
@@ -714,7 +727,7 @@ impl Topology {
             "set",
             &port,
             "master",
-            &format!("br{segment}"),
+            &format!("br{}", node.segment),
         ])?;
         node.run(&["ip", "link", "set", "eth0", "mtu", &mtu])?;
         node.run(&[
@@ -731,11 +744,9 @@ impl Topology {
             "add",
             "default",
             "via",
-            &gateway_addr(segment).to_string(),
+            &gateway_addr(node.segment).to_string(),
         ])?;
-        node.sysctl("net.ipv4.ip_forward", "1")?;
         if let Some(addr6) = node.addr6 {
-            node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
             node.run(&[
                 "ip",
                 "-6",
@@ -753,11 +764,18 @@ impl Topology {
                 "add",
                 "default",
                 "via",
-                &gateway_addr6(segment).to_string(),
+                &gateway_addr6(node.segment).to_string(),
             ])?;
         }
-        fs::create_dir_all(node.state_dir())?;
-        Ok(node)
+        Ok(())
+    }
+
+    /// Deletes node `n`'s `eth0` and wires a new one in its place (same name, addresses and
+    /// routes, a new interface index), as a network manager re-creating an interface does.
+    pub fn recreate_uplink(&self, n: usize) -> Result<()> {
+        let node = self.node(n);
+        node.run(&["ip", "link", "del", "eth0"])?;
+        self.wire_uplink(node)
     }
 
     /// The spec it was built from.

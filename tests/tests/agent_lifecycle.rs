@@ -48,6 +48,23 @@ fn restart_is_hitless() {
     });
 }
 
+/// `eth0` deleted and created again under a running agent: it follows the interface to its
+/// new index, and the host-gw routes through it, which the first look after the new link
+/// finds unreachable (no address yet), are back within seconds, not at the next resync
+/// ([`scenarios::external_interface_recreated`]; host-gw and VXLAN).
+#[test]
+fn a_recreated_external_interface_is_followed() {
+    require_root!();
+    for backend in ["host-gw", "vxlan"] {
+        let path = Path::of_backend(backend);
+        let p = move |_: usize, _: usize| path;
+        let name = format!("{backend}/l2, eth0 re-created");
+        with_cluster(&name, spec(2, Underlay::L2, backend, 1), |c| {
+            scenarios::external_interface_recreated(c, &p, 1)
+        });
+    }
+}
+
 /// etcd is killed for 30 s: traffic keeps flowing, the agents stay up and healthy, and
 /// recover their watches afterwards.
 #[test]

@@ -95,6 +95,9 @@ pub struct ReconcileOutcome {
     pub stats: ApplyStats,
     /// Time taken.
     pub duration: Duration,
+    /// Peers left out because their public IP is not on a directly connected network
+    /// ([`Note::Unreachable`](super::model::Note::Unreachable)).
+    pub unreachable: usize,
 }
 
 /// `kernel:812ms,ebpf:23ms`: how long each applier took in one reconcile, in order.
@@ -309,6 +312,7 @@ impl Reconciler {
             ok: false,
             stats: ApplyStats::default(),
             duration,
+            unreachable: 0,
         }
     }
 
@@ -488,6 +492,7 @@ impl Reconciler {
             ok,
             stats,
             duration,
+            unreachable: want.unreachable(),
         }
     }
 
@@ -511,6 +516,13 @@ impl Reconciler {
         let mut next_resync = Instant::now() + config.resync_interval;
         let mut snapshots_open = true;
         let mut links_open = true;
+        // Peers left out as unreachable are looked at again before the next resync, soon at
+        // first: what makes them reachable may be on its way (the external interface was
+        // created again and is being given its address, a DHCP lease is pending). The delay
+        // starts over whenever their number changes.
+        let mut recheck_at: Option<Instant> = None;
+        let mut recheck_backoff = config.backoff_initial;
+        let mut unreachable = 0;
         loop {
             if pending && retry_at.is_none_or(|t| t <= Instant::now()) {
                 pending = false;
@@ -519,6 +531,20 @@ impl Reconciler {
                 next_resync = Instant::now() + config.resync_interval;
                 if newer_seen {
                     pending = true;
+                }
+                if outcome.unreachable != unreachable {
+                    unreachable = outcome.unreachable;
+                    recheck_backoff = config.backoff_initial;
+                }
+                recheck_at = None;
+                if outcome.ok && unreachable > 0 {
+                    tracing::debug!(
+                        unreachable,
+                        backoff = ?recheck_backoff,
+                        "unreachable peers: looking again"
+                    );
+                    recheck_at = Some(Instant::now() + recheck_backoff);
+                    recheck_backoff = (recheck_backoff * 2).min(config.backoff_max);
                 }
                 if outcome.ok {
                     retry_at = None;
@@ -533,6 +559,12 @@ impl Reconciler {
             }
             let retry = async {
                 match retry_at {
+                    Some(t) => sleep_until(t).await,
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            let recheck = async {
+                match recheck_at {
                     Some(t) => sleep_until(t).await,
                     None => std::future::pending::<()>().await,
                 }
@@ -567,6 +599,10 @@ impl Reconciler {
                     next_resync = Instant::now() + config.resync_interval;
                 }
                 _ = retry, if pending => {}
+                () = recheck => {
+                    recheck_at = None;
+                    pending = true;
+                }
             }
         }
         tracing::info!(

@@ -419,6 +419,23 @@ pub fn tunnel_peers(pin_path: &Path) -> Result<BTreeMap<Ipv4Addr, u32>> {
     Ok(out)
 }
 
+/// The external interface index the programs pinned under `pin_path` are configured with,
+/// IPv4 and IPv6 (0 for a side that is disabled).
+pub fn config_ext_ifindex(pin_path: &Path) -> Result<(u32, u32)> {
+    let v4: aya::maps::Array<MapData, flannel_common::config::Config> =
+        aya::maps::Array::try_from(pinned_map(pin_path, names::CONFIG)?)
+            .context("config map value size")?;
+    let v6: aya::maps::Array<MapData, v6::Config6> =
+        aya::maps::Array::try_from(pinned_map(pin_path, v6::CONFIG6)?)
+            .context("IPv6 config map value size")?;
+    Ok((
+        v4.get(&0, 0).context("reading the config map")?.ext_ifindex,
+        v6.get(&0, 0)
+            .context("reading the IPv6 config map")?
+            .ext_ifindex,
+    ))
+}
+
 /// The map `name` of the layout pinned under `pin_path` (the agent's [`PinLayout`]).
 fn pinned_map(pin_path: &Path, name: &str) -> Result<Map> {
     let path = PinLayout::new(pin_path).map(name);

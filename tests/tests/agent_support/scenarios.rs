@@ -741,6 +741,84 @@ pub fn node_leaves(cluster: &mut Cluster, path: PathFn<'_>, gone: usize) -> Resu
     Ok(())
 }
 
+/// How long an agent gets to follow its external interface to a new index: well within the
+/// 30 s `--resync-interval` the lab's agents run with, so that an agent that waits for the
+/// periodic resync fails.
+const FOLLOW: Duration = Duration::from_secs(10);
+
+/// Node `n`'s `eth0` deleted and created again under its running agent (a network manager
+/// re-creating a bond or VLAN): a new index, and its address a moment after the link (the
+/// agent's first look finds the host-gw peers unreachable). Within [`FOLLOW`] node `n`
+/// holds every kernel entry again, through the new interface; a fast-path node also has its
+/// programs attached to the new `eth0`, its configuration pointing at it, none of its links
+/// left pinned for the old one, and logged the move once. Then every pod reaches every pod
+/// through `path` (the fast path's counters growing), both ways across node `n`.
+pub fn external_interface_recreated(
+    cluster: &mut Cluster,
+    path: PathFn<'_>,
+    n: usize,
+) -> Result<()> {
+    converged(cluster, path)?;
+    let leases: Vec<_> = leases_by_node(cluster)?.into_values().collect();
+    let path_to = |l: &LeaseRecord| path_to_lease(cluster, path, n, l);
+    let want = expected_state(cluster, n, &leases, path_to);
+    let fast = on_fast_path(cluster, n);
+    let routes = expected_routes(cluster, n, &leases, path_to);
+    let old = ifindex(cluster, n, "eth0")?;
+    cluster.topology().recreate_uplink(n)?;
+    let new = ifindex(cluster, n, "eth0")?;
+    ensure!(new != old, "the re-created eth0 kept index {old}");
+    let node = cluster.topology().node(n);
+    let pins = node.bpf_pin_path();
+    wait::until_ok(FOLLOW, &format!("node{n} following eth0 to {new}"), || {
+        let got = cluster.kernel_state(n)?;
+        ensure!(got == want, "node{n} holds\n{got}but should hold\n{want}");
+        if !fast {
+            return Ok(());
+        }
+        let map = fastpath::routes(pins)?;
+        ensure!(
+            map == routes,
+            "node{n}'s route map holds\n{}but should hold\n{}",
+            routes_text(&map),
+            routes_text(&routes)
+        );
+        let mut programs = fastpath::tcx_programs(node.ns(), "eth0")?;
+        programs.sort();
+        ensure!(
+            programs == ["tc_from_netdev", "tc_to_netdev"],
+            "the new eth0 ({new}) runs {programs:?}"
+        );
+        let (configured, _) = fastpath::config_ext_ifindex(pins)?;
+        ensure!(
+            u64::from(configured) == new,
+            "the fast path is configured for interface {configured}, eth0 is {new}"
+        );
+        let stale: Vec<String> = fastpath::pin_ids(pins)?
+            .links
+            .into_keys()
+            .filter(|l| l.ends_with(&format!("-{old}")))
+            .collect();
+        ensure!(
+            stale.is_empty(),
+            "links for the old eth0 still pinned: {stale:?}"
+        );
+        Ok(())
+    })?;
+    if fast {
+        let agent = cluster.agent_mut(n).context("agent")?;
+        let log = std::fs::read_to_string(agent.log_path())?;
+        let moves = count_lines(&log, "fast path following it");
+        ensure!(
+            moves == 1,
+            "node{n}'s agent logged {moves} moves of the fast path, not 1:\n{}",
+            agent.log_tail(30)
+        );
+    }
+    let others: Vec<usize> = all_nodes(cluster).into_iter().filter(|&m| m != n).collect();
+    reachable_everywhere(cluster, path, &[(n, others[0]), (others[0], n)])
+}
+
 /// The connectivity test of `backend` over `underlay` on `dataplane`, three nodes with two
 /// CNI pods each:
 ///
