@@ -1485,6 +1485,23 @@ fn ebpf_programs_detached_by_something_else_are_attached_again() {
     }
 }
 
+/// `eth0` deleted and created again under a running agent: the fast path follows it to its
+/// new index as the kernel path does ([`scenarios::external_interface_recreated`]; host-gw
+/// and VXLAN).
+#[test]
+fn ebpf_a_recreated_external_interface_is_followed() {
+    require_root!();
+    for backend in ["host-gw", "vxlan"] {
+        let path = Path::of_backend(backend);
+        let p = move |_: usize, _: usize| path;
+        let spec = spec_on(EBPF, 2, Underlay::L2, backend, 1);
+        let name = format!("{backend}/l2, eth0 re-created");
+        with_cluster(&named(EBPF, &name), spec, |c| {
+            scenarios::external_interface_recreated(c, &p, 1)
+        });
+    }
+}
+
 /// Four nodes, kernel path on 1 and 3, fast path on 2 and 4: every pod reaches every pod,
 /// and bulk transfers cross between the two kinds in both directions (and between two of
 /// each kind). ipip is left out: it has no kernel path here.

@@ -23,7 +23,7 @@ use flannel_agent::bpf::{
     Attached, FastPath, Hook, LoadOptions, LocalConfig, NetdevAttach, Remote, Via, VxlanLocal,
 };
 use flannel_common::{
-    config::FASTPATH_MARK,
+    config::{CFG_IPIP_USER_RX, Config, FASTPATH_MARK},
     memo::learn_slot,
     pods::{PodPort, PortKey},
     stats::{Reason, ReasonKind},
@@ -3569,6 +3569,96 @@ fn port_links_follow_the_set_of_ports() {
             fp.detach_bridge().expect("detach");
             assert!(pinned().is_empty());
             assert!(ingress_ids("pa0").is_empty());
+        })
+        .expect("namespace");
+}
+
+/// The external interface under a new index (deleted and created again): `follow_netdev`
+/// points the configuration at it, keeping the rest of the entry, moves the TC programs and
+/// their pinned links there, and then has nothing more to do; with nothing configured it does
+/// nothing. `set_ipip_user_rx` changes only its flag, keeping the interface.
+#[test]
+fn the_fast_path_follows_the_external_interface_to_a_new_index() {
+    let Some(rig) = Rig::ext_only("fpfol") else {
+        return;
+    };
+    rig.sh("ip link add fx0 type veth peer name fx1");
+    rig.sh("ip link set fx0 up");
+    rig.sh("ip link set fx1 up");
+    let pin = rig.pin.clone();
+    rig.ns
+        .enter(move || {
+            let ext = nix::net::if_::if_nametoindex("ext0").expect("ext0");
+            let new = nix::net::if_::if_nametoindex("fx0").expect("fx0");
+            let tcx = |dev: &str, direction: aya::programs::TcAttachType| -> usize {
+                aya::programs::SchedClassifier::query_tcx(dev, direction)
+                    .expect("query tcx")
+                    .1
+                    .len()
+            };
+            let links = || -> Vec<String> {
+                let mut names: Vec<String> = std::fs::read_dir(pin.join("links"))
+                    .expect("links dir")
+                    .flatten()
+                    .filter_map(|e| e.file_name().into_string().ok())
+                    .collect();
+                names.sort();
+                names
+            };
+            let mut fp = FastPath::load(&pin).expect("load");
+            assert_eq!(fp.follow_netdev(new).expect("unconfigured"), None);
+            assert!(fp.attachments().is_empty(), "nothing attached unconfigured");
+            fp.set_config(&config(ext)).expect("config");
+            fp.attach_netdev(ext, false).expect("attach");
+            assert_eq!(fp.follow_netdev(ext).expect("in place"), None);
+            let before = fp.config_entry().expect("entry");
+
+            assert_eq!(fp.follow_netdev(new).expect("follow"), Some(ext));
+            assert_eq!(
+                fp.config_entry().expect("entry"),
+                Config {
+                    ext_ifindex: new,
+                    ..before
+                }
+            );
+            assert!(
+                !fp.config6_entry().expect("entry6").enabled(),
+                "the disabled IPv6 side stays disabled"
+            );
+            assert_eq!(
+                fp.attachments(),
+                vec![(Hook::FromNetdev, new), (Hook::ToNetdev, new)]
+            );
+            use aya::programs::TcAttachType::{Egress, Ingress};
+            assert_eq!((tcx("fx0", Ingress), tcx("fx0", Egress)), (1, 1));
+            assert_eq!((tcx("ext0", Ingress), tcx("ext0", Egress)), (0, 0));
+            assert_eq!(
+                links(),
+                vec![
+                    format!("tc_from_netdev-{new}"),
+                    format!("tc_to_netdev-{new}")
+                ]
+            );
+            assert_eq!(fp.follow_netdev(new).expect("again"), None);
+
+            fp.set_ipip_user_rx(true).expect("on");
+            let on = fp.config_entry().expect("entry");
+            assert_eq!(
+                on,
+                Config {
+                    flags: before.flags | CFG_IPIP_USER_RX,
+                    ext_ifindex: new,
+                    ..before
+                }
+            );
+            fp.set_ipip_user_rx(false).expect("off");
+            assert_eq!(
+                fp.config_entry().expect("entry"),
+                Config {
+                    ext_ifindex: new,
+                    ..before
+                }
+            );
         })
         .expect("namespace");
 }

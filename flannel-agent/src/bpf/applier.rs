@@ -136,6 +136,25 @@ impl BpfApplier {
             report.fail("bpf:lock", "the fast-path handle is poisoned");
             return report;
         };
+        // The reconciler follows the external interface to a new index (deleted and created
+        // again); the programs go with it.
+        let ext = &local.ext;
+        match fp.follow_netdev(ext.index) {
+            Ok(None) => {}
+            Ok(Some(old)) => tracing::warn!(
+                iface = %ext.name,
+                old,
+                new = ext.index,
+                "the external interface was re-created; fast path following it"
+            ),
+            Err(err) => report.fail(
+                "bpf:attach",
+                format!(
+                    "moving the fast path to the external interface {} (index {}): {err}",
+                    ext.name, ext.index
+                ),
+            ),
+        }
         if self.sync_family(
             &mut report,
             mode,

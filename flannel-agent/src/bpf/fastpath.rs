@@ -1110,7 +1110,8 @@ impl FastPath {
         BpfHashMap::try_from(map).map_err(|e| BpfError::map(names::NODES4, e))
     }
 
-    fn array_mut(&mut self) -> Result<Array<&mut MapData, Config>, BpfError> {
+    /// The configuration map, to write.
+    pub(super) fn array_mut(&mut self) -> Result<Array<&mut MapData, Config>, BpfError> {
         let map = self
             .ebpf
             .map_mut(names::CONFIG)

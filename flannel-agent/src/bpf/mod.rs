@@ -54,6 +54,7 @@
 //! | [`fastpath`] | [`FastPath`]: load, config, sync, attach/detach, counters |
 //! | [`handover`] | the way back: the fast path's connections entered into conntrack before detaching |
 //! | [`config`] | [`LocalConfig`] |
+//! | [`netdev`] | following the external interface to a new index; configuration flags |
 //! | [`nat`] | masquerade in eBPF: [`NatSettings`], map sizing, flows read-out, sweep |
 //! | [`remote`] | [`Remote`] / [`Via`] and the diff behind `sync` |
 //! | [`seed`] | open NATed connections (from conntrack) written into the flow tables before attaching |
@@ -77,6 +78,7 @@ pub mod fastpath;
 pub mod handover;
 pub mod held;
 pub mod nat;
+pub mod netdev;
 pub mod pins;
 pub mod ports;
 pub mod probe;

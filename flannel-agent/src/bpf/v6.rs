@@ -214,6 +214,12 @@ impl FastPath {
             Some(config) => config.to_entry()?,
             None => Config6::default(),
         };
+        self.write_config6(entry)?;
+        self.retire_memos()
+    }
+
+    /// Writes `entry` as the IPv6 configuration (no checks; the memos stay).
+    pub(super) fn write_config6(&mut self, entry: Config6) -> Result<(), BpfError> {
         let map = self
             .ebpf_mut()
             .map_mut(CONFIG6)
@@ -222,8 +228,7 @@ impl FastPath {
             Array::try_from(map).map_err(|e| BpfError::map(CONFIG6, e))?;
         array
             .set(0, entry, 0)
-            .map_err(|e| BpfError::map(CONFIG6, e))?;
-        self.retire_memos()
+            .map_err(|e| BpfError::map(CONFIG6, e))
     }
 
     /// The IPv6 configuration entry as the programs see it.

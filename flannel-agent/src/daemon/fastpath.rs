@@ -147,13 +147,12 @@ pub fn ipip_receiver(
 pub async fn run_ipip_receiver(
     fast_path: SharedFastPath,
     receiver: crate::ipip_rx::Receiver,
-    local: &Local,
     hold: Duration,
     gauge: Gauge,
     cancel: CancellationToken,
 ) {
     let switch = |on: bool| {
-        if !set_ipip_user_rx(&fast_path, local, on) {
+        if !set_ipip_user_rx(&fast_path, on) {
             return false;
         }
         gauge.set(i64::from(on));
@@ -173,15 +172,11 @@ pub async fn run_ipip_receiver(
     }
 }
 
-/// Writes the IPv4 configuration with `CFG_IPIP_USER_RX` set or not; whether it was written
-/// (a failure is logged).
-fn set_ipip_user_rx(fast_path: &SharedFastPath, local: &Local, on: bool) -> bool {
-    let config = match local_configs(local, on) {
-        Ok((Some(config), _)) => config,
-        _ => return false,
-    };
+/// Sets `CFG_IPIP_USER_RX` in the IPv4 configuration as it is (the external interface may
+/// have moved since the start); whether it was written (a failure is logged).
+fn set_ipip_user_rx(fast_path: &SharedFastPath, on: bool) -> bool {
     let written = match fast_path.lock() {
-        Ok(mut fp) => fp.set_config(&config).map_err(|e| e.to_string()),
+        Ok(mut fp) => fp.set_ipip_user_rx(on).map_err(|e| e.to_string()),
         Err(_) => Err("fast-path handle poisoned".to_owned()),
     };
     if let Err(e) = &written {
@@ -211,7 +206,7 @@ pub fn configure(
 ) -> Result<(), DaemonError> {
     let fail =
         |what: &str, err: bpf::BpfError| DaemonError::FastPathUnavailable(format!("{what}: {err}"));
-    let (config, config6) = local_configs(local, false)?;
+    let (config, config6) = local_configs(local)?;
     let udp = match &local.backend {
         BackendOptions::Udp(o) => {
             let iface_addr = local.ext.iface_addr.ok_or_else(|| {
@@ -257,11 +252,9 @@ pub fn configure(
 
 /// The IPv4 and IPv6 configurations for `local`: each family's when it is enabled (IPv4
 /// needs a public IPv4, a lease and `Network`; IPv6 a public IPv6, an IPv6 lease and
-/// `IPv6Network`). At least one is required. `ipip_user_rx`: IPIP inner fragments go to the
-/// agent's IPIP socket ([`run_ipip_receiver`]).
+/// `IPv6Network`). At least one is required.
 fn local_configs(
     local: &Local,
-    ipip_user_rx: bool,
 ) -> Result<(Option<LocalConfig>, Option<LocalConfig6>), DaemonError> {
     let vxlan = |mac: Option<crate::backend::MacAddr>| match (&local.backend, mac) {
         (BackendOptions::Vxlan(o), Some(mac)) => Some(VxlanLocal {
@@ -280,7 +273,6 @@ fn local_configs(
         (Some(public_ip), Some(subnet), Some(network), true) => {
             let mut config = LocalConfig::new(public_ip, local.ext.index, subnet, network);
             config.vxlan = vxlan(local.vtep_macs.v4);
-            config.ipip_user_rx = ipip_user_rx;
             Some(config)
         }
         (_, _, _, true) => {

@@ -335,9 +335,7 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     }
     // Reassembled IPIP packets, where no kernel IPIP device takes them.
     let ipip_receiver = match active.fast_path() {
-        Some(fp) if local.ipip_via_ebpf => {
-            fastpath::ipip_receiver(fp, &local, &metrics).map(|r| (r, local.clone()))
-        }
+        Some(fp) if local.ipip_via_ebpf => fastpath::ipip_receiver(fp, &local, &metrics),
         _ => None,
     };
     if let Some(fp) = active.fast_path()
@@ -515,12 +513,12 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
             Ok(None)
         });
     }
-    if let (Some((receiver, local)), Some(fp)) = (ipip_receiver, active.fast_path().cloned()) {
+    if let (Some(receiver), Some(fp)) = (ipip_receiver, active.fast_path().cloned()) {
         let cancel = cancel.clone();
         let hold = Duration::from_secs(cli.ebpf_ipip_reassembly_hold);
         let gauge = metrics.ipip_inner_fragments_to_agent.clone();
         tasks.spawn(async move {
-            fastpath::run_ipip_receiver(fp, receiver, &local, hold, gauge, cancel).await;
+            fastpath::run_ipip_receiver(fp, receiver, hold, gauge, cancel).await;
             Ok(None)
         });
     }
