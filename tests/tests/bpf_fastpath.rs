@@ -20,7 +20,8 @@ use std::{
 
 use aya::{TestRun as _, TestRunOptions};
 use flannel_agent::bpf::{
-    Attached, FastPath, Hook, LoadOptions, LocalConfig, NetdevAttach, Remote, Via, VxlanLocal,
+    Attached, FastPath, Hook, LoadOptions, LocalConfig, LocalConfig6, NetdevAttach, Remote, Via,
+    VxlanLocal,
 };
 use flannel_common::{
     config::{CFG_IPIP_USER_RX, Config, FASTPATH_MARK},
@@ -3658,6 +3659,32 @@ fn the_fast_path_follows_the_external_interface_to_a_new_index() {
                     ext_ifindex: new,
                     ..before
                 }
+            );
+
+            // IPv6-only: the IPv6 entry names the interface, and moves with it.
+            fp.disable_ipv4().expect("IPv4 off");
+            let v6 = LocalConfig6 {
+                source_ports: (32768, 60999),
+                hop_limit: 64,
+                ..LocalConfig6::new(
+                    "fd00:77::1".parse().expect("address"),
+                    new,
+                    "fd00:10:244:1::/64".parse().expect("subnet"),
+                    "fd00:10:244::/48".parse().expect("network"),
+                )
+            };
+            fp.set_config6(Some(&v6)).expect("IPv6 config");
+            let before6 = fp.config6_entry().expect("entry6");
+            assert_eq!(fp.follow_netdev(ext).expect("back to ext0"), Some(new));
+            let after6 = fp.config6_entry().expect("entry6");
+            assert_eq!((after6.ext_ifindex, after6.flags), (ext, before6.flags));
+            assert!(
+                !fp.config_entry().expect("entry").enabled(),
+                "IPv4 stays off"
+            );
+            assert_eq!(
+                fp.attachments(),
+                vec![(Hook::FromNetdev, ext), (Hook::ToNetdev, ext)]
             );
         })
         .expect("namespace");
