@@ -1502,6 +1502,23 @@ fn ebpf_a_recreated_external_interface_is_followed() {
     }
 }
 
+/// `eth0` set down and up again under a running agent: the kernel entries and route map
+/// entries of host-gw peers, gone while it was down, are back within seconds of it coming up
+/// ([`scenarios::external_interface_down_and_up`]; host-gw and VXLAN).
+#[test]
+fn ebpf_an_external_interface_going_down_and_up_is_ridden_out() {
+    require_root!();
+    for backend in ["host-gw", "vxlan"] {
+        let path = Path::of_backend(backend);
+        let p = move |_: usize, _: usize| path;
+        let spec = spec_on(EBPF, 2, Underlay::L2, backend, 1);
+        let name = format!("{backend}/l2, eth0 down and up");
+        with_cluster(&named(EBPF, &name), spec, |c| {
+            scenarios::external_interface_down_and_up(c, &p, 1)
+        });
+    }
+}
+
 /// Four nodes, kernel path on 1 and 3, fast path on 2 and 4: every pod reaches every pod,
 /// and bulk transfers cross between the two kinds in both directions (and between two of
 /// each kind). ipip is left out: it has no kernel path here.

@@ -65,6 +65,22 @@ fn a_recreated_external_interface_is_followed() {
     }
 }
 
+/// `eth0` set down and up again under a running agent: the host-gw routes the kernel flushed
+/// with it are back within seconds of it coming up, not at the next resync
+/// ([`scenarios::external_interface_down_and_up`]; host-gw and VXLAN).
+#[test]
+fn an_external_interface_going_down_and_up_is_ridden_out() {
+    require_root!();
+    for backend in ["host-gw", "vxlan"] {
+        let path = Path::of_backend(backend);
+        let p = move |_: usize, _: usize| path;
+        let name = format!("{backend}/l2, eth0 down and up");
+        with_cluster(&name, spec(2, Underlay::L2, backend, 1), |c| {
+            scenarios::external_interface_down_and_up(c, &p, 1)
+        });
+    }
+}
+
 /// etcd is killed for 30 s: traffic keeps flowing, the agents stay up and healthy, and
 /// recover their watches afterwards.
 #[test]

@@ -281,8 +281,9 @@ impl Reconciler {
         }
     }
 
-    /// Whether a link event calls for a reconcile: one of our devices or the external
-    /// interface went away, appeared under a new index, or events were lost.
+    /// Whether a link event calls for a reconcile: one of our devices went away or appeared
+    /// under a new index, the external interface changed at all (re-created; set down, which
+    /// flushes every route through it, or up again), or events were lost.
     fn concerns(&self, event: &LinkEvent) -> bool {
         let ours = |name: &str| self.device_names().iter().any(|n| n == name);
         match event {
@@ -291,7 +292,7 @@ impl Reconciler {
                 if ours(name) {
                     self.local.devices.by_name(name).map(|d| d.index) != Some(*index)
                 } else {
-                    *name == self.local.ext.name && *index != self.local.ext.index
+                    *name == self.local.ext.name
                 }
             }
             LinkEvent::Overrun => true,

@@ -746,6 +746,48 @@ pub fn node_leaves(cluster: &mut Cluster, path: PathFn<'_>, gone: usize) -> Resu
 /// periodic resync fails.
 const FOLLOW: Duration = Duration::from_secs(10);
 
+/// Node `n`'s `eth0` set down and up again under its running agent (`ifdown`/`ifup`, a
+/// network manager restarting it): the kernel flushes every route through it while it is
+/// down, the agent's included, and puts back only its own prefix routes. Within [`FOLLOW`]
+/// of it coming up node `n` holds every kernel entry again (a fast-path node its route map
+/// entries too), and every pod reaches every pod through `path`, both ways across node `n`.
+pub fn external_interface_down_and_up(
+    cluster: &mut Cluster,
+    path: PathFn<'_>,
+    n: usize,
+) -> Result<()> {
+    converged(cluster, path)?;
+    let leases: Vec<_> = leases_by_node(cluster)?.into_values().collect();
+    let path_to = |l: &LeaseRecord| path_to_lease(cluster, path, n, l);
+    let want = expected_state(cluster, n, &leases, path_to);
+    let routes = on_fast_path(cluster, n).then(|| expected_routes(cluster, n, &leases, path_to));
+    let node = cluster.topology().node(n);
+    node.run(&["ip", "link", "set", "eth0", "down"])?;
+    // Long enough for the agent to look while it is down.
+    thread::sleep(Duration::from_millis(500));
+    node.run(&["ip", "link", "set", "eth0", "up"])?;
+    wait::until_ok(
+        FOLLOW,
+        &format!("node{n}'s entries after eth0 came up"),
+        || {
+            let got = cluster.kernel_state(n)?;
+            ensure!(got == want, "node{n} holds\n{got}but should hold\n{want}");
+            if let Some(routes) = &routes {
+                let map = fastpath::routes(node.bpf_pin_path())?;
+                ensure!(
+                    &map == routes,
+                    "node{n}'s route map holds\n{}but should hold\n{}",
+                    routes_text(&map),
+                    routes_text(routes)
+                );
+            }
+            Ok(())
+        },
+    )?;
+    let others: Vec<usize> = all_nodes(cluster).into_iter().filter(|&m| m != n).collect();
+    reachable_everywhere(cluster, path, &[(n, others[0]), (others[0], n)])
+}
+
 /// Node `n`'s `eth0` deleted and created again under its running agent (a network manager
 /// re-creating a bond or VLAN): a new index, and its address a moment after the link (the
 /// agent's first look finds the host-gw peers unreachable). Within [`FOLLOW`] node `n`
