@@ -65,6 +65,21 @@ fn a_recreated_external_interface_is_followed() {
     }
 }
 
+/// The agent's routes, neighbours and FDB entries deleted by hand: back within seconds, not
+/// at the next resync ([`scenarios::entries_deleted_by_hand_come_back`]; host-gw and VXLAN).
+#[test]
+fn entries_deleted_by_hand_come_back() {
+    require_root!();
+    for backend in ["host-gw", "vxlan"] {
+        let path = Path::of_backend(backend);
+        let p = move |_: usize, _: usize| path;
+        let name = format!("{backend}/l2, entries deleted by hand");
+        with_cluster(&name, spec(2, Underlay::L2, backend, 1), |c| {
+            scenarios::entries_deleted_by_hand_come_back(c, &p, 1)
+        });
+    }
+}
+
 /// `eth0` set down and up again under a running agent: the host-gw routes the kernel flushed
 /// with it are back within seconds of it coming up, not at the next resync
 /// ([`scenarios::external_interface_down_and_up`]; host-gw and VXLAN).

@@ -463,7 +463,7 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         });
     }
     {
-        let links = nl.link_events()?;
+        let links = nl.dataplane_events()?;
         let shutdown = cancel.clone().cancelled_owned();
         let snapshots = snapshots.clone();
         tasks.spawn(async move {

@@ -28,7 +28,7 @@ use tokio::{
 use crate::{
     backend::BackendOptions,
     cli::Cli,
-    netlink::{IpFamily, LinkEvent, Netlink},
+    netlink::{IpFamily, LinkEvent, Netlink, RTPROT_FLANNEL},
     subnet::LeaseSnapshot,
 };
 
@@ -281,9 +281,12 @@ impl Reconciler {
         }
     }
 
-    /// Whether a link event calls for a reconcile: one of our devices went away or appeared
-    /// under a new index, the external interface changed at all (re-created; set down, which
-    /// flushes every route through it, or up again), or events were lost.
+    /// Whether an event calls for a reconcile: one of our devices went away or appeared under
+    /// a new index, the external interface changed at all (re-created; set down, which
+    /// flushes every route through it, or up again), one of our routes (protocol
+    /// [`RTPROT_FLANNEL`]) or a neighbour or FDB entry on one of our devices was removed
+    /// (by hand; our own deletions bring one reconcile more, which finds nothing to do), or
+    /// events were lost.
     fn concerns(&self, event: &LinkEvent) -> bool {
         let ours = |name: &str| self.device_names().iter().any(|n| n == name);
         match event {
@@ -294,6 +297,10 @@ impl Reconciler {
                 } else {
                     *name == self.local.ext.name
                 }
+            }
+            LinkEvent::RouteRemoved { protocol } => *protocol == RTPROT_FLANNEL,
+            LinkEvent::NeighbourRemoved { index } => {
+                self.local.devices.all().any(|d| d.index == *index)
             }
             LinkEvent::Overrun => true,
         }
@@ -583,10 +590,20 @@ impl Reconciler {
                 event = links.next(), if links_open => match event {
                     Some(event) => {
                         if self.concerns(&event) {
-                            tracing::info!(?event, "link change concerns the dataplane");
                             pending = true;
-                            // A device change is worth an immediate attempt, back-off or not.
-                            retry_at = None;
+                            if matches!(
+                                event,
+                                LinkEvent::RouteRemoved { .. } | LinkEvent::NeighbourRemoved { .. }
+                            ) {
+                                // Within the back-off: a failing reconcile's own deletions
+                                // must not make it retry at once.
+                                tracing::debug!(?event, "an entry of the dataplane was removed");
+                            } else {
+                                tracing::info!(?event, "link change concerns the dataplane");
+                                // A device change is worth an immediate attempt, back-off or
+                                // not.
+                                retry_at = None;
+                            }
                         }
                     }
                     None => {

@@ -1,5 +1,8 @@
 //! Link notifications (`RTNLGRP_LINK`): a [`Stream`] of [`LinkEvent`]s, so the agent notices
-//! when `flannel.1` is deleted under it and recreates it (upstream 2.1, "Runtime watcher").
+//! when `flannel.1` is deleted under it and recreates it (upstream 2.1, "Runtime watcher");
+//! with the deletions of routes and neighbours for the reconciler, so that one of its routes,
+//! neighbours or FDB entries deleted by hand (or flushed with an interface set down) comes back
+//! at once rather than at the next resync.
 //! Bridge FDB notifications (`RTNLGRP_NEIGH`): [`FdbEvent`]s, so the fast path learns which
 //! bridge port each local pod sits behind.
 
@@ -26,11 +29,15 @@ use super::{NetlinkError, Unsolicited, links::link_from_message, open_socket};
 const RTNLGRP_LINK: u32 = 1;
 /// `RTNLGRP_NEIGH`: ARP/NDP neighbours and bridge FDB entries.
 const RTNLGRP_NEIGH: u32 = 3;
+/// `RTNLGRP_IPV4_ROUTE`.
+const RTNLGRP_IPV4_ROUTE: u32 = 7;
+/// `RTNLGRP_IPV6_ROUTE`.
+const RTNLGRP_IPV6_ROUTE: u32 = 11;
 
-/// Opens a listening socket in the calling thread's network namespace joined to multicast
-/// `group`, its connection running on the current tokio runtime.
-fn join_group(
-    group: u32,
+/// Opens a listening socket in the calling thread's network namespace joined to the multicast
+/// `groups`, its connection running on the current tokio runtime.
+fn join_groups(
+    groups: &[u32],
     what: &'static str,
 ) -> Result<(Unsolicited, tokio::task::JoinHandle<()>), NetlinkError> {
     let runtime = tokio::runtime::Handle::try_current()
@@ -40,7 +47,10 @@ fn join_group(
         .conn
         .socket_mut()
         .socket_mut()
-        .bind(&SocketAddr::new(0, 1 << (group - 1)))
+        .bind(&SocketAddr::new(
+            0,
+            groups.iter().fold(0, |mask, group| mask | 1 << (group - 1)),
+        ))
         .map_err(|e| NetlinkError::socket(what, Some(e)))?;
     // The request handle is dropped: this socket only listens. The connection keeps running
     // as long as the unsolicited messages' receiver is alive.
@@ -64,6 +74,20 @@ pub enum LinkEvent {
         index: u32,
         /// Interface name.
         name: String,
+    },
+    /// `RTM_DELROUTE` (only from [`Netlink::dataplane_events`](super::Netlink::dataplane_events)):
+    /// a route with routing protocol `protocol` was removed, by hand or flushed with its
+    /// interface.
+    RouteRemoved {
+        /// `rtm_protocol`.
+        protocol: u8,
+    },
+    /// `RTM_DELNEIGH` (only from
+    /// [`Netlink::dataplane_events`](super::Netlink::dataplane_events)): a neighbour or FDB
+    /// entry on interface `index` was removed.
+    NeighbourRemoved {
+        /// Its interface.
+        index: u32,
     },
     /// Notifications were lost (the socket's buffer overflowed): re-list the links.
     Overrun,
@@ -96,13 +120,13 @@ impl<E> Drop for Events<E> {
 }
 
 impl<E> Events<E> {
-    /// Joins `group` (`what` names it in errors); must run inside a tokio runtime.
+    /// Joins `groups` (`what` names them in errors); must run inside a tokio runtime.
     fn subscribe(
-        group: u32,
+        groups: &[u32],
         what: &'static str,
         decode: fn(NetlinkMessage<RouteNetlinkMessage>) -> Option<E>,
     ) -> Result<Self, NetlinkError> {
-        let (messages, task) = join_group(group, what)?;
+        let (messages, task) = join_groups(groups, what)?;
         Ok(Self {
             messages,
             task,
@@ -154,6 +178,26 @@ fn event(message: NetlinkMessage<RouteNetlinkMessage>) -> Option<LinkEvent> {
     }
 }
 
+/// [`event`], and the deletions of routes and neighbours.
+fn dataplane_event(message: NetlinkMessage<RouteNetlinkMessage>) -> Option<LinkEvent> {
+    match &message.payload {
+        NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelRoute(m)) => {
+            Some(LinkEvent::RouteRemoved {
+                protocol: u8::from(m.header.protocol),
+            })
+        }
+        NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelNeighbour(m)) => {
+            Some(LinkEvent::NeighbourRemoved {
+                index: m.header.ifindex,
+            })
+        }
+        NetlinkPayload::InnerMessage(
+            RouteNetlinkMessage::NewRoute(_) | RouteNetlinkMessage::NewNeighbour(_),
+        ) => None,
+        _ => event(message),
+    }
+}
+
 /// A change to a bridge's forwarding database (`RTNLGRP_NEIGH`, bridge family).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FdbEvent {
@@ -195,19 +239,37 @@ fn fdb_event(message: NetlinkMessage<RouteNetlinkMessage>) -> Option<FdbEvent> {
 impl super::Netlink {
     /// Subscribes to link added/removed notifications.
     pub fn link_events(&self) -> Result<LinkEvents, NetlinkError> {
-        Events::subscribe(RTNLGRP_LINK, "join RTNLGRP_LINK", event)
+        Events::subscribe(&[RTNLGRP_LINK], "join RTNLGRP_LINK", event)
+    }
+
+    /// Subscribes to what the dataplane reconciler watches: links added and removed, and
+    /// routes and neighbours (FDB entries included) removed.
+    pub fn dataplane_events(&self) -> Result<LinkEvents, NetlinkError> {
+        Events::subscribe(
+            &[
+                RTNLGRP_LINK,
+                RTNLGRP_NEIGH,
+                RTNLGRP_IPV4_ROUTE,
+                RTNLGRP_IPV6_ROUTE,
+            ],
+            "join the link, neighbour and route groups",
+            dataplane_event,
+        )
     }
 
     /// Subscribes to bridge FDB notifications (neighbour notifications of the bridge
     /// family).
     pub fn fdb_events(&self) -> Result<FdbEvents, NetlinkError> {
-        Events::subscribe(RTNLGRP_NEIGH, "join RTNLGRP_NEIGH", fdb_event)
+        Events::subscribe(&[RTNLGRP_NEIGH], "join RTNLGRP_NEIGH", fdb_event)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use rtnetlink::packet_route::link::LinkAttribute;
+    use rtnetlink::packet_route::{
+        link::LinkAttribute,
+        route::{RouteMessage, RouteProtocol},
+    };
 
     use super::*;
 
@@ -265,6 +327,42 @@ mod tests {
         m.header.family = AddressFamily::Inet;
         let arp = NetlinkMessage::from(RouteNetlinkMessage::NewNeighbour(m));
         assert_eq!(fdb_event(arp), None, "ARP entries are not FDB changes");
+    }
+
+    #[test]
+    fn the_reconcilers_stream_reports_removed_routes_and_neighbours() {
+        let mut route = RouteMessage::default();
+        route.header.protocol = RouteProtocol::from(165);
+        let del = NetlinkMessage::from(RouteNetlinkMessage::DelRoute(route.clone()));
+        assert_eq!(
+            dataplane_event(del),
+            Some(LinkEvent::RouteRemoved { protocol: 165 })
+        );
+        let new = NetlinkMessage::from(RouteNetlinkMessage::NewRoute(route));
+        assert_eq!(dataplane_event(new), None, "added routes are not watched");
+        let mut neighbour = NeighbourMessage::default();
+        neighbour.header.ifindex = 4;
+        let del = NetlinkMessage::from(RouteNetlinkMessage::DelNeighbour(neighbour.clone()));
+        assert_eq!(
+            dataplane_event(del),
+            Some(LinkEvent::NeighbourRemoved { index: 4 })
+        );
+        let new = NetlinkMessage::from(RouteNetlinkMessage::NewNeighbour(neighbour));
+        assert_eq!(
+            dataplane_event(new),
+            None,
+            "added neighbours are not watched"
+        );
+        let link = NetlinkMessage::from(RouteNetlinkMessage::DelLink(link_message(
+            AddressFamily::Unspec,
+        )));
+        assert_eq!(
+            dataplane_event(link),
+            Some(LinkEvent::Removed {
+                index: 9,
+                name: "flannel.1".into()
+            })
+        );
     }
 
     #[test]

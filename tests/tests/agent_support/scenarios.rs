@@ -746,6 +746,42 @@ pub fn node_leaves(cluster: &mut Cluster, path: PathFn<'_>, gone: usize) -> Resu
 /// periodic resync fails.
 const FOLLOW: Duration = Duration::from_secs(10);
 
+/// Every route, neighbour and FDB entry of node `n`'s agent deleted by hand (`ip route flush
+/// proto 165`, `ip neigh del`, `bridge fdb del`): within [`FOLLOW`], well before the next
+/// resync, node `n` holds them all again, and every pod reaches every pod through `path`.
+pub fn entries_deleted_by_hand_come_back(
+    cluster: &mut Cluster,
+    path: PathFn<'_>,
+    n: usize,
+) -> Result<()> {
+    converged(cluster, path)?;
+    let leases: Vec<_> = leases_by_node(cluster)?.into_values().collect();
+    let path_to = |l: &LeaseRecord| path_to_lease(cluster, path, n, l);
+    let want = expected_state(cluster, n, &leases, path_to);
+    ensure!(!want.routes.is_empty(), "node{n} has no route to delete");
+    let node = cluster.topology().node(n);
+    node.run(&["ip", "route", "flush", "proto", "165"])?;
+    for line in &want.neighbours {
+        // `<ip> lladdr <mac> dev <dev>`
+        let words: Vec<&str> = line.split_whitespace().collect();
+        node.run(&["ip", "neigh", "del", words[0], "dev", words[4]])?;
+    }
+    for line in &want.fdb {
+        // `<mac> dev <dev> dst <ip>`
+        let words: Vec<&str> = line.split_whitespace().collect();
+        node.run(&[
+            "bridge", "fdb", "del", words[0], "dev", words[2], "dst", words[4],
+        ])?;
+    }
+    wait::until_ok(FOLLOW, &format!("node{n}'s entries back"), || {
+        let got = cluster.kernel_state(n)?;
+        ensure!(got == want, "node{n} holds\n{got}but should hold\n{want}");
+        Ok(())
+    })?;
+    let others: Vec<usize> = all_nodes(cluster).into_iter().filter(|&m| m != n).collect();
+    reachable_everywhere(cluster, path, &[(n, others[0]), (others[0], n)])
+}
+
 /// Node `n`'s `eth0` set down and up again under its running agent (`ifdown`/`ifup`, a
 /// network manager restarting it): the kernel flushes every route through it while it is
 /// down, the agent's included, and puts back only its own prefix routes. Within [`FOLLOW`]
