@@ -2,7 +2,10 @@
 //! (`BPF_MAP_LOOKUP_BATCH`, `BPF_MAP_UPDATE_BATCH`, Linux 5.6): one syscall per few thousand
 //! entries instead of one per key (`BPF_MAP_GET_NEXT_KEY`, `BPF_MAP_UPDATE_ELEM`, what aya's
 //! maps do), which is most of what a read of conntrack into large flow tables costs
-//! ([`super::seed`]). aya 0.14 has no batch API, so these are the syscalls themselves.
+//! ([`super::seed`]). aya 0.14 has no batch API, so these are the syscalls themselves. Every
+//! kernel the fast path loads on (>= 5.15) has them for hash and LRU hash maps, the only maps
+//! they are used on: there is no one-entry-at-a-time fallback, and a kernel or map without
+//! them is an error ([`io::ErrorKind::Unsupported`]).
 
 use std::{
     io,
@@ -43,25 +46,23 @@ struct BatchAttr {
 }
 
 /// Every key of the map `map` (a hash map, or any map the kernel's batch lookup serves), whose
-/// keys are `K` and values `value_size` bytes, read in batches. `Ok(None)` when the kernel or
-/// the map type has no batch lookup (the caller walks the keys one by one instead).
-pub fn keys<K: aya::Pod>(map: &MapData, value_size: usize) -> io::Result<Option<Vec<K>>> {
+/// keys are `K` and values `value_size` bytes, read in batches.
+pub fn keys<K: aya::Pod>(map: &MapData, value_size: usize) -> io::Result<Vec<K>> {
     let mut out = Vec::new();
-    let read = lookup_all(map, size_of::<K>(), value_size, |keys, _| {
+    lookup_all(map, size_of::<K>(), value_size, |keys, _| {
         out.extend(keys.map(read_pod::<K>));
         Ok(())
     })?;
-    Ok(read.then_some(out))
+    Ok(out)
 }
 
 /// Calls `each` with every batch of entries of the map `map` (keys `K`, values `V`), read as
 /// [`keys`] does, holding one batch at a time; the first error `each` returns ends the read
-/// and is returned. `Ok(false)` when the kernel or the map type has no batch lookup (nothing
-/// was read).
+/// and is returned.
 pub fn for_each_batch<K: aya::Pod, V: aya::Pod>(
     map: &MapData,
     mut each: impl FnMut(Vec<(K, V)>) -> io::Result<()>,
-) -> io::Result<bool> {
+) -> io::Result<()> {
     lookup_all(map, size_of::<K>(), size_of::<V>(), |keys, values| {
         each(
             keys.map(read_pod::<K>)
@@ -82,8 +83,7 @@ fn read_pod<T: aya::Pod>(bytes: &[u8]) -> T {
 
 /// Reads every entry of the map `map` (keys `key_size` bytes, values `value_size`) with
 /// `BPF_MAP_LOOKUP_BATCH`, calling `each` with the bytes of each batch's keys and values (one
-/// item per entry); an error of `each` ends the read. `Ok(false)` when the kernel or the map
-/// type has no batch lookup (nothing was read).
+/// item per entry); an error of `each` ends the read.
 fn lookup_all(
     map: &MapData,
     key_size: usize,
@@ -92,7 +92,7 @@ fn lookup_all(
         std::slice::ChunksExact<'_, u8>,
         std::slice::ChunksExact<'_, u8>,
     ) -> io::Result<()>,
-) -> io::Result<bool> {
+) -> io::Result<()> {
     let fd = map.fd().as_fd().as_raw_fd();
     let value_size = value_size.max(1);
     let mut key_buf = vec![0u8; BATCH * key_size];
@@ -125,29 +125,23 @@ fn lookup_all(
         }
         match err {
             // (A kernel that found nothing more says ENOENT; an empty batch ends it too.)
-            None if filled == 0 => return Ok(true),
+            None if filled == 0 => return Ok(()),
             None => first = false,
-            Some(e) => {
-                return match e.raw_os_error() {
-                    Some(libc::ENOENT) => Ok(true),
-                    Some(libc::EINVAL | ENOTSUPP | libc::EOPNOTSUPP) if first => Ok(false),
-                    _ => Err(e),
-                };
-            }
+            Some(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(()),
+            Some(e) => return Err(if first { unsupported(e, "lookup") } else { e }),
         }
     }
 }
 
 /// Writes `values[i]` under `keys[i]` into the map `map` (whose keys are `K` and values `V`)
-/// with `flags` (`BPF_ANY`, ...), a few thousand entries a syscall. `Ok(false)` when the kernel
-/// or the map type has no batch update (nothing was written: the caller writes one by one);
-/// an error after some were written is returned as is.
+/// with `flags` (`BPF_ANY`, ...), a few thousand entries a syscall. An error after some were
+/// written is returned as is.
 pub fn update<K: aya::Pod, V: aya::Pod>(
     map: &MapData,
     keys: &[K],
     values: &[V],
     flags: u64,
-) -> io::Result<bool> {
+) -> io::Result<()> {
     if keys.len() != values.len() {
         return Err(io::Error::from(io::ErrorKind::InvalidInput));
     }
@@ -164,11 +158,24 @@ pub fn update<K: aya::Pod, V: aya::Pod>(
         // SAFETY: `attr` describes `count` keys and values of this map's sizes, alive for the
         // call; the kernel only reads them.
         if let Err(e) = unsafe { bpf(BPF_MAP_UPDATE_BATCH, &mut attr) } {
-            return match e.raw_os_error() {
-                Some(libc::EINVAL | ENOTSUPP | libc::EOPNOTSUPP) if first == 0 => Ok(false),
-                _ => Err(e),
-            };
+            return Err(if first == 0 {
+                unsupported(e, "update")
+            } else {
+                e
+            });
         }
     }
-    Ok(true)
+    Ok(())
+}
+
+/// The error of a first batch call: [`io::ErrorKind::Unsupported`] when it says the kernel
+/// or the map type has no batch `op` (`EINVAL`, `ENOTSUPP`, `EOPNOTSUPP`), as is otherwise.
+fn unsupported(e: io::Error, op: &str) -> io::Error {
+    match e.raw_os_error() {
+        Some(libc::EINVAL | ENOTSUPP | libc::EOPNOTSUPP) => io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("no batch {op} for this map (hash maps have it from Linux 5.6): {e}"),
+        ),
+        _ => e,
+    }
 }

@@ -646,22 +646,20 @@ fn carry<V: Stamped>(
     new: &aya::maps::Map,
     how: Carry,
 ) -> Result<usize, aya::maps::MapError> {
-    let unsupported = || {
-        std::io::Error::new(
-            std::io::ErrorKind::Unsupported,
-            "no batch operations for the NAT maps",
-        )
-    };
     let (
         aya::maps::Map::LruHashMap(old_data) | aya::maps::Map::HashMap(old_data),
         aya::maps::Map::LruHashMap(new_data) | aya::maps::Map::HashMap(new_data),
     ) = (old, new)
     else {
-        return Err(unsupported().into());
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "the NAT maps are not hash maps",
+        )
+        .into());
     };
     let current: BpfHashMap<&MapData, NatKey, V> = BpfHashMap::try_from(new)?;
     let mut carried = 0;
-    let read = super::batch::for_each_batch::<NatKey, V>(old_data, |entries| {
+    super::batch::for_each_batch::<NatKey, V>(old_data, |entries| {
         let (keys, values): (Vec<NatKey>, Vec<V>) = entries
             .into_iter()
             .filter(|(key, value)| how.wants(value, || current.get(key, 0).ok()))
@@ -669,15 +667,10 @@ fn carry<V: Stamped>(
         if keys.is_empty() {
             return Ok(());
         }
-        if !super::batch::update(new_data, &keys, &values, BPF_ANY)? {
-            return Err(unsupported());
-        }
+        super::batch::update(new_data, &keys, &values, BPF_ANY)?;
         carried += keys.len();
         Ok(())
     })?;
-    if !read {
-        return Err(unsupported().into());
-    }
     Ok(carried)
 }
 

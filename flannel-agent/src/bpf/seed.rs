@@ -539,42 +539,35 @@ impl FastPath {
         Ok((added, keys.len() - added))
     }
 
-    /// Every key of the flow table `name` (a hash or LRU hash of `K` to `u32`): read in
-    /// batches ([`super::batch::keys`]) where the kernel has them, else walked one by one.
+    /// Every key of the flow table `name` (a hash or LRU hash of `K` to `u32`), read in
+    /// batches ([`super::batch::keys`]).
     fn table_keys<K: aya::Pod + std::hash::Hash + Eq>(
         &self,
         name: &'static str,
     ) -> Result<HashSet<K>, BpfError> {
-        let map = self.ebpf().map(name).ok_or_else(|| missing(name))?;
-        if let aya::maps::Map::HashMap(data) | aya::maps::Map::LruHashMap(data) = map
-            && let Some(keys) = super::batch::keys::<K>(data, size_of::<u32>())
-                .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))?
-        {
-            return Ok(keys.into_iter().collect());
-        }
-        let table: HashMap<&MapData, K, u32> =
-            HashMap::try_from(map).map_err(|e| BpfError::map(name, e))?;
-        Ok(table.keys().filter_map(Result::ok).collect())
+        let data = hash_data(self.ebpf().map(name).ok_or_else(|| missing(name))?, name)?;
+        let keys = super::batch::keys::<K>(data, size_of::<u32>())
+            .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))?;
+        Ok(keys.into_iter().collect())
     }
 
-    /// Writes every key of `keys` into the flow table `name` (`BPF_ANY`, value 1): in batches
-    /// ([`super::batch::update`]) where the kernel has them, else one by one.
+    /// Writes every key of `keys` into the flow table `name` (`BPF_ANY`, value 1), in batches
+    /// ([`super::batch::update`]).
     fn write_all<K: aya::Pod>(&mut self, name: &'static str, keys: &[K]) -> Result<(), BpfError> {
-        let map = self.ebpf_mut().map_mut(name).ok_or_else(|| missing(name))?;
-        if let aya::maps::Map::HashMap(data) | aya::maps::Map::LruHashMap(data) = &*map
-            && super::batch::update(data, keys, &vec![1u32; keys.len()], BPF_ANY)
-                .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))?
-        {
-            return Ok(());
-        }
-        let mut table: HashMap<&mut MapData, K, u32> =
-            HashMap::try_from(map).map_err(|e| BpfError::map(name, e))?;
-        for key in keys {
-            table
-                .insert(key, 1u32, BPF_ANY)
-                .map_err(|e| BpfError::map(name, e))?;
-        }
-        Ok(())
+        let data = hash_data(self.ebpf().map(name).ok_or_else(|| missing(name))?, name)?;
+        super::batch::update(data, keys, &vec![1u32; keys.len()], BPF_ANY)
+            .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))
+    }
+}
+
+/// The map behind the flow table `name`, which must be a hash or LRU hash map.
+fn hash_data<'a>(map: &'a aya::maps::Map, name: &'static str) -> Result<&'a MapData, BpfError> {
+    match map {
+        aya::maps::Map::HashMap(data) | aya::maps::Map::LruHashMap(data) => Ok(data),
+        _ => Err(BpfError::BadMap {
+            name,
+            reason: "not a hash map".into(),
+        }),
     }
 }
 
