@@ -203,6 +203,9 @@ pub struct Metrics {
     /// Remote peers that cannot be reached with the configured backend (e.g. host-gw across
     /// an L3 underlay).
     pub peers_unreachable: Gauge,
+    /// Addresses the external interface had when the agent started that it no longer
+    /// holds (the lease still advertises them).
+    pub external_addresses_missing: Gauge,
     /// Pod bridge ports the fast path's pod-side program is attached to.
     pub fastpath_pod_ports: Gauge,
     /// Open NATed connections read from conntrack that the flow tables lacked, written into
@@ -268,6 +271,13 @@ impl Metrics {
             "peers_unreachable",
             "Remote nodes that the configured backend cannot reach",
             peers_unreachable.clone(),
+        );
+        let external_addresses_missing = Gauge::default();
+        registry.register(
+            "external_addresses_missing",
+            "Addresses the external interface had when the agent started that it no longer \
+             holds (restart the agent to lease with its new address)",
+            external_addresses_missing.clone(),
         );
         let fastpath_pod_ports = Gauge::default();
         registry.register(
@@ -359,6 +369,7 @@ impl Metrics {
             kernel_entries,
             bpf_entries,
             peers_unreachable,
+            external_addresses_missing,
             fastpath_pod_ports,
             fastpath_conntrack_kept,
             fastpath_conntrack_resyncs,

@@ -96,6 +96,21 @@ fn an_external_interface_going_down_and_up_is_ridden_out() {
     }
 }
 
+/// `eth0` loses the address the agent started with: the agent says so and counts it, and
+/// says when it is back, with every entry in place again
+/// ([`scenarios::an_address_change_is_reported`]; host-gw).
+#[test]
+fn an_address_change_is_reported() {
+    require_root!();
+    let path = Path::of_backend("host-gw");
+    let p = move |_: usize, _: usize| path;
+    with_cluster(
+        "host-gw/l2, eth0's address changes",
+        spec(2, Underlay::L2, "host-gw", 1),
+        |c| scenarios::an_address_change_is_reported(c, &p, 1),
+    );
+}
+
 /// etcd is killed for 30 s: traffic keeps flowing, the agents stay up and healthy, and
 /// recover their watches afterwards.
 #[test]

@@ -721,6 +721,9 @@ async fn report_status(
                 }
             }
             metrics.peers_unreachable.set(s.unreachable as i64);
+            metrics
+                .external_addresses_missing
+                .set(s.missing_addresses.len() as i64);
             let programmed = s.last.added + s.last.replaced + s.last.unchanged;
             metrics
                 .kernel_entries

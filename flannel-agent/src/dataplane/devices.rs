@@ -41,6 +41,9 @@ pub struct DeviceReport {
     pub recreated: Vec<String>,
     /// Devices whose MAC, address or up state had to be corrected.
     pub repaired: Vec<String>,
+    /// The external interface's addresses this node was started with (`IfaceAddr`,
+    /// `IfaceV6Addr`) that it no longer holds ([`missing_addresses`]).
+    pub missing_addresses: Vec<IpAddr>,
 }
 
 impl DeviceReport {
@@ -69,6 +72,7 @@ pub async fn ensure_devices(
 ) -> Result<DeviceReport, DataplaneError> {
     let mut report = DeviceReport::default();
     refresh_external(nl, &mut local.ext).await?;
+    report.missing_addresses = missing_addresses(nl, &local.ext).await?;
     match local.backend.clone() {
         BackendOptions::Vxlan(options) => {
             for family in [IpFamily::V4, IpFamily::V6] {
@@ -127,6 +131,37 @@ async fn refresh_external(nl: &Netlink, ext: &mut ExternalInterface) -> Result<(
         ext.index = link.index;
     }
     Ok(())
+}
+
+/// The addresses of the external interface this node was started with (`IfaceAddr`,
+/// `IfaceV6Addr`: the public IPs its lease advertises, unless `--public-ip` says otherwise,
+/// and the tunnels' source) that the interface no longer holds: removed, or replaced by
+/// another (a new DHCP lease, the interface re-created with another address).
+async fn missing_addresses(
+    nl: &Netlink,
+    ext: &ExternalInterface,
+) -> Result<Vec<IpAddr>, DataplaneError> {
+    let started: Vec<IpAddr> = [
+        ext.iface_addr.map(IpAddr::V4),
+        ext.iface_v6_addr.map(IpAddr::V6),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if started.is_empty() {
+        return Ok(started);
+    }
+    let held = nl
+        .list_addresses(ext.index, None)
+        .await
+        .map_err(DataplaneError::netlink(format!(
+            "list the addresses of external interface {}",
+            ext.name
+        )))?;
+    Ok(started
+        .into_iter()
+        .filter(|a| !held.iter().any(|h| h.ip() == *a))
+        .collect())
 }
 
 fn vxlan_spec(

@@ -16,6 +16,7 @@
 
 use std::{
     collections::HashSet,
+    net::IpAddr,
     time::{Duration, SystemTime},
 };
 
@@ -283,7 +284,8 @@ impl Reconciler {
 
     /// Whether an event calls for a reconcile: one of our devices went away or appeared under
     /// a new index, the external interface changed at all (re-created; set down, which
-    /// flushes every route through it, or up again), one of our routes (protocol
+    /// flushes every route through it, or up again; an address added or removed), one of
+    /// our routes (protocol
     /// [`RTPROT_FLANNEL`]) or a neighbour or FDB entry on one of our devices was removed
     /// (by hand; our own deletions bring one reconcile more, which finds nothing to do), or
     /// events were lost.
@@ -298,12 +300,55 @@ impl Reconciler {
                     *name == self.local.ext.name
                 }
             }
+            LinkEvent::AddressChanged { index } => *index == self.local.ext.index,
             LinkEvent::RouteRemoved { protocol } => *protocol == RTPROT_FLANNEL,
             LinkEvent::NeighbourRemoved { index } => {
                 self.local.devices.all().any(|d| d.index == *index)
             }
             LinkEvent::Overrun => true,
         }
+    }
+
+    /// Says, once each time it changes, which of the external interface's addresses this node
+    /// was started with it no longer holds, and publishes them in the status.
+    fn report_missing_addresses(&mut self, missing: &[IpAddr]) {
+        let before = self.status.borrow().missing_addresses.clone();
+        if before == missing {
+            return;
+        }
+        let iface = &self.local.ext.name;
+        let list = |addrs: &[IpAddr]| {
+            addrs
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let back: Vec<IpAddr> = before
+            .iter()
+            .filter(|a| !missing.contains(a))
+            .copied()
+            .collect();
+        if !back.is_empty() {
+            tracing::info!("external interface {iface} has {} again", list(&back));
+        }
+        let gone: Vec<IpAddr> = missing
+            .iter()
+            .filter(|a| !before.contains(a))
+            .copied()
+            .collect();
+        if !gone.is_empty() {
+            tracing::warn!(
+                "external interface {iface} no longer has {}, the address this node was \
+                 started with (the public IP its lease advertises unless --public-ip is set, \
+                 and its tunnels' source): other nodes' traffic for this node's pods cannot \
+                 arrive. If the interface has another address now, restart the agent to \
+                 lease with it (upstream flannel needs the same)",
+                list(&gone)
+            );
+        }
+        let missing = missing.to_vec();
+        self.status.send_modify(|s| s.missing_addresses = missing);
     }
 
     fn fail(&mut self, kind: String, message: String, started: Instant) -> ReconcileOutcome {
@@ -364,6 +409,7 @@ impl Reconciler {
         };
         match devices {
             Ok(report) => {
+                self.report_missing_addresses(&report.missing_addresses);
                 if !report.repaired.is_empty() {
                     tracing::info!(devices = ?report.repaired, "repaired dataplane devices");
                 }

@@ -3,6 +3,7 @@
 
 use std::{
     collections::BTreeMap,
+    net::IpAddr,
     time::{Duration, SystemTime},
 };
 
@@ -49,6 +50,9 @@ pub struct DataplaneStatus {
     /// How often a device had to be created again after start-up (deleted under the agent
     /// or found incompatible).
     pub device_recreations: u64,
+    /// The external interface's addresses this node was started with that it no longer
+    /// holds (the lease still advertises them).
+    pub missing_addresses: Vec<IpAddr>,
 }
 
 impl DataplaneStatus {

@@ -29,6 +29,10 @@ use super::{NetlinkError, Unsolicited, links::link_from_message, open_socket};
 const RTNLGRP_LINK: u32 = 1;
 /// `RTNLGRP_NEIGH`: ARP/NDP neighbours and bridge FDB entries.
 const RTNLGRP_NEIGH: u32 = 3;
+/// `RTNLGRP_IPV4_IFADDR`.
+const RTNLGRP_IPV4_IFADDR: u32 = 5;
+/// `RTNLGRP_IPV6_IFADDR`.
+const RTNLGRP_IPV6_IFADDR: u32 = 9;
 /// `RTNLGRP_IPV4_ROUTE`.
 const RTNLGRP_IPV4_ROUTE: u32 = 7;
 /// `RTNLGRP_IPV6_ROUTE`.
@@ -81,6 +85,13 @@ pub enum LinkEvent {
     RouteRemoved {
         /// `rtm_protocol`.
         protocol: u8,
+    },
+    /// `RTM_NEWADDR` or `RTM_DELADDR` (only from
+    /// [`Netlink::dataplane_events`](super::Netlink::dataplane_events)): an address of
+    /// interface `index` was added or removed.
+    AddressChanged {
+        /// Its interface.
+        index: u32,
     },
     /// `RTM_DELNEIGH` (only from
     /// [`Netlink::dataplane_events`](super::Netlink::dataplane_events)): a neighbour or FDB
@@ -192,6 +203,11 @@ fn dataplane_event(message: NetlinkMessage<RouteNetlinkMessage>) -> Option<LinkE
             })
         }
         NetlinkPayload::InnerMessage(
+            RouteNetlinkMessage::NewAddress(m) | RouteNetlinkMessage::DelAddress(m),
+        ) => Some(LinkEvent::AddressChanged {
+            index: m.header.index,
+        }),
+        NetlinkPayload::InnerMessage(
             RouteNetlinkMessage::NewRoute(_) | RouteNetlinkMessage::NewNeighbour(_),
         ) => None,
         _ => event(message),
@@ -242,17 +258,20 @@ impl super::Netlink {
         Events::subscribe(&[RTNLGRP_LINK], "join RTNLGRP_LINK", event)
     }
 
-    /// Subscribes to what the dataplane reconciler watches: links added and removed, and
-    /// routes and neighbours (FDB entries included) removed.
+    /// Subscribes to what the dataplane reconciler watches: links added and removed,
+    /// addresses added and removed, and routes and neighbours (FDB entries included)
+    /// removed.
     pub fn dataplane_events(&self) -> Result<LinkEvents, NetlinkError> {
         Events::subscribe(
             &[
                 RTNLGRP_LINK,
                 RTNLGRP_NEIGH,
+                RTNLGRP_IPV4_IFADDR,
+                RTNLGRP_IPV6_IFADDR,
                 RTNLGRP_IPV4_ROUTE,
                 RTNLGRP_IPV6_ROUTE,
             ],
-            "join the link, neighbour and route groups",
+            "join the link, address, neighbour and route groups",
             dataplane_event,
         )
     }
@@ -267,6 +286,7 @@ impl super::Netlink {
 #[cfg(test)]
 mod tests {
     use rtnetlink::packet_route::{
+        address::AddressMessage,
         link::LinkAttribute,
         route::{RouteMessage, RouteProtocol},
     };
@@ -353,6 +373,17 @@ mod tests {
             None,
             "added neighbours are not watched"
         );
+        let mut address = AddressMessage::default();
+        address.header.index = 2;
+        for message in [
+            RouteNetlinkMessage::NewAddress(address.clone()),
+            RouteNetlinkMessage::DelAddress(address),
+        ] {
+            assert_eq!(
+                dataplane_event(NetlinkMessage::from(message)),
+                Some(LinkEvent::AddressChanged { index: 2 })
+            );
+        }
         let link = NetlinkMessage::from(RouteNetlinkMessage::DelLink(link_message(
             AddressFamily::Unspec,
         )));

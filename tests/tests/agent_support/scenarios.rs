@@ -746,6 +746,67 @@ pub fn node_leaves(cluster: &mut Cluster, path: PathFn<'_>, gone: usize) -> Resu
 /// periodic resync fails.
 const FOLLOW: Duration = Duration::from_secs(10);
 
+/// Node `n`'s `eth0` loses the address the agent started with and gets another (a new DHCP
+/// lease): within [`FOLLOW`] the agent says so once, naming the address, and counts it in
+/// `flannel_external_addresses_missing`; once the address is back it says that too, the
+/// gauge is 0 again, node `n` holds every kernel entry again (host-gw routes through the
+/// interface came back with the address) and every pod reaches every pod through `path`.
+pub fn an_address_change_is_reported(
+    cluster: &mut Cluster,
+    path: PathFn<'_>,
+    n: usize,
+) -> Result<()> {
+    converged(cluster, path)?;
+    let leases: Vec<_> = leases_by_node(cluster)?.into_values().collect();
+    let path_to = |l: &LeaseRecord| path_to_lease(cluster, path, n, l);
+    let want = expected_state(cluster, n, &leases, path_to);
+    let node = cluster.topology().node(n);
+    let old = node.addr_net();
+    let other = format!(
+        "{}/24",
+        std::net::Ipv4Addr::from(u32::from(old.addr()) + 100)
+    );
+    let gateway = flannel_tests::topology::gateway_addr(node.segment()).to_string();
+    let missing = |c: &Cluster| c.metric(n, "flannel_external_addresses_missing");
+    let warning = format!("no longer has {}", old.addr());
+    let again = format!("has {} again", old.addr());
+    node.run(&["ip", "addr", "del", &old.to_string(), "dev", "eth0"])?;
+    node.run(&["ip", "addr", "add", &other, "dev", "eth0"])?;
+    wait::until_ok(FOLLOW, &format!("node{n} reporting {old} gone"), || {
+        ensure!(
+            missing(cluster)? == Some(1.0),
+            "flannel_external_addresses_missing = {:?}",
+            missing(cluster)?
+        );
+        Ok(())
+    })?;
+    let log = std::fs::read_to_string(node.agent_log())?;
+    ensure!(
+        count_lines(&log, &warning) == 1,
+        "node{n}'s agent did not say once that eth0 {warning}"
+    );
+    node.run(&["ip", "addr", "del", &other, "dev", "eth0"])?;
+    node.run(&["ip", "addr", "add", &old.to_string(), "dev", "eth0"])?;
+    node.run(&["ip", "route", "add", "default", "via", &gateway])?;
+    wait::until_ok(FOLLOW, &format!("node{n} with {old} again"), || {
+        ensure!(
+            missing(cluster)? == Some(0.0),
+            "flannel_external_addresses_missing = {:?}",
+            missing(cluster)?
+        );
+        let got = cluster.kernel_state(n)?;
+        ensure!(got == want, "node{n} holds\n{got}but should hold\n{want}");
+        Ok(())
+    })?;
+    let log = std::fs::read_to_string(node.agent_log())?;
+    ensure!(
+        count_lines(&log, &again) == 1 && count_lines(&log, &warning) == 1,
+        "node{n}'s agent did not say once that eth0 {again}"
+    );
+    let others: Vec<usize> = all_nodes(cluster).into_iter().filter(|&m| m != n).collect();
+    reachable_everywhere(cluster, path, &[(n, others[0]), (others[0], n)])
+}
+
 /// Every route, neighbour and FDB entry of node `n`'s agent deleted by hand (`ip route flush
 /// proto 165`, `ip neigh del`, `bridge fdb del`): within [`FOLLOW`], well before the next
 /// resync, node `n` holds them all again, and every pod reaches every pod through `path`.
