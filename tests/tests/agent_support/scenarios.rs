@@ -746,20 +746,66 @@ pub fn node_leaves(cluster: &mut Cluster, path: PathFn<'_>, gone: usize) -> Resu
 /// periodic resync fails.
 const FOLLOW: Duration = Duration::from_secs(10);
 
+/// What node `n` holds once it has converged on the cluster's leases: its kernel entries
+/// and, on the fast path, its route map.
+struct Entries {
+    n: usize,
+    kernel: status::KernelState,
+    routes: Option<BTreeMap<ipnet::Ipv4Net, fastpath::Route>>,
+}
+
+impl Entries {
+    /// Waits until every node has [`converged`]; what node `n` then holds.
+    fn converged(cluster: &Cluster, path: PathFn<'_>, n: usize) -> Result<Entries> {
+        converged(cluster, path)?;
+        let leases: Vec<_> = leases_by_node(cluster)?.into_values().collect();
+        let path_to = |l: &LeaseRecord| path_to_lease(cluster, path, n, l);
+        Ok(Entries {
+            n,
+            kernel: expected_state(cluster, n, &leases, path_to),
+            routes: on_fast_path(cluster, n).then(|| expected_routes(cluster, n, &leases, path_to)),
+        })
+    }
+
+    /// Node `n` holds them all again; an error saying what differs otherwise.
+    fn held(&self, cluster: &Cluster) -> Result<()> {
+        let (n, want) = (self.n, &self.kernel);
+        let got = cluster.kernel_state(n)?;
+        ensure!(&got == want, "node{n} holds\n{got}but should hold\n{want}");
+        if let Some(routes) = &self.routes {
+            let map = fastpath::routes(cluster.topology().node(n).bpf_pin_path())?;
+            ensure!(
+                &map == routes,
+                "node{n}'s route map holds\n{}but should hold\n{}",
+                routes_text(&map),
+                routes_text(routes)
+            );
+        }
+        Ok(())
+    }
+}
+
+/// [`reachable_everywhere`] through `path`, with transfers both ways between node `n` and
+/// another node.
+fn reachable_across(cluster: &Cluster, path: PathFn<'_>, n: usize) -> Result<()> {
+    let other = all_nodes(cluster)
+        .into_iter()
+        .find(|&m| m != n)
+        .context("a second node")?;
+    reachable_everywhere(cluster, path, &[(n, other), (other, n)])
+}
+
 /// Node `n`'s `eth0` loses the address the agent started with and gets another (a new DHCP
 /// lease): within [`FOLLOW`] the agent says so once, naming the address, and counts it in
 /// `flannel_external_addresses_missing`; once the address is back it says that too, the
-/// gauge is 0 again, node `n` holds every kernel entry again (host-gw routes through the
-/// interface came back with the address) and every pod reaches every pod through `path`.
+/// gauge is 0 again, node `n` holds every entry again (host-gw routes through the interface
+/// came back with the address) and every pod reaches every pod through `path`.
 pub fn an_address_change_is_reported(
     cluster: &mut Cluster,
     path: PathFn<'_>,
     n: usize,
 ) -> Result<()> {
-    converged(cluster, path)?;
-    let leases: Vec<_> = leases_by_node(cluster)?.into_values().collect();
-    let path_to = |l: &LeaseRecord| path_to_lease(cluster, path, n, l);
-    let want = expected_state(cluster, n, &leases, path_to);
+    let entries = Entries::converged(cluster, path, n)?;
     let node = cluster.topology().node(n);
     let old = node.addr_net();
     let other = format!(
@@ -767,44 +813,43 @@ pub fn an_address_change_is_reported(
         std::net::Ipv4Addr::from(u32::from(old.addr()) + 100)
     );
     let gateway = flannel_tests::topology::gateway_addr(node.segment()).to_string();
-    let missing = |c: &Cluster| c.metric(n, "flannel_external_addresses_missing");
+    let missing = |want: f64| -> Result<()> {
+        let got = cluster.metric(n, "flannel_external_addresses_missing")?;
+        ensure!(
+            got == Some(want),
+            "flannel_external_addresses_missing = {got:?}"
+        );
+        Ok(())
+    };
+    let said = |text: &str| -> Result<usize> {
+        Ok(count_lines(
+            &std::fs::read_to_string(node.agent_log())?,
+            text,
+        ))
+    };
     let warning = format!("no longer has {}", old.addr());
     let again = format!("has {} again", old.addr());
     node.run(&["ip", "addr", "del", &old.to_string(), "dev", "eth0"])?;
     node.run(&["ip", "addr", "add", &other, "dev", "eth0"])?;
     wait::until_ok(FOLLOW, &format!("node{n} reporting {old} gone"), || {
-        ensure!(
-            missing(cluster)? == Some(1.0),
-            "flannel_external_addresses_missing = {:?}",
-            missing(cluster)?
-        );
-        Ok(())
+        missing(1.0)
     })?;
-    let log = std::fs::read_to_string(node.agent_log())?;
     ensure!(
-        count_lines(&log, &warning) == 1,
+        said(&warning)? == 1,
         "node{n}'s agent did not say once that eth0 {warning}"
     );
     node.run(&["ip", "addr", "del", &other, "dev", "eth0"])?;
     node.run(&["ip", "addr", "add", &old.to_string(), "dev", "eth0"])?;
     node.run(&["ip", "route", "add", "default", "via", &gateway])?;
     wait::until_ok(FOLLOW, &format!("node{n} with {old} again"), || {
-        ensure!(
-            missing(cluster)? == Some(0.0),
-            "flannel_external_addresses_missing = {:?}",
-            missing(cluster)?
-        );
-        let got = cluster.kernel_state(n)?;
-        ensure!(got == want, "node{n} holds\n{got}but should hold\n{want}");
-        Ok(())
+        missing(0.0)?;
+        entries.held(cluster)
     })?;
-    let log = std::fs::read_to_string(node.agent_log())?;
     ensure!(
-        count_lines(&log, &again) == 1 && count_lines(&log, &warning) == 1,
+        said(&again)? == 1 && said(&warning)? == 1,
         "node{n}'s agent did not say once that eth0 {again}"
     );
-    let others: Vec<usize> = all_nodes(cluster).into_iter().filter(|&m| m != n).collect();
-    reachable_everywhere(cluster, path, &[(n, others[0]), (others[0], n)])
+    reachable_across(cluster, path, n)
 }
 
 /// Every route, neighbour and FDB entry of node `n`'s agent deleted by hand (`ip route flush
@@ -815,10 +860,8 @@ pub fn entries_deleted_by_hand_come_back(
     path: PathFn<'_>,
     n: usize,
 ) -> Result<()> {
-    converged(cluster, path)?;
-    let leases: Vec<_> = leases_by_node(cluster)?.into_values().collect();
-    let path_to = |l: &LeaseRecord| path_to_lease(cluster, path, n, l);
-    let want = expected_state(cluster, n, &leases, path_to);
+    let entries = Entries::converged(cluster, path, n)?;
+    let want = &entries.kernel;
     ensure!(!want.routes.is_empty(), "node{n} has no route to delete");
     let node = cluster.topology().node(n);
     node.run(&["ip", "route", "flush", "proto", "165"])?;
@@ -835,12 +878,9 @@ pub fn entries_deleted_by_hand_come_back(
         ])?;
     }
     wait::until_ok(FOLLOW, &format!("node{n}'s entries back"), || {
-        let got = cluster.kernel_state(n)?;
-        ensure!(got == want, "node{n} holds\n{got}but should hold\n{want}");
-        Ok(())
+        entries.held(cluster)
     })?;
-    let others: Vec<usize> = all_nodes(cluster).into_iter().filter(|&m| m != n).collect();
-    reachable_everywhere(cluster, path, &[(n, others[0]), (others[0], n)])
+    reachable_across(cluster, path, n)
 }
 
 /// Node `n`'s `eth0` set down and up again under its running agent (`ifdown`/`ifup`, a
@@ -853,11 +893,7 @@ pub fn external_interface_down_and_up(
     path: PathFn<'_>,
     n: usize,
 ) -> Result<()> {
-    converged(cluster, path)?;
-    let leases: Vec<_> = leases_by_node(cluster)?.into_values().collect();
-    let path_to = |l: &LeaseRecord| path_to_lease(cluster, path, n, l);
-    let want = expected_state(cluster, n, &leases, path_to);
-    let routes = on_fast_path(cluster, n).then(|| expected_routes(cluster, n, &leases, path_to));
+    let entries = Entries::converged(cluster, path, n)?;
     let node = cluster.topology().node(n);
     node.run(&["ip", "link", "set", "eth0", "down"])?;
     // Long enough for the agent to look while it is down.
@@ -866,29 +902,15 @@ pub fn external_interface_down_and_up(
     wait::until_ok(
         FOLLOW,
         &format!("node{n}'s entries after eth0 came up"),
-        || {
-            let got = cluster.kernel_state(n)?;
-            ensure!(got == want, "node{n} holds\n{got}but should hold\n{want}");
-            if let Some(routes) = &routes {
-                let map = fastpath::routes(node.bpf_pin_path())?;
-                ensure!(
-                    &map == routes,
-                    "node{n}'s route map holds\n{}but should hold\n{}",
-                    routes_text(&map),
-                    routes_text(routes)
-                );
-            }
-            Ok(())
-        },
+        || entries.held(cluster),
     )?;
-    let others: Vec<usize> = all_nodes(cluster).into_iter().filter(|&m| m != n).collect();
-    reachable_everywhere(cluster, path, &[(n, others[0]), (others[0], n)])
+    reachable_across(cluster, path, n)
 }
 
 /// Node `n`'s `eth0` deleted and created again under its running agent (a network manager
 /// re-creating a bond or VLAN): a new index, and its address a moment after the link (the
 /// agent's first look finds the host-gw peers unreachable). Within [`FOLLOW`] node `n`
-/// holds every kernel entry again, through the new interface; a fast-path node also has its
+/// holds every entry again, through the new interface; a fast-path node also has its
 /// programs attached to the new `eth0`, its configuration pointing at it, none of its links
 /// left pinned for the old one, and logged the move once. Then every pod reaches every pod
 /// through `path` (the fast path's counters growing), both ways across node `n`.
@@ -897,12 +919,7 @@ pub fn external_interface_recreated(
     path: PathFn<'_>,
     n: usize,
 ) -> Result<()> {
-    converged(cluster, path)?;
-    let leases: Vec<_> = leases_by_node(cluster)?.into_values().collect();
-    let path_to = |l: &LeaseRecord| path_to_lease(cluster, path, n, l);
-    let want = expected_state(cluster, n, &leases, path_to);
-    let fast = on_fast_path(cluster, n);
-    let routes = expected_routes(cluster, n, &leases, path_to);
+    let entries = Entries::converged(cluster, path, n)?;
     let old = ifindex(cluster, n, "eth0")?;
     cluster.topology().recreate_uplink(n)?;
     let new = ifindex(cluster, n, "eth0")?;
@@ -910,18 +927,10 @@ pub fn external_interface_recreated(
     let node = cluster.topology().node(n);
     let pins = node.bpf_pin_path();
     wait::until_ok(FOLLOW, &format!("node{n} following eth0 to {new}"), || {
-        let got = cluster.kernel_state(n)?;
-        ensure!(got == want, "node{n} holds\n{got}but should hold\n{want}");
-        if !fast {
+        entries.held(cluster)?;
+        if entries.routes.is_none() {
             return Ok(());
         }
-        let map = fastpath::routes(pins)?;
-        ensure!(
-            map == routes,
-            "node{n}'s route map holds\n{}but should hold\n{}",
-            routes_text(&map),
-            routes_text(&routes)
-        );
         let mut programs = fastpath::tcx_programs(node.ns(), "eth0")?;
         programs.sort();
         ensure!(
@@ -944,7 +953,7 @@ pub fn external_interface_recreated(
         );
         Ok(())
     })?;
-    if fast {
+    if entries.routes.is_some() {
         let agent = cluster.agent_mut(n).context("agent")?;
         let log = std::fs::read_to_string(agent.log_path())?;
         let moves = count_lines(&log, "fast path following it");
@@ -954,8 +963,7 @@ pub fn external_interface_recreated(
             agent.log_tail(30)
         );
     }
-    let others: Vec<usize> = all_nodes(cluster).into_iter().filter(|&m| m != n).collect();
-    reachable_everywhere(cluster, path, &[(n, others[0]), (others[0], n)])
+    reachable_across(cluster, path, n)
 }
 
 /// The connectivity test of `backend` over `underlay` on `dataplane`, three nodes with two
