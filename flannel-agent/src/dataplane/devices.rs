@@ -42,7 +42,7 @@ pub struct DeviceReport {
     /// Devices whose MAC, address or up state had to be corrected.
     pub repaired: Vec<String>,
     /// The external interface's addresses this node was started with (`IfaceAddr`,
-    /// `IfaceV6Addr`) that it no longer holds ([`missing_addresses`]).
+    /// `IfaceV6Addr`) that it no longer holds: removed, or replaced by another.
     pub missing_addresses: Vec<IpAddr>,
 }
 

@@ -97,7 +97,7 @@ pub struct ReconcileOutcome {
     /// Time taken.
     pub duration: Duration,
     /// Peers left out because their public IP is not on a directly connected network
-    /// ([`Note::Unreachable`](super::model::Note::Unreachable)).
+    /// ([`Note::Unreachable`]).
     pub unreachable: usize,
 }
 
