@@ -284,8 +284,9 @@ impl Reconciler {
 
     /// Whether an event calls for a reconcile: one of our devices went away or appeared under
     /// a new index, the external interface changed at all (re-created; set down, which
-    /// flushes every route through it, or up again; an address added or removed), one of
-    /// our routes (protocol
+    /// flushes every route through it, or up again; the address it was started with removed
+    /// or added: not others, like IPv6 temporary addresses coming and going), one of our
+    /// routes (protocol
     /// [`RTPROT_FLANNEL`]) or a neighbour or FDB entry on one of our devices was removed
     /// (by hand; our own deletions bring one reconcile more, which finds nothing to do), or
     /// events were lost.
@@ -300,7 +301,14 @@ impl Reconciler {
                     *name == self.local.ext.name
                 }
             }
-            LinkEvent::AddressChanged { index } => *index == self.local.ext.index,
+            LinkEvent::AddressChanged { index, address } => {
+                let ext = &self.local.ext;
+                let started = [
+                    ext.iface_addr.map(IpAddr::V4),
+                    ext.iface_v6_addr.map(IpAddr::V6),
+                ];
+                *index == ext.index && address.is_none_or(|a| started.contains(&Some(a)))
+            }
             LinkEvent::RouteRemoved { protocol } => *protocol == RTPROT_FLANNEL,
             LinkEvent::NeighbourRemoved { index } => {
                 self.local.devices.all().any(|d| d.index == *index)
@@ -722,6 +730,61 @@ mod tests {
                 self.seen.lock().unwrap().push(peers);
                 ApplyReport::default()
             })
+        }
+    }
+
+    #[tokio::test]
+    async fn which_events_call_for_a_reconcile() {
+        let mut local = local(vxlan(false), IpStack::Dual);
+        local.devices.vxlan_v4 = Some(crate::dataplane::model::DeviceInfo {
+            name: "flannel.1".into(),
+            index: 7,
+            mac: None,
+        });
+        let ext = local.ext.index;
+        let r = Reconciler::with_appliers(
+            Netlink::new().unwrap(),
+            local,
+            ReconcilerConfig::default(),
+            Vec::new(),
+        );
+        let address = |index: u32, ip: Option<&str>| LinkEvent::AddressChanged {
+            index,
+            address: ip.map(|ip| ip.parse().unwrap()),
+        };
+        let link = |index: u32, name: &str| LinkEvent::New {
+            index,
+            name: name.into(),
+        };
+        for (event, wanted) in [
+            // The addresses the node was started with, on the external interface.
+            (address(ext, Some("192.168.10.1")), true),
+            (address(ext, Some("fd00:10::1")), true),
+            (address(ext, None), true),
+            // Another address there (an IPv6 temporary one), or the address elsewhere.
+            (address(ext, Some("fd00:10::abcd")), false),
+            (address(ext + 1, Some("192.168.10.1")), false),
+            // Any change of the external interface; our device under a new index only.
+            (link(ext, "eth0"), true),
+            (link(ext + 5, "eth0"), true),
+            (link(7, "flannel.1"), false),
+            (link(8, "flannel.1"), true),
+            (link(9, "eth1"), false),
+            (
+                LinkEvent::Removed {
+                    index: ext,
+                    name: "eth0".into(),
+                },
+                true,
+            ),
+            // Our routes, and neighbours on our devices.
+            (LinkEvent::RouteRemoved { protocol: 165 }, true),
+            (LinkEvent::RouteRemoved { protocol: 3 }, false),
+            (LinkEvent::NeighbourRemoved { index: 7 }, true),
+            (LinkEvent::NeighbourRemoved { index: ext }, false),
+            (LinkEvent::Overrun, true),
+        ] {
+            assert_eq!(r.concerns(&event), wanted, "{event:?}");
         }
     }
 

@@ -7,6 +7,7 @@
 //! bridge port each local pod sits behind.
 
 use std::{
+    net::IpAddr,
     pin::Pin,
     task::{Context, Poll},
 };
@@ -23,7 +24,10 @@ use rtnetlink::{
     sys::AsyncSocket as _,
 };
 
-use super::{NetlinkError, Unsolicited, links::link_from_message, open_socket};
+use super::{
+    NetlinkError, Unsolicited, addresses::address_from_message, links::link_from_message,
+    open_socket,
+};
 
 /// `RTNLGRP_LINK`.
 const RTNLGRP_LINK: u32 = 1;
@@ -92,6 +96,8 @@ pub enum LinkEvent {
     AddressChanged {
         /// Its interface.
         index: u32,
+        /// The address (`None` when the message carries none the agent can read).
+        address: Option<IpAddr>,
     },
     /// `RTM_DELNEIGH` (only from
     /// [`Netlink::dataplane_events`](super::Netlink::dataplane_events)): a neighbour or FDB
@@ -206,6 +212,7 @@ fn dataplane_event(message: NetlinkMessage<RouteNetlinkMessage>) -> Option<LinkE
             RouteNetlinkMessage::NewAddress(m) | RouteNetlinkMessage::DelAddress(m),
         ) => Some(LinkEvent::AddressChanged {
             index: m.header.index,
+            address: address_from_message(m).map(|a| a.ip()),
         }),
         NetlinkPayload::InnerMessage(
             RouteNetlinkMessage::NewRoute(_) | RouteNetlinkMessage::NewNeighbour(_),
@@ -286,7 +293,7 @@ impl super::Netlink {
 #[cfg(test)]
 mod tests {
     use rtnetlink::packet_route::{
-        address::AddressMessage,
+        address::{AddressAttribute, AddressMessage},
         link::LinkAttribute,
         route::{RouteMessage, RouteProtocol},
     };
@@ -375,13 +382,20 @@ mod tests {
         );
         let mut address = AddressMessage::default();
         address.header.index = 2;
+        address.header.family = AddressFamily::Inet;
+        address.header.prefix_len = 24;
+        let ip = IpAddr::from([192, 168, 1, 11]);
+        address.attributes.push(AddressAttribute::Local(ip));
         for message in [
             RouteNetlinkMessage::NewAddress(address.clone()),
             RouteNetlinkMessage::DelAddress(address),
         ] {
             assert_eq!(
                 dataplane_event(NetlinkMessage::from(message)),
-                Some(LinkEvent::AddressChanged { index: 2 })
+                Some(LinkEvent::AddressChanged {
+                    index: 2,
+                    address: Some(ip)
+                })
             );
         }
         let link = NetlinkMessage::from(RouteNetlinkMessage::DelLink(link_message(
