@@ -39,7 +39,7 @@ use flannel_tests::{
     check,
     etcd::Etcd,
     lab::{
-        agent::{Agent, AgentSpec},
+        agent::{Agent, AgentSpec, Dataplane},
         bins,
         capture::Capture,
         cluster::{Cluster, ClusterSpec},
@@ -459,6 +459,49 @@ fn host_gw_dual_stack() -> Result<()> {
     status::expect_agent_routes(n1.ns(), "-4", &want4)?;
     status::expect_agent_routes(n1.ns(), "-6", &want6)?;
 
+    pods_talk_both_families(&cluster)
+}
+
+/// host-gw in dual stack, on the kernel path and on the fast path: node1's `eth0` deleted
+/// and created again (a new index; its IPv6 address goes through duplicate address
+/// detection again) under the running agents. Within 10 s (well before the 30 s resync)
+/// node1 routes both families of the other nodes through the new interface again, and the
+/// pods talk in both families.
+#[test]
+fn host_gw_dual_stack_follows_a_recreated_eth0() {
+    require_root!();
+    for dataplane in [Dataplane::Kernel, Dataplane::Ebpf] {
+        check(host_gw_dual_stack_recreated(dataplane));
+    }
+}
+
+fn host_gw_dual_stack_recreated(dataplane: Dataplane) -> Result<()> {
+    let mut spec = dual_stack_spec("host-gw", Underlay::L2)?;
+    spec.dataplane = dataplane;
+    let cluster = Cluster::up(spec, &|line| eprintln!("{line}"), &|| false)?;
+    let n1 = cluster.topology().node(1).ns();
+    let routes = |family: &str| status::agent_routes(n1, family);
+    let (want4, want6) = wait::until(status::CONVERGE, "node1's routes", || {
+        let (v4, v6) = (routes("-4")?, routes("-6")?);
+        ensure!(
+            v4.len() == 2 && v6.len() == 2,
+            "node1's routes: {v4:?} {v6:?}"
+        );
+        Ok(Some((v4, v6)))
+    })?;
+    cluster.topology().recreate_uplink(1)?;
+    wait::until_ok(
+        Duration::from_secs(10),
+        "node1's routes of both families",
+        || {
+            let (got4, got6) = (routes("-4")?, routes("-6")?);
+            ensure!(
+                got4 == want4 && got6 == want6,
+                "node1 routes {got4:?} {got6:?}, want {want4:?} {want6:?}"
+            );
+            Ok(())
+        },
+    )?;
     pods_talk_both_families(&cluster)
 }
 
