@@ -10,7 +10,7 @@ mod agent_support;
 use std::time::Duration;
 
 use agent_support::{
-    CONVERGE, Path, expected_state, leases_by_node,
+    CONVERGE, Path, count_lines, expected_state, leases_by_node,
     scenarios::{self, converged},
     spec, wait_for_state, with_cluster,
 };
@@ -109,6 +109,45 @@ fn an_address_change_is_reported() {
         spec(2, Underlay::L2, "host-gw", 1),
         |c| scenarios::an_address_change_is_reported(c, &p, 1),
     );
+}
+
+/// node1's `subnet.env` removed, then changed, under its running agent: each time it is
+/// written again as it was within a few seconds, with one warning each (the CNI plugin
+/// would otherwise fail every new pod on the node until the agent's next start).
+#[test]
+fn a_removed_or_changed_subnet_env_is_written_again() {
+    require_root!();
+    with_cluster("subnet.env kept", spec(1, Underlay::L2, "vxlan", 0), |c| {
+        let node = c.topology().node(1);
+        let file = node.subnet_file();
+        let written = std::fs::read_to_string(&file)?;
+        ensure!(
+            written.contains("FLANNEL_SUBNET="),
+            "subnet.env: {written:?}"
+        );
+        let back = |what: &str| {
+            wait::until_ok(
+                Duration::from_secs(10),
+                &format!("subnet.env {what}"),
+                || {
+                    let now = std::fs::read_to_string(&file).unwrap_or_default();
+                    ensure!(now == written, "subnet.env holds {now:?}");
+                    Ok(())
+                },
+            )
+        };
+        std::fs::remove_file(&file)?;
+        back("written again after its removal")?;
+        std::fs::write(
+            &file,
+            "FLANNEL_NETWORK=10.9.0.0/16\nFLANNEL_SUBNET=10.9.9.1/24\n",
+        )?;
+        back("written again after a change")?;
+        let log = std::fs::read_to_string(node.agent_log())?;
+        let warnings = count_lines(&log, "under the agent; written again");
+        ensure!(warnings == 2, "{warnings} warnings, not 2");
+        Ok(())
+    });
 }
 
 /// etcd is killed for 30 s: traffic keeps flowing, the agents stay up and healthy, and

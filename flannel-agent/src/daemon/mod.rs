@@ -9,7 +9,8 @@
 //!    applier joins the reconciler), traffic rules, subnet.env → ready once the first
 //!    reconcile on a complete lease set succeeded
 //! 6. tasks: lease watch → reconciler; lease keeper (etcd) / NetworkUnavailable (kube);
-//!    traffic-rule resync; blackhole route; status → metrics and readiness
+//!    traffic-rule resync; subnet.env kept as written; blackhole route; status → metrics
+//!    and readiness
 //!
 //! On SIGTERM everything that forwards traffic stays in place (devices, routes, rules, BPF
 //! programs and pins) so a restarted agent adopts it without a gap.
@@ -19,6 +20,7 @@ mod manager;
 mod masq;
 mod policy;
 mod rules;
+mod subnet_file;
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
@@ -459,6 +461,14 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         let own = lease.clone();
         tasks.spawn(async move {
             manager.watch_leases(own, publisher, cancel).await?;
+            Ok(None)
+        });
+    }
+    {
+        let path = cli.subnet_file.clone();
+        let cancel = cancel.clone();
+        tasks.spawn(async move {
+            subnet_file::keep(path, env, subnet_file::CHECK_EVERY, cancel).await;
             Ok(None)
         });
     }
