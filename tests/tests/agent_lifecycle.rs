@@ -150,6 +150,18 @@ fn a_removed_or_changed_subnet_env_is_written_again() {
     });
 }
 
+/// `flannel.1` set down by hand under a running agent: up again with every route and
+/// neighbour through it within seconds ([`scenarios::device_set_down_comes_back`]).
+#[test]
+fn a_device_set_down_comes_back() {
+    require_root!();
+    with_cluster(
+        "vxlan/l2, flannel.1 down",
+        spec(2, Underlay::L2, "vxlan", 1),
+        |c| scenarios::device_set_down_comes_back(c, &vxlan, 1, "flannel.1"),
+    );
+}
+
 /// etcd is killed for 30 s: traffic keeps flowing, the agents stay up and healthy, and
 /// recover their watches afterwards.
 #[test]

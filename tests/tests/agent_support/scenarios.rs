@@ -883,6 +883,33 @@ pub fn entries_deleted_by_hand_come_back(
     reachable_across(cluster, path, n)
 }
 
+/// Node `n`'s backend device `device` (`flannel.1`) set down by hand: the kernel drops the
+/// routes and neighbours through it. Within [`FOLLOW`] the agent has set it up again and
+/// node `n` holds every entry again, and every pod reaches every pod through `path`.
+pub fn device_set_down_comes_back(
+    cluster: &mut Cluster,
+    path: PathFn<'_>,
+    n: usize,
+    device: &str,
+) -> Result<()> {
+    let entries = Entries::converged(cluster, path, n)?;
+    let node = cluster.topology().node(n);
+    node.run(&["ip", "link", "set", device, "down"])?;
+    wait::until_ok(FOLLOW, &format!("node{n}'s {device} up again"), || {
+        let link: serde_json::Value =
+            serde_json::from_str(&node.run(&["ip", "-j", "link", "show", device])?)?;
+        let flags = &link[0]["flags"];
+        ensure!(
+            flags
+                .as_array()
+                .is_some_and(|f| f.iter().any(|x| x == "UP")),
+            "{device} flags {flags}"
+        );
+        entries.held(cluster)
+    })?;
+    reachable_across(cluster, path, n)
+}
+
 /// Node `n`'s `eth0` set down and up again under its running agent (`ifdown`/`ifup`, a
 /// network manager restarting it): the kernel flushes every route through it while it is
 /// down, the agent's included, and puts back only its own prefix routes. Within [`FOLLOW`]
