@@ -111,6 +111,18 @@ pub struct ExternalInterface {
     pub ext_v6_addr: Option<Ipv6Addr>,
 }
 
+impl ExternalInterface {
+    /// The interface addresses it was chosen with (`IfaceAddr`, `IfaceV6Addr`).
+    pub fn iface_addrs(&self) -> impl Iterator<Item = IpAddr> + use<> {
+        [
+            self.iface_addr.map(IpAddr::V4),
+            self.iface_v6_addr.map(IpAddr::V6),
+        ]
+        .into_iter()
+        .flatten()
+    }
+}
+
 /// Why one lookup failed (upstream's texts).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LookupError {

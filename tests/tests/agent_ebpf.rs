@@ -1544,15 +1544,11 @@ fn ebpf_programs_detached_by_something_else_are_attached_again() {
 #[test]
 fn ebpf_a_recreated_external_interface_is_followed() {
     require_root!();
-    for backend in ["host-gw", "vxlan"] {
-        let path = Path::of_backend(backend);
-        let p = move |_: usize, _: usize| path;
-        let spec = spec_on(EBPF, 2, Underlay::L2, backend, 1);
-        let name = format!("{backend}/l2, eth0 re-created");
-        with_cluster(&named(EBPF, &name), spec, |c| {
-            scenarios::external_interface_recreated(c, &p, 1)
-        });
-    }
+    scenarios::on_host_gw_and_vxlan(
+        EBPF,
+        "eth0 re-created",
+        scenarios::external_interface_recreated,
+    );
 }
 
 /// `eth0` set down and up again under a running agent: the kernel entries and route map
@@ -1561,15 +1557,11 @@ fn ebpf_a_recreated_external_interface_is_followed() {
 #[test]
 fn ebpf_an_external_interface_going_down_and_up_is_ridden_out() {
     require_root!();
-    for backend in ["host-gw", "vxlan"] {
-        let path = Path::of_backend(backend);
-        let p = move |_: usize, _: usize| path;
-        let spec = spec_on(EBPF, 2, Underlay::L2, backend, 1);
-        let name = format!("{backend}/l2, eth0 down and up");
-        with_cluster(&named(EBPF, &name), spec, |c| {
-            scenarios::external_interface_down_and_up(c, &p, 1)
-        });
-    }
+    scenarios::on_host_gw_and_vxlan(
+        EBPF,
+        "eth0 down and up",
+        scenarios::external_interface_down_and_up,
+    );
 }
 
 /// Four nodes, kernel path on 1 and 3, fast path on 2 and 4: every pod reaches every pod,

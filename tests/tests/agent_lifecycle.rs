@@ -17,6 +17,7 @@ use agent_support::{
 use anyhow::{Result, ensure};
 use flannel_tests::{
     lab::{
+        agent::Dataplane,
         cluster::{Cluster, ClusterSpec},
         status, wait,
     },
@@ -55,14 +56,11 @@ fn restart_is_hitless() {
 #[test]
 fn a_recreated_external_interface_is_followed() {
     require_root!();
-    for backend in ["host-gw", "vxlan"] {
-        let path = Path::of_backend(backend);
-        let p = move |_: usize, _: usize| path;
-        let name = format!("{backend}/l2, eth0 re-created");
-        with_cluster(&name, spec(2, Underlay::L2, backend, 1), |c| {
-            scenarios::external_interface_recreated(c, &p, 1)
-        });
-    }
+    scenarios::on_host_gw_and_vxlan(
+        Dataplane::Kernel,
+        "eth0 re-created",
+        scenarios::external_interface_recreated,
+    );
 }
 
 /// The agent's routes, neighbours and FDB entries deleted by hand: back within seconds, not
@@ -70,14 +68,11 @@ fn a_recreated_external_interface_is_followed() {
 #[test]
 fn entries_deleted_by_hand_come_back() {
     require_root!();
-    for backend in ["host-gw", "vxlan"] {
-        let path = Path::of_backend(backend);
-        let p = move |_: usize, _: usize| path;
-        let name = format!("{backend}/l2, entries deleted by hand");
-        with_cluster(&name, spec(2, Underlay::L2, backend, 1), |c| {
-            scenarios::entries_deleted_by_hand_come_back(c, &p, 1)
-        });
-    }
+    scenarios::on_host_gw_and_vxlan(
+        Dataplane::Kernel,
+        "entries deleted by hand",
+        scenarios::entries_deleted_by_hand_come_back,
+    );
 }
 
 /// `eth0` set down and up again under a running agent: the host-gw routes the kernel flushed
@@ -86,14 +81,11 @@ fn entries_deleted_by_hand_come_back() {
 #[test]
 fn an_external_interface_going_down_and_up_is_ridden_out() {
     require_root!();
-    for backend in ["host-gw", "vxlan"] {
-        let path = Path::of_backend(backend);
-        let p = move |_: usize, _: usize| path;
-        let name = format!("{backend}/l2, eth0 down and up");
-        with_cluster(&name, spec(2, Underlay::L2, backend, 1), |c| {
-            scenarios::external_interface_down_and_up(c, &p, 1)
-        });
-    }
+    scenarios::on_host_gw_and_vxlan(
+        Dataplane::Kernel,
+        "eth0 down and up",
+        scenarios::external_interface_down_and_up,
+    );
 }
 
 /// `eth0` loses the address the agent started with: the agent says so and counts it, and

@@ -3489,6 +3489,28 @@ fn pinned_maps_are_adopted_and_incompatible_ones_replaced() {
 
 /// `tc_from_bridge` on the bridge's ports: one pinned link per port, adopted by a new handle,
 /// and removed (link and pin) for a port that is gone, and for the bridge itself.
+/// The ids of the programs TCX runs on `dev` in `direction`, in the calling thread's
+/// namespace.
+fn tcx_ids(dev: &str, direction: aya::programs::TcAttachType) -> Vec<u32> {
+    aya::programs::SchedClassifier::query_tcx(dev, direction)
+        .expect("query tcx")
+        .1
+        .iter()
+        .map(|p| p.id())
+        .collect()
+}
+
+/// The names of the links pinned under `pin`, sorted.
+fn pinned_links(pin: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(pin.join("links"))
+        .expect("links dir")
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    names.sort();
+    names
+}
+
 #[test]
 fn port_links_follow_the_set_of_ports() {
     let Some(rig) = Rig::new("fpprt") else { return };
@@ -3507,23 +3529,12 @@ fn port_links_follow_the_set_of_ports() {
             sh(&["link", "add", "pb0", "type", "veth", "peer", "name", "pb1"]);
             let index = |name: &str| nix::net::if_::if_nametoindex(name).expect(name);
             let (a, b) = (index("pa0"), index("pb0"));
-            let ingress_ids = |dev: &str| -> Vec<u32> {
-                aya::programs::SchedClassifier::query_tcx(dev, aya::programs::TcAttachType::Ingress)
-                    .expect("query tcx")
-                    .1
-                    .iter()
-                    .map(|p| p.id())
-                    .collect()
-            };
+            let ingress_ids = |dev: &str| tcx_ids(dev, aya::programs::TcAttachType::Ingress);
             let pinned = || -> Vec<String> {
-                let mut v: Vec<String> = std::fs::read_dir(pin.join("links"))
-                    .expect("links dir")
-                    .flatten()
-                    .filter_map(|e| e.file_name().into_string().ok())
+                pinned_links(&pin)
+                    .into_iter()
                     .filter(|n| n.starts_with("tc_from_bridge-"))
-                    .collect();
-                v.sort();
-                v
+                    .collect()
             };
             let link_name = |i: u32| format!("tc_from_bridge-{i}");
             let first_a;
@@ -3588,21 +3599,8 @@ fn the_fast_path_follows_the_external_interface_to_a_new_index() {
         .enter(move || {
             let ext = nix::net::if_::if_nametoindex("ext0").expect("ext0");
             let new = nix::net::if_::if_nametoindex("fx0").expect("fx0");
-            let tcx = |dev: &str, direction: aya::programs::TcAttachType| -> usize {
-                aya::programs::SchedClassifier::query_tcx(dev, direction)
-                    .expect("query tcx")
-                    .1
-                    .len()
-            };
-            let links = || -> Vec<String> {
-                let mut names: Vec<String> = std::fs::read_dir(pin.join("links"))
-                    .expect("links dir")
-                    .flatten()
-                    .filter_map(|e| e.file_name().into_string().ok())
-                    .collect();
-                names.sort();
-                names
-            };
+            let tcx = |dev: &str, direction| tcx_ids(dev, direction).len();
+            let links = || pinned_links(&pin);
             let mut fp = FastPath::load(&pin).expect("load");
             assert_eq!(fp.follow_netdev(new).expect("unconfigured"), None);
             assert!(fp.attachments().is_empty(), "nothing attached unconfigured");
@@ -3695,14 +3693,6 @@ fn links_are_pinned_replaced_atomically_and_cleaned_up() {
     rig.ns
         .enter(move || {
             let ifs = Ifaces::current();
-            let tcx_ids = |dev: &str, direction: aya::programs::TcAttachType| -> Vec<u32> {
-                aya::programs::SchedClassifier::query_tcx(dev, direction)
-                    .expect("query tcx")
-                    .1
-                    .iter()
-                    .map(|p| p.id())
-                    .collect()
-            };
             // The XDP program on ext0, as `ip` reports it (the command inherits this thread's
             // namespace).
             let xdp_id = || -> Option<String> {
@@ -3784,11 +3774,7 @@ fn links_are_pinned_replaced_atomically_and_cleaned_up() {
             let new_br = Ifaces::current().br;
             assert_ne!(new_br, ifs.br);
             assert_eq!(fp.attach_bridge(new_br).expect("new bridge"), Attached::New);
-            let links: Vec<String> = std::fs::read_dir(pin.join("links"))
-                .expect("links dir")
-                .flatten()
-                .filter_map(|e| e.file_name().into_string().ok())
-                .collect();
+            let links = pinned_links(&pin);
             assert!(
                 links.contains(&format!("tc_from_bridge-{new_br}")),
                 "{links:?}"
@@ -3851,17 +3837,7 @@ fn heal_attaches_again_what_was_detached_and_forgets_gone_interfaces() {
             fp.attach_bridge(veth).expect("attach to the veth");
             assert!(fp.heal().is_empty(), "all in place");
 
-            let ingress = || {
-                aya::programs::SchedClassifier::query_tcx(
-                    "ext0",
-                    aya::programs::TcAttachType::Ingress,
-                )
-                .expect("query tcx")
-                .1
-                .iter()
-                .map(|p| p.id())
-                .collect::<Vec<u32>>()
-            };
+            let ingress = || tcx_ids("ext0", aya::programs::TcAttachType::Ingress);
             let before = ingress();
             assert_eq!(before.len(), 1);
             let link = pin

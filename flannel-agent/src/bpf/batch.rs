@@ -45,6 +45,17 @@ struct BatchAttr {
     flags: u64,
 }
 
+/// The data of `map` if it is a hash or LRU hash map, the maps these operations serve.
+pub fn hash_data(map: &aya::maps::Map) -> io::Result<&MapData> {
+    match map {
+        aya::maps::Map::HashMap(data) | aya::maps::Map::LruHashMap(data) => Ok(data),
+        _ => Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "not a hash or LRU hash map",
+        )),
+    }
+}
+
 /// Every key of the map `map` (a hash map, or any map the kernel's batch lookup serves), whose
 /// keys are `K` and values `value_size` bytes, read in batches.
 pub fn keys<K: aya::Pod>(map: &MapData, value_size: usize) -> io::Result<Vec<K>> {

@@ -646,17 +646,7 @@ fn carry<V: Stamped>(
     new: &aya::maps::Map,
     how: Carry,
 ) -> Result<usize, aya::maps::MapError> {
-    let (
-        aya::maps::Map::LruHashMap(old_data) | aya::maps::Map::HashMap(old_data),
-        aya::maps::Map::LruHashMap(new_data) | aya::maps::Map::HashMap(new_data),
-    ) = (old, new)
-    else {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::Unsupported,
-            "the NAT maps are not hash maps",
-        )
-        .into());
-    };
+    let (old_data, new_data) = (super::batch::hash_data(old)?, super::batch::hash_data(new)?);
     let current: BpfHashMap<&MapData, NatKey, V> = BpfHashMap::try_from(new)?;
     let mut carried = 0;
     super::batch::for_each_batch::<NatKey, V>(old_data, |entries| {

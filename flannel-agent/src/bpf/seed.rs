@@ -545,29 +545,20 @@ impl FastPath {
         &self,
         name: &'static str,
     ) -> Result<HashSet<K>, BpfError> {
-        let data = hash_data(self.ebpf().map(name).ok_or_else(|| missing(name))?, name)?;
-        let keys = super::batch::keys::<K>(data, size_of::<u32>())
-            .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))?;
-        Ok(keys.into_iter().collect())
+        let map = self.ebpf().map(name).ok_or_else(|| missing(name))?;
+        super::batch::hash_data(map)
+            .and_then(|data| super::batch::keys::<K>(data, size_of::<u32>()))
+            .map(|keys| keys.into_iter().collect())
+            .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))
     }
 
     /// Writes every key of `keys` into the flow table `name` (`BPF_ANY`, value 1), in batches
     /// ([`super::batch::update`]).
     fn write_all<K: aya::Pod>(&mut self, name: &'static str, keys: &[K]) -> Result<(), BpfError> {
-        let data = hash_data(self.ebpf().map(name).ok_or_else(|| missing(name))?, name)?;
-        super::batch::update(data, keys, &vec![1u32; keys.len()], BPF_ANY)
+        let map = self.ebpf().map(name).ok_or_else(|| missing(name))?;
+        super::batch::hash_data(map)
+            .and_then(|data| super::batch::update(data, keys, &vec![1u32; keys.len()], BPF_ANY))
             .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))
-    }
-}
-
-/// The map behind the flow table `name`, which must be a hash or LRU hash map.
-fn hash_data<'a>(map: &'a aya::maps::Map, name: &'static str) -> Result<&'a MapData, BpfError> {
-    match map {
-        aya::maps::Map::HashMap(data) | aya::maps::Map::LruHashMap(data) => Ok(data),
-        _ => Err(BpfError::BadMap {
-            name,
-            reason: "not a hash map".into(),
-        }),
     }
 }
 

@@ -197,13 +197,9 @@ impl FastPath {
     /// Disables the IPv4 side (an all-zero configuration entry: IPv4 frames are passed), for
     /// IPv6-only nodes.
     pub fn disable_ipv4(&mut self) -> Result<(), BpfError> {
-        let name = flannel_common::maps::CONFIG;
-        let map = self.ebpf_mut().map_mut(name).ok_or_else(|| missing(name))?;
-        let mut array: Array<&mut MapData, flannel_common::config::Config> =
-            Array::try_from(map).map_err(|e| BpfError::map(name, e))?;
-        array
+        self.array_mut()?
             .set(0, flannel_common::config::Config::default(), 0)
-            .map_err(|e| BpfError::map(name, e))?;
+            .map_err(|e| BpfError::map(flannel_common::maps::CONFIG, e))?;
         self.retire_memos()
     }
 

@@ -141,13 +141,7 @@ async fn missing_addresses(
     nl: &Netlink,
     ext: &ExternalInterface,
 ) -> Result<Vec<IpAddr>, DataplaneError> {
-    let started: Vec<IpAddr> = [
-        ext.iface_addr.map(IpAddr::V4),
-        ext.iface_v6_addr.map(IpAddr::V6),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
+    let started: Vec<IpAddr> = ext.iface_addrs().collect();
     if started.is_empty() {
         return Ok(started);
     }

@@ -183,6 +183,14 @@ impl QuickPass<'_> {
     }
 }
 
+/// Sleeps until `at`; never returns when it is `None`.
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(t) => sleep_until(t).await,
+        None => std::future::pending::<()>().await,
+    }
+}
+
 /// The reconciler: owns this node's [`Local`] description and the appliers.
 pub struct Reconciler {
     nl: Netlink,
@@ -286,10 +294,9 @@ impl Reconciler {
     /// a new index, the external interface changed at all (re-created; set down, which
     /// flushes every route through it, or up again; the address it was started with removed
     /// or added: not others, like IPv6 temporary addresses coming and going), one of our
-    /// routes (protocol
-    /// [`RTPROT_FLANNEL`]) or a neighbour or FDB entry on one of our devices was removed
-    /// (by hand; our own deletions bring one reconcile more, which finds nothing to do), or
-    /// events were lost.
+    /// routes (protocol [`RTPROT_FLANNEL`]) or a neighbour or FDB entry on one of our devices
+    /// was removed (by hand; our own deletions bring one reconcile more, which finds nothing
+    /// to do), or events were lost.
     fn concerns(&self, event: &LinkEvent) -> bool {
         let ours = |name: &str| self.device_names().iter().any(|n| n == name);
         match event {
@@ -303,11 +310,7 @@ impl Reconciler {
             }
             LinkEvent::AddressChanged { index, address } => {
                 let ext = &self.local.ext;
-                let started = [
-                    ext.iface_addr.map(IpAddr::V4),
-                    ext.iface_v6_addr.map(IpAddr::V6),
-                ];
-                *index == ext.index && address.is_none_or(|a| started.contains(&Some(a)))
+                *index == ext.index && address.is_none_or(|a| ext.iface_addrs().any(|s| s == a))
             }
             LinkEvent::RouteRemoved { protocol } => *protocol == RTPROT_FLANNEL,
             LinkEvent::NeighbourRemoved { index } => {
@@ -619,18 +622,7 @@ impl Reconciler {
                 }
                 continue;
             }
-            let retry = async {
-                match retry_at {
-                    Some(t) => sleep_until(t).await,
-                    None => std::future::pending::<()>().await,
-                }
-            };
-            let recheck = async {
-                match recheck_at {
-                    Some(t) => sleep_until(t).await,
-                    None => std::future::pending::<()>().await,
-                }
-            };
+            let (retry, recheck) = (sleep_until_some(retry_at), sleep_until_some(recheck_at));
             tokio::select! {
                 biased;
                 () = &mut shutdown => break,

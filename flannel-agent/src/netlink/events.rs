@@ -66,7 +66,9 @@ fn join_groups(
     Ok((opened.unsolicited, task))
 }
 
-/// A change to the set of links.
+/// A change to the set of links; from
+/// [`Netlink::dataplane_events`](super::Netlink::dataplane_events) also to addresses, and
+/// removed routes and neighbours.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LinkEvent {
     /// `RTM_NEWLINK`: a link was added or changed (up/down, MTU, MAC, ...).

@@ -783,6 +783,23 @@ impl Entries {
         }
         Ok(())
     }
+
+    /// Waits up to [`FOLLOW`] until node `n` holds them all again and `also` holds (`what`
+    /// names the wait), then checks that every pod reaches every pod through `path`, with
+    /// transfers both ways between node `n` and another node.
+    fn back(
+        &self,
+        cluster: &Cluster,
+        path: PathFn<'_>,
+        what: &str,
+        mut also: impl FnMut() -> Result<()>,
+    ) -> Result<()> {
+        wait::until_ok(FOLLOW, &format!("node{}: {what}", self.n), || {
+            self.held(cluster)?;
+            also()
+        })?;
+        reachable_across(cluster, path, self.n)
+    }
 }
 
 /// [`reachable_everywhere`] through `path`, with transfers both ways between node `n` and
@@ -793,6 +810,20 @@ fn reachable_across(cluster: &Cluster, path: PathFn<'_>, n: usize) -> Result<()>
         .find(|&m| m != n)
         .context("a second node")?;
     reachable_everywhere(cluster, path, &[(n, other), (other, n)])
+}
+
+/// A check that disturbs node `n` of a running cluster and that it recovers.
+pub type Scenario = fn(&mut Cluster, PathFn<'_>, usize) -> Result<()>;
+
+/// `scenario` on node1 of a two-node L2 cluster with a pod on each node, every agent on
+/// `dataplane`: once with host-gw, once with VXLAN (`what` names the clusters).
+pub fn on_host_gw_and_vxlan(dataplane: Dataplane, what: &str, scenario: Scenario) {
+    for backend in ["host-gw", "vxlan"] {
+        let path = Path::of_backend(backend);
+        let spec = spec_on(dataplane, 2, Underlay::L2, backend, 1);
+        let name = named(dataplane, &format!("{backend}/l2, {what}"));
+        with_cluster(&name, spec, |c| scenario(c, &move |_, _| path, 1));
+    }
 }
 
 /// Node `n`'s `eth0` loses the address the agent started with and gets another (a new DHCP
@@ -841,15 +872,12 @@ pub fn an_address_change_is_reported(
     node.run(&["ip", "addr", "del", &other, "dev", "eth0"])?;
     node.run(&["ip", "addr", "add", &old.to_string(), "dev", "eth0"])?;
     node.run(&["ip", "route", "add", "default", "via", &gateway])?;
-    wait::until_ok(FOLLOW, &format!("node{n} with {old} again"), || {
-        missing(0.0)?;
-        entries.held(cluster)
-    })?;
+    entries.back(cluster, path, &format!("{old} again"), || missing(0.0))?;
     ensure!(
         said(&again)? == 1 && said(&warning)? == 1,
         "node{n}'s agent did not say once that eth0 {again}"
     );
-    reachable_across(cluster, path, n)
+    Ok(())
 }
 
 /// Every route, neighbour and FDB entry of node `n`'s agent deleted by hand (`ip route flush
@@ -877,10 +905,7 @@ pub fn entries_deleted_by_hand_come_back(
             "bridge", "fdb", "del", words[0], "dev", words[2], "dst", words[4],
         ])?;
     }
-    wait::until_ok(FOLLOW, &format!("node{n}'s entries back"), || {
-        entries.held(cluster)
-    })?;
-    reachable_across(cluster, path, n)
+    entries.back(cluster, path, "entries back", || Ok(()))
 }
 
 /// Node `n`'s backend device `device` (`flannel.1`) set down by hand: the kernel drops the
@@ -895,7 +920,7 @@ pub fn device_set_down_comes_back(
     let entries = Entries::converged(cluster, path, n)?;
     let node = cluster.topology().node(n);
     node.run(&["ip", "link", "set", device, "down"])?;
-    wait::until_ok(FOLLOW, &format!("node{n}'s {device} up again"), || {
+    entries.back(cluster, path, &format!("{device} up again"), || {
         let link: serde_json::Value =
             serde_json::from_str(&node.run(&["ip", "-j", "link", "show", device])?)?;
         let flags = &link[0]["flags"];
@@ -905,9 +930,8 @@ pub fn device_set_down_comes_back(
                 .is_some_and(|f| f.iter().any(|x| x == "UP")),
             "{device} flags {flags}"
         );
-        entries.held(cluster)
-    })?;
-    reachable_across(cluster, path, n)
+        Ok(())
+    })
 }
 
 /// Node `n`'s `eth0` set down and up again under its running agent (`ifdown`/`ifup`, a
@@ -926,12 +950,7 @@ pub fn external_interface_down_and_up(
     // Long enough for the agent to look while it is down.
     thread::sleep(Duration::from_millis(500));
     node.run(&["ip", "link", "set", "eth0", "up"])?;
-    wait::until_ok(
-        FOLLOW,
-        &format!("node{n}'s entries after eth0 came up"),
-        || entries.held(cluster),
-    )?;
-    reachable_across(cluster, path, n)
+    entries.back(cluster, path, "entries after eth0 came up", || Ok(()))
 }
 
 /// Node `n`'s `eth0` deleted and created again under its running agent (a network manager
@@ -953,9 +972,9 @@ pub fn external_interface_recreated(
     ensure!(new != old, "the re-created eth0 kept index {old}");
     let node = cluster.topology().node(n);
     let pins = node.bpf_pin_path();
-    wait::until_ok(FOLLOW, &format!("node{n} following eth0 to {new}"), || {
-        entries.held(cluster)?;
-        if entries.routes.is_none() {
+    let fast = entries.routes.is_some();
+    entries.back(cluster, path, &format!("following eth0 to {new}"), || {
+        if !fast {
             return Ok(());
         }
         let mut programs = fastpath::tcx_programs(node.ns(), "eth0")?;
@@ -980,7 +999,7 @@ pub fn external_interface_recreated(
         );
         Ok(())
     })?;
-    if entries.routes.is_some() {
+    if fast {
         let agent = cluster.agent_mut(n).context("agent")?;
         let log = std::fs::read_to_string(agent.log_path())?;
         let moves = count_lines(&log, "fast path following it");
@@ -990,7 +1009,7 @@ pub fn external_interface_recreated(
             agent.log_tail(30)
         );
     }
-    reachable_across(cluster, path, n)
+    Ok(())
 }
 
 /// The connectivity test of `backend` over `underlay` on `dataplane`, three nodes with two
