@@ -45,7 +45,7 @@ use flannel_tests::{
     bench::variant::link_mac,
     kube_mock::MockApiServer,
     lab::{
-        agent::{Agent, AgentSpec, DEFAULT_HEALTHZ_PORT, Dataplane},
+        agent::{Agent, DEFAULT_HEALTHZ_PORT, Dataplane},
         bins,
         cluster::{Cluster, ClusterSpec},
         fastpath::{self, Route},
@@ -56,7 +56,7 @@ use flannel_tests::{
     netns::NetNs,
     packet::{Ipv4, Udp},
     require_root,
-    topology::{SubnetEnv, Topology, TopologySpec, Underlay},
+    topology::{SubnetEnv, Topology, Underlay},
 };
 use ipnet::Ipv4Net;
 use serde_json::json;
@@ -1626,41 +1626,9 @@ fn ebpf_kube_mode_vxlan() {
 fn kube_mode() -> Result<()> {
     let cidr = |n: usize| -> Ipv4Net { format!("10.244.{n}.0/24").parse().expect("CIDR") };
     let network: Ipv4Net = "10.244.0.0/16".parse()?;
-    with_kube_vxlan_pair(|topology, api, agents| {
+    kube::with_vxlan_pair(EBPF, |topology, api, agents| {
         kube_mode_checks(topology, api, agents, network, &cidr)
     })
-}
-
-/// Two nodes on one L2 segment in kube mode (the fake API server in the hub, pod CIDRs
-/// 10.244.<n>.0/24 in their Node objects), network 10.244.0.0/16, vxlan, `--dataplane ebpf`:
-/// runs `body` on them, and prints the agents' logs when it fails.
-fn with_kube_vxlan_pair(
-    body: impl FnOnce(&mut Topology, &MockApiServer, &mut [Agent]) -> Result<()>,
-) -> Result<()> {
-    let (agent_bin, cni) = (bins::test_agent()?, bins::test_cni_plugin()?);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
-    let mut topology = Topology::new(TopologySpec::new(2, Underlay::L2).cni_plugin(cni))?;
-    let api = kube::api_in_hub(&rt, &topology, &|n| format!("10.244.{n}.0/24"))?;
-    let netconf = json!({"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}});
-    let mut spec = AgentSpec::new(&agent_bin, kube::NO_ETCD);
-    spec.dataplane = Some(EBPF);
-    let mut agents = kube::start_agents(&topology, &api, &netconf, &spec)?;
-    let result = body(&mut topology, &api, &mut agents);
-    if result.is_err() {
-        for a in &agents {
-            eprintln!(
-                "--- {} ({}):\n{}",
-                a.node(),
-                a.log_path().display(),
-                a.log_tail(40)
-            );
-        }
-    }
-    drop(agents);
-    result
 }
 
 fn kube_mode_checks(
@@ -1799,7 +1767,7 @@ fn kube_mode_checks(
 #[test]
 fn ebpf_node_labelled_for_upstream_is_handed_over_when_its_agent_stops() {
     require_root!();
-    if let Err(e) = with_kube_vxlan_pair(handed_over_checks) {
+    if let Err(e) = kube::with_vxlan_pair(EBPF, handed_over_checks) {
         panic!("[ebpf labelled for upstream] {e:#}");
     }
 }

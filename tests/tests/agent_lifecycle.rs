@@ -7,23 +7,25 @@
 
 mod agent_support;
 
-use std::time::Duration;
+use std::{collections::BTreeMap, time::Duration};
 
 use agent_support::{
     CONVERGE, Path, count_lines, expected_state, leases_by_node,
     scenarios::{self, converged},
     spec, wait_for_state, with_cluster,
 };
-use anyhow::{Result, ensure};
+use anyhow::{Context as _, Result, ensure};
 use flannel_tests::{
+    kube_mock::{self, MockApiServer},
     lab::{
-        agent::Dataplane,
+        agent::{Agent, Dataplane},
         cluster::{Cluster, ClusterSpec},
-        status, wait,
+        kube, probe, status, wait,
     },
     require_root,
-    topology::{Topology, Underlay},
+    topology::{Pod, Topology, Underlay},
 };
+use ipnet::Ipv4Net;
 
 fn vxlan(_: usize, _: usize) -> Path {
     Path::Vxlan
@@ -329,4 +331,91 @@ fn stale_state_is_removed_at_start() {
     if let Err(e) = result {
         agent_support::fail("stale state", &mut c, &e);
     }
+}
+
+/// Kube mode (the fake API server), vxlan, kernel path. Upstream writes a Node's flannel
+/// annotations once; the agent keeps them. node2's annotations removed by hand are back
+/// within seconds as node2 published them (one warning in its log), node1 routes to node2
+/// again and the pods reach each other. node2's Node deleted and registered again with
+/// another pod CIDR ends node2's agent with exit code 1 and an error that names both.
+#[test]
+fn kube_the_own_node_keeps_its_annotations() {
+    require_root!();
+    if let Err(e) = kube::with_vxlan_pair(Dataplane::Kernel, own_node_kept) {
+        panic!("[kube own node] {e:#}");
+    }
+}
+
+fn own_node_kept(topology: &mut Topology, api: &MockApiServer, agents: &mut [Agent]) -> Result<()> {
+    const PREFIX: &str = "flannel.alpha.coreos.com/";
+    for (node, agent) in topology.nodes().iter().zip(agents.iter_mut()) {
+        agent.wait_subnet_env(node, Duration::from_secs(60))?;
+    }
+    let node2 = topology.node(2).name();
+    let flannel_annotations = || -> Result<BTreeMap<String, String>> {
+        let obj = api.node(&node2).context("node2 is gone")?;
+        let ann = obj["metadata"]["annotations"]
+            .as_object()
+            .context("no annotations")?;
+        Ok(ann
+            .iter()
+            .filter(|(k, _)| k.starts_with(PREFIX))
+            .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+            .collect())
+    };
+    // kube-subnet-manager, backend-type, backend-data, public-ip.
+    let published = wait::until(CONVERGE, "node2's annotations", || {
+        let ann = flannel_annotations()?;
+        Ok((ann.len() == 4).then_some(ann))
+    })?;
+    topology.add_pod(1)?;
+    topology.add_pod(2)?;
+    let network: Ipv4Net = "10.244.0.0/16".parse()?;
+    let connected = || -> Result<()> {
+        let state = status::kernel_state(topology.node(1).ns(), network, None)?;
+        ensure!(
+            state.route_to("10.244.2.0/24").is_some(),
+            "node1 has no route to node2's pods:\n{state}"
+        );
+        let pods: Vec<&Pod> = topology.pods().iter().collect();
+        probe::matrix(&pods, Duration::from_secs(2))?.check()
+    };
+    wait::until_ok(CONVERGE, "node1 routes to node2", connected)?;
+
+    api.modify_node(&node2, |n| {
+        if let Some(ann) = n["metadata"]["annotations"].as_object_mut() {
+            ann.retain(|k, _| !k.starts_with(PREFIX));
+        }
+    })
+    .context("node2")?;
+    wait::until_ok(Duration::from_secs(10), "node2's annotations back", || {
+        let ann = flannel_annotations()?;
+        ensure!(ann == published, "{ann:?}, not {published:?}");
+        Ok(())
+    })?;
+    wait::until_ok(
+        Duration::from_secs(10),
+        "node1 routes to node2 again",
+        connected,
+    )?;
+    let log = std::fs::read_to_string(agents[1].log_path())?;
+    let warned = count_lines(&log, "lost or changed its flannel annotations");
+    ensure!(warned == 1, "node2's agent warned {warned} times");
+
+    api.delete_node(&node2).context("node2")?;
+    api.apply_node(kube_mock::node(&node2, &["10.244.9.0/24"], &[]));
+    let agent2 = &mut agents[1];
+    let status = wait::until(Duration::from_secs(10), "node2's agent to exit", || {
+        Ok(agent2.exit_status())
+    })?;
+    ensure!(
+        status.code() == Some(1),
+        "node2's agent exited with {status}"
+    );
+    let log = std::fs::read_to_string(agent2.log_path())?;
+    ensure!(
+        log.contains("now has pod CIDR 10.244.9.0/24, not 10.244.2.0/24 as leased"),
+        "node2's log does not say why it stopped"
+    );
+    Ok(())
 }

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result, bail, ensure};
 use flannel_agent::backend::MacAddr;
 use flannel_agent::gojson::RawJson;
 use flannel_agent::lease::{Lease, LeaseAttrs};
@@ -840,6 +840,114 @@ async fn complete_lease_sets_network_unavailable_false() -> Result<()> {
         .complete_lease()
         .await?;
     assert_eq!(env.server.patches().len(), 1);
+    Ok(())
+}
+
+/// The patches the server has taken, once there are `n` (10 s at most).
+async fn patches_once(env: &Env, n: usize) -> Result<Vec<RecordedRequest>> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let patches = env.server.patches();
+        if patches.len() >= n {
+            return Ok(patches);
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("{} patches, not {n}: {patches:#?}", patches.len());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Upstream writes its Node's annotations once; the agent keeps them
+/// (`keep_own_node`): a removed or changed annotation is written back (that one alone), a
+/// deleted Node gets nothing while it is gone and every annotation plus
+/// `NetworkUnavailable=False` once it is registered again, and a Node registered again with
+/// another pod CIDR ends the agent with an error that says why.
+#[tokio::test]
+async fn the_own_node_keeps_its_annotations() -> Result<()> {
+    let env = Env::new(vec![own_node(&["10.244.0.0/24"], &[])]).await?;
+    let mgr = Arc::new(env.manager("n0")?);
+    let lease = mgr.acquire_lease(&vxlan_attrs([192, 168, 1, 10])).await?;
+    mgr.complete_lease().await?;
+    let published = env.server.patches()[0].body_text();
+    let cancel = CancellationToken::new();
+    let _stop = cancel.clone().drop_guard();
+    let mut keep = {
+        let mgr = mgr.clone();
+        tokio::spawn(async move { mgr.keep_own_node(&lease, cancel).await })
+    };
+    let env = &env;
+    let quiet = |n: usize| async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let patches = env.server.patches();
+        ensure!(patches.len() == n, "{patches:#?}");
+        Ok::<_, anyhow::Error>(())
+    };
+    quiet(2).await?;
+
+    // One annotation removed, then one changed: each is written back alone.
+    env.server
+        .modify_node("n0", |n| set_annotation(n, "public-ip", None))
+        .context("n0")?;
+    let p = patches_once(env, 3).await?;
+    assert_eq!(
+        p[2].body_text(),
+        r#"{"metadata":{"annotations":{"flannel.alpha.coreos.com/public-ip":"192.168.1.10"}}}"#
+    );
+    assert_eq!(p[2].path, "/api/v1/nodes/n0/status");
+    env.server
+        .modify_node("n0", |n| set_annotation(n, "backend-type", Some("host-gw")))
+        .context("n0")?;
+    let p = patches_once(env, 4).await?;
+    assert_eq!(
+        p[3].body_text(),
+        r#"{"metadata":{"annotations":{"flannel.alpha.coreos.com/backend-type":"vxlan"}}}"#
+    );
+    quiet(4).await?;
+
+    // Deleted: nothing while it is gone. Registered again, before the controller manager
+    // gives it a pod CIDR: every annotation as at start, and the network available again.
+    env.server.delete_node("n0").context("n0")?;
+    quiet(4).await?;
+    env.server.apply_node(own_node(&[], &[]));
+    let p = patches_once(env, 6).await?;
+    assert_eq!(p[4].body_text(), published);
+    assert!(
+        p[5].body_text()
+            .contains(r#""type":"NetworkUnavailable","status":"False""#),
+        "{}",
+        p[5].body_text()
+    );
+    let stored = env.server.node("n0").context("n0")?;
+    assert_eq!(
+        stored["metadata"]["annotations"][key("public-ip")],
+        "192.168.1.10"
+    );
+    // The same pod CIDR again: nothing more to do.
+    env.server
+        .modify_node("n0", |n| {
+            n["spec"] = json!({"podCIDR": "10.244.0.0/24", "podCIDRs": ["10.244.0.0/24"]});
+        })
+        .context("n0")?;
+    quiet(6).await?;
+    ensure!(!keep.is_finished(), "keep_own_node ended early");
+
+    // Registered again with another pod CIDR: the lease cannot be kept.
+    env.server.delete_node("n0").context("n0")?;
+    env.server.apply_node(own_node(&["10.244.5.0/24"], &[]));
+    let ended = tokio::time::timeout(Duration::from_secs(10), &mut keep)
+        .await
+        .context("keep_own_node did not end")??;
+    let e = ended.expect_err("a moved pod CIDR ends it");
+    assert!(matches!(e, KubeError::PodCidrChanged { .. }), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        "node \"n0\" now has pod CIDR 10.244.5.0/24, not 10.244.0.0/24 as leased (was the \
+         Node deleted and registered again?); exiting so that the restart takes the new one: \
+         pods with addresses in 10.244.0.0/24 must be re-created"
+    );
+    // Nothing written for a Node the agent no longer matches.
+    assert_eq!(env.server.patches().len(), 6);
     Ok(())
 }
 

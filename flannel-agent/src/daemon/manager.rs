@@ -146,7 +146,9 @@ impl SubnetManager {
     }
 
     /// After the dataplane runs: etcd keeps (renews and watches) the lease until `cancel`, or
-    /// returns [`EtcdError::LeaseRevoked`](crate::subnet::etcd::EtcdError::LeaseRevoked); kube marks the node's network available.
+    /// returns [`EtcdError::LeaseRevoked`](crate::subnet::etcd::EtcdError::LeaseRevoked); kube marks the node's network available
+    /// and keeps the Node's annotations until `cancel`, or returns
+    /// [`KubeError::PodCidrChanged`](crate::subnet::kube::KubeError::PodCidrChanged).
     pub async fn complete_lease(
         &self,
         lease: Lease,
@@ -154,7 +156,10 @@ impl SubnetManager {
     ) -> Result<(), DaemonError> {
         match self {
             Self::Etcd(m) => Ok(m.keep_lease(lease, cancel).await?),
-            Self::Kube(m) => Ok(m.complete_lease().await?),
+            Self::Kube(m) => {
+                m.complete_lease().await?;
+                Ok(m.keep_own_node(&lease, cancel).await?)
+            }
         }
     }
 

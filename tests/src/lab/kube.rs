@@ -7,10 +7,13 @@ use anyhow::Result;
 use serde_json::Value;
 use tokio::runtime::Runtime;
 
-use super::agent::{Agent, AgentSpec};
+use super::{
+    agent::{Agent, AgentSpec, Dataplane},
+    bins,
+};
 use crate::{
     kube_mock::{self, MockApiServer},
-    topology::Topology,
+    topology::{Topology, TopologySpec, Underlay},
 };
 
 /// The etcd endpoint of an agent in kube mode: nothing listens there.
@@ -58,4 +61,37 @@ pub fn start_agents(
         agents.push(Agent::start(node, &spec)?);
     }
     Ok(agents)
+}
+
+/// Two nodes on one L2 segment in kube mode (the fake API server in the hub, pod CIDRs
+/// 10.244.<n>.0/24 in their Node objects), network 10.244.0.0/16, vxlan, agents on
+/// `dataplane`: runs `body` on them, and prints the agents' logs when it fails.
+pub fn with_vxlan_pair(
+    dataplane: Dataplane,
+    body: impl FnOnce(&mut Topology, &MockApiServer, &mut [Agent]) -> Result<()>,
+) -> Result<()> {
+    let (agent_bin, cni) = (bins::test_agent()?, bins::test_cni_plugin()?);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let mut topology = Topology::new(TopologySpec::new(2, Underlay::L2).cni_plugin(cni))?;
+    let api = api_in_hub(&rt, &topology, &|n| format!("10.244.{n}.0/24"))?;
+    let netconf = serde_json::json!({"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}});
+    let mut spec = AgentSpec::new(&agent_bin, NO_ETCD);
+    spec.dataplane = Some(dataplane);
+    let mut agents = start_agents(&topology, &api, &netconf, &spec)?;
+    let result = body(&mut topology, &api, &mut agents);
+    if result.is_err() {
+        for a in &agents {
+            eprintln!(
+                "--- {} ({}):\n{}",
+                a.node(),
+                a.log_path().display(),
+                a.log_tail(40)
+            );
+        }
+    }
+    drop(agents);
+    result
 }

@@ -13,10 +13,14 @@
 //!   since the whole derived lease is compared.
 //! * A malformed node (bad `public-ip`, invalid BackendData JSON, more than two pod CIDRs)
 //!   is logged once per resourceVersion and left out; it never affects other nodes.
+//! * The own Node is kept as a restart would write it ([`own`],
+//!   [`KubeSubnetManager::keep_own_node`]): annotations that go missing are written again;
+//!   upstream writes them once.
 
 pub mod annotations;
 pub mod client;
 pub mod node;
+pub mod own;
 pub mod patch;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -46,6 +50,7 @@ use crate::gojson::RawJson;
 use crate::iface::{self, PublicIpError};
 use crate::lease::{Lease, LeaseAttrs};
 use crate::netconf::{ConfigError, NetConfig};
+use own::Upkeep;
 
 /// How long upstream waits for the node cache to fill at startup before giving up (unless
 /// `CONT_WHEN_CACHE_NOT_READY=true`); see [`KubeSubnetManager::wait_for_cache`].
@@ -195,6 +200,18 @@ pub enum KubeError {
     /// The background node watch ended (the manager is being dropped).
     #[error("the node watch stopped")]
     WatchStopped,
+    /// The own Node's pod CIDRs are not the leased ones any more ([`own::upkeep`]).
+    #[error(
+        "node {node:?} now has pod CIDR {now}, not {leased} as leased (was the Node deleted and registered again?); exiting so that the restart takes the new one: pods with addresses in {leased} must be re-created"
+    )]
+    PodCidrChanged {
+        /// The own node.
+        node: String,
+        /// The leased CIDRs (`v4[,v6]`).
+        leased: String,
+        /// The Node's CIDRs now.
+        now: String,
+    },
 }
 
 /// Poll and retry periods (upstream's values by default; tests shorten them).
@@ -266,6 +283,9 @@ pub struct KubeSubnetManager {
     timings: KubeTimings,
     config: OnceLock<NetConfig>,
     cache: OnceLock<NodeCache>,
+    /// The uid of the own Node that `acquire_lease` annotated, so that
+    /// [`KubeSubnetManager::keep_own_node`] knows a Node registered again.
+    acquired_uid: std::sync::Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for KubeSubnetManager {
@@ -297,6 +317,7 @@ impl KubeSubnetManager {
             timings: KubeTimings::default(),
             config: OnceLock::new(),
             cache: OnceLock::new(),
+            acquired_uid: std::sync::Mutex::new(None),
         })
     }
 
@@ -468,6 +489,9 @@ impl KubeSubnetManager {
             ipv6_subnet = None;
         }
 
+        if let Ok(mut uid) = self.acquired_uid.lock() {
+            uid.clone_from(&own.metadata.uid);
+        }
         let changes = patch::annotation_changes(&self.keys, node::annotations(&own), attrs);
         if changes.is_empty() {
             tracing::debug!("node {name:?} annotations are up to date");
@@ -519,6 +543,149 @@ impl KubeSubnetManager {
                 node: self.node_name.clone(),
                 source,
             })
+    }
+
+    /// Keeps the own Node carrying `lease` (what `acquire_lease` returned) until `cancel`:
+    /// after every change of it in the node cache, annotations that were removed or changed
+    /// are written again as a restart would write them (with a warning; at most once a
+    /// second, backing off to once a minute while something keeps undoing them), and a Node
+    /// registered again (a new uid) is marked network-available again. Ends with
+    /// [`KubeError::PodCidrChanged`] when the Node's pod CIDRs are no longer the leased
+    /// ones. The `alloc` backend runs no node cache and keeps nothing.
+    pub async fn keep_own_node(
+        &self,
+        lease: &Lease,
+        cancel: CancellationToken,
+    ) -> Result<(), KubeError> {
+        if self.network_config().await?.backend_type == "alloc" {
+            return Ok(());
+        }
+        let cache = self.cache();
+        let mut changes = cache.changes.clone();
+        let mut known_uid = self.acquired_uid.lock().map(|u| u.clone()).unwrap_or(None);
+        let mut gone = false;
+        let mut pace = own::RewritePace::default();
+        loop {
+            changes.borrow_and_update();
+            let cached = cache.store.get(&ObjectRef::new(&self.node_name));
+            let retry = match self
+                .confirmed_upkeep(cached.as_deref(), lease, &known_uid)
+                .await
+            {
+                Ok(Upkeep::Gone) => {
+                    if !gone {
+                        tracing::warn!(
+                            "node {:?} is gone from the API; its flannel annotations are \
+                             written again when it is registered again",
+                            self.node_name
+                        );
+                    }
+                    gone = true;
+                    None
+                }
+                Ok(Upkeep::Present { uid, rewrite }) => {
+                    gone = false;
+                    self.rewrite_own_node(rewrite, uid, &mut known_uid, &mut pace)
+                        .await
+                }
+                Ok(Upkeep::PodCidrChanged { leased, now }) => {
+                    return Err(KubeError::PodCidrChanged {
+                        node: self.node_name.clone(),
+                        leased,
+                        now,
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!("{e}");
+                    Some(Instant::now() + self.timings.patch_retry_interval)
+                }
+            };
+            let again = async {
+                match retry {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = cancel.cancelled() => return Ok(()),
+                () = again => {}
+                changed = changes.changed() => {
+                    if changed.is_err() {
+                        return Err(KubeError::WatchStopped);
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`own::upkeep`] of the cached own Node; when that calls for work, of a fresh read
+    /// instead, since the cache can lag behind the agent's own writes.
+    async fn confirmed_upkeep(
+        &self,
+        cached: Option<&Node>,
+        lease: &Lease,
+        known_uid: &Option<String>,
+    ) -> Result<Upkeep, KubeError> {
+        let upkeep = own::upkeep(&self.keys, cached, lease);
+        let calls_for_work = match &upkeep {
+            Upkeep::Gone => false,
+            Upkeep::Present { uid, rewrite } => !rewrite.is_empty() || uid != known_uid,
+            Upkeep::PodCidrChanged { .. } => true,
+        };
+        if !calls_for_work {
+            return Ok(upkeep);
+        }
+        match self.get_node(&GetParams::default()).await {
+            Ok(fresh) => Ok(own::upkeep(&self.keys, Some(&fresh), lease)),
+            Err(KubeError::Api {
+                source: kube::Error::Api(status),
+                ..
+            }) if status.code == 404 => Ok(Upkeep::Gone),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Writes `rewrite` to the own Node (paced by `pace`), and marks its network available
+    /// again when `uid` is not `known_uid` (a Node registered again). When to look again
+    /// (`None`: at the next change).
+    async fn rewrite_own_node(
+        &self,
+        rewrite: BTreeMap<String, String>,
+        uid: Option<String>,
+        known_uid: &mut Option<String>,
+        pace: &mut own::RewritePace,
+    ) -> Option<Instant> {
+        if !rewrite.is_empty() {
+            if let Some(at) = pace.wait_for() {
+                return Some(at);
+            }
+            let keys: Vec<&str> = rewrite.keys().map(String::as_str).collect();
+            tracing::warn!(
+                "node {:?} lost or changed its flannel annotations ({}); writing them again",
+                self.node_name,
+                keys.join(", ")
+            );
+            if let Err(e) = self
+                .patch_with_retry(patch::annotations_patch(&rewrite))
+                .await
+            {
+                tracing::warn!("{e}");
+                return Some(Instant::now() + self.timings.patch_retry_interval);
+            }
+        }
+        if uid.is_some() && uid != *known_uid {
+            tracing::info!(
+                "node {:?} was registered again (uid {}); marking its network available again",
+                self.node_name,
+                uid.as_deref().unwrap_or_default()
+            );
+            if let Err(e) = self.complete_lease().await {
+                tracing::warn!("{e}");
+                return Some(Instant::now() + self.timings.patch_retry_interval);
+            }
+            *known_uid = uid;
+        }
+        None
     }
 
     /// The own node's `node-public-ip` / `node-public-ipv6` annotations (one GET), for the
