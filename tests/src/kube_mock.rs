@@ -382,6 +382,102 @@ pub fn node(name: &str, pod_cidrs: &[&str], annotations: &[(&str, &str)]) -> Val
     })
 }
 
+/// A Node as a kubelet and flannel leave it in a real cluster: the flannel annotations
+/// (vxlan, `public_ip`, a VTEP MAC from `index`), the kubelet's labels and annotations,
+/// `managedFields`, and a status with addresses, capacity, conditions, node info and the
+/// 40 container images a busy node holds (about 14 KB of JSON in all).
+pub fn realistic_node(name: &str, index: u32, pod_cidr: &str, public_ip: &str) -> Value {
+    let [.., hi, lo] = index.to_be_bytes();
+    let images: Vec<Value> = (0..40)
+        .map(|i| {
+            json!({
+                "names": [
+                    format!("registry.example.com/platform/service-{i}@sha256:{:064x}", u64::from(index) * 97 + i),
+                    format!("registry.example.com/platform/service-{i}:v1.{i}.{index}"),
+                ],
+                "sizeBytes": 20_000_000 + i * 1_234_567,
+            })
+        })
+        .collect();
+    let condition = |kind: &str, status: &str, reason: &str, message: &str| {
+        json!({"type": kind, "status": status, "reason": reason, "message": message,
+               "lastHeartbeatTime": "2026-12-07T10:00:00Z",
+               "lastTransitionTime": "2026-12-01T08:00:00Z"})
+    };
+    let mut node = node(
+        name,
+        &[pod_cidr],
+        &[
+            (
+                "flannel.alpha.coreos.com/backend-data",
+                &format!(r#"{{"VNI":1,"VtepMAC":"96:59:b2:3f:{hi:02x}:{lo:02x}"}}"#),
+            ),
+            ("flannel.alpha.coreos.com/backend-type", "vxlan"),
+            ("flannel.alpha.coreos.com/kube-subnet-manager", "true"),
+            ("flannel.alpha.coreos.com/public-ip", public_ip),
+            (
+                "kubeadm.alpha.kubernetes.io/cri-socket",
+                "unix:///var/run/containerd/containerd.sock",
+            ),
+            ("node.alpha.kubernetes.io/ttl", "0"),
+            (
+                "volumes.kubernetes.io/controller-managed-attach-detach",
+                "true",
+            ),
+        ],
+    );
+    node["metadata"]["labels"] = json!({
+        "beta.kubernetes.io/arch": "amd64", "beta.kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64", "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux", "node.kubernetes.io/instance-type": "m5.xlarge",
+        "topology.kubernetes.io/region": "eu-west-1", "topology.kubernetes.io/zone": "eu-west-1b",
+    });
+    node["metadata"]["managedFields"] = json!([
+        {"manager": "kubeadm", "operation": "Update", "apiVersion": "v1",
+         "time": "2026-12-01T08:00:00Z", "fieldsType": "FieldsV1",
+         "fieldsV1": {"f:metadata": {"f:annotations": {"f:kubeadm.alpha.kubernetes.io/cri-socket": {}}}}},
+        {"manager": "flanneld", "operation": "Update", "apiVersion": "v1", "subresource": "status",
+         "time": "2026-12-01T08:00:05Z", "fieldsType": "FieldsV1",
+         "fieldsV1": {"f:metadata": {"f:annotations": {
+             "f:flannel.alpha.coreos.com/backend-data": {}, "f:flannel.alpha.coreos.com/backend-type": {},
+             "f:flannel.alpha.coreos.com/kube-subnet-manager": {}, "f:flannel.alpha.coreos.com/public-ip": {}}},
+             "f:status": {"f:conditions": {"k:{\"type\":\"NetworkUnavailable\"}": {".": {}, "f:status": {}}}}}},
+        {"manager": "kubelet", "operation": "Update", "apiVersion": "v1", "subresource": "status",
+         "time": "2026-12-07T10:00:00Z", "fieldsType": "FieldsV1",
+         "fieldsV1": {"f:status": {"f:allocatable": {}, "f:capacity": {}, "f:conditions": {},
+                                   "f:images": {}, "f:nodeInfo": {}}}},
+    ]);
+    node["spec"]["providerID"] = json!(format!("aws:///eu-west-1b/i-0{index:016x}"));
+    let resources = json!({"cpu": "4", "ephemeral-storage": "101430960Ki", "hugepages-1Gi": "0",
+                           "hugepages-2Mi": "0", "memory": "16110948Ki", "pods": "110"});
+    node["status"] = json!({
+        "addresses": [
+            {"type": "InternalIP", "address": public_ip},
+            {"type": "Hostname", "address": name},
+            {"type": "InternalDNS", "address": format!("{name}.eu-west-1.compute.internal")},
+        ],
+        "allocatable": resources,
+        "capacity": resources,
+        "conditions": [
+            condition("NetworkUnavailable", "False", "FlannelIsUp", "Flannel is running on this node"),
+            condition("MemoryPressure", "False", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
+            condition("DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
+            condition("PIDPressure", "False", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
+            condition("Ready", "True", "KubeletReady", "kubelet is posting ready status"),
+        ],
+        "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+        "images": images,
+        "nodeInfo": {
+            "architecture": "amd64", "bootID": format!("{index:08x}-0000-4000-8000-000000000000"),
+            "containerRuntimeVersion": "containerd://1.7.24", "kernelVersion": "6.18.0",
+            "kubeProxyVersion": "v1.32.6", "kubeletVersion": "v1.32.6",
+            "machineID": format!("{index:032x}"), "operatingSystem": "linux",
+            "osImage": "Debian GNU/Linux 13 (trixie)", "systemUUID": format!("ec2{index:029x}"),
+        },
+    });
+    node
+}
+
 fn status(code: u16, reason: &str, message: &str) -> Value {
     json!({
         "kind": "Status", "apiVersion": "v1", "metadata": {},

@@ -12,6 +12,7 @@
 //! | [`dataplane`] | `bench dataplane`: throughput, latency and CPU of the [`variant`] testbeds |
 //! | [`targets`] | issue 4's targets checked on a `bench dataplane` report, the floor's figure next to the agent's |
 //! | [`control`] | `bench control`: N fake leases → time until the kernel holds them |
+//! | [`kubecache`] | `bench kube-cache`: the memory kube mode holds for N Nodes, against whole Node objects |
 //! | [`learn`] | `bench learn`: the programs' time while kernel flows are learnt at a high rate, against a quiet run |
 //! | [`programs`] | `bench programs`: one program run on a remembered flow's packet, timed in the kernel against the floor |
 //! | [`masq`] | `bench masq`: pod → outside through eBPF SNAT, iptables MASQUERADE, no NAT |
@@ -24,6 +25,7 @@ pub mod control;
 pub mod crr;
 pub mod dataplane;
 pub mod floor;
+pub mod kubecache;
 pub mod learn;
 pub mod masq;
 pub mod measure;

@@ -27,6 +27,7 @@ use flannel_tests::{
         control::{self, ControlOptions},
         crr,
         dataplane::{self, DataplaneOptions},
+        kubecache::{self, KubeCacheOptions},
         learn::{self, LearnOptions},
         masq::{self, MasqOptions},
         measure::TcpTuning,
@@ -87,6 +88,23 @@ enum Command {
     /// IPv6 addresses); run it in a namespace with nsenter.
     #[command(subcommand)]
     Rr(RrCommand),
+    /// The process `bench kube-cache` measures: holds every Node of a (fake) API server as
+    /// `--keep` says, then prints `held_kib=<KiB> sync_ms=<ms>`.
+    #[command(hide = true)]
+    KubeCacheProbe {
+        /// The API server.
+        #[arg(long)]
+        url: String,
+        /// `agent` or `whole-nodes`.
+        #[arg(long)]
+        keep: String,
+        /// Nodes the server holds.
+        #[arg(long)]
+        nodes: u32,
+        /// The network config (`agent`).
+        #[arg(long)]
+        net_conf: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -202,6 +220,22 @@ enum BenchCommand {
     /// One read of conntrack's N open NATed connections written into the fast path's flow
     /// tables (held TCP connections, steady or churning), against N DNS lookups.
     Resync(ResyncArgs),
+    /// The memory kube mode holds for a cluster of N realistic Nodes (node cache and lease
+    /// set), against a reflector of whole Node objects as upstream's informer keeps them.
+    KubeCache(KubeCacheArgs),
+}
+
+#[derive(Args)]
+struct KubeCacheArgs {
+    /// Repetitions (round-robin across the variants; a fresh process each).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Nodes in the cluster.
+    #[arg(long, default_value_t = 5_000)]
+    nodes: u32,
+    /// Output directory (default: target/bench of this workspace).
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 /// Where a lab benchmark writes its report and which binaries its clusters run.
@@ -408,6 +442,15 @@ fn main() -> Result<()> {
     if let Command::Rr(cmd) = &cli.command {
         return rr_tool(cmd);
     }
+    if let Command::KubeCacheProbe {
+        url,
+        keep,
+        nodes,
+        net_conf,
+    } = &cli.command
+    {
+        return kubecache::probe(url, keep, *nodes, net_conf);
+    }
     if !flannel_tests::is_root() {
         bail!("flannel-lab needs root (network namespaces, netlink, BPF)");
     }
@@ -420,11 +463,13 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Learn(args)) => bench_learn(args),
         Command::Bench(BenchCommand::Programs(args)) => bench_programs(args),
         Command::Bench(BenchCommand::Resync(args)) => bench_resync(args),
+        Command::Bench(BenchCommand::KubeCache(args)) => bench_kube_cache(args),
         Command::Host { .. }
         | Command::Variants
         | Command::Render { .. }
         | Command::Crr(_)
-        | Command::Rr(_) => Ok(()),
+        | Command::Rr(_)
+        | Command::KubeCacheProbe { .. } => Ok(()),
     }
 }
 
@@ -704,6 +749,16 @@ fn bench_resync(args: ResyncArgs) -> Result<()> {
         ..ResyncOptions::default()
     };
     let report = resync::run_all(&opts, &bench_progress, &stopped)?;
+    publish(report, Vec::new(), args.out)
+}
+
+fn bench_kube_cache(args: KubeCacheArgs) -> Result<()> {
+    let opts = KubeCacheOptions {
+        reps: args.reps,
+        nodes: args.nodes,
+        ..KubeCacheOptions::default()
+    };
+    let report = kubecache::run_all(&opts, &bench_progress, &stopped)?;
     publish(report, Vec::new(), args.out)
 }
 

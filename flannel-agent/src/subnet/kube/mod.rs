@@ -6,7 +6,8 @@
 //!   as upstream does (RBAC: `nodes/status: patch`).
 //! * Every other node's lease is read from its annotations ([`node`]). A kube-runtime
 //!   watcher with a reflector keeps a cache of all Nodes; on every change the complete set
-//!   of remote leases is rebuilt from that cache and published with
+//!   of remote leases is rebuilt from that cache (which keeps each Node cut down to what
+//!   the leases read, [`lean`]) and published with
 //!   [`LeasePublisher::replace_all`] (no-op rebuilds do not wake the dataplane). A watch
 //!   that expires (410 Gone) relists; the reflector swaps the fresh listing in atomically,
 //!   so nothing is lost or duplicated. Unlike upstream, a changed `podCIDR` is picked up,
@@ -19,6 +20,7 @@
 
 pub mod annotations;
 pub mod client;
+pub mod lean;
 pub mod node;
 pub mod own;
 pub mod patch;
@@ -364,7 +366,12 @@ impl KubeSubnetManager {
         self.cache.get_or_init(|| {
             let (store, writer) = reflector::store::<Node>();
             let (tx, rx) = watch::channel(0u64);
-            let task = tokio::spawn(run_node_watch(self.api.clone(), writer, tx));
+            let task = tokio::spawn(run_node_watch(
+                Api::all(self.api.clone().into_client()),
+                writer,
+                tx,
+                self.keys.prefix.clone(),
+            ));
             tracing::info!("Starting kube subnet manager");
             NodeCache {
                 store,
@@ -811,11 +818,13 @@ async fn sleep_before(deadline: Instant, interval: Duration) -> bool {
 /// watches from the listed resourceVersion, follows bookmarks, resumes closed watches from
 /// the last seen version and relists after a `410 Gone` ERROR event; a watch *request*
 /// answered with HTTP 410 is treated the same way here (the watcher alone would retry the
-/// expired version forever). The store swaps a relisting in at its end.
+/// expired version forever). The store swaps a relisting in at its end. It keeps each Node
+/// cut down to what the leases read ([`lean`]).
 async fn run_node_watch(
-    api: Api<Node>,
+    api: Api<lean::LeanNode>,
     mut writer: reflector::store::Writer<Node>,
     changes: watch::Sender<u64>,
+    prefix: String,
 ) {
     loop {
         let stream = watcher(api.clone(), watcher::Config::default()).default_backoff();
@@ -823,6 +832,7 @@ async fn run_node_watch(
         while let Some(item) = stream.next().await {
             match item {
                 Ok(event) => {
+                    let event = lean::event(event, &prefix);
                     writer.apply_watcher_event(&event);
                     if matches!(
                         event,
