@@ -693,8 +693,22 @@ async fn acquire_errors_follow_upstream() -> Result<()> {
     .await?;
     let attrs = vxlan_attrs([192, 168, 1, 10]);
 
-    let e = env.manager("n0")?.acquire_lease(&attrs).await.unwrap_err();
-    assert_eq!(e.to_string(), r#"node "n0" pod cidr not assigned"#);
+    // Upstream exits with `node "n0" pod cidr not assigned`; the agent waits for it.
+    let mgr = Arc::new(env.manager("n0")?);
+    let mut waiting = tokio::spawn({
+        let (mgr, attrs) = (mgr.clone(), attrs.clone());
+        async move { mgr.acquire_lease(&attrs).await }
+    });
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(!waiting.is_finished(), "{:?}", (&mut waiting).await);
+    assert!(env.server.patches().is_empty());
+    env.server
+        .modify_node("n0", |n| {
+            n["spec"] = json!({"podCIDR": "10.244.3.0/24", "podCIDRs": ["10.244.3.0/24"]});
+        })
+        .context("n0")?;
+    let lease = tokio::time::timeout(Duration::from_secs(10), waiting).await???;
+    assert_eq!(lease.subnet, Some("10.244.3.0/24".parse()?));
 
     let e = env
         .manager("outside")?
@@ -724,8 +738,14 @@ async fn acquire_errors_follow_upstream() -> Result<()> {
         e.to_string(),
         r#"subnet "fd00:10:244::/56" specified in the flannel net config doesn't contain "fe02::/64" IPv6 PodCIDR of the "v6out" node"#
     );
-    // Nodes that fail the checks are not annotated.
-    assert!(env.server.patches().is_empty());
+    // Nodes that fail the checks are not annotated (n0, which passed them, is).
+    let patched: Vec<String> = env
+        .server
+        .patches()
+        .iter()
+        .map(|p| p.path.clone())
+        .collect();
+    assert_eq!(patched, ["/api/v1/nodes/n0/status"]);
 
     // A node that never shows up.
     let e = env

@@ -58,6 +58,9 @@ use own::Upkeep;
 /// `CONT_WHEN_CACHE_NOT_READY=true`); see [`KubeSubnetManager::wait_for_cache`].
 pub const NODE_CACHE_SYNC_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 
+/// How often the agent repeats that its node has no pod CIDR yet.
+pub const CIDR_WAIT_WARNING: Duration = Duration::from_secs(30);
+
 /// How long the own lease is declared valid (kube-mode leases are never renewed).
 pub const LEASE_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
 
@@ -440,6 +443,36 @@ impl KubeSubnetManager {
         }
     }
 
+    /// The own node once it has a pod CIDR, and its pod CIDRs. Upstream exits with
+    /// `pod cidr not assigned` instead, and its pod goes into CrashLoopBackOff, whose delay
+    /// (up to 5 minutes) keeps the node without a network for that long after the controller
+    /// manager assigns the CIDR; here the agent waits, with a warning every
+    /// [`CIDR_WAIT_WARNING`].
+    async fn own_node_with_cidrs(
+        &self,
+        config: &NetConfig,
+    ) -> Result<(Node, node::PodCidrs), KubeError> {
+        let mut warned: Option<Instant> = None;
+        loop {
+            let own = self.own_node(config).await?;
+            match node::own_pod_cidrs(&own) {
+                Err(KubeError::PodCidrNotAssigned(_)) => {
+                    if warned.is_none_or(|at| at.elapsed() >= CIDR_WAIT_WARNING) {
+                        tracing::warn!(
+                            "node {:?} pod cidr not assigned yet; waiting for it (assigned by \
+                             kube-controller-manager --allocate-node-cidrs, or spec.podCIDR \
+                             set when the node is registered)",
+                            self.node_name
+                        );
+                        warned = Some(Instant::now());
+                    }
+                    tokio::time::sleep(self.timings.node_poll_interval).await;
+                }
+                found => return found.map(|cidrs| (own, cidrs)),
+            }
+        }
+    }
+
     fn timeout(&self, last_error: Option<String>) -> KubeError {
         KubeError::Timeout {
             node: self.node_name.clone(),
@@ -463,16 +496,16 @@ impl KubeSubnetManager {
     }
 
     /// Acquires the own lease (upstream `AcquireLease`): waits for the own node in the cache,
-    /// takes its pod CIDR(s), checks them against the network, and patches the lease
-    /// annotations onto the node (`nodes/<name>/status`, strategic merge, only the
-    /// annotations that change, nothing when nothing changes; retried every 3 s for 30 s).
+    /// takes its pod CIDR(s) (waiting until it has one, where upstream exits), checks them
+    /// against the network, and patches the lease annotations onto the node
+    /// (`nodes/<name>/status`, strategic merge, only the annotations that change, nothing
+    /// when nothing changes; retried every 3 s for 30 s).
     ///
     /// The returned lease carries `attrs` as given (not a `public-ip-overwrite`), expires in
     /// 24 h and is IPv4-only for backends other than vxlan, host-gw and wireguard.
     pub async fn acquire_lease(&self, attrs: &LeaseAttrs) -> Result<Lease, KubeError> {
         let config = self.network_config().await?;
-        let own = self.own_node(&config).await?;
-        let cidrs = node::own_pod_cidrs(&own)?;
+        let (own, cidrs) = self.own_node_with_cidrs(&config).await?;
         let name = self.node_name.as_str();
 
         // Unlike upstream, the containment checks come before the patch: a node whose pod
