@@ -41,7 +41,7 @@ use super::{
 use crate::kube_mock::{self, MockApiServer};
 
 /// The metrics, in report order: key, label, unit, higher is better.
-pub const METRICS: [Metric; 3] = [
+pub const METRICS: [Metric; 4] = [
     (
         "held_mib",
         "resident memory held for the nodes",
@@ -50,6 +50,12 @@ pub const METRICS: [Metric; 3] = [
     ),
     ("per_node_kib", "the same per node", "KiB", false),
     ("sync_ms", "time until every node is held", "ms", false),
+    (
+        "churn_cpu_ms",
+        "CPU to take one status update of every node",
+        "ms",
+        false,
+    ),
 ];
 
 /// The probe's own node (left out of the agent's lease set).
@@ -192,6 +198,7 @@ impl Bench for KubeCache<'_> {
             (0, held / 1024.0),
             (1, held / f64::from(bed.nodes.max(1))),
             (2, field(&text, "sync_ms")?),
+            (3, field(&text, "churn_cpu_ms")?),
         ])
     }
 }
@@ -221,8 +228,43 @@ pub fn run_all(
         "nodes": opts.nodes,
         "node": "kube_mock::realistic_node: flannel annotations, 40 images, managedFields",
         "memory": "VmRSS after malloc_trim(0), once every node is held, less the same right before the first request",
+        "churn": "the probe's CPU time (getrusage) from its first of N status patches (one per node, a kubelet's heartbeat: the Ready condition's lastHeartbeatTime, sent as raw requests) until 1 s after the last",
     });
     rounds::run(&KubeCache(opts), plan, settings, log, cancelled)
+}
+
+/// This process's CPU time (user and system, every thread) in ms.
+fn cpu_ms() -> f64 {
+    // SAFETY: getrusage writes the struct it is given.
+    let usage = unsafe {
+        let mut usage = std::mem::zeroed::<libc::rusage>();
+        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        usage
+    };
+    let ms = |t: libc::timeval| t.tv_sec as f64 * 1e3 + t.tv_usec as f64 / 1e3;
+    ms(usage.ru_utime) + ms(usage.ru_stime)
+}
+
+/// The CPU this process spends from its first of `nodes` status patches (each node's
+/// `Ready` heartbeat, as a kubelet sends it; the answers are not parsed) until a second after
+/// the last, while what it holds takes the watch events they cause.
+async fn churn_cpu_ms(client: &kube::Client, nodes: u32) -> Result<f64> {
+    // A heartbeat this process has not sent before (an unchanged one makes no event).
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
+    let began = cpu_ms();
+    for i in 0..nodes {
+        let at = k8s_openapi::jiff::Timestamp::from_second(i64::try_from(now)? + i64::from(i))?;
+        let body = json!({"status": {"conditions": [{"type": "Ready", "status": "True",
+            "lastHeartbeatTime": at.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()}]}});
+        let request = axum::http::Request::patch(format!("/api/v1/nodes/node-{i}/status"))
+            .header("content-type", "application/strategic-merge-patch+json")
+            .body(serde_json::to_vec(&body)?)?;
+        client.request_text(request).await?;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    Ok(cpu_ms() - began)
 }
 
 /// The resident memory of this process in KiB, after handing freed memory back.
@@ -251,6 +293,7 @@ pub fn probe(url: &str, keep: &str, nodes: u32, net_conf: &Path) -> Result<()> {
         .build()?;
     rt.block_on(async {
         let client = kube::Client::try_from(kube::Config::new(url.parse()?))?;
+        let patcher = client.clone();
         let before = rss_kib()?;
         let began = Instant::now();
         // What the process holds stays alive until it is measured.
@@ -305,8 +348,9 @@ pub fn probe(url: &str, keep: &str, nodes: u32, net_conf: &Path) -> Result<()> {
         };
         let took = began.elapsed();
         let after = rss_kib()?;
+        let churn = churn_cpu_ms(&patcher, nodes).await?;
         println!(
-            "held_kib={:.0} sync_ms={:.1}",
+            "held_kib={:.0} sync_ms={:.1} churn_cpu_ms={churn:.1}",
             after - before,
             took.as_secs_f64() * 1e3
         );

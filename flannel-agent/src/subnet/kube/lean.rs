@@ -7,7 +7,9 @@
 //! that keeps whole objects, as upstream's does, holds all of it for every node of the
 //! cluster. The watch here reads Nodes as [`LeanNode`], whose deserializer skips everything
 //! else without allocating it, and the cache stores them as `Node` objects holding only those
-//! fields ([`LeanNode::into_node`]). `cargo xtask bench kube-cache` measures the difference.
+//! fields ([`LeanNode::into_node`]). An update that changes none of them (status: a
+//! kubelet's heartbeats) is not announced to the lease set ([`same_content`]).
+//! `cargo xtask bench kube-cache` measures the difference.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -111,6 +113,15 @@ impl LeanNode {
             status: None,
         }
     }
+}
+
+/// Whether two cached Nodes hold the same, resourceVersion aside: a Node's status changes
+/// (a kubelet's heartbeats, every few minutes per node) change nothing the leases read.
+pub fn same_content(a: &Node, b: &Node) -> bool {
+    a.metadata.name == b.metadata.name
+        && a.metadata.uid == b.metadata.uid
+        && a.metadata.annotations == b.metadata.annotations
+        && a.spec == b.spec
 }
 
 /// A watch event over [`LeanNode`] as one over the `Node`s the cache stores.
@@ -223,6 +234,25 @@ mod tests {
             size(&kept),
             size(&full)
         );
+
+        // A status update (here: a new heartbeat and resourceVersion) changes nothing the
+        // cache holds; an annotation or a pod CIDR does.
+        let mut beat = full_node();
+        beat["metadata"]["resourceVersion"] = "4712".into();
+        beat["status"]["conditions"][0]["lastHeartbeatTime"] = "2026-12-07T12:00:00Z".into();
+        let read = |v: serde_json::Value| {
+            serde_json::from_value::<LeanNode>(v)
+                .unwrap()
+                .into_node(&keys.prefix)
+        };
+        assert!(same_content(&kept, &read(beat.clone())));
+        let mut moved = beat.clone();
+        moved["spec"]["podCIDR"] = "10.244.8.0/24".into();
+        assert!(!same_content(&kept, &read(moved)));
+        let mut ann = beat;
+        ann["metadata"]["annotations"]["flannel.alpha.coreos.com/public-ip"] =
+            "192.168.1.18".into();
+        assert!(!same_content(&kept, &read(ann)));
 
         // A Node without metadata or spec reads as empty, not as an error.
         let bare: LeanNode = serde_json::from_str(r#"{"kind":"Node"}"#).unwrap();

@@ -859,6 +859,7 @@ async fn run_node_watch(
     changes: watch::Sender<u64>,
     prefix: String,
 ) {
+    let reader = writer.as_reader();
     loop {
         let stream = watcher(api.clone(), watcher::Config::default()).default_backoff();
         let mut stream = std::pin::pin!(stream);
@@ -866,13 +867,18 @@ async fn run_node_watch(
             match item {
                 Ok(event) => {
                     let event = lean::event(event, &prefix);
+                    // Announced: deletions, relists, and updates of what the cache holds
+                    // (not status updates, which would rebuild the lease set of every node
+                    // for each one).
+                    let news = match &event {
+                        watcher::Event::Apply(node) => reader
+                            .get(&ObjectRef::from_obj(node))
+                            .is_none_or(|old| !lean::same_content(&old, node)),
+                        watcher::Event::Delete(_) | watcher::Event::InitDone => true,
+                        watcher::Event::Init | watcher::Event::InitApply(_) => false,
+                    };
                     writer.apply_watcher_event(&event);
-                    if matches!(
-                        event,
-                        watcher::Event::Apply(_)
-                            | watcher::Event::Delete(_)
-                            | watcher::Event::InitDone
-                    ) {
+                    if news {
                         changes.send_modify(|g| *g = g.wrapping_add(1));
                     }
                 }
