@@ -949,6 +949,62 @@ async fn deleting_or_revoking_the_own_key_revokes_the_lease() {
     .await;
 }
 
+/// Someone changes the own lease's value (a hand edit, a tool): it is written back within a
+/// second, on the same etcd lease, where upstream puts it back at its next renewal, up to a
+/// day later; a reservation (the key put without an etcd lease) is its maker's and kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_own_lease_value_is_written_back() {
+    let Some(etcd) = start_etcd() else { return };
+    deadline(60, async {
+        let m = manager(&etcd).await?;
+        let mut c = client(&etcd).await?;
+        put_config(&mut c, MOCK_CONFIG).await?;
+        let lease = m
+            .acquire_lease(&attrs([1, 2, 3, 4]), &no_previous())
+            .await?;
+        let key = m.lease_key(&lease).context("no key")?;
+        let (ours, id, ..) = read(&mut c, &key).await?.context("key missing")?;
+        let keeper = tokio::spawn({
+            let m = m.clone();
+            async move { m.keep_lease(lease, CancellationToken::new()).await }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+
+        for ip in [[9, 9, 9, 9], [8, 8, 8, 8]] {
+            c.put(
+                key.as_str(),
+                value(ip),
+                Some(etcd_client::PutOptions::new().with_lease(id)),
+            )
+            .await?;
+            let back = async {
+                loop {
+                    let (v, now_id, ttl, _) = read(&mut c, &key).await?.context("key gone")?;
+                    if v == ours {
+                        return Ok::<_, anyhow::Error>((now_id, ttl));
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            };
+            let (now_id, ttl) = tokio::time::timeout(Duration::from_secs(5), back)
+                .await
+                .context("the value was not written back")??;
+            assert_eq!(now_id, id, "moved off its etcd lease");
+            assert!(ttl > 86000, "{ttl}");
+        }
+
+        // A reservation with another address stays as its maker wrote it.
+        c.put(key.as_str(), value([7, 7, 7, 7]), None).await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let (v, now_id, ..) = read(&mut c, &key).await?.context("key gone")?;
+        assert_eq!((v, now_id), (value([7, 7, 7, 7]), 0));
+        assert!(!keeper.is_finished());
+        keeper.abort();
+        Ok(())
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deletion_while_disconnected_is_noticed_even_past_compaction() {
     let Some(mut etcd) = start_etcd() else { return };

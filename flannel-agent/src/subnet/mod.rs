@@ -10,6 +10,7 @@
 
 pub mod etcd;
 pub mod kube;
+pub mod pace;
 
 use std::{collections::BTreeMap, sync::Arc};
 

@@ -1,5 +1,5 @@
 //! Keeping the node's own lease: renew it before it expires and watch its key, so that a
-//! deletion (by hand or by expiry) stops the daemon.
+//! deletion (by hand or by expiry) stops the daemon and a changed value is written back.
 
 use std::time::{Duration, SystemTime};
 
@@ -13,6 +13,7 @@ use super::backoff::{Backoff, or_cancel};
 use super::registry::{expiration_from_ttl, is_delete};
 use super::{EtcdError, EtcdSubnetManager};
 use crate::lease::Lease;
+use crate::subnet::pace::RewritePace;
 
 /// The shortest wait before a renewal, so that a renew margin as long as the TTL cannot spin.
 const MIN_RENEW_DELAY: Duration = Duration::from_secs(1);
@@ -29,8 +30,10 @@ impl EtcdSubnetManager {
     ///   previous renewal is revoked. A failed renewal is retried after
     ///   [`renew_retry`](super::EtcdTuning::renew_retry) (1 min).
     /// * The key is watched: a put (another writer, or a restarted agent) re-reads the TTL
-    ///   and reschedules the renewal; a key without TTL (a reservation) is not renewed; a
-    ///   delete ends with `LeaseRevoked`. A broken watch is re-established with back-off
+    ///   and reschedules the renewal, and a value other than ours is written back (paced;
+    ///   upstream's next renewal does the same, up to a day later); a key without TTL (a
+    ///   reservation) is neither renewed nor written back; a delete ends with
+    ///   `LeaseRevoked`. A broken watch is re-established with back-off
     ///   from the last revision seen; if that revision was compacted the key is read again.
     pub async fn keep_lease(
         &self,
@@ -50,6 +53,8 @@ impl EtcdSubnetManager {
             resume: None,
             reconnect_at: Instant::now(),
             backoff: Backoff::new(self.tuning.backoff_min, self.tuning.backoff_max),
+            restore_at: None,
+            pace: RewritePace::default(),
         };
         if let Some(expiration) = lease.expiration {
             keeper.schedule(expiration);
@@ -75,6 +80,9 @@ struct Keeper<'a> {
     resume: Option<i64>,
     reconnect_at: Instant,
     backoff: Backoff,
+    /// When to write the value back (someone else changed it).
+    restore_at: Option<Instant>,
+    pace: RewritePace,
 }
 
 impl Keeper<'_> {
@@ -91,6 +99,7 @@ impl Keeper<'_> {
             tokio::select! {
                 msg = next_message(&mut self.watch) => self.on_message(msg).await?,
                 () = sleep_until(renew_at) => self.renew().await?,
+                () = sleep_until(self.restore_at) => self.restore().await?,
                 () = tokio::time::sleep_until(self.reconnect_at), if self.watch.is_none() => {}
             }
         }
@@ -193,9 +202,22 @@ impl Keeper<'_> {
         Ok(())
     }
 
-    /// Takes note of the key's current etcd lease; a new one means a new expiry.
+    /// Takes note of the key's current etcd lease; a new one means a new expiry. A value
+    /// other than ours under an etcd lease is written back (paced): a restart would write
+    /// ours, and upstream's next renewal does, up to a day later. A reservation's (no etcd
+    /// lease) belongs to whoever made it and is left alone.
     async fn observe(&mut self, kv: &KeyValue) {
         let id = kv.lease();
+        if id != 0 && kv.value() != self.value.as_bytes() {
+            if self.restore_at.is_none() {
+                tracing::warn!(
+                    "own lease {} was changed to {}; writing ours again",
+                    self.key,
+                    String::from_utf8_lossy(kv.value())
+                );
+            }
+            self.restore_at = Some(self.pace.wait_for().unwrap_or_else(Instant::now));
+        }
         if self.attached == Some(id) {
             return;
         }
@@ -287,6 +309,26 @@ impl Keeper<'_> {
                 Ok(())
             }
         }
+    }
+
+    /// Puts our value back, attached to the key's current etcd lease, if the key still
+    /// exists (its deletion is the watch's to report).
+    async fn restore(&mut self) -> Result<(), EtcdError> {
+        self.restore_at = None;
+        let mgr = self.mgr;
+        let options = self
+            .attached
+            .filter(|id| *id != 0)
+            .map(|id| PutOptions::new().with_lease(id));
+        let txn = Txn::new()
+            .when([Compare::version(self.key.as_str(), CompareOp::Greater, 0)])
+            .and_then([TxnOp::put(self.key.as_str(), self.value.as_str(), options)]);
+        let mut kv = mgr.kv();
+        if let Err(e) = mgr.request("txn", &self.key, kv.txn(txn)).await {
+            tracing::warn!("{e}");
+            self.restore_at = Some(Instant::now() + self.mgr.tuning.backoff_min);
+        }
+        Ok(())
     }
 
     fn retry_renewal(&mut self, e: &EtcdError) {

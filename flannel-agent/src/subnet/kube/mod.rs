@@ -604,7 +604,7 @@ impl KubeSubnetManager {
         let mut changes = cache.changes.clone();
         let mut known_uid = self.acquired_uid.lock().map(|u| u.clone()).unwrap_or(None);
         let mut gone = false;
-        let mut pace = own::RewritePace::default();
+        let mut pace = crate::subnet::pace::RewritePace::default();
         loop {
             changes.borrow_and_update();
             let cached = cache.store.get(&ObjectRef::new(&self.node_name));
@@ -693,7 +693,7 @@ impl KubeSubnetManager {
         rewrite: BTreeMap<String, String>,
         uid: Option<String>,
         known_uid: &mut Option<String>,
-        pace: &mut own::RewritePace,
+        pace: &mut crate::subnet::pace::RewritePace,
     ) -> Option<Instant> {
         if !rewrite.is_empty() {
             if let Some(at) = pace.wait_for() {

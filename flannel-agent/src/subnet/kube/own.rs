@@ -9,14 +9,12 @@
 //! bridge and subnet.env hold the old one.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
 
 use super::node::{self, PodCidrs};
 use super::{AnnotationKeys, patch};
 use crate::lease::Lease;
-use tokio::time::Instant;
 
 /// The own Node, measured against the lease the agent runs on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,35 +69,6 @@ fn cidr_list(c: &PodCidrs) -> String {
         "none".into()
     } else {
         list.join(",")
-    }
-}
-
-/// How soon annotations may be written again: a second after the last rewrite, the gap
-/// doubling up to a minute while rewrites follow each other within a minute (something
-/// that keeps undoing them is not fought at full speed).
-#[derive(Debug, Default)]
-pub struct RewritePace {
-    last: Option<Instant>,
-    gap: Duration,
-}
-
-impl RewritePace {
-    const FIRST: Duration = Duration::from_secs(1);
-    const MAX: Duration = Duration::from_secs(60);
-
-    /// `None`: write now (counted as done); `Some(t)`: not before `t`.
-    pub fn wait_for(&mut self) -> Option<Instant> {
-        self.at(Instant::now())
-    }
-
-    fn at(&mut self, now: Instant) -> Option<Instant> {
-        self.gap = match self.last {
-            Some(last) if now < last + self.gap => return Some(last + self.gap),
-            Some(last) if now <= last + Self::MAX => (self.gap * 2).min(Self::MAX),
-            _ => Self::FIRST,
-        };
-        self.last = Some(now);
-        None
     }
 }
 
@@ -240,28 +209,5 @@ mod tests {
                 now: "fd00:10:244:1::/64".into()
             }
         );
-    }
-
-    #[test]
-    fn rewrites_back_off_while_something_undoes_them() {
-        let s = Duration::from_secs;
-        let t0 = Instant::now();
-        let mut pace = RewritePace::default();
-        assert_eq!(pace.at(t0), None);
-        assert_eq!(pace.at(t0 + s(0)), Some(t0 + s(1)));
-        // Undone again and again: 1, 2, 4, ... up to 60 s between rewrites.
-        let mut t = t0;
-        for gap in [1, 2, 4, 8, 16, 32, 60, 60] {
-            assert_eq!(
-                pace.at(t + s(gap) - Duration::from_millis(1)),
-                Some(t + s(gap))
-            );
-            t += s(gap);
-            assert_eq!(pace.at(t), None, "after {gap} s");
-        }
-        // Left alone for a minute: a second again.
-        t += s(61);
-        assert_eq!(pace.at(t), None);
-        assert_eq!(pace.at(t + s(0)), Some(t + s(1)));
     }
 }
