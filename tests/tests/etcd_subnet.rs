@@ -892,6 +892,20 @@ async fn short_ttl_lease_outlives_its_ttl_through_renewals() {
     .await;
 }
 
+/// Acquires a lease for `ip` and keeps it in a task until the task ends: its key and the task.
+async fn kept_lease(
+    m: &EtcdSubnetManager,
+    ip: [u8; 4],
+) -> Result<(String, tokio::task::JoinHandle<Result<(), EtcdError>>)> {
+    let lease = m.acquire_lease(&attrs(ip), &no_previous()).await?;
+    let key = m.lease_key(&lease).context("no key")?;
+    let keeper = tokio::spawn({
+        let m = m.clone();
+        async move { m.keep_lease(lease, CancellationToken::new()).await }
+    });
+    Ok((key, keeper))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_or_revoking_the_own_key_revokes_the_lease() {
     let Some(etcd) = start_etcd() else { return };
@@ -901,14 +915,7 @@ async fn deleting_or_revoking_the_own_key_revokes_the_lease() {
         put_config(&mut c, MOCK_CONFIG).await?;
 
         // Deleted by hand.
-        let lease = m
-            .acquire_lease(&attrs([1, 2, 3, 4]), &no_previous())
-            .await?;
-        let key = m.lease_key(&lease).context("no key")?;
-        let keeper = tokio::spawn({
-            let m = m.clone();
-            async move { m.keep_lease(lease, CancellationToken::new()).await }
-        });
+        let (key, keeper) = kept_lease(&m, [1, 2, 3, 4]).await?;
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert!(!keeper.is_finished());
         c.delete(key.as_str(), None).await?;
@@ -918,14 +925,7 @@ async fn deleting_or_revoking_the_own_key_revokes_the_lease() {
         assert_eq!(e.to_string(), "Lease has been revoked");
 
         // Its etcd lease revoked (what expiry looks like).
-        let lease = m
-            .acquire_lease(&attrs([1, 2, 3, 5]), &no_previous())
-            .await?;
-        let key = m.lease_key(&lease).context("no key")?;
-        let keeper = tokio::spawn({
-            let m = m.clone();
-            async move { m.keep_lease(lease, CancellationToken::new()).await }
-        });
+        let (key, keeper) = kept_lease(&m, [1, 2, 3, 5]).await?;
         tokio::time::sleep(Duration::from_millis(500)).await;
         let (_, id, ..) = read(&mut c, &key).await?.context("key missing")?;
         c.lease_revoke(id).await?;
@@ -959,15 +959,8 @@ async fn a_changed_own_lease_value_is_written_back() {
         let m = manager(&etcd).await?;
         let mut c = client(&etcd).await?;
         put_config(&mut c, MOCK_CONFIG).await?;
-        let lease = m
-            .acquire_lease(&attrs([1, 2, 3, 4]), &no_previous())
-            .await?;
-        let key = m.lease_key(&lease).context("no key")?;
+        let (key, keeper) = kept_lease(&m, [1, 2, 3, 4]).await?;
         let (ours, id, ..) = read(&mut c, &key).await?.context("key missing")?;
-        let keeper = tokio::spawn({
-            let m = m.clone();
-            async move { m.keep_lease(lease, CancellationToken::new()).await }
-        });
         tokio::time::sleep(Duration::from_millis(500)).await;
 
         for ip in [[9, 9, 9, 9], [8, 8, 8, 8]] {
@@ -1021,14 +1014,7 @@ async fn deletion_while_disconnected_is_noticed_even_past_compaction() {
             ..options(&etcd)
         })
         .await?;
-        let lease = m
-            .acquire_lease(&attrs([1, 2, 3, 4]), &no_previous())
-            .await?;
-        let key = m.lease_key(&lease).context("no key")?;
-        let keeper = tokio::spawn({
-            let m = m.clone();
-            async move { m.keep_lease(lease, CancellationToken::new()).await }
-        });
+        let (key, keeper) = kept_lease(&m, [1, 2, 3, 4]).await?;
         tokio::time::sleep(Duration::from_millis(500)).await;
         bounce(&mut etcd, Duration::from_millis(200));
         let mut c = client(&etcd).await?;
@@ -1055,14 +1041,7 @@ async fn keep_lease_survives_an_etcd_restart_without_hot_looping() {
             EtcdSubnetManager::connect(&options_with(&etcd, prefix, EtcdTuning::default())).await?;
         let mut c = client(&etcd).await?;
         c.put(format!("{prefix}/config"), MOCK_CONFIG, None).await?;
-        let lease = m
-            .acquire_lease(&attrs([1, 2, 3, 4]), &no_previous())
-            .await?;
-        let key = m.lease_key(&lease).context("no key")?;
-        let keeper = tokio::spawn({
-            let m = m.clone();
-            async move { m.keep_lease(lease, CancellationToken::new()).await }
-        });
+        let (key, keeper) = kept_lease(&m, [1, 2, 3, 4]).await?;
         tokio::time::sleep(Duration::from_millis(500)).await;
         bounce(&mut etcd, Duration::from_secs(3));
         // Let the keeper reconnect, then make sure it still watches.
