@@ -1609,6 +1609,19 @@ fn ebpf_vxlan_service_dnat_to_a_remote_pod() {
     scenarios::service_dnat_to_a_remote_pod(EBPF, "vxlan");
 }
 
+/// Route map entries deleted, then changed, by hand on node1 (no notification tells of
+/// either) are written back within seconds, not at the next resync
+/// ([`scenarios::map_entries_changed_by_hand_come_back`]; host-gw and VXLAN).
+#[test]
+fn ebpf_map_entries_changed_by_hand_come_back() {
+    require_root!();
+    scenarios::on_host_gw_and_vxlan(
+        EBPF,
+        "map entries changed by hand",
+        scenarios::map_entries_changed_by_hand_come_back,
+    );
+}
+
 /// The agents take their leases from a (fake) Kubernetes API server instead of etcd
 /// (`--kube-subnet-mgr`): two nodes with pod CIDRs 10.244.1.0/24 and 10.244.2.0/24 in their
 /// Node objects, vxlan, `--dataplane ebpf`. Each agent writes its pod CIDR to subnet.env,

@@ -1029,18 +1029,63 @@ fn netdev_delivers_into_a_known_pods_namespace() {
 
 /// Removes the remote subnet `net` from the pinned route map behind the agent's back (no
 /// generation change), so that only a remembered decision can still send its flows.
-fn remove_route_behind_the_agents_back(pin: &std::path::Path, subnet: Ipv4Net) {
+/// The route map pinned under `pin`, opened for writing as a tool would.
+fn pinned_routes(
+    pin: &std::path::Path,
+) -> aya::maps::LpmTrie<aya::maps::MapData, [u8; 4], flannel_common::route::RemoteEntry> {
     let name = flannel_common::maps::ROUTES4;
     let path = pin
         .join(flannel_common::maps::PIN_LAYOUT_VERSION)
         .join(name);
     let data = aya::maps::MapData::from_pin(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
     let map = aya::maps::Map::from_map_data(data).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let mut trie: aya::maps::LpmTrie<_, [u8; 4], flannel_common::route::RemoteEntry> =
-        aya::maps::LpmTrie::try_from(map).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let key = aya::maps::lpm_trie::Key::new(u32::from(subnet.prefix_len()), subnet.addr().octets());
-    trie.remove(&key)
-        .unwrap_or_else(|e| panic!("removing {subnet} from {name}: {e}"));
+    aya::maps::LpmTrie::try_from(map).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn route_map_key(subnet: Ipv4Net) -> aya::maps::lpm_trie::Key<[u8; 4]> {
+    aya::maps::lpm_trie::Key::new(u32::from(subnet.prefix_len()), subnet.addr().octets())
+}
+
+fn remove_route_behind_the_agents_back(pin: &std::path::Path, subnet: Ipv4Net) {
+    pinned_routes(pin)
+        .remove(&route_map_key(subnet))
+        .unwrap_or_else(|e| panic!("removing {subnet} from the route map: {e}"));
+}
+
+/// What something other than the agent does to the route map (`bpftool map delete`, `update`)
+/// shows in [`FastPath::drift`], entry by entry, until the agent's next sync writes it back.
+#[test]
+fn map_entries_changed_behind_the_agents_back_are_found() {
+    let Some(rig) = Rig::new("fpdrift") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    rig.with_fast_path(|fp, _| {
+        let drift = |fp: &FastPath| {
+            let d = fp.drift().expect("drift");
+            (d.missing, d.changed, d.unexpected)
+        };
+        assert_eq!(drift(fp), (0, 0, 0), "right after the sync");
+        remove_route_behind_the_agents_back(&pin, net("10.244.2.0/24"));
+        assert_eq!(drift(fp), (1, 0, 0), "an entry deleted");
+        let mut trie = pinned_routes(&pin);
+        let ipip = trie
+            .get(&route_map_key(net("10.244.5.0/24")), 0)
+            .expect("the IPIP entry");
+        trie.insert(&route_map_key(net("10.244.3.0/24")), ipip, 0)
+            .expect("changing the VXLAN entry");
+        assert_eq!(drift(fp), (1, 1, 0), "and one changed");
+        trie.insert(&route_map_key(net("10.244.9.0/24")), ipip, 0)
+            .expect("adding an entry");
+        assert_eq!(drift(fp), (1, 1, 1), "and one added");
+        assert_eq!(
+            fp.drift().expect("drift").to_string(),
+            "1 missing, 1 changed, 1 not written by the agent"
+        );
+        let s = fp.sync(&remotes()).expect("sync");
+        assert_eq!((s.added, s.updated, s.removed), (1, 1, 1), "{s:?}");
+        assert_eq!(drift(fp), (0, 0, 0), "after the sync");
+    });
 }
 
 /// A flow's decision is remembered (`flannel_common::memo`): with the route removed behind the

@@ -189,6 +189,9 @@ pub struct FastPath {
     /// Attachments that something else removed and that [`FastPath::heal`] could not make
     /// again: tried again at the next heal.
     unhealed: BTreeSet<(Hook, u32)>,
+    /// What the last successful [`FastPath::sync`] and [`FastPath::sync6`] wrote, for
+    /// [`FastPath::drift`].
+    pub(super) synced: Box<super::drift::Synced>,
 }
 
 /// One of a fast path's TC attachments that something else removed, and what
@@ -342,6 +345,7 @@ impl FastPath {
             resizing,
             resized_at,
             unhealed: BTreeSet::new(),
+            synced: Box::default(),
         })
     }
 
@@ -504,6 +508,7 @@ impl FastPath {
         if changed {
             self.retire_memos()?;
         }
+        self.synced.v4 = Some(desired.clone());
         Ok(stats)
     }
 
@@ -1054,7 +1059,7 @@ impl FastPath {
         Ok(())
     }
 
-    fn current_routes(&self) -> Result<CurrentRoutes, BpfError> {
+    pub(super) fn current_routes(&self) -> Result<CurrentRoutes, BpfError> {
         let map = self
             .ebpf
             .map(names::ROUTES4)
@@ -1079,7 +1084,7 @@ impl FastPath {
         Ok(CurrentRoutes { routes, invalid })
     }
 
-    fn current_nodes(&self) -> Result<BTreeMap<Ipv4Addr, NodeEntry>, BpfError> {
+    pub(super) fn current_nodes(&self) -> Result<BTreeMap<Ipv4Addr, NodeEntry>, BpfError> {
         let map = self
             .ebpf
             .map(names::NODES4)
@@ -1121,11 +1126,11 @@ impl FastPath {
 }
 
 /// What the route map holds.
-struct CurrentRoutes {
+pub(super) struct CurrentRoutes {
     /// Valid keys (normalised subnets) and their values.
-    routes: BTreeMap<Ipv4Net, RemoteEntry>,
+    pub(super) routes: BTreeMap<Ipv4Net, RemoteEntry>,
     /// Keys that are no subnet (prefix > 32, host bits set): deleted by `sync`.
-    invalid: Vec<Key<[u8; 4]>>,
+    pub(super) invalid: Vec<Key<[u8; 4]>>,
 }
 
 /// The LPM key of a (normalised) subnet.

@@ -73,6 +73,7 @@ pub mod attached;
 pub mod batch;
 pub mod config;
 pub mod counters;
+pub mod drift;
 pub mod error;
 pub mod fastpath;
 pub mod handover;
@@ -147,7 +148,7 @@ impl fmt::Display for DataplaneMode {
 #[derive(Debug)]
 pub enum Startup {
     /// The fast path is loaded (not attached yet).
-    FastPath(FastPath),
+    FastPath(Box<FastPath>),
     /// The kernel path alone forwards.
     KernelPath {
         /// Why the fast path is not in use (`None` for `--dataplane kernel`).
@@ -196,9 +197,10 @@ pub fn start_with(
                 cleanup_error: None,
             })
         }
-        DataplaneMode::Ebpf => FastPath::load_with(pin_path, options).map(Startup::FastPath),
+        DataplaneMode::Ebpf => FastPath::load_with(pin_path, options)
+            .map(|fast_path| Startup::FastPath(Box::new(fast_path))),
         DataplaneMode::Auto => match FastPath::load_with(pin_path, options) {
-            Ok(fast_path) => Ok(Startup::FastPath(fast_path)),
+            Ok(fast_path) => Ok(Startup::FastPath(Box::new(fast_path))),
             Err(reason) => Ok(Startup::KernelPath {
                 reason: Some(reason),
                 cleanup_error: cleanup(pin_path).err(),

@@ -191,7 +191,7 @@ fn route_key6(net: &Ipv6Net) -> Key<[u8; 16]> {
 }
 
 /// What the IPv6 route map holds: valid entries, and keys to delete (not a subnet).
-type CurrentRoutes6 = (BTreeMap<Ipv6Net, RemoteEntry6>, Vec<Key<[u8; 16]>>);
+pub(super) type CurrentRoutes6 = (BTreeMap<Ipv6Net, RemoteEntry6>, Vec<Key<[u8; 16]>>);
 
 impl FastPath {
     /// Disables the IPv4 side (an all-zero configuration entry: IPv4 frames are passed), for
@@ -301,6 +301,7 @@ impl FastPath {
             // The IPv6 memos rest on these maps as the IPv4 ones on theirs.
             self.retire_memos()?;
         }
+        self.synced.v6 = Some(desired.clone());
         Ok(stats)
     }
 
@@ -313,7 +314,7 @@ impl FastPath {
             .collect())
     }
 
-    fn current_routes6(&self) -> Result<CurrentRoutes6, BpfError> {
+    pub(super) fn current_routes6(&self) -> Result<CurrentRoutes6, BpfError> {
         let map = self.ebpf().map(ROUTES6).ok_or_else(|| missing(ROUTES6))?;
         let trie: LpmTrie<&MapData, [u8; 16], RemoteEntry6> =
             LpmTrie::try_from(map).map_err(|e| BpfError::map(ROUTES6, e))?;
@@ -334,7 +335,7 @@ impl FastPath {
         Ok((routes, invalid))
     }
 
-    fn current_nodes6(&self) -> Result<BTreeMap<Ipv6Addr, NodeEntry>, BpfError> {
+    pub(super) fn current_nodes6(&self) -> Result<BTreeMap<Ipv6Addr, NodeEntry>, BpfError> {
         let map = self.ebpf().map(NODES6).ok_or_else(|| missing(NODES6))?;
         let hash: BpfHashMap<&MapData, [u8; 16], NodeEntry> =
             BpfHashMap::try_from(map).map_err(|e| BpfError::map(NODES6, e))?;

@@ -473,7 +473,21 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         });
     }
     {
-        let links = nl.dataplane_events()?;
+        // Netlink tells of the kernel's entries changing; the fast path's maps are compared
+        // with what the agent wrote instead ([`fastpath::check_maps`]).
+        let (drifted_tx, drifted_rx) = tokio::sync::mpsc::channel(1);
+        if let Some(fp) = active.fast_path() {
+            let fp = fp.clone();
+            let cancel = cancel.clone();
+            tasks.spawn(async move {
+                fastpath::check_maps(fp, drifted_tx, cancel).await;
+                Ok(None)
+            });
+        }
+        let links = tokio_stream::StreamExt::merge(
+            nl.dataplane_events()?,
+            tokio_stream::wrappers::ReceiverStream::new(drifted_rx),
+        );
         let shutdown = cancel.clone().cancelled_owned();
         let snapshots = snapshots.clone();
         tasks.spawn(async move {

@@ -316,7 +316,7 @@ impl Reconciler {
             LinkEvent::NeighbourRemoved { index } => {
                 self.local.devices.all().any(|d| d.index == *index)
             }
-            LinkEvent::Overrun => true,
+            LinkEvent::Overrun | LinkEvent::MapsDrifted => true,
         }
     }
 
@@ -639,7 +639,9 @@ impl Reconciler {
                             pending = true;
                             if matches!(
                                 event,
-                                LinkEvent::RouteRemoved { .. } | LinkEvent::NeighbourRemoved { .. }
+                                LinkEvent::RouteRemoved { .. }
+                                    | LinkEvent::NeighbourRemoved { .. }
+                                    | LinkEvent::MapsDrifted
                             ) {
                                 // Within the back-off: a failing reconcile's own deletions
                                 // must not make it retry at once.
@@ -775,6 +777,8 @@ mod tests {
             (LinkEvent::NeighbourRemoved { index: 7 }, true),
             (LinkEvent::NeighbourRemoved { index: ext }, false),
             (LinkEvent::Overrun, true),
+            // The fast path's maps differ from what was written.
+            (LinkEvent::MapsDrifted, true),
         ] {
             assert_eq!(r.concerns(&event), wanted, "{event:?}");
         }

@@ -159,6 +159,28 @@ impl RouteMap {
         Ok(self.len()? == 0)
     }
 
+    /// Deletes the entry of `subnet`, as `bpftool map delete` would behind the agent's back.
+    pub fn remove(&mut self, subnet: Ipv4Net) -> Result<()> {
+        let key = Key::new(u32::from(subnet.prefix_len()), subnet.network().octets());
+        self.trie
+            .remove(&key)
+            .with_context(|| format!("deleting {subnet} from the route map"))
+    }
+
+    /// Points the entry of `subnet` at `public_ip`, as `bpftool map update` would behind the
+    /// agent's back.
+    pub fn repoint(&mut self, subnet: Ipv4Net, public_ip: Ipv4Addr) -> Result<()> {
+        let key = Key::new(u32::from(subnet.prefix_len()), subnet.network().octets());
+        let mut entry = self
+            .trie
+            .get(&key, 0)
+            .with_context(|| format!("{subnet} in the route map"))?;
+        entry.public_ip = public_ip.octets();
+        self.trie
+            .insert(&key, entry, 0)
+            .with_context(|| format!("rewriting {subnet} in the route map"))
+    }
+
     /// The entry stored for exactly `subnet` (longest-prefix match, then checked to be that
     /// prefix), `None` if there is none. One syscall: cheap enough to poll.
     pub fn get(&self, subnet: Ipv4Net) -> Result<Option<Route>> {

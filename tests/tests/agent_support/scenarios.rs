@@ -908,6 +908,38 @@ pub fn entries_deleted_by_hand_come_back(
     entries.back(cluster, path, "entries back", || Ok(()))
 }
 
+/// On the fast path, node `n`'s route map entries deleted, then changed, behind the agent's
+/// back (as `bpftool map delete` and `update` would): no notification tells of either, yet
+/// within [`FOLLOW`] each time the map holds what the agent wrote again (its map check), where
+/// before it waited for the next resync (30 s here), and every pod reaches every pod.
+pub fn map_entries_changed_by_hand_come_back(
+    cluster: &mut Cluster,
+    path: PathFn<'_>,
+    n: usize,
+) -> Result<()> {
+    let entries = Entries::converged(cluster, path, n)?;
+    let want = entries
+        .routes
+        .as_ref()
+        .with_context(|| format!("node{n} is not on the fast path"))?;
+    let (&subnet, _) = want.iter().next().context("no route map entry to change")?;
+    let pins = cluster.topology().node(n).bpf_pin_path().to_owned();
+    let mut map = fastpath::RouteMap::open(&pins)?;
+    map.remove(subnet)?;
+    entries.back(cluster, path, "the deleted entry back", || Ok(()))?;
+    // A check that finds the maps as written ends the episode (one warning each).
+    thread::sleep(Duration::from_secs(3));
+    map.repoint(subnet, Ipv4Addr::new(192, 0, 2, 99))?;
+    entries.back(cluster, path, "the changed entry back", || Ok(()))?;
+    let log = std::fs::read_to_string(cluster.topology().node(n).agent_log())?;
+    let warned = count_lines(&log, "map entries were changed by something else");
+    ensure!(
+        warned == 2,
+        "node{n}'s agent warned {warned} times, not once per change"
+    );
+    Ok(())
+}
+
 /// Node `n`'s backend device `device` (`flannel.1`) set down by hand: the kernel drops the
 /// routes and neighbours through it. Within [`FOLLOW`] the agent has set it up again and
 /// node `n` holds every entry again, and every pod reaches every pod through `path`.
