@@ -64,7 +64,7 @@ pub fn start_agents(
 }
 
 /// Two nodes on one L2 segment in kube mode (the fake API server in the hub, pod CIDRs
-/// 10.244.<n>.0/24 in their Node objects), network 10.244.0.0/16, vxlan, agents on
+/// `10.244.<n>.0/24` in their Node objects), network 10.244.0.0/16, vxlan, agents on
 /// `dataplane`: runs `body` on them, and prints the agents' logs when it fails.
 pub fn with_vxlan_pair(
     dataplane: Dataplane,
