@@ -81,6 +81,10 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 /// change (`NLM_F_DUMP_INTR`).
 const DUMP_ATTEMPTS: usize = 5;
 
+/// How often a dump is asked for again when the socket is still busy with another one
+/// (EBUSY), 5 ms more apart each time (about a second in all).
+const DUMP_BUSY_RETRIES: u32 = 20;
+
 /// An IP address family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum IpFamily {
@@ -385,15 +389,27 @@ impl Netlink {
         ctx: &Ctx,
     ) -> Result<Vec<RouteNetlinkMessage>, NetlinkError> {
         let mut attempt = 1;
+        let mut busy = 0;
         loop {
-            let (messages, interrupted) = self
+            let answer = self
                 .exchange(
                     message.clone(),
                     NLM_F_REQUEST | NLM_F_DUMP,
                     Expect::Dump,
                     ctx,
                 )
-                .await?;
+                .await;
+            let (messages, interrupted) = match answer {
+                // The kernel runs one dump at a time per socket and refuses another while one
+                // is still being read (EBUSY); the tasks sharing this socket take turns.
+                Err(e) if e.errno() == Some(libc::EBUSY) && busy < DUMP_BUSY_RETRIES => {
+                    busy += 1;
+                    tracing::debug!(op = ctx.op, busy, "netlink socket busy with another dump");
+                    tokio::time::sleep(Duration::from_millis(5) * busy).await;
+                    continue;
+                }
+                answer => answer?,
+            };
             if !interrupted {
                 return Ok(messages);
             }
