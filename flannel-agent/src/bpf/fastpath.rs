@@ -508,7 +508,7 @@ impl FastPath {
         if changed {
             self.retire_memos()?;
         }
-        self.synced.v4 = Some(desired.clone());
+        self.synced.v4 = Some(DesiredEntries { routes, nodes });
         Ok(stats)
     }
 

@@ -301,7 +301,7 @@ impl FastPath {
             // The IPv6 memos rest on these maps as the IPv4 ones on theirs.
             self.retire_memos()?;
         }
-        self.synced.v6 = Some(desired.clone());
+        self.synced.v6 = Some(DesiredEntries { routes, nodes });
         Ok(stats)
     }
 

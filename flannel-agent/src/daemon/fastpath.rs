@@ -552,13 +552,8 @@ async fn sync_ports(
 /// a `tc qdisc del dev <if> clsact` would leave the node without its programs until the next
 /// agent start: VXLAN and host-gw traffic fall back on the kernel path, but traffic the
 /// programs masquerade leaves untranslated.
-/// How often [`check_maps`] compares the route and node maps with what the agent wrote, at
-/// most: the next comparison waits at least 50 times as long as the last one took (2 % of a
-/// core), which at 5,000 remote nodes is a few milliseconds.
-pub const MAP_CHECK_PERIOD: Duration = Duration::from_secs(2);
-
 /// Compares the fast path's route and node maps with what the agent last wrote
-/// ([`bpf::FastPath::drift`]) every [`MAP_CHECK_PERIOD`] or so, until `cancel`; when they
+/// ([`bpf::FastPath::drift`]) every [`bpf::drift::CHECK_PERIOD`] or so, until `cancel`; when they
 /// differ (entries deleted or changed by hand), says so once and sends
 /// [`LinkEvent::MapsDrifted`] to the reconciler, whose next sync writes them again.
 pub async fn check_maps(
@@ -566,7 +561,7 @@ pub async fn check_maps(
     drifted: tokio::sync::mpsc::Sender<LinkEvent>,
     cancel: CancellationToken,
 ) {
-    let mut wait = MAP_CHECK_PERIOD;
+    let mut wait = bpf::drift::CHECK_PERIOD;
     let mut clean = true;
     loop {
         tokio::select! {
@@ -578,7 +573,7 @@ pub async fn check_maps(
             Ok(fp) => fp.drift(),
             Err(_) => return,
         };
-        wait = MAP_CHECK_PERIOD.max(began.elapsed() * 50);
+        wait = bpf::drift::CHECK_PERIOD.max(began.elapsed() * 50);
         match drift {
             Ok(drift) if drift.is_empty() => clean = true,
             Ok(drift) => {

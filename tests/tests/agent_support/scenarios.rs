@@ -928,7 +928,7 @@ pub fn map_entries_changed_by_hand_come_back(
     map.remove(subnet)?;
     entries.back(cluster, path, "the deleted entry back", || Ok(()))?;
     // A check that finds the maps as written ends the episode (one warning each).
-    thread::sleep(Duration::from_secs(3));
+    thread::sleep(flannel_agent::bpf::drift::CHECK_PERIOD + Duration::from_secs(1));
     map.repoint(subnet, Ipv4Addr::new(192, 0, 2, 99))?;
     entries.back(cluster, path, "the changed entry back", || Ok(()))?;
     let log = std::fs::read_to_string(cluster.topology().node(n).agent_log())?;

@@ -208,7 +208,9 @@ impl Keeper<'_> {
     /// lease) belongs to whoever made it and is left alone.
     async fn observe(&mut self, kv: &KeyValue) {
         let id = kv.lease();
-        if id != 0 && kv.value() != self.value.as_bytes() {
+        if id == 0 {
+            self.restore_at = None;
+        } else if kv.value() != self.value.as_bytes() {
             if self.restore_at.is_none() {
                 tracing::warn!(
                     "own lease {} was changed to {}; writing ours again",
@@ -311,18 +313,24 @@ impl Keeper<'_> {
         }
     }
 
-    /// Puts our value back, attached to the key's current etcd lease, if the key still
-    /// exists (its deletion is the watch's to report).
+    /// Puts our value back, attached to the key's current etcd lease, if the key is still
+    /// attached to it (its deletion is the watch's to report; a reservation made meanwhile
+    /// is left alone).
     async fn restore(&mut self) -> Result<(), EtcdError> {
         self.restore_at = None;
+        // A write put off by the pace counts from now (one written at once counted already).
+        let _ = self.pace.wait_for();
+        let Some(id) = self.attached.filter(|id| *id != 0) else {
+            return Ok(());
+        };
         let mgr = self.mgr;
-        let options = self
-            .attached
-            .filter(|id| *id != 0)
-            .map(|id| PutOptions::new().with_lease(id));
         let txn = Txn::new()
-            .when([Compare::version(self.key.as_str(), CompareOp::Greater, 0)])
-            .and_then([TxnOp::put(self.key.as_str(), self.value.as_str(), options)]);
+            .when([Compare::lease(self.key.as_str(), CompareOp::Equal, id)])
+            .and_then([TxnOp::put(
+                self.key.as_str(),
+                self.value.as_str(),
+                Some(PutOptions::new().with_lease(id)),
+            )]);
         let mut kv = mgr.kv();
         if let Err(e) = mgr.request("txn", &self.key, kv.txn(txn)).await {
             tracing::warn!("{e}");

@@ -288,9 +288,6 @@ pub struct KubeSubnetManager {
     timings: KubeTimings,
     config: OnceLock<NetConfig>,
     cache: OnceLock<NodeCache>,
-    /// The uid of the own Node that `acquire_lease` annotated, so that
-    /// [`KubeSubnetManager::keep_own_node`] knows a Node registered again.
-    acquired_uid: std::sync::Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for KubeSubnetManager {
@@ -322,7 +319,6 @@ impl KubeSubnetManager {
             timings: KubeTimings::default(),
             config: OnceLock::new(),
             cache: OnceLock::new(),
-            acquired_uid: std::sync::Mutex::new(None),
         })
     }
 
@@ -529,9 +525,6 @@ impl KubeSubnetManager {
             ipv6_subnet = None;
         }
 
-        if let Ok(mut uid) = self.acquired_uid.lock() {
-            uid.clone_from(&own.metadata.uid);
-        }
         let changes = patch::annotation_changes(&self.keys, node::annotations(&own), attrs);
         if changes.is_empty() {
             tracing::debug!("node {name:?} annotations are up to date");
@@ -602,7 +595,11 @@ impl KubeSubnetManager {
         }
         let cache = self.cache();
         let mut changes = cache.changes.clone();
-        let mut known_uid = self.acquired_uid.lock().map(|u| u.clone()).unwrap_or(None);
+        // The Node `complete_lease` marked network-available just before.
+        let mut known_uid = cache
+            .store
+            .get(&ObjectRef::new(&self.node_name))
+            .and_then(|own| own.metadata.uid.clone());
         let mut gone = false;
         let mut pace = crate::subnet::pace::RewritePace::default();
         loop {
