@@ -927,7 +927,7 @@ fn ipv6_only_kube() -> Result<()> {
             .ipv6(true)
             .cni_plugin(bins::test_cni_plugin()?),
     )?;
-    let api = kube::api_in_hub(&rt, &topology, &|i| format!("fd00:244:0:{i}::/64"))?;
+    let api = kube::api_in_hub(&rt, &topology, &|i| vec![format!("fd00:244:0:{i}::/64")])?;
     let netconf = json!({
         "EnableIPv4": false,
         "EnableIPv6": true,

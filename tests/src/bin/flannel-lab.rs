@@ -177,6 +177,12 @@ struct UpArgs {
     /// Set Backend.DirectRouting in the config (vxlan).
     #[arg(long)]
     direct_routing: bool,
+    /// Kube mode: the agents take their leases from Node objects (`--kube-subnet-mgr`) in a
+    /// fake API server in the hub, instead of from etcd; each Node's pod CIDR is the node's
+    /// /24 of the network (and /64 of the IPv6 network), and the config is each node's
+    /// net-conf.json.
+    #[arg(long)]
+    kube: bool,
     /// The cluster network.
     #[arg(long, default_value = "10.244.0.0/16")]
     network: Ipv4Net,
@@ -512,6 +518,7 @@ fn up(args: UpArgs) -> Result<()> {
     spec.pods_per_node = args.pods_per_node;
     spec.subnet_env_timeout = Duration::from_secs(args.timeout);
     spec.agent_args = args.agent_args;
+    spec.kube = args.kube;
     if args.direct_routing {
         spec.backend_options = serde_json::json!({"DirectRouting": true});
     }

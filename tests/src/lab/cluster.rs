@@ -1,6 +1,7 @@
-//! A whole simulated cluster: topology, etcd in the hub, the network config, one agent per
-//! node, pods created through CNI once each node's subnet.env exists. `flannel-lab up` and
-//! the agent-driven benchmark variants are built on it.
+//! A whole simulated cluster: topology, etcd in the hub (or, in kube mode, the fake API server
+//! with one Node per node), the network config, one agent per node, pods created through CNI
+//! once each node's subnet.env exists. `flannel-lab up` and the agent-driven benchmark
+//! variants are built on it.
 
 use std::{
     fmt::Write as _,
@@ -14,7 +15,7 @@ use serde_json::Value;
 
 use super::{
     agent::{Agent, AgentSpec, Dataplane},
-    fastpath,
+    fastpath, kube,
     kv::Kv,
     lease::{self, LeaseRecord},
     probe::{self, Matrix},
@@ -22,6 +23,7 @@ use super::{
 };
 use crate::{
     etcd::Etcd,
+    kube_mock::MockApiServer,
     topology::{SubnetEnv, Topology, TopologySpec},
 };
 
@@ -62,6 +64,11 @@ pub struct ClusterSpec {
     pub subnet_env_timeout: Duration,
     /// `--etcd-prefix`
     pub etcd_prefix: String,
+    /// Kube mode: the agents take their leases from Node objects in the fake API server
+    /// (`--kube-subnet-mgr`, the config as `net-conf.json`), each Node's pod CIDRs the
+    /// node's /24 of [`network`](Self::network) (and /64 of
+    /// [`ipv6_network`](Self::ipv6_network)) as a controller manager assigns them; no etcd.
+    pub kube: bool,
 }
 
 impl ClusterSpec {
@@ -83,6 +90,7 @@ impl ClusterSpec {
             pods_per_node: 2,
             subnet_env_timeout: Duration::from_secs(60),
             etcd_prefix: lease::DEFAULT_PREFIX.to_owned(),
+            kube: false,
         }
     }
 
@@ -103,14 +111,33 @@ impl ClusterSpec {
     }
 }
 
-/// A running simulated cluster; dropping it stops the agents and etcd and removes the
-/// topology.
+/// Where the agents of a cluster take their leases from.
+enum Store {
+    /// etcd in the hub, and access to it from there.
+    Etcd { etcd: Etcd, kv: Kv },
+    /// The fake API server in the hub (kube mode), served by its own runtime.
+    Kube {
+        api: MockApiServer,
+        _runtime: tokio::runtime::Runtime,
+    },
+}
+
+impl Store {
+    fn describe(&self) -> String {
+        match self {
+            Store::Etcd { etcd, .. } => format!("etcd at {}", etcd.endpoint()),
+            Store::Kube { api, .. } => format!("fake API server at {}", api.url()),
+        }
+    }
+}
+
+/// A running simulated cluster; dropping it stops the agents and etcd (or the API server) and
+/// removes the topology.
 pub struct Cluster {
-    // Drop order: agents, etcd, then the namespaces.
+    // Drop order: agents, the store, then the namespaces.
     agents: Vec<Agent>,
-    etcd: Etcd,
+    store: Store,
     topology: Topology,
-    kv: Kv,
     spec: ClusterSpec,
     subnet_envs: Vec<SubnetEnv>,
 }
@@ -118,7 +145,7 @@ pub struct Cluster {
 impl std::fmt::Debug for Cluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Cluster")
-            .field("etcd", &self.etcd.endpoint())
+            .field("store", &self.store.describe())
             .field("topology", &self.topology)
             .field("agents", &self.agents)
             .finish_non_exhaustive()
@@ -149,26 +176,51 @@ impl Cluster {
         progress: &dyn Fn(&str),
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Cluster> {
-        let etcd = topology.start_etcd()?;
-        let kv = Kv::new(topology.hub(), etcd.endpoint());
+        let netconf = spec.netconf();
+        let store = if spec.kube {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()?;
+            let (network, network6) = (spec.network, spec.ipv6_network);
+            let cidrs = |n| kube::pod_cidrs(network, network6, n).unwrap_or_default();
+            let api = kube::api_in_hub(&runtime, &topology, &cidrs)?;
+            for node in topology.nodes() {
+                let cidrs = api
+                    .node(&node.name())
+                    .map(|n| n["spec"]["podCIDRs"].to_string())
+                    .unwrap_or_default();
+                progress(&format!("Node {}: podCIDRs {cidrs}", node.name()));
+            }
+            progress(&format!("net-conf.json = {netconf}"));
+            Store::Kube {
+                api,
+                _runtime: runtime,
+            }
+        } else {
+            let etcd = topology.start_etcd()?;
+            let kv = Kv::new(topology.hub(), etcd.endpoint());
+            lease::write_netconf(&kv, &spec.etcd_prefix, &netconf)?;
+            progress(&format!("{}/config = {netconf}", spec.etcd_prefix));
+            Store::Etcd { etcd, kv }
+        };
         progress(&format!(
-            "etcd at {} (in {})",
-            etcd.endpoint(),
+            "{} (in {})",
+            store.describe(),
             topology.hub().name()
         ));
-        let netconf = spec.netconf();
-        lease::write_netconf(&kv, &spec.etcd_prefix, &netconf)?;
-        progress(&format!("{}/config = {netconf}", spec.etcd_prefix));
         let mut cluster = Cluster {
             agents: Vec::new(),
-            etcd,
+            store,
             topology,
-            kv,
             spec,
             subnet_envs: Vec::new(),
         };
         for node in cluster.topology.nodes() {
-            let agent_spec = cluster.agent_spec_for(node.index());
+            let mut agent_spec = cluster.agent_spec_for(node.index());
+            if let Store::Kube { api, .. } = &cluster.store {
+                agent_spec = kube::agent_spec(node, api, &netconf, &agent_spec)?;
+            }
             let agent = Agent::start(node, &agent_spec)?;
             progress(&format!(
                 "{}: flannel-agent pid {} {}",
@@ -280,9 +332,14 @@ impl Cluster {
         )
     }
 
-    /// The agent flags shared by all nodes.
+    /// The agent flags shared by all nodes (in kube mode without those
+    /// [`kube::agent_spec`] adds).
     pub fn agent_spec(&self) -> AgentSpec {
-        let mut spec = AgentSpec::new(&self.spec.agent, self.etcd.endpoint());
+        let endpoint = match &self.store {
+            Store::Etcd { etcd, .. } => etcd.endpoint(),
+            Store::Kube { .. } => kube::NO_ETCD.to_owned(),
+        };
+        let mut spec = AgentSpec::new(&self.spec.agent, endpoint);
         spec.etcd_prefix = self.spec.etcd_prefix.clone();
         spec.dataplane = Some(self.spec.dataplane);
         spec.ip_masq = self.spec.ip_masq;
@@ -320,30 +377,65 @@ impl Cluster {
     }
 
     /// etcd (lives in the hub).
+    ///
+    /// # Panics
+    /// In kube mode ([`ClusterSpec::kube`]), which has no etcd.
     pub fn etcd(&self) -> &Etcd {
-        &self.etcd
+        self.etcd_store().0
     }
 
     /// etcd, mutable (stop and resume it: see [`Cluster::stop_etcd`]).
+    ///
+    /// # Panics
+    /// In kube mode.
     pub fn etcd_mut(&mut self) -> &mut Etcd {
-        &mut self.etcd
+        match &mut self.store {
+            Store::Etcd { etcd, .. } => etcd,
+            Store::Kube { .. } => panic!("{NO_ETCD_HERE}"),
+        }
     }
 
     /// Kills etcd (SIGKILL: to the agents it looks like a crash or a network outage).
+    ///
+    /// # Panics
+    /// In kube mode.
     pub fn stop_etcd(&mut self) {
-        self.etcd.stop();
+        self.etcd_mut().stop();
     }
 
     /// Starts etcd again on the same address and data (inside the hub, where it listens)
     /// and waits until it is healthy.
+    ///
+    /// # Panics
+    /// In kube mode.
     pub fn resume_etcd(&mut self) -> Result<()> {
-        let etcd = &mut self.etcd;
+        let Store::Etcd { etcd, .. } = &mut self.store else {
+            panic!("{NO_ETCD_HERE}");
+        };
         self.topology.hub().enter(move || etcd.resume())?
     }
 
     /// etcd access from the hub.
+    ///
+    /// # Panics
+    /// In kube mode.
     pub fn kv(&self) -> &Kv {
-        &self.kv
+        self.etcd_store().1
+    }
+
+    fn etcd_store(&self) -> (&Etcd, &Kv) {
+        match &self.store {
+            Store::Etcd { etcd, kv } => (etcd, kv),
+            Store::Kube { .. } => panic!("{NO_ETCD_HERE}"),
+        }
+    }
+
+    /// The fake API server of a kube-mode cluster (`None` with etcd).
+    pub fn api(&self) -> Option<&MockApiServer> {
+        match &self.store {
+            Store::Kube { api, .. } => Some(api),
+            Store::Etcd { .. } => None,
+        }
     }
 
     /// The spec it was built from.
@@ -371,8 +463,9 @@ impl Cluster {
         self.subnet_envs.get(n.checked_sub(1)?)?.lease()
     }
 
-    /// The etcd key of node `n`'s lease.
+    /// The etcd key of node `n`'s lease (`None` in kube mode).
     pub fn lease_key(&self, n: usize) -> Option<String> {
+        self.api().is_none().then_some(())?;
         Some(format!(
             "{}/subnets/{}",
             self.spec.etcd_prefix,
@@ -405,9 +498,12 @@ impl Cluster {
         status::metric(node.ns(), port, name)
     }
 
-    /// The leases in etcd.
+    /// The leases in etcd, or on the Node objects in kube mode.
     pub fn leases(&self) -> Result<Vec<LeaseRecord>> {
-        lease::read_leases(&self.kv, &self.spec.etcd_prefix)
+        match &self.store {
+            Store::Etcd { kv, .. } => lease::read_leases(kv, &self.spec.etcd_prefix),
+            Store::Kube { api, .. } => kube::leases(api, &self.topology),
+        }
     }
 
     /// Every pod to every pod.
@@ -419,11 +515,17 @@ impl Cluster {
     /// The leases as a table.
     pub fn leases_text(&self) -> Result<String> {
         let leases = self.leases()?;
-        let mut out = format!(
-            "leases in etcd ({} under {}/subnets/):\n",
-            leases.len(),
-            self.spec.etcd_prefix
-        );
+        let mut out = match self.store {
+            Store::Etcd { .. } => format!(
+                "leases in etcd ({} under {}/subnets/):\n",
+                leases.len(),
+                self.spec.etcd_prefix
+            ),
+            Store::Kube { .. } => format!(
+                "leases on the Node objects ({} with flannel's annotations):\n",
+                leases.len()
+            ),
+        };
         for l in &leases {
             let node = self
                 .topology
@@ -457,7 +559,7 @@ impl Cluster {
     pub fn status_text(&mut self) -> String {
         let mut out = match self.leases_text() {
             Ok(text) => text,
-            Err(e) => format!("leases: etcd unreachable: {e:#}\n"),
+            Err(e) => format!("leases: {e:#}\n"),
         };
         out += "nodes:\n";
         let network = self.spec.network;
@@ -497,6 +599,8 @@ impl Cluster {
         out
     }
 }
+
+const NO_ETCD_HERE: &str = "this cluster runs in kube mode: it has no etcd";
 
 fn oneline(env: &SubnetEnv) -> String {
     env.render().trim_end().replace('\n', " ")
