@@ -18,9 +18,11 @@
 //! still be partial (`CHECKSUM_PARTIAL`) when the packet leaves: a NIC (or the kernel's
 //! software fallback for NICs that do not know this tunnel) completes it on transmit. Only a
 //! veth underlay hands the skb on unfinished; an in-kernel receiver (our own receive below)
-//! does not mind, a user-space receiver (the TUN path, upstream's proxy) reads the unfinished
-//! checksum. On veth, the NIC behaviour is had with `ethtool -K <underlay> tx off
-//! tx-udp_tnl-segmentation off` (the tests do that for mixed pairs).
+//! does not mind, a user-space receiver reads the unfinished checksum: the agent's forwarder
+//! finishes it (`flannel_agent::udp::packet::finish_l4_checksum`), upstream's does not. A
+//! user-space receiver also cannot take a GSO datagram whole: for kernel-path and upstream
+//! receivers, a veth underlay needs `ethtool -K <underlay> tx-udp_tnl-segmentation off` (and
+//! `tx off` for upstream's), which the tests do for mixed pairs.
 //!
 //! # Receive (`tc_from_netdev`)
 //!

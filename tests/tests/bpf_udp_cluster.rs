@@ -11,6 +11,9 @@
 //!   node2 has MTU 1,400: a pod's TCP transfer to node2's pod arrives, its segments too big
 //!   for the path (the outer datagrams carry DF) going the TUN path, whose socket fragments
 //!   them, once the router's error taught the kernel the path MTU.
+//! * `udp_fast_path_hands_the_stack_merged_datagrams_for_the_host`: a pod's TCP transfer
+//!   to the other node's `cni0` address arrives, its GSO datagrams handed to that node's stack
+//!   decapsulated, the checksums of the others finished by that node's forwarder.
 //! * `udp_mixed_pair_fast_path_and_tun_path`: one node on the fast path, the other on the TUN
 //!   path only (`--dataplane=kernel`), both directions (ICMP, TCP), and a datagram built by
 //!   hand as an upstream udp node sends it, delivered by the fast path.
@@ -287,6 +290,53 @@ fn narrower_path() -> Result<()> {
     Ok(())
 }
 
+/// A pod's TCP transfer to a host address inside another node's subnet (that node's `cni0`
+/// address, where a host-network service listens), on a veth underlay with its offloads on (a
+/// kind or k3d cluster): node1's programs put each of the pod's TSO segments into one
+/// datagram, which the veth carries whole, as a GSO packet, to node2. The forwarder's socket
+/// reads one datagram at a time, and the stack is where the packet goes, so node2's programs
+/// hand the stack the inner packet (`fast_decap_udp`). The connection's packets that are not
+/// GSO go to node2's forwarder with the inner checksum the veth left unfinished, which the
+/// forwarder finishes: before, the handshake never completed (the SYN dropped by node2's
+/// kernel as `TcpInCsumErrors`). The data arrives intact, and a transfer to node2's pod is
+/// delivered in eBPF as before.
+#[test]
+fn udp_fast_path_hands_the_stack_merged_datagrams_for_the_host() {
+    require_root!();
+    require_ebpf_object!();
+    check(merged_datagrams_for_the_host());
+}
+
+fn merged_datagrams_for_the_host() -> Result<()> {
+    let cluster = cluster(2, Underlay::L2, Dataplane::Ebpf)?;
+    let topo = cluster.topology();
+    let (p1, p2, n2) = (topo.first_pod_on(1)?, topo.first_pod_on(2)?, topo.node(2));
+    let gateway = p2.gateway();
+    let decap_before = fast(n2.ns(), "fast_decap_udp")?;
+    let finished_before = forwarder(n2.ns(), "udp_checksum_finished")?;
+    let mbit = probe::transfer_mbit(p1.ns(), n2.ns(), IpAddr::V4(gateway), 16 << 20)?;
+    eprintln!("16 MiB TCP pod1 → node2's {gateway}: {mbit:.0} Mbit/s");
+    let decapped = fast(n2.ns(), "fast_decap_udp")? - decap_before;
+    ensure!(
+        decapped >= 10.0,
+        "node2 handed the stack {decapped} merged datagrams of the transfer"
+    );
+    // The connection's other packets (handshake, the end) went to node2's socket, their
+    // checksums as node1's veth left them: unfinished, finished by the forwarder.
+    let finished = forwarder(n2.ns(), "udp_checksum_finished")? - finished_before;
+    ensure!(
+        finished >= 2.0,
+        "node2's forwarder finished {finished} checksums"
+    );
+    let delivered_before = fast(n2.ns(), "fast_deliver_udp")?;
+    probe::transfer_mbit(p1.ns(), p2.ns(), IpAddr::V4(p2.ip()), 4 << 20)?;
+    ensure!(
+        fast(n2.ns(), "fast_deliver_udp")? - delivered_before >= 10.0,
+        "node2 delivered none of the transfer to its pod in eBPF"
+    );
+    Ok(())
+}
+
 #[test]
 fn udp_mixed_pair_fast_path_and_tun_path() {
     require_root!();
@@ -322,16 +372,15 @@ fn mixed_pair() -> Result<()> {
             &format!("kind=\"{kind}\""),
         )
     };
-    // A veth hands a packet's unfinished (CHECKSUM_PARTIAL) inner checksum and GSO state to
-    // its peer, which a NIC would have completed and segmented on transmit; a user-space
-    // receiver (node2's forwarder) reads the datagram's bytes and would see the partial sum.
-    // Make node1's underlay behave like a NIC without tunnel offloads.
+    // A veth hands a packet's GSO state to its peer, which a NIC would have segmented on
+    // transmit; a user-space receiver (node2's forwarder) reads one datagram at a time. Make
+    // node1's underlay segment like a NIC without tunnel offloads. Checksum offload stays on:
+    // the veth hands on the segments' inner checksums unfinished, and node2's forwarder
+    // finishes them.
     n1.run(&[
         "ethtool",
         "-K",
         "eth0",
-        "tx",
-        "off",
         "tx-udp_tnl-segmentation",
         "off",
         "tx-udp_tnl-csum-segmentation",
@@ -358,6 +407,7 @@ fn mixed_pair() -> Result<()> {
     let counted_before = fastpath::counters(n1.ns(), DEFAULT_HEALTHZ_PORT)?.packets;
     let decap_before = forwarder(n2.ns(), "udp_decap")?;
     let encap_before = forwarder(n2.ns(), "udp_encap")?;
+    let finished_before = forwarder(n2.ns(), "udp_checksum_finished")?;
     let fast_to_tun = probe::transfer_mbit(p1.ns(), p2.ns(), IpAddr::V4(p2.ip()), 4 << 20)?;
     let tun_to_fast = probe::transfer_mbit(p2.ns(), p1.ns(), IpAddr::V4(p1.ip()), 4 << 20)?;
     eprintln!("4 MiB TCP fast → TUN {fast_to_tun:.0} Mbit/s, TUN → fast {tun_to_fast:.0} Mbit/s");
@@ -379,6 +429,11 @@ fn mixed_pair() -> Result<()> {
     );
     ensure!(forwarder(n2.ns(), "udp_decap")? - decap_before >= 100.0);
     ensure!(forwarder(n2.ns(), "udp_encap")? - encap_before >= 100.0);
+    let finished = forwarder(n2.ns(), "udp_checksum_finished")? - finished_before;
+    ensure!(
+        finished >= 100.0,
+        "node2's forwarder finished {finished} checksums node1's veth left unfinished"
+    );
 
     // An upstream udp node (a datagram built by hand, sent from the hub) whose pods live in
     // node2's subnet as far as node1 knows: delivered by the fast path, TTL − 2.

@@ -31,11 +31,15 @@ pub enum Reason {
     DropSendError,
     /// Dropped: writing to `flannel0` failed.
     DropTunError,
+    /// Received with its TCP or UDP checksum left unfinished by the sender's offload (a
+    /// fast-path peer on a veth underlay) and finished before the write to `flannel0`
+    /// ([`super::packet::finish_l4_checksum`]); also counted under [`Reason::Decap`].
+    ChecksumFinished,
 }
 
 impl Reason {
     /// Every reason, in a fixed order.
-    pub const ALL: [Reason; 10] = [
+    pub const ALL: [Reason; 11] = [
         Reason::Encap,
         Reason::Decap,
         Reason::IcmpUnreachable,
@@ -46,6 +50,7 @@ impl Reason {
         Reason::DropNotLocal,
         Reason::DropSendError,
         Reason::DropTunError,
+        Reason::ChecksumFinished,
     ];
 
     /// The metric label (`udp_encap`, `udp_drop_ttl`, …).
@@ -61,6 +66,7 @@ impl Reason {
             Reason::DropNotLocal => "udp_drop_not_local",
             Reason::DropSendError => "udp_drop_send_error",
             Reason::DropTunError => "udp_drop_tun_error",
+            Reason::ChecksumFinished => "udp_checksum_finished",
         }
     }
 

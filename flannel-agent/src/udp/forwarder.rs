@@ -353,7 +353,7 @@ pub(crate) async fn ingress(shared: Arc<Shared>, cancel: CancellationToken) {
                 continue;
             }
             match ingress_verdict(pkt, shared.own_subnet) {
-                Ok(len) => match write_tun(&tun, &pkt[..len]).await {
+                Ok(len) => match write_tun(&tun, finished(&mut pkt[..len], &mut tally)).await {
                     Ok(()) => tally.add(Reason::Decap, len),
                     Err(e) => {
                         tun_errors.warn("writing to flannel0", &e);
@@ -365,6 +365,17 @@ pub(crate) async fn ingress(shared: Arc<Shared>, cancel: CancellationToken) {
         }
         shared.counters.flush(&mut tally);
     }
+}
+
+/// `pkt` (an inner packet [`ingress_verdict`] accepted) with its TCP or UDP checksum finished
+/// if the sender left it unfinished ([`packet::finish_l4_checksum`]), counted.
+fn finished<'a>(pkt: &'a mut [u8], tally: &mut Tally) -> &'a [u8] {
+    if let Ok(h) = packet::parse(pkt)
+        && packet::finish_l4_checksum(pkt, &h)
+    {
+        tally.add(Reason::ChecksumFinished, h.total_len);
+    }
+    pkt
 }
 
 /// Writes one packet to the TUN device, waiting for writability if the kernel ever pushes

@@ -19,7 +19,9 @@
 //! IPv4 with consistent lengths and a valid header checksum, and its destination must lie in
 //! this node's subnet — otherwise anyone who can reach UDP port 8285 could use the node as a
 //! relay into any network it routes to. The outer source address is not checked, as upstream
-//! (NAT and `--public-ip` make it differ from the lease's `PublicIP`).
+//! (NAT and `--public-ip` make it differ from the lease's `PublicIP`). A TCP or UDP checksum
+//! that a fast-path sender on a veth underlay left unfinished is finished
+//! ([`packet::finish_l4_checksum`]), as the sender's NIC would have done.
 //!
 //! **Lifetime**: the TUN device exists while the agent runs (not persistent, as upstream). If
 //! it is deleted under the agent, the forwarder creates it again and the reconciler

@@ -142,6 +142,59 @@ pub fn decrement_ttl(pkt: &mut [u8]) -> Result<u8, PacketError> {
     Ok(ttl - 1)
 }
 
+/// IP protocol number of TCP.
+pub const IPPROTO_TCP: u8 = 6;
+/// IP protocol number of UDP.
+pub const IPPROTO_UDP: u8 = 17;
+
+/// Completes the TCP or UDP checksum of the whole (unfragmented) IPv4 packet `pkt` parsed as
+/// `h` if its sender left it for a NIC to finish: the checksum field holds only the sum of
+/// the pseudo-header (what Linux writes for `CHECKSUM_PARTIAL`) and the checksum does not
+/// verify. Returns whether it did.
+///
+/// A NIC completes such a checksum on transmit. A veth does not: it hands the packet on
+/// unfinished, and a kernel receiving it trusts it, but the bytes a socket reads still carry
+/// the partial sum. A fast-path peer on a veth underlay (a kind or k3d cluster) sends pod
+/// packets in that state, so this node's socket would write them to `flannel0` unfinished and
+/// the kernel would drop them for their checksum. A checksum that happens to be valid as it
+/// is, is left alone.
+pub fn finish_l4_checksum(pkt: &mut [u8], h: &Ipv4Header) -> bool {
+    let more_fragments = pkt.get(6).is_some_and(|b| b & 0x20 != 0);
+    if h.fragment_offset != 0 || more_fragments {
+        return false;
+    }
+    let (field, min_len) = match h.protocol {
+        IPPROTO_TCP => (16, 20),
+        IPPROTO_UDP => (6, 8),
+        _ => return false,
+    };
+    let Some(l4) = pkt.get_mut(h.header_len..h.total_len) else {
+        return false;
+    };
+    let Ok(len) = u16::try_from(l4.len()) else {
+        return false;
+    };
+    if l4.len() < min_len {
+        return false;
+    }
+    let pseudo = sum_words(&h.src.octets())
+        + sum_words(&h.dst.octets())
+        + u32::from(h.protocol)
+        + u32::from(len);
+    let check = u16::from_be_bytes([l4[field], l4[field + 1]]);
+    if check != fold(pseudo) || fold(pseudo + sum_words(l4)) == 0xffff {
+        return false;
+    }
+    l4[field..field + 2].copy_from_slice(&[0, 0]);
+    let mut finished = !fold(pseudo + sum_words(l4));
+    if h.protocol == IPPROTO_UDP && finished == 0 {
+        // RFC 768: a computed zero is sent as all ones (zero means "no checksum").
+        finished = 0xffff;
+    }
+    l4[field..field + 2].copy_from_slice(&finished.to_be_bytes());
+    true
+}
+
 /// ICMP types that are error messages (RFC 1122 3.2.2: never answer those with an error).
 fn is_icmp_error(kind: u8) -> bool {
     matches!(kind, 3 | 4 | 5 | 11 | 12)
@@ -231,6 +284,103 @@ mod tests {
         p[10..12].copy_from_slice(&c.to_be_bytes());
         p[IPV4_HEADER_LEN..].copy_from_slice(payload);
         p
+    }
+
+    /// The TCP or UDP checksum of `pkt` (a [`packet`]) verifies over its pseudo-header.
+    fn l4_checksum_ok(pkt: &[u8]) -> bool {
+        let h = parse(pkt).unwrap();
+        let l4 = &pkt[h.header_len..h.total_len];
+        let pseudo = sum_words(&h.src.octets())
+            + sum_words(&h.dst.octets())
+            + u32::from(h.protocol)
+            + l4.len() as u32;
+        fold(pseudo + sum_words(l4)) == 0xffff
+    }
+
+    /// `pkt` with the L4 checksum at `field` as Linux leaves it for offload: the folded
+    /// pseudo-header sum.
+    fn partial(mut pkt: Vec<u8>, field: usize) -> Vec<u8> {
+        let h = parse(&pkt).unwrap();
+        let len = (h.total_len - h.header_len) as u32;
+        let pseudo =
+            sum_words(&h.src.octets()) + sum_words(&h.dst.octets()) + u32::from(h.protocol) + len;
+        let at = h.header_len + field;
+        pkt[at..at + 2].copy_from_slice(&fold(pseudo).to_be_bytes());
+        pkt
+    }
+
+    #[test]
+    fn unfinished_l4_checksums_are_finished_and_valid_ones_left_alone() {
+        let (src, dst) = ([10, 244, 1, 2], [10, 244, 2, 1]);
+        // A TCP SYN-like segment (20-byte header, 7 bytes of data: an odd length) and a UDP
+        // datagram.
+        let mut tcp = vec![0u8; 27];
+        tcp[..4].copy_from_slice(&[0x9c, 0x40, 0x1e, 0x61]);
+        tcp[12] = 0x50;
+        tcp[13] = 0x02;
+        tcp[20..].copy_from_slice(b"payload");
+        let mut udp = vec![0u8; 8 + 5];
+        udp[..4].copy_from_slice(&[0x13, 0x88, 0x00, 0x35]);
+        udp[4..6].copy_from_slice(&13u16.to_be_bytes());
+        udp[8..].copy_from_slice(b"hello");
+        for (proto, l4, field) in [(IPPROTO_TCP, tcp, 16), (IPPROTO_UDP, udp, 6)] {
+            let mut p = partial(packet(src, dst, 62, proto, &l4), field);
+            assert!(!l4_checksum_ok(&p), "partial sums do not verify");
+            let h = parse(&p).unwrap();
+            assert!(finish_l4_checksum(&mut p, &h), "protocol {proto}");
+            assert!(l4_checksum_ok(&p), "protocol {proto}: finished");
+            // Finished (valid) now: left as it is.
+            let before = p.clone();
+            assert!(!finish_l4_checksum(&mut p, &h));
+            assert_eq!(p, before);
+            // Corrupted otherwise (not the partial sum): left for the kernel to drop.
+            let at = IPV4_HEADER_LEN + field;
+            p[at] ^= 0x40;
+            let corrupted = p.clone();
+            assert!(!finish_l4_checksum(&mut p, &h));
+            assert_eq!(p, corrupted);
+            // A fragment's checksum covers more than the packet: never touched.
+            let mut frag = partial(packet(src, dst, 62, proto, &l4), field);
+            frag[6] = 0x20; // MF
+            let h = parse(&frag).unwrap();
+            assert!(!finish_l4_checksum(&mut frag, &h));
+        }
+        // Other protocols, and L4 headers cut short, are not touched.
+        let mut icmp = packet(src, dst, 62, IPPROTO_ICMP, &[8, 0, 0, 0, 0, 1, 0, 1]);
+        let h = parse(&icmp).unwrap();
+        assert!(!finish_l4_checksum(&mut icmp, &h));
+        let mut short = packet(src, dst, 62, IPPROTO_TCP, &[0; 12]);
+        let h = parse(&short).unwrap();
+        assert!(!finish_l4_checksum(&mut short, &h));
+    }
+
+    /// Random headers and lengths (mostly IPv4, TCP or UDP, some with the partial sum planted):
+    /// never a panic, and a checksum reported finished verifies.
+    #[test]
+    fn finishing_arbitrary_packets_never_panics_and_only_ever_makes_them_valid() {
+        use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
+        let mut rng = StdRng::seed_from_u64(0x5eed);
+        let mut finished = 0;
+        for _ in 0..20_000 {
+            let proto = [IPPROTO_TCP, IPPROTO_UDP, IPPROTO_ICMP][rng.random_range(0..3)];
+            let payload: Vec<u8> = (0..rng.random_range(0..64)).map(|_| rng.random()).collect();
+            let mut p = packet([10, 244, 1, 2], [10, 244, 2, 1], 62, proto, &payload);
+            let field = if proto == IPPROTO_TCP { 16 } else { 6 };
+            if rng.random_bool(0.5) && payload.len() >= field + 2 {
+                p = partial(p, field);
+            }
+            for _ in 0..rng.random_range(0..3) {
+                let at = rng.random_range(0..p.len());
+                p[at] = rng.random();
+            }
+            if let Ok(h) = parse(&p)
+                && finish_l4_checksum(&mut p, &h)
+            {
+                finished += 1;
+                assert!(l4_checksum_ok(&p), "{p:02x?}");
+            }
+        }
+        assert!(finished > 1_000, "only {finished} packets needed finishing");
     }
 
     #[test]
