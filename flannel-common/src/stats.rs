@@ -180,7 +180,9 @@ pub enum Reason {
     /// reset the tunnel offload state the way the kernel's VXLAN receive does, so the packet
     /// would be segmented again in software on the way through the pod bridge; unless it can
     /// go straight into the pod's namespace ([`Reason::DeliverPeer`]), it is left to
-    /// `flannel.<VNI>` and its flow is handed to the kernel in both directions.
+    /// `flannel.<VNI>` and its flow is handed to the kernel in both directions. Also
+    /// `tc_from_bridge`: a GSO UDP packet (`UDP_SEGMENT`) for a udp-backend peer, left to
+    /// `flannel0`.
     PassGso = 57,
     /// `xdp_from_netdev`: IPIP for a local pod from a known node, decapsulated before GRO
     /// (`tc_from_netdev` then delivers the inner packet).

@@ -12,7 +12,11 @@
 //! with a TTL of 2 or less, too big after encapsulation, ICMP errors, flows conntrack must see
 //! and everything without a udp route take the kernel path into `flannel0` unchanged.
 //!
-//! GSO packets keep their segment size; `adjust_room` marks them `SKB_GSO_UDP_TUNNEL` with the
+//! GSO UDP packets (`UDP_SEGMENT`) take the kernel path: on a veth underlay they would arrive
+//! whole, where neither the receiving programs (the UDP-tunnel offload state they cannot reset
+//! makes the pod's socket drop the packet) nor a socket can take them.
+//!
+//! Other GSO packets keep their segment size; `adjust_room` marks them `SKB_GSO_UDP_TUNNEL` with the
 //! inner protocol IPv4, so the kernel's UDP tunnel segmentation builds one datagram per
 //! segment (outer lengths fixed, UDP checksum left 0). As for VXLAN, the inner L4 checksum may
 //! still be partial (`CHECKSUM_PARTIAL`) when the packet leaves: a NIC (or the kernel's
@@ -154,6 +158,14 @@ pub fn encap(
     let Some(udp) = config() else {
         return Err(Reason::PassBadRoute);
     };
+    if fib::gso_size(ctx) != 0 && info.proto == proto::UDP {
+        // A GSO UDP packet (`UDP_SEGMENT`) stays whole in a datagram where the underlay does
+        // not segment it (a veth): the receiving programs could deliver it only with a
+        // UDP-tunnel offload state that makes the pod's socket drop it, and a socket cannot
+        // take it. `flannel0` gets it segmented, and the forwarder's datagrams make its flow
+        // a kernel flow on both ends.
+        return Err(Reason::PassGso);
+    }
     let Some(room) = encap::room(ctx, cfg, info, UDP_OVERHEAD) else {
         return Err(Reason::PassTooBig);
     };

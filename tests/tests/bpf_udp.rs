@@ -261,6 +261,14 @@ fn bridge_encapsulates_exactly_like_the_tun_path() {
             assert_counted(&r, &[class, Reason::FastUdp], "encapsulated");
         }
 
+        // A GSO UDP packet (UDP_SEGMENT) is left to flannel0 whole, which segments it.
+        let ip = Ipv4::new(POD, REMOTE2, Udp::new(1234, 5678).payload(&[9; 3000]));
+        let frame = pod_frame(&ip);
+        let r = run(fp, Hook::FromBridge, &frame, Skb::on(ifs.br).gso(1000, 3));
+        assert_eq!(r.verdict, TC_ACT_OK);
+        assert_bytes(&r.out, &frame, "a GSO UDP packet");
+        assert_counted(&r, &[Reason::Ipv4Udp, Reason::PassGso], "GSO UDP");
+
         // A peer whose underlay neighbour is unknown: bpf_redirect_neigh resolves it, the
         // outer Ethernet addresses are left as they were.
         let ip = Ipv4::new(POD, REMOTE3, Tcp::new(40001, 80));

@@ -14,6 +14,8 @@
 //! * `udp_fast_path_hands_the_stack_merged_datagrams_for_the_host`: a pod's TCP transfer
 //!   to the other node's `cni0` address arrives, its GSO datagrams handed to that node's stack
 //!   decapsulated, the checksums of the others finished by that node's forwarder.
+//! * `udp_fast_path_carries_udp_gso_between_pods`: `UDP_SEGMENT` sends between pods arrive
+//!   as their segments, left to `flannel0` by the sender's programs.
 //! * `udp_mixed_pair_fast_path_and_tun_path`: one node on the fast path, the other on the TUN
 //!   path only (`--dataplane=kernel`), both directions (ICMP, TCP), and a datagram built by
 //!   hand as an upstream udp node sends it, delivered by the fast path.
@@ -333,6 +335,67 @@ fn merged_datagrams_for_the_host() -> Result<()> {
     ensure!(
         fast(n2.ns(), "fast_deliver_udp")? - delivered_before >= 10.0,
         "node2 delivered none of the transfer to its pod in eBPF"
+    );
+    Ok(())
+}
+
+/// UDP with segmentation offload (`UDP_SEGMENT`, as QUIC senders use) between pods on two
+/// udp-backend nodes on the fast path, over a veth underlay that carries a GSO packet whole:
+/// three 60,000-byte sends in 1,000-byte segments arrive as 180 datagrams of 1,000 bytes.
+/// node1's programs leave them to `flannel0` (`pass_gso`). Before, they were encapsulated
+/// whole and delivered by node2's programs with a UDP-tunnel offload state that made the
+/// pod's socket drop them: none arrived.
+#[test]
+fn udp_fast_path_carries_udp_gso_between_pods() {
+    require_root!();
+    require_ebpf_object!();
+    check(udp_gso_between_pods());
+}
+
+fn udp_gso_between_pods() -> Result<()> {
+    let cluster = cluster(2, Underlay::L2, Dataplane::Ebpf)?;
+    let topo = cluster.topology();
+    let (from, to, n1) = (topo.first_pod_on(1)?, topo.first_pod_on(2)?, topo.node(1));
+    let rx = to
+        .ns()
+        .enter(|| std::net::UdpSocket::bind((to.ip(), 6000)))??;
+    rx.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let tx = from
+        .ns()
+        .enter(|| std::net::UdpSocket::bind((from.ip(), 0)))??;
+    tx.send_to(b"hello", (to.ip(), 6000))?;
+    let mut buf = vec![0u8; 65536];
+    let (n, _) = rx.recv_from(&mut buf).context("the first datagram")?;
+    ensure!(n == 5, "first datagram of {n} bytes");
+    let gso_before = fast(n1.ns(), "pass_gso")?;
+    const UDP_SEGMENT: libc::c_int = 103;
+    let size: libc::c_int = 1000;
+    // SAFETY: setsockopt on an open socket with a c_int option value.
+    let rc = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&tx),
+            libc::SOL_UDP,
+            UDP_SEGMENT,
+            std::ptr::from_ref(&size).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    ensure!(rc == 0, "UDP_SEGMENT: {}", std::io::Error::last_os_error());
+    for _ in 0..3 {
+        let sent = tx.send_to(&[7u8; 60_000], (to.ip(), 6000))?;
+        ensure!(sent == 60_000, "sent {sent} bytes");
+    }
+    let mut sizes = std::collections::BTreeMap::new();
+    while let Ok((n, _)) = rx.recv_from(&mut buf) {
+        *sizes.entry(n).or_insert(0) += 1;
+    }
+    ensure!(
+        sizes == std::collections::BTreeMap::from([(1000, 180)]),
+        "received (size: count) {sizes:?}, want 180 datagrams of 1000 bytes"
+    );
+    ensure!(
+        fast(n1.ns(), "pass_gso")? - gso_before >= 3.0,
+        "node1's programs did not leave the GSO packets to flannel0"
     );
     Ok(())
 }
