@@ -177,20 +177,27 @@ impl Cluster {
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Cluster> {
         let netconf = spec.netconf();
+        let hub = topology.hub().name();
         let store = if spec.kube {
+            let cidrs = topology
+                .nodes()
+                .iter()
+                .map(|n| {
+                    let cidrs = kube::pod_cidrs(spec.network, spec.ipv6_network, n.index())?;
+                    Ok((n.index(), cidrs))
+                })
+                .collect::<Result<std::collections::BTreeMap<_, _>>>()?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(1)
                 .enable_all()
                 .build()?;
-            let (network, network6) = (spec.network, spec.ipv6_network);
-            let cidrs = |n| kube::pod_cidrs(network, network6, n).unwrap_or_default();
-            let api = kube::api_in_hub(&runtime, &topology, &cidrs)?;
+            let api = kube::api_in_hub(&runtime, &topology, &|n| {
+                cidrs.get(&n).cloned().unwrap_or_default()
+            })?;
+            progress(&format!("fake API server at {} (in {hub})", api.url()));
             for node in topology.nodes() {
-                let cidrs = api
-                    .node(&node.name())
-                    .map(|n| n["spec"]["podCIDRs"].to_string())
-                    .unwrap_or_default();
-                progress(&format!("Node {}: podCIDRs {cidrs}", node.name()));
+                let cidrs = cidrs.get(&node.index()).cloned().unwrap_or_default();
+                progress(&format!("Node {}: podCIDRs {cidrs:?}", node.name()));
             }
             progress(&format!("net-conf.json = {netconf}"));
             Store::Kube {
@@ -199,16 +206,12 @@ impl Cluster {
             }
         } else {
             let etcd = topology.start_etcd()?;
+            progress(&format!("etcd at {} (in {hub})", etcd.endpoint()));
             let kv = Kv::new(topology.hub(), etcd.endpoint());
             lease::write_netconf(&kv, &spec.etcd_prefix, &netconf)?;
             progress(&format!("{}/config = {netconf}", spec.etcd_prefix));
             Store::Etcd { etcd, kv }
         };
-        progress(&format!(
-            "{} (in {})",
-            store.describe(),
-            topology.hub().name()
-        ));
         let mut cluster = Cluster {
             agents: Vec::new(),
             store,
@@ -465,7 +468,9 @@ impl Cluster {
 
     /// The etcd key of node `n`'s lease (`None` in kube mode).
     pub fn lease_key(&self, n: usize) -> Option<String> {
-        self.api().is_none().then_some(())?;
+        if self.api().is_some() {
+            return None;
+        }
         Some(format!(
             "{}/subnets/{}",
             self.spec.etcd_prefix,
