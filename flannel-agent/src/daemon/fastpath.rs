@@ -22,7 +22,7 @@ use crate::{
         VxlanLocal,
     },
     cli::Dataplane,
-    dataplane::Local,
+    dataplane::{Local, Trigger},
     ip::IpStack,
     metrics::{KindLabel, Metrics},
     netlink::{FdbEvent, FdbEvents, LinkEvent, Netlink},
@@ -555,10 +555,10 @@ async fn sync_ports(
 /// Compares the fast path's route and node maps with what the agent last wrote
 /// ([`bpf::FastPath::drift`]) every [`bpf::drift::CHECK_PERIOD`] or so, until `cancel`; when they
 /// differ (entries deleted or changed by hand), says so once and sends
-/// [`LinkEvent::MapsDrifted`] to the reconciler, whose next sync writes them again.
+/// [`Trigger::MapsDrifted`] to the reconciler, whose next sync writes them again.
 pub async fn check_maps(
     fast_path: SharedFastPath,
-    drifted: tokio::sync::mpsc::Sender<LinkEvent>,
+    drifted: tokio::sync::mpsc::Sender<Trigger>,
     cancel: CancellationToken,
 ) {
     let mut wait = bpf::drift::CHECK_PERIOD;
@@ -586,7 +586,7 @@ pub async fn check_maps(
                 }
                 clean = false;
                 // Full: a reconcile is already asked for.
-                let _ = drifted.try_send(LinkEvent::MapsDrifted);
+                let _ = drifted.try_send(Trigger::MapsDrifted);
             }
             Err(err) => debug!("comparing the fast path's maps with what was written: {err}"),
         }

@@ -35,7 +35,7 @@ use crate::{
     cli::{Cli, Dataplane},
     dataplane::{
         self, DataplaneError, DataplaneStatus, Local, MacStore, Reconciler, ReconcilerConfig,
-        VtepMacs,
+        Trigger, VtepMacs,
     },
     extension,
     health::{self, Readiness},
@@ -484,14 +484,14 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
                 Ok(None)
             });
         }
-        let links = tokio_stream::StreamExt::merge(
-            nl.dataplane_events()?,
+        let triggers = tokio_stream::StreamExt::merge(
+            tokio_stream::StreamExt::map(nl.dataplane_events()?, Trigger::Kernel),
             tokio_stream::wrappers::ReceiverStream::new(drifted_rx),
         );
         let shutdown = cancel.clone().cancelled_owned();
         let snapshots = snapshots.clone();
         tasks.spawn(async move {
-            reconciler.run(snapshots, links, shutdown).await;
+            reconciler.run(snapshots, triggers, shutdown).await;
             Ok(None)
         });
     }

@@ -51,7 +51,7 @@ pub use model::{
     Desired, DeviceInfo, Devices, ExtensionPeer, IgnoreReason, Local, Note, Peer, PeerPath, Reach,
     VtepMacs, subnet_address,
 };
-pub use reconciler::{ReconcileOutcome, Reconciler, ReconcilerConfig};
+pub use reconciler::{ReconcileOutcome, Reconciler, ReconcilerConfig, Trigger};
 pub use status::DataplaneStatus;
 
 use crate::{

@@ -43,6 +43,24 @@ use super::{
     status::DataplaneStatus,
 };
 
+/// What makes the reconciler look at the dataplane again, besides the lease set and its
+/// periodic resync ([`Reconciler::run`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Trigger {
+    /// A notification of the kernel's (links, addresses, routes, neighbours), acted on when it
+    /// concerns the dataplane.
+    Kernel(LinkEvent),
+    /// The fast path's route or node maps no longer hold what the agent wrote
+    /// (`daemon::fastpath::check_maps`); no notification tells of BPF map changes.
+    MapsDrifted,
+}
+
+impl From<LinkEvent> for Trigger {
+    fn from(event: LinkEvent) -> Self {
+        Trigger::Kernel(event)
+    }
+}
+
 /// Timing of the reconciler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReconcilerConfig {
@@ -316,7 +334,7 @@ impl Reconciler {
             LinkEvent::NeighbourRemoved { index } => {
                 self.local.devices.all().any(|d| d.index == *index)
             }
-            LinkEvent::Overrun | LinkEvent::MapsDrifted => true,
+            LinkEvent::Overrun => true,
         }
     }
 
@@ -562,15 +580,18 @@ impl Reconciler {
     }
 
     /// Runs until `shutdown` completes (the daemon passes `cancel_token.cancelled()`).
-    /// `links` are the link notifications of this namespace ([`Netlink::link_events`]); the
-    /// stream ending only disables that trigger. Nothing is cleaned up on the way out.
-    pub async fn run<S, F>(
+    /// `triggers` are what makes it look again besides the leases: the kernel's notifications
+    /// of this namespace ([`Netlink::dataplane_events`], as [`LinkEvent`]s or
+    /// [`Trigger::Kernel`]) and the fast path's map check ([`Trigger::MapsDrifted`]); the
+    /// stream ending only disables those triggers. Nothing is cleaned up on the way out.
+    pub async fn run<S, T, F>(
         mut self,
         mut snapshots: watch::Receiver<LeaseSnapshot>,
-        mut links: S,
+        mut triggers: S,
         shutdown: F,
     ) where
-        S: Stream<Item = LinkEvent> + Unpin,
+        S: Stream<Item = T> + Unpin,
+        T: Into<Trigger>,
         F: Future<Output = ()>,
     {
         let mut shutdown = std::pin::pin!(shutdown);
@@ -633,15 +654,13 @@ impl Reconciler {
                         snapshots_open = false;
                     }
                 },
-                event = links.next(), if links_open => match event {
-                    Some(event) => {
+                trigger = triggers.next(), if links_open => match trigger.map(Into::into) {
+                    Some(Trigger::Kernel(event)) => {
                         if self.concerns(&event) {
                             pending = true;
                             if matches!(
                                 event,
-                                LinkEvent::RouteRemoved { .. }
-                                    | LinkEvent::NeighbourRemoved { .. }
-                                    | LinkEvent::MapsDrifted
+                                LinkEvent::RouteRemoved { .. } | LinkEvent::NeighbourRemoved { .. }
                             ) {
                                 // Within the back-off: a failing reconcile's own deletions
                                 // must not make it retry at once.
@@ -653,6 +672,11 @@ impl Reconciler {
                                 retry_at = None;
                             }
                         }
+                    }
+                    Some(Trigger::MapsDrifted) => {
+                        // Within the back-off, like an entry removed from the kernel.
+                        pending = true;
+                        tracing::debug!("fast-path map entries differ from what was written");
                     }
                     None => {
                         tracing::warn!("link notifications ended; relying on periodic resyncs");
@@ -777,8 +801,6 @@ mod tests {
             (LinkEvent::NeighbourRemoved { index: 7 }, true),
             (LinkEvent::NeighbourRemoved { index: ext }, false),
             (LinkEvent::Overrun, true),
-            // The fast path's maps differ from what was written.
-            (LinkEvent::MapsDrifted, true),
         ] {
             assert_eq!(r.concerns(&event), wanted, "{event:?}");
         }

@@ -110,9 +110,6 @@ pub enum LinkEvent {
     },
     /// Notifications were lost (the socket's buffer overflowed): re-list the links.
     Overrun,
-    /// Not from netlink: the fast path's route or node maps no longer hold what the agent
-    /// wrote (`daemon::fastpath::check_maps`).
-    MapsDrifted,
 }
 
 /// A stream of decoded notifications of one multicast group ([`LinkEvents`], [`FdbEvents`]).
