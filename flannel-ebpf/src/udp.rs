@@ -16,17 +16,17 @@
 //! whole, where neither the receiving programs (the UDP-tunnel offload state they cannot reset
 //! makes the pod's socket drop the packet) nor a socket can take them.
 //!
-//! Other GSO packets keep their segment size; `adjust_room` marks them `SKB_GSO_UDP_TUNNEL` with the
-//! inner protocol IPv4, so the kernel's UDP tunnel segmentation builds one datagram per
-//! segment (outer lengths fixed, UDP checksum left 0). As for VXLAN, the inner L4 checksum may
+//! Other GSO packets keep their segment size; `adjust_room` marks them `SKB_GSO_UDP_TUNNEL`
+//! with the inner protocol IPv4, so the kernel's UDP tunnel segmentation builds one datagram
+//! per segment (outer lengths fixed, UDP checksum left 0). As for VXLAN, the inner L4 checksum may
 //! still be partial (`CHECKSUM_PARTIAL`) when the packet leaves: a NIC (or the kernel's
 //! software fallback for NICs that do not know this tunnel) completes it on transmit. Only a
 //! veth underlay hands the skb on unfinished; an in-kernel receiver (our own receive below)
 //! does not mind, a user-space receiver reads the unfinished checksum: the agent's forwarder
 //! finishes it (`flannel_agent::udp::packet::finish_l4_checksum`), upstream's does not. A
 //! user-space receiver also cannot take a GSO datagram whole: for kernel-path and upstream
-//! receivers, a veth underlay needs `ethtool -K <underlay> tx-udp_tnl-segmentation off` (and
-//! `tx off` for upstream's), which the tests do for mixed pairs.
+//! receivers, a veth underlay needs `ethtool -K <underlay> tx-udp_tnl-segmentation off` (the
+//! mixed-pair test does that), and `tx off` too for upstream's.
 //!
 //! # Receive (`tc_from_netdev`)
 //!
