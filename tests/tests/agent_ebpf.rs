@@ -1609,6 +1609,21 @@ fn ebpf_vxlan_service_dnat_to_a_remote_pod() {
     scenarios::service_dnat_to_a_remote_pod(EBPF, "vxlan");
 }
 
+#[test]
+fn ebpf_ipip_service_dnat_to_a_remote_pod() {
+    require_root!();
+    scenarios::service_dnat_to_a_remote_pod(EBPF, "ipip");
+}
+
+/// On the udp backend the Service flow is a kernel flow on node1, so the server pod's replies
+/// reach node1's forwarder, their checksums unfinished by node2's veth underlay (finished by
+/// the forwarder; before, every reply was dropped and no connection opened).
+#[test]
+fn ebpf_udp_service_dnat_to_a_remote_pod() {
+    require_root!();
+    scenarios::service_dnat_to_a_remote_pod(EBPF, "udp");
+}
+
 /// Route map entries deleted, then changed, by hand on node1 (no notification tells of
 /// either) are written back within seconds, not at the next resync
 /// ([`scenarios::map_entries_changed_by_hand_come_back`]; host-gw and VXLAN).
