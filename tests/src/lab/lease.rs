@@ -54,10 +54,10 @@ pub fn parse_subnet_key(key: &str) -> Option<(Ipv4Net, Option<Ipv6Net>)> {
     }
 }
 
-/// One lease as stored in etcd.
+/// One lease as stored in etcd (or as a Node object carries it in kube mode).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LeaseRecord {
-    /// The full etcd key.
+    /// The full etcd key (`Node <name>` for a lease read from a Node in kube mode).
     pub key: String,
     /// IPv4 subnet from the key.
     pub subnet: Ipv4Net,
