@@ -2128,7 +2128,7 @@ fn ebpf_vxlan_carries_udp_gso_between_pods() {
                 .ns()
                 .enter(|| std::net::UdpSocket::bind((to.ip(), 6000)))??;
             rx.set_read_timeout(Some(Duration::from_secs(2)))?;
-            set_int_option(&rx, libc::SOL_SOCKET, libc::SO_RCVBUF, 4 << 20)?;
+            probe::set_int_option(&rx, libc::SOL_SOCKET, libc::SO_RCVBUF, 4 << 20)?;
             let tx = from
                 .ns()
                 .enter(|| std::net::UdpSocket::bind((from.ip(), 0)))??;
@@ -2138,7 +2138,7 @@ fn ebpf_vxlan_carries_udp_gso_between_pods() {
             let (n, _) = rx.recv_from(&mut buf).context("the first datagram")?;
             ensure!(n == 5, "first datagram of {n} bytes");
             const UDP_SEGMENT: libc::c_int = 103;
-            set_int_option(&tx, libc::SOL_UDP, UDP_SEGMENT, 1000)?;
+            probe::set_int_option(&tx, libc::SOL_UDP, UDP_SEGMENT, 1000)?;
             for _ in 0..3 {
                 let sent = tx.send_to(&[7u8; 60_000], (to.ip(), 6000))?;
                 ensure!(sent == 60_000, "sent {sent} bytes");
@@ -2314,29 +2314,4 @@ fn big_tcp(pod: &NetNs, node: &NetNs, gso: u32) -> Result<()> {
             anyhow::Ok(())
         })
     })?
-}
-
-/// `setsockopt(level, name, value)` for an `int` option.
-fn set_int_option(
-    socket: &impl std::os::fd::AsRawFd,
-    level: libc::c_int,
-    name: libc::c_int,
-    value: libc::c_int,
-) -> Result<()> {
-    // SAFETY: the option value is a valid int of the size given.
-    let rc = unsafe {
-        libc::setsockopt(
-            socket.as_raw_fd(),
-            level,
-            name,
-            (&raw const value).cast(),
-            size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    ensure!(
-        rc == 0,
-        "setsockopt({level}, {name}): {}",
-        std::io::Error::last_os_error()
-    );
-    Ok(())
 }

@@ -313,6 +313,9 @@ fn merged_datagrams_for_the_host() -> Result<()> {
     let cluster = cluster(2, Underlay::L2, Dataplane::Ebpf)?;
     let topo = cluster.topology();
     let (p1, p2, n2) = (topo.first_pod_on(1)?, topo.first_pod_on(2)?, topo.node(2));
+    // Pods that have talked: node2 has its pod's neighbour entry, so the programs can deliver
+    // to it (until then they hand a GSO datagram to the stack, which resolves it).
+    all_pairs(&cluster)?;
     let gateway = p2.gateway();
     let decap_before = fast(n2.ns(), "fast_decap_udp")?;
     let finished_before = forwarder(n2.ns(), "udp_checksum_finished")?;
@@ -330,12 +333,24 @@ fn merged_datagrams_for_the_host() -> Result<()> {
         finished >= 2.0,
         "node2's forwarder finished {finished} checksums"
     );
-    let delivered_before = fast(n2.ns(), "fast_deliver_udp")?;
-    probe::transfer_mbit(p1.ns(), p2.ns(), IpAddr::V4(p2.ip()), 4 << 20)?;
-    ensure!(
-        fast(n2.ns(), "fast_deliver_udp")? - delivered_before >= 10.0,
-        "node2 delivered none of the transfer to its pod in eBPF"
-    );
+    // Within seconds (one full-suite run once saw a first transfer right after the one above
+    // with none delivered in eBPF, not reproduced since; the counters say where it went).
+    wait::until_ok(
+        Duration::from_secs(10),
+        "node2 delivers to its pod in eBPF",
+        || {
+            let counted_before = fastpath::counters(n2.ns(), DEFAULT_HEALTHZ_PORT)?.packets;
+            let delivered_before = fast(n2.ns(), "fast_deliver_udp")?;
+            probe::transfer_mbit(p1.ns(), p2.ns(), IpAddr::V4(p2.ip()), 4 << 20)?;
+            let counted = fastpath::counters(n2.ns(), DEFAULT_HEALTHZ_PORT)?.packets;
+            ensure!(
+                fast(n2.ns(), "fast_deliver_udp")? - delivered_before >= 10.0,
+                "none of a transfer to the pod delivered in eBPF; node2's counters grew by:\n{}",
+                fastpath::growth_text(&counted_before, &counted)
+            );
+            Ok(())
+        },
+    )?;
     Ok(())
 }
 
@@ -360,6 +375,8 @@ fn udp_gso_between_pods() -> Result<()> {
         .ns()
         .enter(|| std::net::UdpSocket::bind((to.ip(), 6000)))??;
     rx.set_read_timeout(Some(Duration::from_secs(2)))?;
+    // Room for all 180 datagrams, read only after the sends (the default holds about 90).
+    probe::set_int_option(&rx, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, 8 << 20)?;
     let tx = from
         .ns()
         .enter(|| std::net::UdpSocket::bind((from.ip(), 0)))??;
@@ -369,18 +386,7 @@ fn udp_gso_between_pods() -> Result<()> {
     ensure!(n == 5, "first datagram of {n} bytes");
     let gso_before = fast(n1.ns(), "pass_gso")?;
     const UDP_SEGMENT: libc::c_int = 103;
-    let size: libc::c_int = 1000;
-    // SAFETY: setsockopt on an open socket with a c_int option value.
-    let rc = unsafe {
-        libc::setsockopt(
-            std::os::fd::AsRawFd::as_raw_fd(&tx),
-            libc::SOL_UDP,
-            UDP_SEGMENT,
-            std::ptr::from_ref(&size).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    ensure!(rc == 0, "UDP_SEGMENT: {}", std::io::Error::last_os_error());
+    probe::set_int_option(&tx, libc::SOL_UDP, UDP_SEGMENT, 1000)?;
     for _ in 0..3 {
         let sent = tx.send_to(&[7u8; 60_000], (to.ip(), 6000))?;
         ensure!(sent == 60_000, "sent {sent} bytes");

@@ -492,6 +492,31 @@ pub fn transfer_mbit(from: &NetNs, to: &NetNs, ip: IpAddr, size: u64) -> Result<
     Ok(transfer(from, to, ip, size, Duration::from_secs(30))?.mbit_per_s())
 }
 
+/// `setsockopt(level, name, value)` for an `int` option.
+pub fn set_int_option(
+    socket: &impl std::os::fd::AsRawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    value: libc::c_int,
+) -> Result<()> {
+    // SAFETY: the option value is a valid int of the size given.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            level,
+            name,
+            (&raw const value).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    anyhow::ensure!(
+        rc == 0,
+        "setsockopt({level}, {name}): {}",
+        std::io::Error::last_os_error()
+    );
+    Ok(())
+}
+
 /// A UDP socket bound to `addr` in `ns` (the namespace only matters at bind time), reading
 /// with a 300 ms timeout (see [`recv_payload`]).
 pub fn udp_listener(ns: &NetNs, addr: SocketAddr) -> Result<UdpSocket> {
