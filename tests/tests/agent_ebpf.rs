@@ -2124,34 +2124,7 @@ fn ebpf_vxlan_carries_udp_gso_between_pods() {
         |c| {
             let t = c.topology();
             let (from, to) = (t.first_pod_on(1)?, t.first_pod_on(2)?);
-            let rx = to
-                .ns()
-                .enter(|| std::net::UdpSocket::bind((to.ip(), 6000)))??;
-            rx.set_read_timeout(Some(Duration::from_secs(2)))?;
-            probe::set_int_option(&rx, libc::SOL_SOCKET, libc::SO_RCVBUF, 4 << 20)?;
-            let tx = from
-                .ns()
-                .enter(|| std::net::UdpSocket::bind((from.ip(), 0)))??;
-            // A first datagram resolves the neighbours on the way.
-            tx.send_to(b"hello", (to.ip(), 6000))?;
-            let mut buf = vec![0u8; 65536];
-            let (n, _) = rx.recv_from(&mut buf).context("the first datagram")?;
-            ensure!(n == 5, "first datagram of {n} bytes");
-            const UDP_SEGMENT: libc::c_int = 103;
-            probe::set_int_option(&tx, libc::SOL_UDP, UDP_SEGMENT, 1000)?;
-            for _ in 0..3 {
-                let sent = tx.send_to(&[7u8; 60_000], (to.ip(), 6000))?;
-                ensure!(sent == 60_000, "sent {sent} bytes");
-            }
-            let mut sizes = BTreeMap::new();
-            while let Ok((n, _)) = rx.recv_from(&mut buf) {
-                *sizes.entry(n).or_insert(0) += 1;
-            }
-            ensure!(
-                sizes == BTreeMap::from([(1000, 180)]),
-                "received (size: count) {sizes:?}, want 180 datagrams of 1000 bytes"
-            );
-            Ok(())
+            probe::udp_gso_arrives_segmented(from, to)
         },
     );
 }

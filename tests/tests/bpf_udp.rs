@@ -185,7 +185,9 @@ fn forwarder_datagram(macs: (Mac, Mac), to: SocketAddrV4, payload: &[u8]) -> Vec
 /// bridge (TTL − 1).
 fn tun_path_receive(payload: &[u8]) -> Vec<u8> {
     let mut pkt = payload.to_vec();
-    let len = ingress_verdict(&mut pkt, net("10.244.1.0/24")).expect("the forwarder accepts it");
+    let len = ingress_verdict(&mut pkt, net("10.244.1.0/24"))
+        .expect("the forwarder accepts it")
+        .len;
     pkt.truncate(len);
     tun_packet::decrement_ttl(&mut pkt).expect("kernel forwarding");
     pkt

@@ -153,15 +153,26 @@ pub fn egress_verdict(pkt: &mut [u8], routes: &UdpRoutes) -> EgressVerdict {
     }
 }
 
-/// Checks (and TTL-decrements) a datagram's payload received from a peer; returns the length
-/// of the inner packet to write to the TUN device, or why it is dropped.
+/// An inner packet [`ingress_verdict`] accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Accepted {
+    /// Its length: what to write to the TUN device.
+    pub len: usize,
+    /// Whether its TCP or UDP checksum was left unfinished by the sender and has been
+    /// finished ([`packet::finish_l4_checksum`]).
+    pub checksum_finished: bool,
+}
+
+/// Checks (and TTL-decrements) a datagram's payload received from a peer, finishing a TCP or
+/// UDP checksum the sender left unfinished; returns the inner packet to write to the TUN
+/// device, or why it is dropped.
 ///
 /// The inner destination must lie in `own_subnet`: a peer only ever sends us packets for our
 /// subnet, and anything else would make this node an open relay into whatever its routing
 /// table reaches (upstream writes every datagram to the TUN device). The outer source is not
 /// checked, as upstream: nodes behind NAT or with `--public-ip` set send from an address that
 /// is not the public IP in their lease.
-pub fn ingress_verdict(pkt: &mut [u8], own_subnet: Ipv4Net) -> Result<usize, Reason> {
+pub fn ingress_verdict(pkt: &mut [u8], own_subnet: Ipv4Net) -> Result<Accepted, Reason> {
     let h = match packet::parse(pkt) {
         Ok(h) => h,
         Err(PacketError::NotIpv4) => return Err(Reason::DropNotIpv4),
@@ -174,7 +185,10 @@ pub fn ingress_verdict(pkt: &mut [u8], own_subnet: Ipv4Net) -> Result<usize, Rea
         return Err(Reason::DropNotLocal);
     }
     match packet::decrement_ttl(pkt) {
-        Ok(_) => Ok(h.total_len),
+        Ok(_) => Ok(Accepted {
+            len: h.total_len,
+            checksum_finished: packet::finish_l4_checksum(pkt, &h),
+        }),
         Err(PacketError::TtlExpired) => Err(Reason::DropTtl),
         Err(_) => Err(Reason::DropMalformed),
     }
@@ -353,8 +367,16 @@ pub(crate) async fn ingress(shared: Arc<Shared>, cancel: CancellationToken) {
                 continue;
             }
             match ingress_verdict(pkt, shared.own_subnet) {
-                Ok(len) => match write_tun(&tun, finished(&mut pkt[..len], &mut tally)).await {
-                    Ok(()) => tally.add(Reason::Decap, len),
+                Ok(Accepted {
+                    len,
+                    checksum_finished,
+                }) => match write_tun(&tun, &pkt[..len]).await {
+                    Ok(()) => {
+                        if checksum_finished {
+                            tally.add(Reason::ChecksumFinished, len);
+                        }
+                        tally.add(Reason::Decap, len);
+                    }
                     Err(e) => {
                         tun_errors.warn("writing to flannel0", &e);
                         tally.add(Reason::DropTunError, len);
@@ -365,17 +387,6 @@ pub(crate) async fn ingress(shared: Arc<Shared>, cancel: CancellationToken) {
         }
         shared.counters.flush(&mut tally);
     }
-}
-
-/// `pkt` (an inner packet [`ingress_verdict`] accepted) with its TCP or UDP checksum finished
-/// if the sender left it unfinished ([`packet::finish_l4_checksum`]), counted.
-fn finished<'a>(pkt: &'a mut [u8], tally: &mut Tally) -> &'a [u8] {
-    if let Ok(h) = packet::parse(pkt)
-        && packet::finish_l4_checksum(pkt, &h)
-    {
-        tally.add(Reason::ChecksumFinished, h.total_len);
-    }
-    pkt
 }
 
 /// Writes one packet to the TUN device, waiting for writability if the kernel ever pushes
@@ -455,13 +466,13 @@ mod tests {
     fn ingress_accepts_only_our_subnet_with_a_valid_header() {
         let own: Ipv4Net = "10.244.2.0/24".parse().unwrap();
         let mut p = pkt([10, 244, 2, 7], 62);
-        assert_eq!(ingress_verdict(&mut p, own), Ok(28));
+        assert_eq!(ingress_verdict(&mut p, own).map(|a| a.len), Ok(28));
         assert_eq!(p[8], 61);
         let h = packet::parse(&p).unwrap();
         assert!(packet::header_checksum_ok(&p, &h));
         // Trailing bytes beyond total length are cut off.
         let mut padded = [pkt([10, 244, 2, 7], 62), vec![0; 6]].concat();
-        assert_eq!(ingress_verdict(&mut padded, own), Ok(28));
+        assert_eq!(ingress_verdict(&mut padded, own).map(|a| a.len), Ok(28));
         let mut relay = pkt([8, 8, 8, 8], 62);
         assert_eq!(ingress_verdict(&mut relay, own), Err(Reason::DropNotLocal));
         let mut corrupt = pkt([10, 244, 2, 7], 62);

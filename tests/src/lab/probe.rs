@@ -517,6 +517,37 @@ pub fn set_int_option(
     Ok(())
 }
 
+/// UDP with segmentation offload (`UDP_SEGMENT`, as QUIC senders use) from pod `from` to pod
+/// `to`, port 6000: a first plain datagram (which resolves the neighbours on the way), then
+/// three 60,000-byte sends in 1,000-byte segments. Fails unless those arrive as exactly 180
+/// datagrams of 1,000 bytes (the receiving socket has room for all of them: they are read
+/// after the sends).
+pub fn udp_gso_arrives_segmented(from: &Pod, to: &Pod) -> Result<()> {
+    const UDP_SEGMENT: libc::c_int = 103;
+    let rx = to.ns().enter(|| UdpSocket::bind((to.ip(), 6000)))??;
+    rx.set_read_timeout(Some(Duration::from_secs(2)))?;
+    set_int_option(&rx, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, 8 << 20)?;
+    let tx = from.ns().enter(|| UdpSocket::bind((from.ip(), 0)))??;
+    tx.send_to(b"hello", (to.ip(), 6000))?;
+    let mut buf = vec![0u8; 65536];
+    let (n, _) = rx.recv_from(&mut buf).context("the first datagram")?;
+    ensure!(n == 5, "first datagram of {n} bytes");
+    set_int_option(&tx, libc::SOL_UDP, UDP_SEGMENT, 1000)?;
+    for _ in 0..3 {
+        let sent = tx.send_to(&[7u8; 60_000], (to.ip(), 6000))?;
+        ensure!(sent == 60_000, "sent {sent} bytes");
+    }
+    let mut sizes = BTreeMap::new();
+    while let Ok((n, _)) = rx.recv_from(&mut buf) {
+        *sizes.entry(n).or_insert(0) += 1;
+    }
+    ensure!(
+        sizes == BTreeMap::from([(1000, 180)]),
+        "received (size: count) {sizes:?}, want 180 datagrams of 1000 bytes"
+    );
+    Ok(())
+}
+
 /// A UDP socket bound to `addr` in `ns` (the namespace only matters at bind time), reading
 /// with a 300 ms timeout (see [`recv_payload`]).
 pub fn udp_listener(ns: &NetNs, addr: SocketAddr) -> Result<UdpSocket> {
