@@ -20,8 +20,8 @@ use std::{
 
 use aya::{TestRun as _, TestRunOptions};
 use flannel_agent::bpf::{
-    Attached, FastPath, Hook, LoadOptions, LocalConfig, LocalConfig6, NetdevAttach, Remote, Via,
-    VxlanLocal,
+    Attached, FastPath, Hook, LoadOptions, LocalConfig, LocalConfig6, NetdevAttach, Remote,
+    SyncStats, Via, VxlanLocal,
 };
 use flannel_common::{
     config::{CFG_IPIP_USER_RX, Config, FASTPATH_MARK},
@@ -1052,8 +1052,19 @@ fn remove_route_behind_the_agents_back(pin: &std::path::Path, subnet: Ipv4Net) {
         .unwrap_or_else(|e| panic!("removing {subnet} from the route map: {e}"));
 }
 
+/// What the daemon does once its comparison of the maps with what it wrote ([`FastPath::drift`],
+/// every 2 s or so) finds them changed behind its back: the next sync reads them and writes
+/// back what is missing.
+fn check_and_sync(fp: &mut FastPath, desired: &BTreeMap<Ipv4Net, Remote>) -> SyncStats {
+    fp.drift()
+        .expect("comparing the maps with what was written");
+    fp.sync(desired).expect("sync")
+}
+
 /// What something other than the agent does to the route map (`bpftool map delete`, `update`)
 /// shows in [`FastPath::drift`], entry by entry, until the agent's next sync writes it back.
+/// A sync diffs against what the last one wrote, without reading the maps, until a comparison
+/// finds them changed (the daemon compares every 2 s or so): then it reads them.
 #[test]
 fn map_entries_changed_behind_the_agents_back_are_found() {
     let Some(rig) = Rig::new("fpdrift") else {
@@ -1061,12 +1072,18 @@ fn map_entries_changed_behind_the_agents_back_are_found() {
     };
     let pin = rig.pin.clone();
     rig.with_fast_path(|fp, _| {
-        let drift = |fp: &FastPath| {
+        let drift = |fp: &mut FastPath| {
             let d = fp.drift().expect("drift");
             (d.missing, d.changed, d.unexpected)
         };
         assert_eq!(drift(fp), (0, 0, 0), "right after the sync");
         remove_route_behind_the_agents_back(&pin, net("10.244.2.0/24"));
+        let s = fp.sync(&remotes()).expect("sync");
+        assert_eq!(
+            (s.added, s.unchanged),
+            (0, 6),
+            "not read before a comparison: {s:?}"
+        );
         assert_eq!(drift(fp), (1, 0, 0), "an entry deleted");
         let mut trie = pinned_routes(&pin);
         let ipip = trie
@@ -1085,6 +1102,70 @@ fn map_entries_changed_behind_the_agents_back_are_found() {
         let s = fp.sync(&remotes()).expect("sync");
         assert_eq!((s.added, s.updated, s.removed), (1, 1, 1), "{s:?}");
         assert_eq!(drift(fp), (0, 0, 0), "after the sync");
+    });
+}
+
+/// The agent reads the route and node maps in batches of a few thousand entries
+/// (`BPF_MAP_LOOKUP_BATCH`, the LPM trie's keyed by the last prefix read): with 10,000 VXLAN
+/// peers, more than two batches of each map, every entry reads back as written, a malformed key
+/// added behind the agent's back (host bits set) is found among them and removed, and nothing
+/// else changes.
+#[test]
+fn maps_of_ten_thousand_peers_read_back_whole() {
+    let Some(rig) = Rig::new("fpbatch") else {
+        return;
+    };
+    let pin = rig.pin.clone();
+    rig.with_fast_path(|fp, _| {
+        let mut many = remotes();
+        for i in 0..10_000u32 {
+            let subnet = Ipv4Net::new(Ipv4Addr::from(0x0a64_0000 + (i << 8)), 24).expect("subnet");
+            let b = i.to_be_bytes();
+            let peer = Remote {
+                public_ip: Ipv4Addr::from(0xac10_0001 + i),
+                via: Via::Vxlan {
+                    vtep_mac: [0x0e, 0x01, b[0], b[1], b[2], b[3]],
+                    vni: 1,
+                },
+            };
+            many.insert(subnet, peer);
+        }
+        let s = fp.sync(&many).expect("sync");
+        assert_eq!(
+            (s.added, s.unchanged, s.nodes_written),
+            (10_000, 6, 10_000),
+            "{s:?}"
+        );
+        assert_eq!(fp.remotes().expect("read back"), many);
+        assert!(fp.drift().expect("drift").is_empty());
+        let mut trie = pinned_routes(&pin);
+        let entry = trie
+            .get(&route_map_key(net("10.244.5.0/24")), 0)
+            .expect("the IPIP entry");
+        trie.insert(
+            &aya::maps::lpm_trie::Key::new(24, [10, 250, 0, 1]),
+            entry,
+            0,
+        )
+        .expect("adding a key with host bits");
+        let d = fp.drift().expect("drift");
+        assert_eq!((d.missing, d.changed, d.unexpected), (0, 0, 1), "{d}");
+        assert_eq!(
+            fp.remotes().expect("read back"),
+            many,
+            "the malformed key left out"
+        );
+        let s = fp.sync(&many).expect("sync again");
+        assert_eq!(
+            (s.added, s.updated, s.removed, s.unchanged),
+            (0, 0, 1, 10_006),
+            "{s:?}"
+        );
+        assert!(fp.drift().expect("drift").is_empty());
+
+        let s = fp.sync(&remotes()).expect("back to six");
+        assert_eq!((s.removed, s.nodes_removed), (10_000, 10_000), "{s:?}");
+        assert_eq!(fp.remotes().expect("read back"), remotes());
     });
 }
 
@@ -1189,7 +1270,7 @@ fn flows_are_remembered_until_what_decided_them_changes() {
         deliver(fp, &a, &foreign, "A after a kernel flow was learnt");
         deliver(fp, &d, &remembered, "D after A's kernel flow was learnt");
         // The agent's sync puts the route back (and retires): A is now a kernel flow.
-        assert_eq!(fp.sync(&remotes()).expect("sync").added, 1);
+        assert_eq!(check_and_sync(fp, &remotes()).added, 1);
         deliver(
             fp,
             &a,
@@ -1212,7 +1293,7 @@ fn flows_are_remembered_until_what_decided_them_changes() {
             &foreign,
             "B after the agent wrote its configuration",
         );
-        fp.sync(&remotes()).expect("sync");
+        check_and_sync(fp, &remotes());
 
         // Transmit (host-gw): flow C remembered, then a NAT-guard entry retires it.
         let c = from_pod(HOSTGW_POD, Tcp::new(40001, 8080).payload(b"memo"));
@@ -1233,7 +1314,7 @@ fn flows_are_remembered_until_what_decided_them_changes() {
         );
         assert_eq!(r.verdict, TC_ACT_REDIRECT);
         assert_bytes(&r.out, &sent, "C, remembered");
-        assert_eq!(fp.sync(&remotes()).expect("sync").added, 1);
+        assert_eq!(check_and_sync(fp, &remotes()).added, 1);
         send(
             fp,
             &[Reason::Ipv4Tcp, Reason::FastHostGw],
@@ -1313,7 +1394,7 @@ fn an_old_memo_is_confirmed_by_a_fresh_lookup_of_its_route() {
         // stalled machine the scenario is tried again.
         for attempt in 0..3 {
             // The routes (back) in place; every memo retired.
-            fp.sync(&remotes()).expect("sync");
+            check_and_sync(fp, &remotes());
             for (ip, verdict) in [(&c, Reason::FastHostGw), (&v, Reason::FastVxlan)] {
                 check(&send(fp, ip), &pod_frame(ip), verdict, &[], "full checks");
             }
@@ -1391,7 +1472,7 @@ fn an_old_memo_is_confirmed_by_a_fresh_lookup_of_its_route() {
         }
 
         // The peer's MAC changes while flow c is remembered: its memo is not confirmed.
-        fp.sync(&remotes()).expect("sync");
+        check_and_sync(fp, &remotes());
         check(
             &send(fp, &c),
             &pod_frame(&c),
@@ -1677,7 +1758,7 @@ fn tunnel_flows_are_remembered_for_their_peer_only(name: &str, tunnel: &'static 
             Took::Kernel,
             "after the agent wrote its configuration",
         );
-        assert_eq!(fp.sync(&remotes()).expect("sync").added, 1);
+        assert_eq!(check_and_sync(fp, &remotes()).added, 1);
 
         // Delivery.
         let inner = Ipv4 {
@@ -1741,7 +1822,7 @@ fn tunnel_flows_are_remembered_for_their_peer_only(name: &str, tunnel: &'static 
             "TTL 1",
         );
         deliver(fp, &from_peer, Took::Memo, "remembered, still");
-        assert_eq!(fp.sync(&remotes()).expect("sync").added, 1);
+        assert_eq!(check_and_sync(fp, &remotes()).added, 1);
     });
 }
 

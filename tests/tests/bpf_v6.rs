@@ -18,7 +18,7 @@ use std::{
 };
 
 use flannel_agent::bpf::{
-    FastPath, Hook, LocalConfig, LocalConfig6, Remote, Remote6, Via, VxlanLocal,
+    FastPath, Hook, LocalConfig, LocalConfig6, Remote, Remote6, SyncStats, Via, VxlanLocal,
 };
 use flannel_common::{
     config::FASTPATH_MARK,
@@ -453,6 +453,43 @@ fn a_pods_ipv6_fragments_follow_their_first_fragment() {
             assert_bytes(&r.out, &frame, what);
             assert_counted(&r, &[Reason::Ipv6ExtHeader, verdict], what);
         }
+    });
+}
+
+/// The IPv6 route and node maps are read in batches too (the LPM trie's batch token is a
+/// 20-byte key): 10,000 VXLAN peers read back as written, and back to four every one of them
+/// is removed.
+#[test]
+fn ipv6_maps_of_ten_thousand_peers_read_back_whole() {
+    let Some(rig) = Rig::new("f6batch") else {
+        return;
+    };
+    rig.with_fast_path(false, |fp, _| {
+        let mut many = remotes6();
+        for i in 0..10_000u16 {
+            let subnet = Ipv6Net::new(Ipv6Addr::new(0xfd00, 0x10, 0x245, i, 0, 0, 0, 0), 64)
+                .expect("subnet");
+            let b = i.to_be_bytes();
+            let peer = Remote6 {
+                public_ip: Ipv6Addr::new(0xfd00, 0x78, 0, 0, 0, 0, 1, i),
+                via: Via::Vxlan {
+                    vtep_mac: [0x0e, 0x06, 0x01, 0, b[0], b[1]],
+                    vni: 1,
+                },
+            };
+            many.insert(subnet, peer);
+        }
+        let s = fp.sync6(&many).expect("sync6");
+        assert_eq!(
+            (s.added, s.unchanged, s.nodes_written),
+            (10_000, 4, 10_000),
+            "{s:?}"
+        );
+        assert_eq!(fp.remotes6().expect("read back"), many);
+        assert!(fp.drift().expect("drift").is_empty());
+        let s = fp.sync6(&remotes6()).expect("back to four");
+        assert_eq!((s.removed, s.nodes_removed), (10_000, 10_000), "{s:?}");
+        assert_eq!(fp.remotes6().expect("read back"), remotes6());
     });
 }
 
@@ -943,6 +980,15 @@ fn ipv6_only_and_dual_stack_configurations() {
 // ---------------------------------------------------------------------------------------------
 // Remembered decisions (`flannel_common::memo::MEMO6`).
 
+/// What the daemon does once its comparison of the maps with what it wrote ([`FastPath::drift`],
+/// every 2 s or so) finds them changed behind its back: the next sync reads them and writes
+/// back what is missing.
+fn check_and_sync6(fp: &mut FastPath, desired: &BTreeMap<Ipv6Net, Remote6>) -> SyncStats {
+    fp.drift()
+        .expect("comparing the maps with what was written");
+    fp.sync6(desired).expect("sync6")
+}
+
 /// Removes the remote IPv6 subnet `subnet` from the route map behind the agent's back (no
 /// generation change), so that only a remembered decision can still carry its flows. The
 /// IPv6 maps are not pinned: the map is the one `tc_from_bridge` of this fast path uses.
@@ -1087,7 +1133,7 @@ fn an_old_ipv6_memo_is_confirmed_by_a_route_lookup() {
         );
 
         // The peer's MAC changes while flow C is remembered: its memo is not confirmed.
-        fp.sync6(&remotes6()).expect("sync6");
+        check_and_sync6(fp, &remotes6());
         assert_fast(
             &send(fp, &c),
             Reason::Ipv6Tcp,
@@ -1170,7 +1216,7 @@ fn ipv6_flows_are_remembered_until_what_decided_them_changes() {
         // A UDP flow is remembered too.
         let u = Ipv6::new(pod(), hostgw_pod(), Udp::new(5353, 53).payload(b"q"));
         let u_sent = Ethernet::new(EXT_MAC, PEER2_MAC, hop(&u)).encode();
-        assert_eq!(fp.sync6(&remotes6()).expect("sync6").added, 1);
+        assert_eq!(check_and_sync6(fp, &remotes6()).added, 1);
         let (r, _) = send(fp, &u);
         assert_fast(&r, Reason::Ipv6Udp, &fast_out, &u_sent, "UDP, full checks");
         remove_route6_behind_the_agents_back(fp, hostgw);
@@ -1179,7 +1225,7 @@ fn ipv6_flows_are_remembered_until_what_decided_them_changes() {
         assert_fast(&r, Reason::Ipv6Udp, &u_memo, &u_sent, "UDP, remembered");
         // The agent's sync puts the route back and retires; C is decided afresh.
         let before = generation(fp, 8080);
-        assert_eq!(fp.sync6(&remotes6()).expect("sync6").added, 1);
+        assert_eq!(check_and_sync6(fp, &remotes6()).added, 1);
         assert_eq!(generation(fp, 8080), before + 1);
         let (r, _) = send(fp, &c);
         assert_fast(&r, Reason::Ipv6Tcp, &fast_out, &sent, "C after the sync");
@@ -1222,7 +1268,7 @@ fn ipv6_flows_are_remembered_until_what_decided_them_changes() {
             &e_sent,
             "E, still remembered",
         );
-        assert_eq!(fp.sync6(&remotes6()).expect("sync6").added, 1);
+        assert_eq!(check_and_sync6(fp, &remotes6()).added, 1);
         let (r, frame) = send(fp, &c);
         assert_passed(
             &r,
@@ -1297,7 +1343,7 @@ fn ipv6_flows_are_remembered_until_what_decided_them_changes() {
         );
 
         // Flow B, remembered; the agent's IPv6 configuration write retires it.
-        assert_eq!(fp.sync6(&remotes6()).expect("sync6").added, 1);
+        assert_eq!(check_and_sync6(fp, &remotes6()).added, 1);
         let b = incoming(83, 63);
         let b_delivered = Ethernet::new(BR_MAC, POD_MAC, hop(&b)).encode();
         let (r, _) = receive(fp, &b);
@@ -1489,7 +1535,7 @@ fn ipv6_vxlan_flows_are_remembered_for_their_peer_only() {
             let (r, frame) = send(fp, &ip, skb);
             assert_passed(&r, &frame, Reason::Ipv6Tcp, Reason::PassNoRoute, what);
         }
-        assert_eq!(fp.sync6(&remotes6()).expect("sync6").added, 1);
+        assert_eq!(check_and_sync6(fp, &remotes6()).added, 1);
 
         // Delivery.
         let inner = Ipv6 {
@@ -1546,7 +1592,7 @@ fn ipv6_vxlan_flows_are_remembered_for_their_peer_only() {
             &delivered,
             "remembered, still",
         );
-        assert_eq!(fp.sync6(&remotes6()).expect("sync6").added, 1);
+        assert_eq!(check_and_sync6(fp, &remotes6()).added, 1);
     });
 }
 

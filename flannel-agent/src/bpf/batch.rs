@@ -56,6 +56,28 @@ pub fn hash_data(map: &aya::maps::Map) -> io::Result<&MapData> {
     }
 }
 
+/// The data of `map` if it is an LPM trie (the route maps), which the kernel's generic batch
+/// lookup serves, using the last key read as the batch token (Linux 5.6).
+pub fn trie_data(map: &aya::maps::Map) -> io::Result<&MapData> {
+    match map {
+        aya::maps::Map::LpmTrie(data) => Ok(data),
+        _ => Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "not an LPM trie",
+        )),
+    }
+}
+
+/// Every entry of the map `map` (keys `K`, values `V`), read as [`keys`] does.
+pub fn entries<K: aya::Pod, V: aya::Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
+    let mut out = Vec::new();
+    for_each_batch::<K, V>(map, |batch| {
+        out.extend(batch);
+        Ok(())
+    })?;
+    Ok(out)
+}
+
 /// Every key of the map `map` (a hash map, or any map the kernel's batch lookup serves), whose
 /// keys are `K` and values `value_size` bytes, read in batches.
 pub fn keys<K: aya::Pod>(map: &MapData, value_size: usize) -> io::Result<Vec<K>> {

@@ -30,7 +30,7 @@ use flannel_common::{
 use ipnet::Ipv4Net;
 
 use super::{
-    BpfError, LocalConfig, Remote, SyncStats,
+    BpfError, LocalConfig, Remote, SyncStats, batch,
     counters::Counters,
     pins::{MAP_SPECS, PinLayout, remove_pin},
     probe::{probe, tcx_supported},
@@ -443,17 +443,21 @@ impl FastPath {
     }
 
     /// Makes the route and node maps hold exactly `desired` (remote subnet → how to reach it):
-    /// reads what the maps hold, writes only new and changed entries, deletes the rest.
-    /// Idempotent; a restarted agent calling it with the same set changes nothing.
+    /// diffs it against what the maps hold, writes only new and changed entries, deletes the
+    /// rest. What they hold is what the last sync wrote, unless the maps may hold something
+    /// else ([`super::drift`]): then they are read. Idempotent; a restarted agent calling it
+    /// with the same set changes nothing.
     pub fn sync(&mut self, desired: &BTreeMap<Ipv4Net, Remote>) -> Result<SyncStats, BpfError> {
         let DesiredEntries { routes, nodes } = desired_entries(desired)?;
 
-        let current_nodes = self.current_nodes()?;
+        let (current_nodes, current_routes, invalid_keys) = match self.synced.take_v4() {
+            Some(written) => (written.nodes, written.routes, Vec::new()),
+            None => {
+                let CurrentRoutes { routes, invalid } = self.current_routes()?;
+                (self.current_nodes()?, routes, invalid)
+            }
+        };
         let (node_upserts, node_deletes, _, _) = diff(&current_nodes, &nodes);
-        let CurrentRoutes {
-            routes: current_routes,
-            invalid: invalid_keys,
-        } = self.current_routes()?;
         let (route_upserts, route_deletes, added, unchanged) = diff(&current_routes, &routes);
 
         let stats = SyncStats {
@@ -1060,16 +1064,9 @@ impl FastPath {
     }
 
     pub(super) fn current_routes(&self) -> Result<CurrentRoutes, BpfError> {
-        let map = self
-            .ebpf
-            .map(names::ROUTES4)
-            .ok_or_else(|| missing(names::ROUTES4))?;
-        let trie: LpmTrie<&MapData, [u8; 4], RemoteEntry> =
-            LpmTrie::try_from(map).map_err(|e| BpfError::map(names::ROUTES4, e))?;
         let mut routes = BTreeMap::new();
         let mut invalid = Vec::new();
-        for item in trie.iter() {
-            let (key, entry) = item.map_err(|e| BpfError::map(names::ROUTES4, e))?;
+        for (key, entry) in self.read_all::<Key<[u8; 4]>, RemoteEntry>(names::ROUTES4, true)? {
             let prefix = key.prefix_len();
             match u8::try_from(prefix)
                 .ok()
@@ -1085,18 +1082,28 @@ impl FastPath {
     }
 
     pub(super) fn current_nodes(&self) -> Result<BTreeMap<Ipv4Addr, NodeEntry>, BpfError> {
-        let map = self
-            .ebpf
-            .map(names::NODES4)
-            .ok_or_else(|| missing(names::NODES4))?;
-        let hash: BpfHashMap<&MapData, [u8; 4], NodeEntry> =
-            BpfHashMap::try_from(map).map_err(|e| BpfError::map(names::NODES4, e))?;
-        let mut nodes = BTreeMap::new();
-        for item in hash.iter() {
-            let (addr, entry) = item.map_err(|e| BpfError::map(names::NODES4, e))?;
-            nodes.insert(Ipv4Addr::from(addr), entry);
-        }
-        Ok(nodes)
+        Ok(self
+            .read_all::<[u8; 4], NodeEntry>(names::NODES4, false)?
+            .into_iter()
+            .map(|(addr, entry)| (Ipv4Addr::from(addr), entry))
+            .collect())
+    }
+
+    /// Every entry of the route map (`trie`) or node map `name`, read in batches: a few
+    /// syscalls for thousands of entries, where reading them one by one took two each.
+    pub(super) fn read_all<K: aya::Pod, V: aya::Pod>(
+        &self,
+        name: &'static str,
+        trie: bool,
+    ) -> Result<Vec<(K, V)>, BpfError> {
+        let map = self.ebpf.map(name).ok_or_else(|| missing(name))?;
+        let data = if trie {
+            batch::trie_data(map)
+        } else {
+            batch::hash_data(map)
+        };
+        data.and_then(batch::entries::<K, V>)
+            .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))
     }
 
     fn routes_mut(&mut self) -> Result<LpmTrie<&mut MapData, [u8; 4], RemoteEntry>, BpfError> {

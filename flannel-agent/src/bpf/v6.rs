@@ -239,9 +239,14 @@ impl FastPath {
     /// (the IPv6 twin of [`FastPath::sync`]).
     pub fn sync6(&mut self, desired: &BTreeMap<Ipv6Net, Remote6>) -> Result<SyncStats, BpfError> {
         let DesiredEntries { routes, nodes } = desired_entries(desired)?;
-        let current_nodes = self.current_nodes6()?;
+        let (current_nodes, current_routes, invalid) = match self.synced.take_v6() {
+            Some(written) => (written.nodes, written.routes, Vec::new()),
+            None => {
+                let (routes, invalid) = self.current_routes6()?;
+                (self.current_nodes6()?, routes, invalid)
+            }
+        };
         let (node_upserts, node_deletes, _, _) = diff(&current_nodes, &nodes);
-        let (current_routes, invalid) = self.current_routes6()?;
         let (route_upserts, route_deletes, added, unchanged) = diff(&current_routes, &routes);
         let stats = SyncStats {
             added,
@@ -315,13 +320,9 @@ impl FastPath {
     }
 
     pub(super) fn current_routes6(&self) -> Result<CurrentRoutes6, BpfError> {
-        let map = self.ebpf().map(ROUTES6).ok_or_else(|| missing(ROUTES6))?;
-        let trie: LpmTrie<&MapData, [u8; 16], RemoteEntry6> =
-            LpmTrie::try_from(map).map_err(|e| BpfError::map(ROUTES6, e))?;
         let mut routes = BTreeMap::new();
         let mut invalid = Vec::new();
-        for item in trie.iter() {
-            let (key, entry) = item.map_err(|e| BpfError::map(ROUTES6, e))?;
+        for (key, entry) in self.read_all::<Key<[u8; 16]>, RemoteEntry6>(ROUTES6, true)? {
             match u8::try_from(key.prefix_len())
                 .ok()
                 .and_then(|p| Ipv6Net::new(Ipv6Addr::from(key.data()), p).ok())
@@ -336,15 +337,11 @@ impl FastPath {
     }
 
     pub(super) fn current_nodes6(&self) -> Result<BTreeMap<Ipv6Addr, NodeEntry>, BpfError> {
-        let map = self.ebpf().map(NODES6).ok_or_else(|| missing(NODES6))?;
-        let hash: BpfHashMap<&MapData, [u8; 16], NodeEntry> =
-            BpfHashMap::try_from(map).map_err(|e| BpfError::map(NODES6, e))?;
-        let mut nodes = BTreeMap::new();
-        for item in hash.iter() {
-            let (addr, entry) = item.map_err(|e| BpfError::map(NODES6, e))?;
-            nodes.insert(Ipv6Addr::from(addr), entry);
-        }
-        Ok(nodes)
+        Ok(self
+            .read_all::<[u8; 16], NodeEntry>(NODES6, false)?
+            .into_iter()
+            .map(|(addr, entry)| (Ipv6Addr::from(addr), entry))
+            .collect())
     }
 }
 

@@ -570,7 +570,7 @@ pub async fn check_maps(
         }
         let began = Instant::now();
         let drift = match fast_path.lock() {
-            Ok(fp) => fp.drift(),
+            Ok(mut fp) => fp.drift(),
             Err(_) => return,
         };
         wait = bpf::drift::CHECK_PERIOD.max(began.elapsed() * 50);
