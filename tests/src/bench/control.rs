@@ -10,6 +10,12 @@
 //! its log's `dataplane reconciled` lines summed (kernel writes, time spent applying, per
 //! applier). On the eBPF path the pinned route map is polled too, until it holds N entries.
 //!
+//! With `--kube` the leases are Node objects instead, as a kubeadm, k3s or rke2 cluster holds
+//! them: N realistic Nodes (about 14 KB of JSON each: the flannel annotations of a vxlan
+//! lease, the kubelet's labels, status and images) in the test kit's fake API server in the
+//! hub, and the agent in kube mode (`--kube-subnet-mgr`, the config as its `net-conf.json`).
+//! A lease event is then a Node created or deleted.
+//!
 //! Lease events: after convergence, `--events` times a new lease is put into etcd and the
 //! time until its subnet is in the route map (eBPF) or the kernel's routing table (kernel
 //! path) is measured, then the lease is deleted and the time until it is gone is measured;
@@ -30,14 +36,17 @@ use std::net::Ipv4Addr;
 
 use super::report::{Machine, utc_now};
 use crate::{
+    etcd::Etcd,
+    kube_mock::{self, MockApiServer},
     lab::{
         agent::{Agent, AgentSpec, Dataplane},
         fastpath::RouteMap,
+        kube,
         kv::Kv,
         lease,
         status::{self, KernelCounts},
     },
-    topology::{Topology, TopologySpec, Underlay},
+    topology::{Node, Topology, TopologySpec, Underlay},
 };
 
 /// Settings of a run.
@@ -53,6 +62,8 @@ pub struct ControlOptions {
     pub dataplanes: Vec<Dataplane>,
     /// Lease events (one add and one delete each) timed after convergence.
     pub events: usize,
+    /// The leases are Node objects in a fake API server, the agent in kube mode.
+    pub kube: bool,
 }
 
 /// The result for one N.
@@ -62,9 +73,11 @@ pub struct ControlResult {
     pub leases: usize,
     /// `--dataplane` of the agent (`kernel` or `ebpf`).
     pub dataplane: String,
-    /// Seconds to write them to etcd.
+    /// Where the leases are: `etcd`, or `kube` (Node objects).
+    pub store: String,
+    /// Seconds to write them to etcd (or create the Nodes).
     pub write_seconds: f64,
-    /// Keys found under `<prefix>/subnets/` afterwards.
+    /// Keys found under `<prefix>/subnets/` afterwards (kube: the Nodes created).
     pub keys_in_etcd: i64,
     /// Seconds from agent start until its subnet.env existed (config, lease listing and
     /// acquisition, devices, rules).
@@ -88,6 +101,12 @@ pub struct ControlResult {
     pub event_add_ms: Option<Latency>,
     /// Lease deleted in etcd → gone from the route map or routing table, ms.
     pub event_delete_ms: Option<Latency>,
+    /// The agent's own time per lease event: the reconciles the events made, from the
+    /// log's `dataplane reconciled` lines after convergence, ms.
+    pub event_reconcile_ms: Option<Latency>,
+    /// The eBPF applier's share of each of those reconciles (reading the maps, diffing,
+    /// writing), ms.
+    pub event_ebpf_ms: Option<Latency>,
     /// Agent's `VmHWM` at that point, KiB.
     pub peak_rss_kib: Option<u64>,
     /// Routes in the kernel at the end.
@@ -159,25 +178,27 @@ pub fn run(
         if cancelled() {
             bail!("cancelled");
         }
+        let what = if opts.kube { "fake API server" } else { "etcd" };
         log(&format!(
-            "{n} leases, {dataplane}: building a one-node topology with etcd"
+            "{n} leases, {dataplane}: building a one-node topology with {what}"
         ));
         let topo = Topology::new(TopologySpec::new(1, Underlay::L2))?;
-        let etcd = topo.start_etcd()?;
-        let kv = Kv::new(topo.hub(), etcd.endpoint());
-        let prefix = lease::DEFAULT_PREFIX;
-        lease::write_netconf(&kv, prefix, &control_netconf())?;
-        let leases = lease::fake_vxlan_leases(prefix, n)?;
+        let store = if opts.kube {
+            Store::kube(&topo)?
+        } else {
+            Store::etcd(&topo)?
+        };
         let start = Instant::now();
-        kv.put_all_with_ttl(leases, 86_400)?;
+        let keys_in_etcd = store.write(n)?;
         let write_seconds = start.elapsed().as_secs_f64();
-        let keys_in_etcd = kv.count_prefix(&format!("{prefix}/subnets/"))?;
         log(&format!(
-            "{n} leases: written in {write_seconds:.2} s ({keys_in_etcd} keys under {prefix}/subnets/)"
+            "{n} leases: written in {write_seconds:.2} s ({keys_in_etcd} {})",
+            store.holding()
         ));
         let mut result = ControlResult {
             leases: n,
             dataplane: dataplane.to_string(),
+            store: store.name().to_owned(),
             write_seconds,
             keys_in_etcd,
             lease_seconds: None,
@@ -190,6 +211,8 @@ pub fn run(
             applier_seconds: Vec::new(),
             event_add_ms: None,
             event_delete_ms: None,
+            event_reconcile_ms: None,
+            event_ebpf_ms: None,
             peak_rss_kib: None,
             routes: 0,
             neighbours: 0,
@@ -197,11 +220,12 @@ pub fn run(
             error: None,
         };
         if let Some(agent) = &opts.agent {
-            let mut spec = AgentSpec::new(agent, etcd.endpoint());
-            spec.dataplane = Some(dataplane);
+            let mut base = AgentSpec::new(agent, "");
+            base.dataplane = Some(dataplane);
+            let spec = store.agent_spec(topo.node(1), &base)?;
             let run = Run {
                 topo: &topo,
-                kv: &kv,
+                store: &store,
                 spec: &spec,
                 network,
                 n,
@@ -214,7 +238,7 @@ pub fn run(
                     "{n} leases, {dataplane}: subnet.env after {:.2} s, kernel complete after \
                      {:.2} s, map complete after {}, agent peak RSS {} KiB, {} writes in {} \
                      writing reconcile(s) taking {:.2} s ({}), lease event add {} / delete {} \
-                     ms (p50 / p95 / max)",
+                     ms (p50 / p95 / max), the agent's reconcile {} ms, of it eBPF {} ms",
                     result.lease_seconds.unwrap_or(f64::NAN),
                     result.converge_seconds.unwrap_or(f64::NAN),
                     result
@@ -231,6 +255,12 @@ pub fn run(
                     result
                         .event_delete_ms
                         .map_or_else(|| "-".to_owned(), |l| l.to_string()),
+                    result
+                        .event_reconcile_ms
+                        .map_or_else(|| "-".to_owned(), |l| l.to_string()),
+                    result
+                        .event_ebpf_ms
+                        .map_or_else(|| "-".to_owned(), |l| l.to_string()),
                 )),
                 Err(e) => {
                     log(&format!("{n} leases: agent part failed: {e:#}"));
@@ -243,10 +273,140 @@ pub fn run(
     Ok(results)
 }
 
-/// One N on one dataplane: the topology, its etcd and the agent to start.
+/// Where the leases are kept.
+enum Store {
+    /// etcd in the hub.
+    Etcd {
+        kv: Kv,
+        endpoint: String,
+        _etcd: Etcd,
+    },
+    /// The fake API server in the hub, served by its own runtime.
+    Kube {
+        api: MockApiServer,
+        _runtime: tokio::runtime::Runtime,
+    },
+}
+
+impl Store {
+    /// etcd in `topo`'s hub, holding the config.
+    fn etcd(topo: &Topology) -> Result<Store> {
+        let etcd = topo.start_etcd()?;
+        let kv = Kv::new(topo.hub(), etcd.endpoint());
+        lease::write_netconf(&kv, lease::DEFAULT_PREFIX, &control_netconf())?;
+        Ok(Store::Etcd {
+            kv,
+            endpoint: etcd.endpoint().to_owned(),
+            _etcd: etcd,
+        })
+    }
+
+    /// The fake API server in `topo`'s hub, holding the node's own Node (pod CIDR
+    /// `10.0.0.0/24`, below the remote leases).
+    fn kube(topo: &Topology) -> Result<Store> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()?;
+        let api = kube::api_in_hub(&runtime, topo, &|_| vec!["10.0.0.0/24".to_owned()])?;
+        Ok(Store::Kube {
+            api,
+            _runtime: runtime,
+        })
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Store::Etcd { .. } => "etcd",
+            Store::Kube { .. } => "kube",
+        }
+    }
+
+    /// What [`Store::write`] counts.
+    fn holding(&self) -> String {
+        match self {
+            Store::Etcd { .. } => format!("keys under {}/subnets/", lease::DEFAULT_PREFIX),
+            Store::Kube { .. } => "Nodes created".to_owned(),
+        }
+    }
+
+    /// Writes `n` remote vxlan leases (the same subnets, public IPs and VTEP MACs either way)
+    /// and returns how many the store then holds.
+    fn write(&self, n: usize) -> Result<i64> {
+        let leases = lease::fake_vxlan_leases(lease::DEFAULT_PREFIX, n)?;
+        match self {
+            Store::Etcd { kv, .. } => {
+                kv.put_all_with_ttl(leases, 86_400)?;
+                kv.count_prefix(&format!("{}/subnets/", lease::DEFAULT_PREFIX))
+            }
+            Store::Kube { api, .. } => {
+                for (i, (key, value)) in leases.iter().enumerate() {
+                    api.apply_node(lease_node(&format!("remote-{i}"), key, value)?);
+                }
+                Ok(i64::try_from(n)?)
+            }
+        }
+    }
+
+    /// The agent of `node`: `base` against etcd, or in kube mode against the API server.
+    fn agent_spec(&self, node: &Node, base: &AgentSpec) -> Result<AgentSpec> {
+        match self {
+            Store::Etcd { endpoint, .. } => {
+                let mut spec = base.clone();
+                endpoint.clone_into(&mut spec.etcd_endpoints);
+                Ok(spec)
+            }
+            Store::Kube { api, .. } => kube::agent_spec(node, api, &control_netconf(), base),
+        }
+    }
+
+    /// Puts the `i`-th event lease; its subnet.
+    fn put_event(&self, i: usize) -> Result<Ipv4Net> {
+        let (key, value, subnet) = event_lease(i)?;
+        match self {
+            Store::Etcd { kv, .. } => kv.put(&key, &value)?,
+            Store::Kube { api, .. } => {
+                api.apply_node(lease_node(&format!("event-{i}"), &key, &value)?);
+            }
+        }
+        Ok(subnet)
+    }
+
+    /// Deletes the `i`-th event lease.
+    fn delete_event(&self, i: usize) -> Result<()> {
+        match self {
+            Store::Etcd { kv, .. } => {
+                kv.delete(&event_lease(i)?.0)?;
+            }
+            Store::Kube { api, .. } => {
+                api.delete_node(&format!("event-{i}"))
+                    .with_context(|| format!("Node event-{i} was not there"))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The realistic Node `name` (as a kubelet and flannel leave it) whose lease is the etcd lease
+/// `key` = `value`: its subnet as the pod CIDR, its public IP and VTEP MAC.
+fn lease_node(name: &str, key: &str, value: &str) -> Result<serde_json::Value> {
+    let (subnet, _) = key
+        .rsplit('/')
+        .next()
+        .and_then(lease::parse_subnet_key)
+        .with_context(|| format!("no subnet in {key}"))?;
+    let lease: serde_json::Value = serde_json::from_str(value)?;
+    let public_ip = lease["PublicIP"].as_str().context("PublicIP")?;
+    let mut node = kube_mock::realistic_node(name, 0, &subnet.to_string(), public_ip);
+    node["metadata"]["annotations"]["flannel.alpha.coreos.com/backend-data"] =
+        serde_json::Value::String(lease["BackendData"].to_string());
+    Ok(node)
+}
+
+/// One N on one dataplane: the topology, the lease store and the agent to start.
 struct Run<'a> {
     topo: &'a Topology,
-    kv: &'a Kv,
+    store: &'a Store,
     spec: &'a AgentSpec,
     network: Ipv4Net,
     n: usize,
@@ -315,6 +475,22 @@ impl Run<'_> {
                 let (add, delete) = events?;
                 result.event_add_ms = Latency::of(&add);
                 result.event_delete_ms = Latency::of(&delete);
+                let text = std::fs::read_to_string(agent.log_path()).unwrap_or_default();
+                let by_events: Vec<Applied> = applied_reconciles(&text)
+                    .into_iter()
+                    .skip(applied.len())
+                    .collect();
+                let ms = |f: &dyn Fn(&Applied) -> Option<f64>| {
+                    Latency::of(
+                        &by_events
+                            .iter()
+                            .filter_map(f)
+                            .map(|s| s * 1e3)
+                            .collect::<Vec<_>>(),
+                    )
+                };
+                result.event_reconcile_ms = ms(&|a| Some(a.seconds));
+                result.event_ebpf_ms = ms(&|a| a.applier("ebpf"));
                 return Ok(());
             }
             if Instant::now() >= deadline {
@@ -346,12 +522,11 @@ impl Run<'_> {
             if (self.cancelled)() {
                 bail!("cancelled");
             }
-            let (key, value, subnet) = event_lease(i)?;
             let t0 = Instant::now();
-            self.kv.put(&key, &value)?;
+            let subnet = self.store.put_event(i)?;
             add.push(self.wait_for(map, subnet, true, t0, agent)?);
             let t0 = Instant::now();
-            self.kv.delete(&key)?;
+            self.store.delete_event(i)?;
             delete.push(self.wait_for(map, subnet, false, t0, agent)?);
         }
         Ok((add, delete))
@@ -454,6 +629,15 @@ pub struct Applied {
     pub appliers: Vec<(String, f64)>,
 }
 
+impl Applied {
+    /// The time the applier `name` took, seconds, if it ran.
+    pub fn applier(&self, name: &str) -> Option<f64> {
+        self.appliers
+            .iter()
+            .find_map(|(n, s)| (n == name).then_some(*s))
+    }
+}
+
 /// The reconciles that wrote something, from the agent's log (plain text, tracing's
 /// `key=value` fields: `duration=12.3ms`, `stats=added 3, ..., ops 6, skipped 0`).
 pub fn applied_reconciles(log: &str) -> Vec<Applied> {
@@ -506,9 +690,11 @@ pub fn markdown(results: &[ControlResult], machine: &Machine) -> String {
          Times from agent start. Writes: kernel netlink requests and map updates of the \
          reconciles that changed something, with each applier's share (from the agent's log); \
          reconciles: `flannel_reconcile_runs_total`. Lease events: etcd put/delete of one lease \
-         until the route map (eBPF) or routing table (kernel) reflects it, ms p50 / p95 / max.\n\n\
-         | leases | dataplane | etcd write (s) | subnet.env (s) | kernel complete (s) | map complete (s) | agent peak RSS (MiB) | routes | neigh | fdb | writes | reconciles (writing) | reconcile time | event add (ms) | event delete (ms) | error |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+         (kube: a Node created/deleted) until the route map (eBPF) or routing table (kernel) reflects it, ms p50 / p95 / max; \
+         the agent's part of it: the reconciles the events made, and the eBPF applier's \
+         share of each (from the log).\n\n\
+         | leases | dataplane | store | write (s) | subnet.env (s) | kernel complete (s) | map complete (s) | agent peak RSS (MiB) | routes | neigh | fdb | writes | reconciles (writing) | reconcile time | event add (ms) | event delete (ms) | event reconcile (ms) | of it eBPF applier (ms) | error |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         machine.cpu_model, machine.cores, machine.kernel, machine.date
     );
     let secs = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |s| format!("{s:.2}"));
@@ -516,9 +702,10 @@ pub fn markdown(results: &[ControlResult], machine: &Machine) -> String {
     for r in results {
         let _ = writeln!(
             out,
-            "| {} | {} | {:.2} | {} | {} | {} | {} | {} | {} | {} | {} | {} ({}) | {:.2} s ({}) | {} | {} | {} |",
+            "| {} | {} | {} | {:.2} | {} | {} | {} | {} | {} | {} | {} | {} | {} ({}) | {:.2} s ({}) | {} | {} | {} | {} | {} |",
             r.leases,
             r.dataplane,
+            r.store,
             r.write_seconds,
             secs(r.lease_seconds),
             secs(r.converge_seconds),
@@ -536,6 +723,8 @@ pub fn markdown(results: &[ControlResult], machine: &Machine) -> String {
             applier_text(&r.applier_seconds),
             lat(r.event_add_ms),
             lat(r.event_delete_ms),
+            lat(r.event_reconcile_ms),
+            lat(r.event_ebpf_ms),
             r.error
                 .as_deref()
                 .map(|e| e.lines().next().unwrap_or_default().replace('|', "/"))

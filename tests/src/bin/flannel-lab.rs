@@ -394,6 +394,10 @@ struct ControlArgs {
     /// Lease events (an add and a delete each) timed once the agent has converged.
     #[arg(long, default_value_t = 20)]
     events: usize,
+    /// The leases are Node objects (realistic ones, about 14 KB each) in the test kit's fake
+    /// API server, the agent in kube mode; lease events create and delete Nodes.
+    #[arg(long)]
+    kube: bool,
     /// Output directory (default: target/bench of this workspace).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -807,6 +811,7 @@ fn bench_control(args: ControlArgs) -> Result<()> {
         timeout: Duration::from_secs(args.timeout),
         dataplanes: args.dataplane,
         events: args.events,
+        kube: args.kube,
     };
     let results = control::run(&opts, &progress, &stopped)?;
     print!(
