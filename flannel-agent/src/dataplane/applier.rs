@@ -105,6 +105,9 @@ pub struct ApplyReport {
     pub stats: ApplyStats,
     /// Failures (the first few carry full messages; all are counted in `stats.errors`).
     pub errors: Vec<ApplyError>,
+    /// The kernel entries this sync deleted (the kernel tells of each with a removal
+    /// notification, which the reconciler then knows for its own).
+    pub removed: Vec<crate::netlink::Removal>,
 }
 
 impl ApplyReport {

@@ -33,7 +33,7 @@ use ipnet::IpNet;
 
 use crate::netlink::{
     DEFAULT_IN_FLIGHT, FdbEntry, IpFamily, Neighbour, NeighbourFlags, NeighbourState, Netlink,
-    NetlinkError, Op, RT_TABLE_MAIN, RTPROT_FLANNEL, Route, RouteFilter, RouteKind,
+    NetlinkError, Op, RT_TABLE_MAIN, RTPROT_FLANNEL, Removal, Route, RouteFilter, RouteKind,
     routes::IP6_DEFAULT_METRIC,
 };
 
@@ -366,6 +366,25 @@ fn op_object(op: &Op) -> &'static str {
     }
 }
 
+/// The entry a deletion removes, as the kernel's notification of it names it.
+fn op_removal(op: &Op) -> Option<Removal> {
+    match op {
+        Op::DeleteRoute(route) => Some(Removal::Route {
+            table: route.table,
+            dst: route.dst,
+        }),
+        Op::DeleteNeighbour { ifindex, ip } => Some(Removal::Neighbour {
+            index: *ifindex,
+            ip: *ip,
+        }),
+        Op::DeleteFdb { ifindex, mac, .. } => Some(Removal::Fdb {
+            index: *ifindex,
+            mac: *mac,
+        }),
+        _ => None,
+    }
+}
+
 /// Applies routes, neighbours and FDB entries through rtnetlink.
 #[derive(Debug, Clone)]
 pub struct KernelApplier {
@@ -404,14 +423,20 @@ impl KernelApplier {
         report.stats.unchanged = plan.unchanged;
         report.stats.ops = plan.ops.len() as u64;
         let (actions, ops): (Vec<Action>, Vec<Op>) = plan.ops.into_iter().unzip();
-        let objects: Vec<&'static str> = ops.iter().map(op_object).collect();
+        let objects: Vec<(&'static str, Option<Removal>)> = ops
+            .iter()
+            .map(|op| (op_object(op), op_removal(op)))
+            .collect();
         let results = self.nl.apply_all(ops, self.in_flight).await;
-        for ((action, object), result) in actions.into_iter().zip(objects).zip(results) {
+        for ((action, (object, removal)), result) in actions.into_iter().zip(objects).zip(results) {
             match (action, result) {
                 (Action::Add, Ok(())) => report.stats.added += 1,
                 (Action::Replace, Ok(())) => report.stats.replaced += 1,
+                (Action::Delete, Ok(())) => {
+                    report.stats.deleted += 1;
+                    report.removed.extend(removal);
+                }
                 // Already gone (the kernel removed it with its device, or a replace did).
-                (Action::Delete, Ok(())) => report.stats.deleted += 1,
                 (Action::Delete, Err(e)) if e.is_not_found() => report.stats.deleted += 1,
                 (_, Err(e)) => {
                     report.fail(error_kind(object, &e), e.to_string());

@@ -5,7 +5,8 @@
 //! * whenever the lease snapshot changes (bursts coalesce in the `watch` channel),
 //! * on link events that concern its devices or the external interface (a deleted
 //!   `flannel.<VNI>` is recreated with its persisted MAC and all peers are programmed again in
-//!   the same pass),
+//!   the same pass), and on the removal of one of its routes, neighbours or FDB entries by
+//!   something else (its own deletions are told apart, [`super::removals`]),
 //! * every `--resync-interval` seconds, which heals drift (a route deleted by hand comes back,
 //!   a stray route with the flannel protocol goes away).
 //!
@@ -40,6 +41,7 @@ use super::{
     facts::Facts,
     kernel::{KernelApplier, error_kind},
     model::{Local, Note},
+    removals::OwnRemovals,
     status::DataplaneStatus,
 };
 
@@ -217,6 +219,8 @@ pub struct Reconciler {
     config: ReconcilerConfig,
     status: watch::Sender<DataplaneStatus>,
     notes: NoteLog,
+    /// What the appliers deleted, whose removal notifications are not a reason to reconcile.
+    own_removals: OwnRemovals,
     first: bool,
 }
 
@@ -255,6 +259,7 @@ impl Reconciler {
             config,
             status: watch::channel(DataplaneStatus::default()).0,
             notes: NoteLog::default(),
+            own_removals: OwnRemovals::default(),
             first: true,
         }
     }
@@ -330,8 +335,8 @@ impl Reconciler {
                 let ext = &self.local.ext;
                 *index == ext.index && address.is_none_or(|a| ext.iface_addrs().any(|s| s == a))
             }
-            LinkEvent::RouteRemoved { protocol } => *protocol == RTPROT_FLANNEL,
-            LinkEvent::NeighbourRemoved { index } => {
+            LinkEvent::RouteRemoved { protocol, .. } => *protocol == RTPROT_FLANNEL,
+            LinkEvent::NeighbourRemoved { index, .. } => {
                 self.local.devices.all().any(|d| d.index == *index)
             }
             LinkEvent::Overrun => true,
@@ -506,6 +511,7 @@ impl Reconciler {
             };
             timings.push((applier.name(), applier_started.elapsed()));
             stats.accumulate(&report.stats);
+            self.own_removals.deleted(report.removed);
             for e in report.errors {
                 errors.push((applier.name(), e));
             }
@@ -656,7 +662,9 @@ impl Reconciler {
                 },
                 trigger = triggers.next(), if links_open => match trigger.map(Into::into) {
                     Some(Trigger::Kernel(event)) => {
-                        if self.concerns(&event) {
+                        if self.concerns(&event) && self.own_removals.is_own(&event) {
+                            tracing::trace!(?event, "the reconciler's own deletion");
+                        } else if self.concerns(&event) {
                             pending = true;
                             if matches!(
                                 event,
@@ -796,14 +804,140 @@ mod tests {
                 true,
             ),
             // Our routes, and neighbours on our devices.
-            (LinkEvent::RouteRemoved { protocol: 165 }, true),
-            (LinkEvent::RouteRemoved { protocol: 3 }, false),
-            (LinkEvent::NeighbourRemoved { index: 7 }, true),
-            (LinkEvent::NeighbourRemoved { index: ext }, false),
+            (
+                LinkEvent::RouteRemoved {
+                    protocol: 165,
+                    entry: None,
+                },
+                true,
+            ),
+            (
+                LinkEvent::RouteRemoved {
+                    protocol: 3,
+                    entry: None,
+                },
+                false,
+            ),
+            (
+                LinkEvent::NeighbourRemoved {
+                    index: 7,
+                    entry: None,
+                },
+                true,
+            ),
+            (
+                LinkEvent::NeighbourRemoved {
+                    index: ext,
+                    entry: None,
+                },
+                false,
+            ),
             (LinkEvent::Overrun, true),
         ] {
             assert_eq!(r.concerns(&event), wanted, "{event:?}");
         }
+    }
+
+    /// An applier that reports having deleted `removed` on every sync, and counts its syncs.
+    struct Deleter {
+        removed: Vec<crate::netlink::Removal>,
+        syncs: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Applier for Deleter {
+        fn name(&self) -> &'static str {
+            "deleter"
+        }
+
+        fn sync<'a>(
+            &'a mut self,
+            _local: &'a Local,
+            _desired: &'a Desired,
+            _mode: SyncMode,
+        ) -> BoxFuture<'a, ApplyReport> {
+            self.syncs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let removed = self.removed.clone();
+            Box::pin(async move {
+                ApplyReport {
+                    removed,
+                    ..ApplyReport::default()
+                }
+            })
+        }
+    }
+
+    /// The notification of a route the reconciler deleted itself brings no reconcile; the
+    /// same notification once more (someone else deleting it again), and another entry's,
+    /// each bring one.
+    #[tokio::test]
+    async fn the_reconcilers_own_deletions_bring_no_reconcile() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        use crate::netlink::Removal;
+
+        let ours = Removal::Route {
+            table: 254,
+            dst: "10.244.9.0/24".parse().unwrap(),
+        };
+        let removed = |entry: Removal| LinkEvent::RouteRemoved {
+            protocol: RTPROT_FLANNEL,
+            entry: Some(entry),
+        };
+        let syncs = Arc::new(AtomicUsize::new(0));
+        let config = ReconcilerConfig {
+            manage_devices: false,
+            resync_interval: Duration::from_secs(3600),
+            ..ReconcilerConfig::default()
+        };
+        let reconciler = Reconciler::with_appliers(
+            Netlink::new().unwrap(),
+            local(vxlan(false), IpStack::V4),
+            config,
+            vec![Box::new(Deleter {
+                removed: vec![ours],
+                syncs: syncs.clone(),
+            })],
+        );
+        let (_snapshots, rx) = watch::channel(snapshot(vec![]));
+        let (events, events_rx) = tokio::sync::mpsc::channel::<LinkEvent>(8);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(reconciler.run(
+            rx,
+            tokio_stream::wrappers::ReceiverStream::new(events_rx),
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        let settled = |n: usize| {
+            let syncs = syncs.clone();
+            async move {
+                for _ in 0..200 {
+                    if syncs.load(Ordering::SeqCst) >= n {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                // Long enough for one more reconcile to show, if one were coming.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                syncs.load(Ordering::SeqCst)
+            }
+        };
+        assert_eq!(settled(1).await, 1, "the first reconcile");
+        // Ours, then another entry's: one reconcile, for the other.
+        events.send(removed(ours)).await.unwrap();
+        let other = Removal::Route {
+            table: 254,
+            dst: "10.244.8.0/24".parse().unwrap(),
+        };
+        events.send(removed(other)).await.unwrap();
+        assert_eq!(settled(2).await, 2, "only the other entry's removal");
+        // That reconcile deleted ours again: its notification is ours too, a second one is
+        // not (something else removed what the reconciler had not deleted again).
+        events.send(removed(ours)).await.unwrap();
+        events.send(removed(ours)).await.unwrap();
+        assert_eq!(settled(3).await, 3, "the second notification only");
+        stop.send(()).unwrap();
+        task.await.unwrap();
     }
 
     #[tokio::test]

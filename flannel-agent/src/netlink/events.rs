@@ -24,9 +24,15 @@ use rtnetlink::{
     sys::AsyncSocket as _,
 };
 
+use ipnet::IpNet;
+
 use super::{
-    NetlinkError, Unsolicited, addresses::address_from_message, links::link_from_message,
+    NetlinkError, Unsolicited,
+    addresses::address_from_message,
+    links::link_from_message,
+    neighbours::{fdb_from_message, neighbour_from_message},
     open_socket,
+    routes::route_from_message,
 };
 
 /// `RTNLGRP_LINK`.
@@ -91,6 +97,8 @@ pub enum LinkEvent {
     RouteRemoved {
         /// `rtm_protocol`.
         protocol: u8,
+        /// Which route (`None` when the message names none the agent can read).
+        entry: Option<Removal>,
     },
     /// `RTM_NEWADDR` or `RTM_DELADDR` (only from
     /// [`Netlink::dataplane_events`](super::Netlink::dataplane_events)): an address of
@@ -107,9 +115,38 @@ pub enum LinkEvent {
     NeighbourRemoved {
         /// Its interface.
         index: u32,
+        /// Which entry (`None` when the message names none the agent can read).
+        entry: Option<Removal>,
     },
     /// Notifications were lost (the socket's buffer overflowed): re-list the links.
     Overrun,
+}
+
+/// Which route, neighbour or FDB entry was removed, as a notification names it and as the
+/// agent names an entry it deletes itself, so that the two can be matched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Removal {
+    /// A route: its table and destination.
+    Route {
+        /// Routing table.
+        table: u32,
+        /// Destination.
+        dst: IpNet,
+    },
+    /// A neighbour (ARP/NDP) entry.
+    Neighbour {
+        /// Its interface.
+        index: u32,
+        /// Its IP address.
+        ip: IpAddr,
+    },
+    /// A bridge or vxlan FDB entry.
+    Fdb {
+        /// Its device.
+        index: u32,
+        /// Its MAC address.
+        mac: [u8; 6],
+    },
 }
 
 /// A stream of decoded notifications of one multicast group ([`LinkEvents`], [`FdbEvents`]).
@@ -203,12 +240,18 @@ fn dataplane_event(message: NetlinkMessage<RouteNetlinkMessage>) -> Option<LinkE
         NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelRoute(m)) => {
             Some(LinkEvent::RouteRemoved {
                 protocol: u8::from(m.header.protocol),
+                entry: route_from_message(m).map(|r| Removal::Route {
+                    table: r.table,
+                    dst: r.dst,
+                }),
             })
         }
         NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelNeighbour(m)) => {
-            Some(LinkEvent::NeighbourRemoved {
-                index: m.header.ifindex,
-            })
+            let index = m.header.ifindex;
+            let entry = neighbour_from_message(m)
+                .map(|n| Removal::Neighbour { index, ip: n.ip })
+                .or_else(|| fdb_from_message(m).map(|f| Removal::Fdb { index, mac: f.mac }));
+            Some(LinkEvent::NeighbourRemoved { index, entry })
         }
         NetlinkPayload::InnerMessage(
             RouteNetlinkMessage::NewAddress(m) | RouteNetlinkMessage::DelAddress(m),
@@ -360,27 +403,69 @@ mod tests {
 
     #[test]
     fn the_reconcilers_stream_reports_removed_routes_and_neighbours() {
+        // A message naming no entry the agent can read.
         let mut route = RouteMessage::default();
         route.header.protocol = RouteProtocol::from(165);
         let del = NetlinkMessage::from(RouteNetlinkMessage::DelRoute(route.clone()));
         assert_eq!(
             dataplane_event(del),
-            Some(LinkEvent::RouteRemoved { protocol: 165 })
+            Some(LinkEvent::RouteRemoved {
+                protocol: 165,
+                entry: None
+            })
         );
         let new = NetlinkMessage::from(RouteNetlinkMessage::NewRoute(route));
         assert_eq!(dataplane_event(new), None, "added routes are not watched");
+        // A route as the kernel tells of its removal: its table and destination.
+        let dst: IpNet = "10.244.2.0/24".parse().unwrap_or_default();
+        let ours = super::super::Route::new(dst)
+            .via(IpAddr::from([10, 244, 2, 0]))
+            .dev(3)
+            .onlink()
+            .protocol(165);
+        let del = NetlinkMessage::from(RouteNetlinkMessage::DelRoute(ours.message()));
+        assert_eq!(
+            dataplane_event(del),
+            Some(LinkEvent::RouteRemoved {
+                protocol: 165,
+                entry: Some(Removal::Route { table: 254, dst })
+            })
+        );
         let mut neighbour = NeighbourMessage::default();
         neighbour.header.ifindex = 4;
         let del = NetlinkMessage::from(RouteNetlinkMessage::DelNeighbour(neighbour.clone()));
         assert_eq!(
             dataplane_event(del),
-            Some(LinkEvent::NeighbourRemoved { index: 4 })
+            Some(LinkEvent::NeighbourRemoved {
+                index: 4,
+                entry: None
+            })
         );
         let new = NetlinkMessage::from(RouteNetlinkMessage::NewNeighbour(neighbour));
         assert_eq!(
             dataplane_event(new),
             None,
             "added neighbours are not watched"
+        );
+        // A neighbour and an FDB entry: the IP of the one, the MAC of the other.
+        let ip = IpAddr::from([10, 244, 2, 0]);
+        let mac = [0x0e, 0, 0, 0, 0, 2];
+        let arp = super::super::neighbours::neighbour_message(3, ip, Some(mac));
+        assert_eq!(
+            dataplane_event(NetlinkMessage::from(RouteNetlinkMessage::DelNeighbour(arp))),
+            Some(LinkEvent::NeighbourRemoved {
+                index: 3,
+                entry: Some(Removal::Neighbour { index: 3, ip })
+            })
+        );
+        let fdb =
+            super::super::neighbours::fdb_message(3, mac, IpAddr::from([192, 168, 1, 12]), false);
+        assert_eq!(
+            dataplane_event(NetlinkMessage::from(RouteNetlinkMessage::DelNeighbour(fdb))),
+            Some(LinkEvent::NeighbourRemoved {
+                index: 3,
+                entry: Some(Removal::Fdb { index: 3, mac })
+            })
         );
         let mut address = AddressMessage::default();
         address.header.index = 2;

@@ -152,7 +152,7 @@ impl fmt::Display for FdbEntry {
     }
 }
 
-fn neighbour_from_message(message: &NeighbourMessage) -> Option<Neighbour> {
+pub(crate) fn neighbour_from_message(message: &NeighbourMessage) -> Option<Neighbour> {
     let h = &message.header;
     if !matches!(h.family, AddressFamily::Inet | AddressFamily::Inet6) {
         return None;
@@ -179,7 +179,7 @@ fn neighbour_from_message(message: &NeighbourMessage) -> Option<Neighbour> {
     })
 }
 
-fn fdb_from_message(message: &NeighbourMessage) -> Option<FdbEntry> {
+pub(crate) fn fdb_from_message(message: &NeighbourMessage) -> Option<FdbEntry> {
     let h = &message.header;
     if h.family != AddressFamily::Bridge {
         return None;
@@ -223,7 +223,11 @@ fn neighbour_address(ip: IpAddr) -> NeighbourAddress {
     }
 }
 
-fn neighbour_message(ifindex: u32, ip: IpAddr, mac: Option<[u8; 6]>) -> NeighbourMessage {
+pub(crate) fn neighbour_message(
+    ifindex: u32,
+    ip: IpAddr,
+    mac: Option<[u8; 6]>,
+) -> NeighbourMessage {
     let mut message = NeighbourMessage::default();
     message.header.family = IpFamily::of(&ip).af();
     message.header.ifindex = ifindex;
@@ -245,7 +249,7 @@ fn neighbour_message(ifindex: u32, ip: IpAddr, mac: Option<[u8; 6]>) -> Neighbou
     message
 }
 
-fn fdb_message(ifindex: u32, mac: [u8; 6], dst: IpAddr, add: bool) -> NeighbourMessage {
+pub(crate) fn fdb_message(ifindex: u32, mac: [u8; 6], dst: IpAddr, add: bool) -> NeighbourMessage {
     let mut message = NeighbourMessage::default();
     message.header.family = AddressFamily::Bridge;
     message.header.ifindex = ifindex;

@@ -282,7 +282,7 @@ impl Route {
         Ok(())
     }
 
-    fn message(&self) -> RouteMessage {
+    pub(crate) fn message(&self) -> RouteMessage {
         let family = self.family();
         let mut message = RouteMessage::default();
         let h = &mut message.header;

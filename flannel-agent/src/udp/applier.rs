@@ -91,7 +91,7 @@ impl Applier for UdpApplier {
         }
         futures::future::ready(ApplyReport {
             stats,
-            errors: Vec::new(),
+            ..ApplyReport::default()
         })
         .boxed()
     }
