@@ -73,6 +73,32 @@ impl LeasePublisher {
         });
     }
 
+    /// Applies `changes` (a lease by id, `None` to remove it) in one snapshot. Publishes only
+    /// if one of them changes what is known.
+    pub fn apply(&self, changes: Vec<(LeaseId, Option<Lease>)>) {
+        self.tx.send_if_modified(|snap| {
+            if changes
+                .iter()
+                .all(|(id, lease)| snap.leases.get(id) == lease.as_ref())
+            {
+                return false;
+            }
+            let leases = Arc::make_mut(&mut snap.leases);
+            for (id, lease) in changes {
+                match lease {
+                    Some(lease) => {
+                        leases.insert(id, lease);
+                    }
+                    None => {
+                        leases.remove(&id);
+                    }
+                }
+            }
+            snap.generation += 1;
+            true
+        });
+    }
+
     /// Removes one lease. Publishes only if it was known.
     pub fn remove(&self, id: &str) {
         self.tx.send_if_modified(|snap| {

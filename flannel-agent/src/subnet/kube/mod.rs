@@ -5,10 +5,11 @@
 //!   annotations ([`annotations`], [`patch`]), through the `nodes/<name>/status` subresource
 //!   as upstream does (RBAC: `nodes/status: patch`).
 //! * Every other node's lease is read from its annotations ([`node`]). A kube-runtime
-//!   watcher with a reflector keeps a cache of all Nodes; on every change the complete set
-//!   of remote leases is rebuilt from that cache (which keeps each Node cut down to what
-//!   the leases read, [`lean`]) and published with
-//!   [`LeasePublisher::replace_all`] (no-op rebuilds do not wake the dataplane). A watch
+//!   watcher with a reflector keeps a cache of all Nodes (each cut down to what the leases
+//!   read, [`lean`]); on every change the nodes whose resourceVersion moved are converted
+//!   again and the leases that changed are published in one snapshot
+//!   ([`LeasePublisher::apply`]; the first complete set with
+//!   [`LeasePublisher::replace_all`]; nothing when no lease changed). A watch
 //!   that expires (410 Gone) relists; the reflector swaps the fresh listing in atomically,
 //!   so nothing is lost or duplicated. Unlike upstream, a changed `podCIDR` is picked up,
 //!   since the whole derived lease is compared.
@@ -25,7 +26,7 @@ pub mod node;
 pub mod own;
 pub mod patch;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -821,7 +822,7 @@ impl KubeSubnetManager {
         );
         loop {
             changes.borrow_and_update();
-            publisher.replace_all(leases.build(&cache.store.state()));
+            leases.publish(&cache.store.state(), &publisher);
             tokio::select! {
                 () = cancel.cancelled() => return Ok(()),
                 changed = changes.changed() => {
@@ -895,13 +896,29 @@ async fn run_node_watch(
 }
 
 /// Turns the cached nodes into the lease set, converting each node only when its
-/// resourceVersion changed (so a malformed node is logged once per version).
+/// resourceVersion changed (so a malformed node is logged once per version), and publishes
+/// what changed: a lease event costs the nodes that changed, not a new lease set of every
+/// node (12 ms at 5,000 nodes, on every event).
 struct LeaseBuilder {
     keys: AnnotationKeys,
     enable_ipv4: bool,
     enable_ipv6: bool,
     own: String,
-    converted: HashMap<String, (Option<String>, Option<Lease>)>,
+    converted: HashMap<String, Converted>,
+    /// Counts the passes over the cache, to find the nodes a pass no longer saw.
+    pass: u64,
+    /// Whether the first complete set was published.
+    published: bool,
+}
+
+/// A node as last converted.
+struct Converted {
+    /// Its resourceVersion then.
+    rv: Option<String>,
+    /// Its lease (`None`: not managed by flannel, or malformed).
+    lease: Option<Lease>,
+    /// The last pass that saw it.
+    seen: u64,
 }
 
 impl LeaseBuilder {
@@ -912,6 +929,8 @@ impl LeaseBuilder {
             enable_ipv6,
             own,
             converted: HashMap::new(),
+            pass: 0,
+            published: false,
         }
     }
 
@@ -928,35 +947,60 @@ impl LeaseBuilder {
         }
     }
 
-    fn build(&mut self, nodes: &[Arc<Node>]) -> BTreeMap<LeaseId, Lease> {
-        let mut seen = HashSet::new();
-        let mut out = BTreeMap::new();
+    /// Publishes the lease set of `nodes` (the whole cache): the complete set the first
+    /// time, then the leases that changed since the last call.
+    fn publish(&mut self, nodes: &[Arc<Node>], publisher: &LeasePublisher) {
+        let changes = self.changes(nodes);
+        if self.published {
+            publisher.apply(changes);
+        } else {
+            self.published = true;
+            publisher.replace_all(
+                changes
+                    .into_iter()
+                    .filter_map(|(id, lease)| Some((id, lease?)))
+                    .collect(),
+            );
+        }
+    }
+
+    /// The leases of `nodes` that differ from the last call's: each node's lease now, or
+    /// `None` for a node that no longer has one (gone, no longer managed, malformed).
+    fn changes(&mut self, nodes: &[Arc<Node>]) -> Vec<(LeaseId, Option<Lease>)> {
+        self.pass = self.pass.wrapping_add(1);
+        let pass = self.pass;
+        let mut changes = Vec::new();
         for n in nodes {
             let name = node::node_name(n);
             if name.is_empty() || name == self.own {
                 continue;
             }
-            seen.insert(name.to_owned());
-            let rv = n.metadata.resource_version.clone();
-            let cached = self
-                .converted
-                .get(name)
-                .filter(|(v, _)| rv.is_some() && *v == rv)
-                .map(|(_, l)| l.clone());
-            let lease = match cached {
-                Some(l) => l,
-                None => {
-                    let l = self.convert(n);
-                    self.converted.insert(name.to_owned(), (rv, l.clone()));
-                    l
-                }
+            let rv = n.metadata.resource_version.as_deref();
+            if let Some(c) = self.converted.get_mut(name)
+                && rv.is_some()
+                && c.rv.as_deref() == rv
+            {
+                c.seen = pass;
+                continue;
+            }
+            let lease = self.convert(n);
+            let converted = Converted {
+                rv: rv.map(str::to_owned),
+                lease: lease.clone(),
+                seen: pass,
             };
-            if let Some(l) = lease {
-                out.insert(lease_id(name), l);
+            let before = self.converted.insert(name.to_owned(), converted);
+            if before.and_then(|c| c.lease) != lease {
+                changes.push((lease_id(name), lease));
             }
         }
-        self.converted.retain(|name, _| seen.contains(name));
-        out
+        self.converted.retain(|name, c| {
+            if c.seen != pass && c.lease.is_some() {
+                changes.push((lease_id(name), None));
+            }
+            c.seen == pass
+        });
+        changes
     }
 }
 
@@ -994,6 +1038,8 @@ mod tests {
     fn builder_excludes_own_unmanaged_and_malformed() {
         let keys = AnnotationKeys::new(DEFAULT_PREFIX).unwrap();
         let mut b = LeaseBuilder::new(keys, true, false, "own".into());
+        let (publisher, rx) = crate::subnet::lease_channel();
+        let a = |rv: &str, cidr: &str| node("a", rv, cidr, &[MANAGED, ("public-ip", "10.0.0.2")]);
         let nodes = vec![
             node(
                 "own",
@@ -1001,28 +1047,27 @@ mod tests {
                 "10.244.0.0/24",
                 &[MANAGED, ("public-ip", "10.0.0.1")],
             ),
-            node(
-                "a",
-                "2",
-                "10.244.1.0/24",
-                &[MANAGED, ("public-ip", "10.0.0.2")],
-            ),
+            a("2", "10.244.1.0/24"),
             node("b", "3", "10.244.2.0/24", &[("public-ip", "10.0.0.3")]),
             node("c", "4", "10.244.3.0/24", &[MANAGED, ("public-ip", "bad")]),
         ];
-        let set = b.build(&nodes);
-        assert_eq!(set.keys().collect::<Vec<_>>(), ["node/a"]);
-        assert_eq!(set["node/a"].subnet, Some("10.244.1.0/24".parse().unwrap()));
+        b.publish(&nodes, &publisher);
+        let set = rx.borrow().clone();
+        assert!(set.synced);
+        assert_eq!(set.leases.keys().collect::<Vec<_>>(), ["node/a"]);
+        assert_eq!(
+            set.leases["node/a"].subnet,
+            Some("10.244.1.0/24".parse().unwrap())
+        );
+
+        // Nothing changed: nothing published.
+        b.publish(&nodes, &publisher);
+        assert_eq!(rx.borrow().generation, set.generation);
 
         // A podCIDR change with a new resourceVersion is picked up; c fixed appears; a
-        // vanished node is forgotten.
+        // vanished node is forgotten. One snapshot for all of it.
         let nodes = vec![
-            node(
-                "a",
-                "5",
-                "10.244.9.0/24",
-                &[MANAGED, ("public-ip", "10.0.0.2")],
-            ),
+            a("5", "10.244.9.0/24"),
             node(
                 "c",
                 "6",
@@ -1030,9 +1075,78 @@ mod tests {
                 &[MANAGED, ("public-ip", "10.0.0.4")],
             ),
         ];
-        let set = b.build(&nodes);
-        assert_eq!(set.keys().collect::<Vec<_>>(), ["node/a", "node/c"]);
-        assert_eq!(set["node/a"].subnet, Some("10.244.9.0/24".parse().unwrap()));
+        b.publish(&nodes, &publisher);
+        let next = rx.borrow().clone();
+        assert_eq!(next.generation, set.generation + 1);
+        assert_eq!(next.leases.keys().collect::<Vec<_>>(), ["node/a", "node/c"]);
+        assert_eq!(
+            next.leases["node/a"].subnet,
+            Some("10.244.9.0/24".parse().unwrap())
+        );
         assert_eq!(b.converted.len(), 2);
+
+        // A new resourceVersion with the same lease (a status update that got through):
+        // nothing published.
+        let c = node(
+            "c",
+            "6",
+            "10.244.3.0/24",
+            &[MANAGED, ("public-ip", "10.0.0.4")],
+        );
+        b.publish(&[a("7", "10.244.9.0/24"), c], &publisher);
+        assert_eq!(rx.borrow().generation, next.generation);
+        // c no longer managed, and a gone: both leases removed, in one snapshot.
+        let c = node("c", "8", "10.244.3.0/24", &[("public-ip", "10.0.0.4")]);
+        b.publish(&[c], &publisher);
+        let last = rx.borrow().clone();
+        assert_eq!(last.generation, next.generation + 1);
+        assert!(last.leases.is_empty(), "{:?}", last.leases);
+        assert_eq!(b.converted.len(), 1, "c is still there, without a lease");
+    }
+
+    /// Whatever the sequence of node sets, what is published equals converting every node
+    /// of the last set from scratch.
+    #[test]
+    fn published_changes_add_up_to_the_whole_set() {
+        let keys = AnnotationKeys::new(DEFAULT_PREFIX).unwrap();
+        let mut b = LeaseBuilder::new(keys.clone(), true, false, "own".into());
+        let (publisher, rx) = crate::subnet::lease_channel();
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        // The cluster: each node's object changes only with a new resourceVersion.
+        let mut world: BTreeMap<String, Arc<Node>> = BTreeMap::new();
+        let mut rv = 0;
+        for round in 0..300 {
+            for _ in 0..next(6) {
+                let name = format!("n{}", next(16));
+                if next(4) == 0 {
+                    world.remove(&name);
+                    continue;
+                }
+                rv += 1;
+                let ip = ["10.0.0.2", "10.0.0.3", "bad"][next(3) as usize];
+                let cidr = format!("10.244.{}.0/24", next(4));
+                let mut ann = vec![("public-ip", ip)];
+                if next(5) > 0 {
+                    ann.push(MANAGED);
+                }
+                world.insert(name.clone(), node(&name, &rv.to_string(), &cidr, &ann));
+            }
+            let unique: Vec<Arc<Node>> = world.values().cloned().collect();
+            b.publish(&unique, &publisher);
+            let mut fresh = LeaseBuilder::new(keys.clone(), true, false, "own".into());
+            let (whole, whole_rx) = crate::subnet::lease_channel();
+            fresh.publish(&unique, &whole);
+            assert_eq!(
+                *rx.borrow().leases,
+                *whole_rx.borrow().leases,
+                "round {round}"
+            );
+        }
     }
 }
