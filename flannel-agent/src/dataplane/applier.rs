@@ -147,6 +147,11 @@ pub trait Applier: Send {
         false
     }
 
+    /// Tells the applier that what it owns may have been changed by something else (a
+    /// notification of the kernel's, a periodic resync): its next sync reads its state instead
+    /// of taking it to be what its last sync left.
+    fn invalidate(&mut self) {}
+
     /// Makes the applier's state match `desired` for node `local`. In
     /// [`SyncMode::AddOnly`] nothing may be removed.
     fn sync<'a>(

@@ -11,6 +11,10 @@
 //!   a stray route with the flannel protocol goes away).
 //!
 //! A reconcile is: ensure devices → read facts → compute [`desired`] → every applier syncs.
+//! An applier reads what it owns unless the reconcile is for a new lease snapshot alone: then
+//! it diffs against what its last complete sync left (the kernel applier skips listing its
+//! 15,000 entries at 5,000 peers). Kernel notifications that concern the dataplane, the
+//! periodic resync and failures make the next reconcile read again.
 //! Failures are logged and retried with exponential back-off; nothing is fatal. On
 //! cancellation the loop ends and leaves every device, route, neighbour and FDB entry in place
 //! (a restarted agent adopts them without a single change).
@@ -403,10 +407,19 @@ impl Reconciler {
         }
     }
 
-    /// One reconcile against `snapshot` (the loop in [`run`](Self::run) calls this; tests
-    /// and the daemon may call it directly).
+    /// One reconcile against `snapshot` that reads what every applier owns (the loop in
+    /// [`run`](Self::run) reconciles so too, but for a new lease snapshot alone diffs against
+    /// what the last reconcile left; tests and the daemon may call it directly).
     pub async fn reconcile_once(&mut self, snapshot: &LeaseSnapshot) -> ReconcileOutcome {
+        self.invalidate_appliers();
         self.reconcile(snapshot, None).await.0
+    }
+
+    /// Has every applier read its state at its next sync ([`Applier::invalidate`]).
+    fn invalidate_appliers(&mut self) {
+        for applier in &mut self.appliers {
+            applier.invalidate();
+        }
     }
 
     /// [`Reconciler::reconcile_once`]; with `newer`, a lease snapshot published while a slow
@@ -615,9 +628,17 @@ impl Reconciler {
         let mut recheck_at: Option<Instant> = None;
         let mut recheck_backoff = config.backoff_initial;
         let mut unreachable = 0;
+        // Whether the next reconcile must read what the appliers own: something else may
+        // have changed it (a kernel notification, or the periodic resync that catches what no
+        // notification tells of). A reconcile for a new lease snapshot alone diffs against
+        // what the last one left.
+        let mut full = true;
         loop {
             if pending && retry_at.is_none_or(|t| t <= Instant::now()) {
                 pending = false;
+                if std::mem::take(&mut full) {
+                    self.invalidate_appliers();
+                }
                 let snapshot = snapshots.borrow_and_update().clone();
                 let (outcome, newer_seen) = self.reconcile(&snapshot, Some(&mut snapshots)).await;
                 next_resync = Instant::now() + config.resync_interval;
@@ -666,6 +687,7 @@ impl Reconciler {
                             tracing::trace!(?event, "the reconciler's own deletion");
                         } else if self.concerns(&event) {
                             pending = true;
+                            full = true;
                             if matches!(
                                 event,
                                 LinkEvent::RouteRemoved { .. } | LinkEvent::NeighbourRemoved { .. }
@@ -693,6 +715,7 @@ impl Reconciler {
                 },
                 _ = sleep_until(next_resync) => {
                     pending = true;
+                    full = true;
                     // Re-armed here too: while a retry waits, the deadline must move on.
                     next_resync = Instant::now() + config.resync_interval;
                 }
@@ -700,6 +723,7 @@ impl Reconciler {
                 () = recheck => {
                     recheck_at = None;
                     pending = true;
+                    full = true;
                 }
             }
         }
@@ -936,6 +960,105 @@ mod tests {
         events.send(removed(ours)).await.unwrap();
         events.send(removed(ours)).await.unwrap();
         assert_eq!(settled(3).await, 3, "the second notification only");
+        stop.send(()).unwrap();
+        task.await.unwrap();
+    }
+
+    /// Counts its syncs and the invalidations before them.
+    struct Counting {
+        syncs: Arc<std::sync::atomic::AtomicUsize>,
+        invalidations: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Applier for Counting {
+        fn name(&self) -> &'static str {
+            "counting"
+        }
+
+        fn invalidate(&mut self) {
+            self.invalidations
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+
+        fn sync<'a>(
+            &'a mut self,
+            _local: &'a Local,
+            _desired: &'a Desired,
+            _mode: SyncMode,
+        ) -> BoxFuture<'a, ApplyReport> {
+            self.syncs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Box::pin(async { ApplyReport::default() })
+        }
+    }
+
+    /// The first reconcile and one for a kernel notification read what the appliers own
+    /// (they are invalidated before it); one for a new lease snapshot alone does not.
+    #[tokio::test]
+    async fn only_a_new_lease_snapshot_alone_trusts_what_the_last_sync_left() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        let syncs = Arc::new(AtomicUsize::new(0));
+        let invalidations = Arc::new(AtomicUsize::new(0));
+        let config = ReconcilerConfig {
+            manage_devices: false,
+            resync_interval: Duration::from_secs(3600),
+            ..ReconcilerConfig::default()
+        };
+        let reconciler = Reconciler::with_appliers(
+            Netlink::new().unwrap(),
+            local(vxlan(false), IpStack::V4),
+            config,
+            vec![Box::new(Counting {
+                syncs: syncs.clone(),
+                invalidations: invalidations.clone(),
+            })],
+        );
+        let (snapshots, rx) = watch::channel(snapshot(vec![]));
+        let (events, events_rx) = tokio::sync::mpsc::channel::<LinkEvent>(8);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(reconciler.run(
+            rx,
+            tokio_stream::wrappers::ReceiverStream::new(events_rx),
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        let counts = |n: usize| {
+            let (syncs, invalidations) = (syncs.clone(), invalidations.clone());
+            async move {
+                for _ in 0..200 {
+                    if syncs.load(Ordering::SeqCst) >= n {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                (
+                    syncs.load(Ordering::SeqCst),
+                    invalidations.load(Ordering::SeqCst),
+                )
+            }
+        };
+        assert_eq!(counts(1).await, (1, 1), "the first reconcile reads");
+        let mut next = snapshot(vec![(
+            "10.244.2.0-24",
+            vx_lease("10.244.2.0-24", [192, 168, 10, 2], mac(2)),
+        )]);
+        next.generation = 2;
+        snapshots.send(next).unwrap();
+        assert_eq!(counts(2).await, (2, 1), "a lease event alone does not");
+        events
+            .send(LinkEvent::RouteRemoved {
+                protocol: RTPROT_FLANNEL,
+                entry: None,
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            counts(3).await,
+            (3, 2),
+            "a route removed by someone else does"
+        );
         stop.send(()).unwrap();
         task.await.unwrap();
     }
