@@ -237,6 +237,11 @@ impl MockApiServer {
         Some(rv)
     }
 
+    /// The names of the stored Nodes.
+    pub fn node_names(&self) -> Vec<String> {
+        self.shared.lock().nodes.keys().cloned().collect()
+    }
+
     /// The stored Node.
     pub fn node(&self, name: &str) -> Option<Value> {
         self.shared.lock().nodes.get(name).cloned()

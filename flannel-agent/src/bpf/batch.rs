@@ -1,11 +1,12 @@
-//! Reading every key of a hash map, and writing many entries, in batches
+//! Reading every entry of a map, and writing many entries, in batches
 //! (`BPF_MAP_LOOKUP_BATCH`, `BPF_MAP_UPDATE_BATCH`, Linux 5.6): one syscall per few thousand
 //! entries instead of one per key (`BPF_MAP_GET_NEXT_KEY`, `BPF_MAP_UPDATE_ELEM`, what aya's
 //! maps do), which is most of what a read of conntrack into large flow tables costs
-//! ([`super::seed`]). aya 0.14 has no batch API, so these are the syscalls themselves. Every
-//! kernel the fast path loads on (>= 5.15) has them for hash and LRU hash maps, the only maps
-//! they are used on: there is no one-entry-at-a-time fallback, and a kernel or map without
-//! them is an error ([`io::ErrorKind::Unsupported`]).
+//! ([`super::seed`]) and what a read of the route and node maps cost. aya 0.14 has no batch
+//! API, so these are the syscalls themselves. Every kernel the fast path loads on (>= 5.15) has
+//! them for hash, LRU hash and LPM trie maps, the only maps they are used on: there is no
+//! one-entry-at-a-time fallback, and a kernel or map without them is an error
+//! ([`io::ErrorKind::Unsupported`]).
 
 use std::{
     io,
@@ -45,25 +46,17 @@ struct BatchAttr {
     flags: u64,
 }
 
-/// The data of `map` if it is a hash or LRU hash map, the maps these operations serve.
-pub fn hash_data(map: &aya::maps::Map) -> io::Result<&MapData> {
+/// The data of `map` if it is a map these operations serve: a hash or LRU hash map, or an
+/// LPM trie (the route maps; the kernel's generic batch lookup keys its batches by the last
+/// key read, Linux 5.6).
+pub fn batch_data(map: &aya::maps::Map) -> io::Result<&MapData> {
     match map {
-        aya::maps::Map::HashMap(data) | aya::maps::Map::LruHashMap(data) => Ok(data),
+        aya::maps::Map::HashMap(data)
+        | aya::maps::Map::LruHashMap(data)
+        | aya::maps::Map::LpmTrie(data) => Ok(data),
         _ => Err(io::Error::new(
             io::ErrorKind::Unsupported,
-            "not a hash or LRU hash map",
-        )),
-    }
-}
-
-/// The data of `map` if it is an LPM trie (the route maps), which the kernel's generic batch
-/// lookup serves, using the last key read as the batch token (Linux 5.6).
-pub fn trie_data(map: &aya::maps::Map) -> io::Result<&MapData> {
-    match map {
-        aya::maps::Map::LpmTrie(data) => Ok(data),
-        _ => Err(io::Error::new(
-            io::ErrorKind::Unsupported,
-            "not an LPM trie",
+            "not a hash, LRU hash or LPM trie map",
         )),
     }
 }

@@ -14,7 +14,7 @@ use std::fmt;
 use std::time::Duration;
 
 use super::fastpath::CurrentRoutes;
-use super::remote::{DesiredEntries, diff};
+use super::remote::{DesiredEntries, FamilyRemote, diff};
 use super::{BpfError, FastPath, Remote, Remote6};
 
 /// How often the daemon compares the maps with what was written, at most: the next
@@ -22,49 +22,58 @@ use super::{BpfError, FastPath, Remote, Remote6};
 /// 5,000 remote nodes is a few milliseconds.
 pub const CHECK_PERIOD: Duration = Duration::from_secs(2);
 
-/// The route and node entries the last successful syncs wrote, per family (`None` before
-/// the first, and while a sync is under way: one that fails leaves `None`).
+/// The route and node entries the last successful syncs wrote, per family.
 #[derive(Default)]
 pub(super) struct Synced {
-    pub(super) v4: Option<DesiredEntries<Remote>>,
-    pub(super) v6: Option<DesiredEntries<Remote6>>,
-    /// A comparison found the IPv4 maps changed since: the next sync reads them.
-    pub(super) changed_v4: bool,
-    /// The same for the IPv6 maps.
-    pub(super) changed_v6: bool,
+    pub(super) v4: Written<Remote>,
+    pub(super) v6: Written<Remote6>,
 }
 
-impl Synced {
+/// What the last successful sync of one family wrote.
+pub(super) struct Written<R: FamilyRemote> {
+    /// The entries (`None` before the first sync, and while one is under way: one that fails
+    /// leaves `None`).
+    pub(super) entries: Option<DesiredEntries<R>>,
+    /// A comparison found the maps changed since: the next sync reads them.
+    pub(super) changed: bool,
+}
+
+impl<R: FamilyRemote> Default for Written<R> {
+    fn default() -> Self {
+        Self {
+            entries: None,
+            changed: false,
+        }
+    }
+}
+
+impl<R: FamilyRemote> Written<R> {
     /// What the last sync wrote, for the next one to diff against, taken out (`None`: read the
     /// maps instead, as they may hold something else).
-    pub(super) fn take_v4(&mut self) -> Option<DesiredEntries<Remote>> {
-        let written = self.v4.take();
-        if std::mem::take(&mut self.changed_v4) {
+    pub(super) fn take(&mut self) -> Option<DesiredEntries<R>> {
+        let written = self.entries.take();
+        if std::mem::take(&mut self.changed) {
             None
         } else {
             written
         }
     }
 
-    /// [`Synced::take_v4`] for IPv6.
-    pub(super) fn take_v6(&mut self) -> Option<DesiredEntries<Remote6>> {
-        let written = self.v6.take();
-        if std::mem::take(&mut self.changed_v6) {
-            None
-        } else {
-            written
-        }
+    /// Route entries written (`-` before the first sync).
+    fn routes(&self) -> String {
+        self.entries
+            .as_ref()
+            .map_or("-".to_owned(), |w| w.routes.len().to_string())
     }
 }
 
 impl fmt::Debug for Synced {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let routes = |w: Option<usize>| w.map_or("-".to_owned(), |n| n.to_string());
         write!(
             f,
             "Synced {{ routes4: {}, routes6: {} }}",
-            routes(self.v4.as_ref().map(|w| w.routes.len())),
-            routes(self.v6.as_ref().map(|w| w.routes.len()))
+            self.v4.routes(),
+            self.v6.routes()
         )
     }
 }
@@ -115,21 +124,21 @@ impl FastPath {
     /// maps read by its next sync, which writes them back.
     pub fn drift(&mut self) -> Result<Drift, BpfError> {
         let mut v4 = Drift::default();
-        if let Some(written) = &self.synced.v4 {
+        if let Some(written) = &self.synced.v4.entries {
             let CurrentRoutes { routes, invalid } = self.current_routes()?;
             v4.count(&routes, &written.routes);
             v4.unexpected += invalid.len();
             v4.count(&self.current_nodes()?, &written.nodes);
         }
         let mut v6 = Drift::default();
-        if let Some(written) = &self.synced.v6 {
+        if let Some(written) = &self.synced.v6.entries {
             let (routes, invalid) = self.current_routes6()?;
             v6.count(&routes, &written.routes);
             v6.unexpected += invalid.len();
             v6.count(&self.current_nodes6()?, &written.nodes);
         }
-        self.synced.changed_v4 |= !v4.is_empty();
-        self.synced.changed_v6 |= !v6.is_empty();
+        self.synced.v4.changed |= !v4.is_empty();
+        self.synced.v6.changed |= !v6.is_empty();
         Ok(Drift {
             missing: v4.missing + v6.missing,
             changed: v4.changed + v6.changed,

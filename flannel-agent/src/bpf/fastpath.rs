@@ -450,7 +450,7 @@ impl FastPath {
     pub fn sync(&mut self, desired: &BTreeMap<Ipv4Net, Remote>) -> Result<SyncStats, BpfError> {
         let DesiredEntries { routes, nodes } = desired_entries(desired)?;
 
-        let (current_nodes, current_routes, invalid_keys) = match self.synced.take_v4() {
+        let (current_nodes, current_routes, invalid_keys) = match self.synced.v4.take() {
             Some(written) => (written.nodes, written.routes, Vec::new()),
             None => {
                 let CurrentRoutes { routes, invalid } = self.current_routes()?;
@@ -512,7 +512,7 @@ impl FastPath {
         if changed {
             self.retire_memos()?;
         }
-        self.synced.v4 = Some(DesiredEntries { routes, nodes });
+        self.synced.v4.entries = Some(DesiredEntries { routes, nodes });
         Ok(stats)
     }
 
@@ -1066,7 +1066,7 @@ impl FastPath {
     pub(super) fn current_routes(&self) -> Result<CurrentRoutes, BpfError> {
         let mut routes = BTreeMap::new();
         let mut invalid = Vec::new();
-        for (key, entry) in self.read_all::<Key<[u8; 4]>, RemoteEntry>(names::ROUTES4, true)? {
+        for (key, entry) in self.read_all::<Key<[u8; 4]>, RemoteEntry>(names::ROUTES4)? {
             let prefix = key.prefix_len();
             match u8::try_from(prefix)
                 .ok()
@@ -1083,26 +1083,21 @@ impl FastPath {
 
     pub(super) fn current_nodes(&self) -> Result<BTreeMap<Ipv4Addr, NodeEntry>, BpfError> {
         Ok(self
-            .read_all::<[u8; 4], NodeEntry>(names::NODES4, false)?
+            .read_all::<[u8; 4], NodeEntry>(names::NODES4)?
             .into_iter()
             .map(|(addr, entry)| (Ipv4Addr::from(addr), entry))
             .collect())
     }
 
-    /// Every entry of the route map (`trie`) or node map `name`, read in batches: a few
-    /// syscalls for thousands of entries, where reading them one by one took two each.
+    /// Every entry of the route or node map `name`, read in batches: a few syscalls for
+    /// thousands of entries, where reading them one by one took two each.
     pub(super) fn read_all<K: aya::Pod, V: aya::Pod>(
         &self,
         name: &'static str,
-        trie: bool,
     ) -> Result<Vec<(K, V)>, BpfError> {
         let map = self.ebpf.map(name).ok_or_else(|| missing(name))?;
-        let data = if trie {
-            batch::trie_data(map)
-        } else {
-            batch::hash_data(map)
-        };
-        data.and_then(batch::entries::<K, V>)
+        batch::batch_data(map)
+            .and_then(batch::entries::<K, V>)
             .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))
     }
 

@@ -646,7 +646,10 @@ fn carry<V: Stamped>(
     new: &aya::maps::Map,
     how: Carry,
 ) -> Result<usize, aya::maps::MapError> {
-    let (old_data, new_data) = (super::batch::hash_data(old)?, super::batch::hash_data(new)?);
+    let (old_data, new_data) = (
+        super::batch::batch_data(old)?,
+        super::batch::batch_data(new)?,
+    );
     let current: BpfHashMap<&MapData, NatKey, V> = BpfHashMap::try_from(new)?;
     let mut carried = 0;
     super::batch::for_each_batch::<NatKey, V>(old_data, |entries| {

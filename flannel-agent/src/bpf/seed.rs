@@ -546,7 +546,7 @@ impl FastPath {
         name: &'static str,
     ) -> Result<HashSet<K>, BpfError> {
         let map = self.ebpf().map(name).ok_or_else(|| missing(name))?;
-        super::batch::hash_data(map)
+        super::batch::batch_data(map)
             .and_then(|data| super::batch::keys::<K>(data, size_of::<u32>()))
             .map(|keys| keys.into_iter().collect())
             .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))
@@ -556,7 +556,7 @@ impl FastPath {
     /// ([`super::batch::update`]).
     fn write_all<K: aya::Pod>(&mut self, name: &'static str, keys: &[K]) -> Result<(), BpfError> {
         let map = self.ebpf().map(name).ok_or_else(|| missing(name))?;
-        super::batch::hash_data(map)
+        super::batch::batch_data(map)
             .and_then(|data| super::batch::update(data, keys, &vec![1u32; keys.len()], BPF_ANY))
             .map_err(|e| BpfError::map(name, aya::maps::MapError::from(e)))
     }

@@ -239,7 +239,7 @@ impl FastPath {
     /// (the IPv6 twin of [`FastPath::sync`]).
     pub fn sync6(&mut self, desired: &BTreeMap<Ipv6Net, Remote6>) -> Result<SyncStats, BpfError> {
         let DesiredEntries { routes, nodes } = desired_entries(desired)?;
-        let (current_nodes, current_routes, invalid) = match self.synced.take_v6() {
+        let (current_nodes, current_routes, invalid) = match self.synced.v6.take() {
             Some(written) => (written.nodes, written.routes, Vec::new()),
             None => {
                 let (routes, invalid) = self.current_routes6()?;
@@ -306,7 +306,7 @@ impl FastPath {
             // The IPv6 memos rest on these maps as the IPv4 ones on theirs.
             self.retire_memos()?;
         }
-        self.synced.v6 = Some(DesiredEntries { routes, nodes });
+        self.synced.v6.entries = Some(DesiredEntries { routes, nodes });
         Ok(stats)
     }
 
@@ -322,7 +322,7 @@ impl FastPath {
     pub(super) fn current_routes6(&self) -> Result<CurrentRoutes6, BpfError> {
         let mut routes = BTreeMap::new();
         let mut invalid = Vec::new();
-        for (key, entry) in self.read_all::<Key<[u8; 16]>, RemoteEntry6>(ROUTES6, true)? {
+        for (key, entry) in self.read_all::<Key<[u8; 16]>, RemoteEntry6>(ROUTES6)? {
             match u8::try_from(key.prefix_len())
                 .ok()
                 .and_then(|p| Ipv6Net::new(Ipv6Addr::from(key.data()), p).ok())
@@ -338,7 +338,7 @@ impl FastPath {
 
     pub(super) fn current_nodes6(&self) -> Result<BTreeMap<Ipv6Addr, NodeEntry>, BpfError> {
         Ok(self
-            .read_all::<[u8; 16], NodeEntry>(NODES6, false)?
+            .read_all::<[u8; 16], NodeEntry>(NODES6)?
             .into_iter()
             .map(|(addr, entry)| (Ipv6Addr::from(addr), entry))
             .collect())

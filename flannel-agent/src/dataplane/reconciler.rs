@@ -683,9 +683,8 @@ impl Reconciler {
                 },
                 trigger = triggers.next(), if links_open => match trigger.map(Into::into) {
                     Some(Trigger::Kernel(event)) => {
-                        if self.concerns(&event) && self.own_removals.is_own(&event) {
-                            tracing::trace!(?event, "the reconciler's own deletion");
-                        } else if self.concerns(&event) {
+                        // The notification of one of the appliers' own deletions is not.
+                        if self.concerns(&event) && !self.own_removals.is_own(&event) {
                             pending = true;
                             full = true;
                             if matches!(
@@ -735,7 +734,10 @@ impl Reconciler {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Mutex};
+    use std::sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    };
 
     use futures::future::BoxFuture;
     use tokio::sync::Notify;
@@ -862,15 +864,22 @@ mod tests {
         }
     }
 
-    /// An applier that reports having deleted `removed` on every sync, and counts its syncs.
-    struct Deleter {
+    /// An applier that reports having deleted `removed` on every sync, and counts its syncs
+    /// and the invalidations before them.
+    #[derive(Default)]
+    struct Counting {
         removed: Vec<crate::netlink::Removal>,
-        syncs: Arc<std::sync::atomic::AtomicUsize>,
+        syncs: Arc<AtomicUsize>,
+        invalidations: Arc<AtomicUsize>,
     }
 
-    impl Applier for Deleter {
+    impl Applier for Counting {
         fn name(&self) -> &'static str {
-            "deleter"
+            "counting"
+        }
+
+        fn invalidate(&mut self) {
+            self.invalidations.fetch_add(1, Ordering::SeqCst);
         }
 
         fn sync<'a>(
@@ -879,7 +888,7 @@ mod tests {
             _desired: &'a Desired,
             _mode: SyncMode,
         ) -> BoxFuture<'a, ApplyReport> {
-            self.syncs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.syncs.fetch_add(1, Ordering::SeqCst);
             let removed = self.removed.clone();
             Box::pin(async move {
                 ApplyReport {
@@ -890,164 +899,125 @@ mod tests {
         }
     }
 
+    /// [`Reconciler::run`] with a [`Counting`] applier (no devices, no resync within a test),
+    /// fed lease snapshots and kernel events by the test.
+    struct Running {
+        snapshots: watch::Sender<LeaseSnapshot>,
+        events: tokio::sync::mpsc::Sender<LinkEvent>,
+        stop: tokio::sync::oneshot::Sender<()>,
+        task: tokio::task::JoinHandle<()>,
+        syncs: Arc<AtomicUsize>,
+        invalidations: Arc<AtomicUsize>,
+    }
+
+    impl Running {
+        fn start(applier: Counting) -> Running {
+            let (syncs, invalidations) = (applier.syncs.clone(), applier.invalidations.clone());
+            let config = ReconcilerConfig {
+                manage_devices: false,
+                resync_interval: Duration::from_secs(3600),
+                ..ReconcilerConfig::default()
+            };
+            let reconciler = Reconciler::with_appliers(
+                Netlink::new().unwrap(),
+                local(vxlan(false), IpStack::V4),
+                config,
+                vec![Box::new(applier)],
+            );
+            let (snapshots, rx) = watch::channel(snapshot(vec![]));
+            let (events, events_rx) = tokio::sync::mpsc::channel::<LinkEvent>(8);
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let task = tokio::spawn(reconciler.run(
+                rx,
+                tokio_stream::wrappers::ReceiverStream::new(events_rx),
+                async {
+                    let _ = stopped.await;
+                },
+            ));
+            Running {
+                snapshots,
+                events,
+                stop,
+                task,
+                syncs,
+                invalidations,
+            }
+        }
+
+        /// Syncs and invalidations once at least `n` syncs ran and the loop had time for one
+        /// more, if one were coming.
+        async fn settled(&self, n: usize) -> (usize, usize) {
+            for _ in 0..200 {
+                if self.syncs.load(Ordering::SeqCst) >= n {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            (
+                self.syncs.load(Ordering::SeqCst),
+                self.invalidations.load(Ordering::SeqCst),
+            )
+        }
+
+        async fn stop(self) {
+            self.stop.send(()).unwrap();
+            self.task.await.unwrap();
+        }
+    }
+
+    fn removed(entry: crate::netlink::Removal) -> LinkEvent {
+        LinkEvent::RouteRemoved {
+            protocol: RTPROT_FLANNEL,
+            entry: Some(entry),
+        }
+    }
+
+    fn route_removal(dst: &str) -> crate::netlink::Removal {
+        crate::netlink::Removal::Route {
+            table: 254,
+            dst: dst.parse().unwrap(),
+        }
+    }
+
     /// The notification of a route the reconciler deleted itself brings no reconcile; the
     /// same notification once more (someone else deleting it again), and another entry's,
     /// each bring one.
     #[tokio::test]
     async fn the_reconcilers_own_deletions_bring_no_reconcile() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-
-        use crate::netlink::Removal;
-
-        let ours = Removal::Route {
-            table: 254,
-            dst: "10.244.9.0/24".parse().unwrap(),
-        };
-        let removed = |entry: Removal| LinkEvent::RouteRemoved {
-            protocol: RTPROT_FLANNEL,
-            entry: Some(entry),
-        };
-        let syncs = Arc::new(AtomicUsize::new(0));
-        let config = ReconcilerConfig {
-            manage_devices: false,
-            resync_interval: Duration::from_secs(3600),
-            ..ReconcilerConfig::default()
-        };
-        let reconciler = Reconciler::with_appliers(
-            Netlink::new().unwrap(),
-            local(vxlan(false), IpStack::V4),
-            config,
-            vec![Box::new(Deleter {
-                removed: vec![ours],
-                syncs: syncs.clone(),
-            })],
-        );
-        let (_snapshots, rx) = watch::channel(snapshot(vec![]));
-        let (events, events_rx) = tokio::sync::mpsc::channel::<LinkEvent>(8);
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(reconciler.run(
-            rx,
-            tokio_stream::wrappers::ReceiverStream::new(events_rx),
-            async {
-                let _ = stopped.await;
-            },
-        ));
-        let settled = |n: usize| {
-            let syncs = syncs.clone();
-            async move {
-                for _ in 0..200 {
-                    if syncs.load(Ordering::SeqCst) >= n {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                // Long enough for one more reconcile to show, if one were coming.
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                syncs.load(Ordering::SeqCst)
-            }
-        };
-        assert_eq!(settled(1).await, 1, "the first reconcile");
+        let ours = route_removal("10.244.9.0/24");
+        let r = Running::start(Counting {
+            removed: vec![ours],
+            ..Counting::default()
+        });
+        assert_eq!(r.settled(1).await.0, 1, "the first reconcile");
         // Ours, then another entry's: one reconcile, for the other.
-        events.send(removed(ours)).await.unwrap();
-        let other = Removal::Route {
-            table: 254,
-            dst: "10.244.8.0/24".parse().unwrap(),
-        };
-        events.send(removed(other)).await.unwrap();
-        assert_eq!(settled(2).await, 2, "only the other entry's removal");
+        r.events.send(removed(ours)).await.unwrap();
+        let other = route_removal("10.244.8.0/24");
+        r.events.send(removed(other)).await.unwrap();
+        assert_eq!(r.settled(2).await.0, 2, "only the other entry's removal");
         // That reconcile deleted ours again: its notification is ours too, a second one is
         // not (something else removed what the reconciler had not deleted again).
-        events.send(removed(ours)).await.unwrap();
-        events.send(removed(ours)).await.unwrap();
-        assert_eq!(settled(3).await, 3, "the second notification only");
-        stop.send(()).unwrap();
-        task.await.unwrap();
-    }
-
-    /// Counts its syncs and the invalidations before them.
-    struct Counting {
-        syncs: Arc<std::sync::atomic::AtomicUsize>,
-        invalidations: Arc<std::sync::atomic::AtomicUsize>,
-    }
-
-    impl Applier for Counting {
-        fn name(&self) -> &'static str {
-            "counting"
-        }
-
-        fn invalidate(&mut self) {
-            self.invalidations
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        }
-
-        fn sync<'a>(
-            &'a mut self,
-            _local: &'a Local,
-            _desired: &'a Desired,
-            _mode: SyncMode,
-        ) -> BoxFuture<'a, ApplyReport> {
-            self.syncs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            Box::pin(async { ApplyReport::default() })
-        }
+        r.events.send(removed(ours)).await.unwrap();
+        r.events.send(removed(ours)).await.unwrap();
+        assert_eq!(r.settled(3).await.0, 3, "the second notification only");
+        r.stop().await;
     }
 
     /// The first reconcile and one for a kernel notification read what the appliers own
     /// (they are invalidated before it); one for a new lease snapshot alone does not.
     #[tokio::test]
     async fn only_a_new_lease_snapshot_alone_trusts_what_the_last_sync_left() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-
-        let syncs = Arc::new(AtomicUsize::new(0));
-        let invalidations = Arc::new(AtomicUsize::new(0));
-        let config = ReconcilerConfig {
-            manage_devices: false,
-            resync_interval: Duration::from_secs(3600),
-            ..ReconcilerConfig::default()
-        };
-        let reconciler = Reconciler::with_appliers(
-            Netlink::new().unwrap(),
-            local(vxlan(false), IpStack::V4),
-            config,
-            vec![Box::new(Counting {
-                syncs: syncs.clone(),
-                invalidations: invalidations.clone(),
-            })],
-        );
-        let (snapshots, rx) = watch::channel(snapshot(vec![]));
-        let (events, events_rx) = tokio::sync::mpsc::channel::<LinkEvent>(8);
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(reconciler.run(
-            rx,
-            tokio_stream::wrappers::ReceiverStream::new(events_rx),
-            async {
-                let _ = stopped.await;
-            },
-        ));
-        let counts = |n: usize| {
-            let (syncs, invalidations) = (syncs.clone(), invalidations.clone());
-            async move {
-                for _ in 0..200 {
-                    if syncs.load(Ordering::SeqCst) >= n {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                (
-                    syncs.load(Ordering::SeqCst),
-                    invalidations.load(Ordering::SeqCst),
-                )
-            }
-        };
-        assert_eq!(counts(1).await, (1, 1), "the first reconcile reads");
+        let r = Running::start(Counting::default());
+        assert_eq!(r.settled(1).await, (1, 1), "the first reconcile reads");
         let mut next = snapshot(vec![(
             "10.244.2.0-24",
             vx_lease("10.244.2.0-24", [192, 168, 10, 2], mac(2)),
         )]);
         next.generation = 2;
-        snapshots.send(next).unwrap();
-        assert_eq!(counts(2).await, (2, 1), "a lease event alone does not");
-        events
+        r.snapshots.send(next).unwrap();
+        assert_eq!(r.settled(2).await, (2, 1), "a lease event alone does not");
+        r.events
             .send(LinkEvent::RouteRemoved {
                 protocol: RTPROT_FLANNEL,
                 entry: None,
@@ -1055,12 +1025,11 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(
-            counts(3).await,
+            r.settled(3).await,
             (3, 2),
             "a route removed by someone else does"
         );
-        stop.send(()).unwrap();
-        task.await.unwrap();
+        r.stop().await;
     }
 
     #[tokio::test]

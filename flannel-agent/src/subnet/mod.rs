@@ -73,16 +73,19 @@ impl LeasePublisher {
         });
     }
 
-    /// Applies `changes` (a lease by id, `None` to remove it) in one snapshot. Publishes only
-    /// if one of them changes what is known.
+    /// Applies `changes` (a lease by id, `None` to remove it) in one snapshot, which is then
+    /// complete (`synced`): the first call's changes are the whole set. Publishes only if
+    /// that makes a difference.
     pub fn apply(&self, changes: Vec<(LeaseId, Option<Lease>)>) {
         self.tx.send_if_modified(|snap| {
-            if changes
-                .iter()
-                .all(|(id, lease)| snap.leases.get(id) == lease.as_ref())
+            if snap.synced
+                && changes
+                    .iter()
+                    .all(|(id, lease)| snap.leases.get(id) == lease.as_ref())
             {
                 return false;
             }
+            snap.synced = true;
             let leases = Arc::make_mut(&mut snap.leases);
             for (id, lease) in changes {
                 match lease {

@@ -77,7 +77,8 @@ pub struct ControlResult {
     pub store: String,
     /// Seconds to write them to etcd (or create the Nodes).
     pub write_seconds: f64,
-    /// Keys found under `<prefix>/subnets/` afterwards (kube: the Nodes created).
+    /// Keys found under `<prefix>/subnets/` afterwards (kube: the remote Nodes the API server
+    /// holds).
     pub keys_in_etcd: i64,
     /// Seconds from agent start until its subnet.env existed (config, lease listing and
     /// acquisition, devices, rules).
@@ -241,26 +242,16 @@ pub fn run(
                      ms (p50 / p95 / max), the agent's reconcile {} ms, of it eBPF {} ms",
                     result.lease_seconds.unwrap_or(f64::NAN),
                     result.converge_seconds.unwrap_or(f64::NAN),
-                    result
-                        .map_seconds
-                        .map_or_else(|| "-".to_owned(), |s| format!("{s:.2} s")),
+                    or_dash(result.map_seconds.map(|s| format!("{s:.2} s"))),
                     result.peak_rss_kib.unwrap_or(0),
                     result.kernel_writes,
                     result.writing_reconciles,
                     result.reconcile_seconds,
                     applier_text(&result.applier_seconds),
-                    result
-                        .event_add_ms
-                        .map_or_else(|| "-".to_owned(), |l| l.to_string()),
-                    result
-                        .event_delete_ms
-                        .map_or_else(|| "-".to_owned(), |l| l.to_string()),
-                    result
-                        .event_reconcile_ms
-                        .map_or_else(|| "-".to_owned(), |l| l.to_string()),
-                    result
-                        .event_ebpf_ms
-                        .map_or_else(|| "-".to_owned(), |l| l.to_string()),
+                    or_dash(result.event_add_ms),
+                    or_dash(result.event_delete_ms),
+                    or_dash(result.event_reconcile_ms),
+                    or_dash(result.event_ebpf_ms),
                 )),
                 Err(e) => {
                     log(&format!("{n} leases: agent part failed: {e:#}"));
@@ -326,7 +317,7 @@ impl Store {
     fn holding(&self) -> String {
         match self {
             Store::Etcd { .. } => format!("keys under {}/subnets/", lease::DEFAULT_PREFIX),
-            Store::Kube { .. } => "Nodes created".to_owned(),
+            Store::Kube { .. } => "remote Nodes in the API server".to_owned(),
         }
     }
 
@@ -343,7 +334,12 @@ impl Store {
                 for (i, (key, value)) in leases.iter().enumerate() {
                     api.apply_node(lease_node(&format!("remote-{i}"), key, value)?);
                 }
-                Ok(i64::try_from(n)?)
+                let remote = api
+                    .node_names()
+                    .iter()
+                    .filter(|name| name.starts_with("remote-"))
+                    .count();
+                Ok(i64::try_from(remote)?)
             }
         }
     }
@@ -592,6 +588,11 @@ fn event_lease(i: usize) -> Result<(String, String, Ipv4Net)> {
     ))
 }
 
+/// `value`, or `-` when there is none.
+fn or_dash<T: std::fmt::Display>(value: Option<T>) -> String {
+    value.map_or_else(|| "-".to_owned(), |v| v.to_string())
+}
+
 /// Per-applier times summed over `applied`, in first-seen order.
 fn sum_appliers(applied: &[Applied]) -> Vec<(String, f64)> {
     let mut out: Vec<(String, f64)> = Vec::new();
@@ -697,8 +698,8 @@ pub fn markdown(results: &[ControlResult], machine: &Machine) -> String {
          |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         machine.cpu_model, machine.cores, machine.kernel, machine.date
     );
-    let secs = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |s| format!("{s:.2}"));
-    let lat = |v: Option<Latency>| v.map_or_else(|| "-".to_owned(), |l| l.to_string());
+    let secs = |v: Option<f64>| or_dash(v.map(|s| format!("{s:.2}")));
+    let lat = or_dash::<Latency>;
     for r in results {
         let _ = writeln!(
             out,
@@ -710,14 +711,12 @@ pub fn markdown(results: &[ControlResult], machine: &Machine) -> String {
             secs(r.lease_seconds),
             secs(r.converge_seconds),
             secs(r.map_seconds),
-            r.peak_rss_kib
-                .map_or_else(|| "-".to_owned(), |k| format!("{:.1}", k as f64 / 1024.0)),
+            or_dash(r.peak_rss_kib.map(|k| format!("{:.1}", k as f64 / 1024.0))),
             r.routes,
             r.neighbours,
             r.fdb,
             r.kernel_writes,
-            r.reconciles
-                .map_or_else(|| "-".to_owned(), |n| n.to_string()),
+            or_dash(r.reconciles),
             r.writing_reconciles,
             r.reconcile_seconds,
             applier_text(&r.applier_seconds),

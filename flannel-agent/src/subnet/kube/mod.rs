@@ -8,8 +8,8 @@
 //!   watcher with a reflector keeps a cache of all Nodes (each cut down to what the leases
 //!   read, [`lean`]); on every change the nodes whose resourceVersion moved are converted
 //!   again and the leases that changed are published in one snapshot
-//!   ([`LeasePublisher::apply`]; the first complete set with
-//!   [`LeasePublisher::replace_all`]; nothing when no lease changed). A watch
+//!   ([`LeasePublisher::apply`]; the first time every lease; nothing when no lease
+//!   changed). A watch
 //!   that expires (410 Gone) relists; the reflector swaps the fresh listing in atomically,
 //!   so nothing is lost or duplicated. Unlike upstream, a changed `podCIDR` is picked up,
 //!   since the whole derived lease is compared.
@@ -907,8 +907,6 @@ struct LeaseBuilder {
     converted: HashMap<String, Converted>,
     /// Counts the passes over the cache, to find the nodes a pass no longer saw.
     pass: u64,
-    /// Whether the first complete set was published.
-    published: bool,
 }
 
 /// A node as last converted.
@@ -930,7 +928,6 @@ impl LeaseBuilder {
             own,
             converted: HashMap::new(),
             pass: 0,
-            published: false,
         }
     }
 
@@ -947,21 +944,10 @@ impl LeaseBuilder {
         }
     }
 
-    /// Publishes the lease set of `nodes` (the whole cache): the complete set the first
-    /// time, then the leases that changed since the last call.
+    /// Publishes the lease set of `nodes` (the whole cache): the leases that changed since
+    /// the last call, all of them the first time.
     fn publish(&mut self, nodes: &[Arc<Node>], publisher: &LeasePublisher) {
-        let changes = self.changes(nodes);
-        if self.published {
-            publisher.apply(changes);
-        } else {
-            self.published = true;
-            publisher.replace_all(
-                changes
-                    .into_iter()
-                    .filter_map(|(id, lease)| Some((id, lease?)))
-                    .collect(),
-            );
-        }
+        publisher.apply(self.changes(nodes));
     }
 
     /// The leases of `nodes` that differ from the last call's: each node's lease now, or
@@ -1102,6 +1088,27 @@ mod tests {
         assert_eq!(last.generation, next.generation + 1);
         assert!(last.leases.is_empty(), "{:?}", last.leases);
         assert_eq!(b.converted.len(), 1, "c is still there, without a lease");
+    }
+
+    /// A cluster of this node alone: the first pass publishes the empty set as complete, so
+    /// the reconciler may delete what an earlier run left; the next pass publishes nothing.
+    #[test]
+    fn the_first_pass_publishes_a_complete_set_even_when_empty() {
+        let keys = AnnotationKeys::new(DEFAULT_PREFIX).unwrap();
+        let mut b = LeaseBuilder::new(keys, true, false, "own".into());
+        let (publisher, rx) = crate::subnet::lease_channel();
+        let own = node(
+            "own",
+            "1",
+            "10.244.0.0/24",
+            &[MANAGED, ("public-ip", "10.0.0.1")],
+        );
+        b.publish(std::slice::from_ref(&own), &publisher);
+        let first = rx.borrow().clone();
+        assert!(first.synced && first.leases.is_empty(), "{first:?}");
+        assert_eq!(first.generation, 1);
+        b.publish(&[own], &publisher);
+        assert_eq!(rx.borrow().generation, 1);
     }
 
     /// Whatever the sequence of node sets, what is published equals converting every node
