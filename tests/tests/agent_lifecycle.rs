@@ -77,14 +77,31 @@ fn entries_deleted_by_hand_come_back() {
     );
 }
 
-/// A lease that goes away costs node1's agent one reconcile. The kernel tells of every route,
-/// neighbour and FDB entry removed, and each such notification brings a reconcile, so that
-/// an entry deleted by hand comes back at once; the agent's own deletions are told apart and
-/// bring none (each brought one before: at 5,000 peers about 30 ms of listing the kernel's
-/// tables, which the next lease event waited for). An entry deleted by hand still brings one,
-/// and is back.
+/// The agent's routes, neighbours and FDB entries changed by hand (not deleted): put back
+/// within seconds, told by the kernel's notifications of the change, with the periodic
+/// resync out of the way ([`scenarios::entries_changed_by_hand_come_back`]; host-gw and
+/// VXLAN).
 #[test]
-fn a_lease_gone_costs_one_reconcile() {
+fn entries_changed_by_hand_come_back() {
+    require_root!();
+    for backend in ["host-gw", "vxlan"] {
+        let path = Path::of_backend(backend);
+        let mut s = spec(2, Underlay::L2, backend, 1);
+        s.agent_args = vec!["--resync-interval=3600".into()];
+        with_cluster(&format!("{backend}/l2, entries changed by hand"), s, |c| {
+            scenarios::entries_changed_by_hand_come_back(c, &move |_, _| path, 1)
+        });
+    }
+}
+
+/// A lease that goes away, and one that comes back, each cost node1's agent one reconcile.
+/// The kernel tells of every route, neighbour and FDB entry removed, added or replaced, and
+/// such a notification brings a reconcile, so that an entry deleted or changed by hand comes
+/// back at once; the agent's own deletions and writes are told apart and bring none (each
+/// brought one before: at 5,000 peers about 30 ms of listing the kernel's tables, which the
+/// next lease event waited for). An entry deleted by hand still brings one, and is back.
+#[test]
+fn a_lease_gone_or_back_costs_one_reconcile() {
     require_root!();
     let mut s = spec(3, Underlay::L2, "vxlan", 0);
     // No periodic resync in the windows counted.
@@ -99,6 +116,10 @@ fn a_lease_gone_costs_one_reconcile() {
         c.agent_mut(3)
             .context("node3's agent")?
             .stop(Duration::from_secs(10))?;
+        let lease = c
+            .kv()
+            .get(&key)?
+            .with_context(|| format!("node3's lease {key}"))?;
         let before = runs(c)?;
         ensure!(c.kv().delete(&key)?, "node3's lease {key} was not there");
         let prefix = format!("{} ", node3.addr());
@@ -128,6 +149,22 @@ fn a_lease_gone_costs_one_reconcile() {
             "node1 reconciled {} times for one lease gone ({before} → {after})",
             after - before
         );
+        // The lease written back (with no TTL: its agent is stopped).
+        c.kv().put(&key, &lease)?;
+        wait::until_ok(Duration::from_secs(10), "node3's entries back", || {
+            ensure!(gone(c).is_err(), "node1 has none of node3's entries");
+            let k = c.kernel_state(1)?;
+            ensure!(k.fdb.len() == 2, "node1's FDB: {:?}", k.fdb);
+            Ok(())
+        })?;
+        thread::sleep(Duration::from_secs(2));
+        let back = runs(c)?;
+        ensure!(
+            back - after == 1.0,
+            "node1 reconciled {} times for one lease back ({after} → {back})",
+            back - after
+        );
+        let after = back;
         // A route deleted by hand: one reconcile more, and it is back.
         let node2 = c.subnet_of(2).context("node2's subnet")?;
         c.topology()

@@ -105,9 +105,11 @@ pub struct ApplyReport {
     pub stats: ApplyStats,
     /// Failures (the first few carry full messages; all are counted in `stats.errors`).
     pub errors: Vec<ApplyError>,
-    /// The kernel entries this sync deleted (the kernel tells of each with a removal
+    /// The kernel entries this sync added or replaced (the kernel tells of each with a
     /// notification, which the reconciler then knows for its own).
-    pub removed: Vec<crate::netlink::Removal>,
+    pub written: Vec<crate::netlink::Entry>,
+    /// The kernel entries this sync deleted, likewise.
+    pub removed: Vec<crate::netlink::Entry>,
 }
 
 impl ApplyReport {

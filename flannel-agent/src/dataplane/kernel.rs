@@ -32,8 +32,8 @@ use futures::future::BoxFuture;
 use ipnet::IpNet;
 
 use crate::netlink::{
-    DEFAULT_IN_FLIGHT, FdbEntry, IpFamily, Neighbour, NeighbourFlags, NeighbourState, Netlink,
-    NetlinkError, Op, RT_TABLE_MAIN, RTPROT_FLANNEL, Removal, Route, RouteFilter, RouteKind,
+    DEFAULT_IN_FLIGHT, Entry, FdbEntry, IpFamily, Neighbour, NeighbourFlags, NeighbourState,
+    Netlink, NetlinkError, Op, RT_TABLE_MAIN, RTPROT_FLANNEL, Route, RouteFilter, RouteKind,
     routes::IP6_DEFAULT_METRIC,
 };
 
@@ -43,7 +43,7 @@ use super::{
 };
 
 /// `RTPROT_KERNEL`: routes the kernel derives from addresses.
-const RTPROT_KERNEL: u8 = 2;
+pub(crate) const RTPROT_KERNEL: u8 = 2;
 
 /// A route's identity in its table: `(table, destination, metric)` with IPv6's implicit
 /// metric made explicit, which is what `ip route replace` replaces.
@@ -402,17 +402,21 @@ fn op_object(op: &Op) -> &'static str {
 }
 
 /// The entry a deletion removes, as the kernel's notification of it names it.
-fn op_removal(op: &Op) -> Option<Removal> {
+fn op_entry(op: &Op) -> Option<Entry> {
     match op {
-        Op::DeleteRoute(route) => Some(Removal::Route {
+        Op::ReplaceRoute(route) | Op::DeleteRoute(route) => Some(Entry::Route {
             table: route.table,
             dst: route.dst,
         }),
-        Op::DeleteNeighbour { ifindex, ip } => Some(Removal::Neighbour {
-            index: *ifindex,
-            ip: *ip,
-        }),
-        Op::DeleteFdb { ifindex, mac, .. } => Some(Removal::Fdb {
+        Op::ReplaceNeighbour { ifindex, ip, .. } | Op::DeleteNeighbour { ifindex, ip } => {
+            Some(Entry::Neighbour {
+                index: *ifindex,
+                ip: *ip,
+            })
+        }
+        Op::ReplaceFdb { ifindex, mac, .. }
+        | Op::AppendFdb { ifindex, mac, .. }
+        | Op::DeleteFdb { ifindex, mac, .. } => Some(Entry::Fdb {
             index: *ifindex,
             mac: *mac,
         }),
@@ -493,18 +497,22 @@ impl KernelApplier {
         report.stats.unchanged = plan.unchanged;
         report.stats.ops = plan.ops.len() as u64;
         let (actions, ops): (Vec<Action>, Vec<Op>) = plan.ops.into_iter().unzip();
-        let objects: Vec<(&'static str, Option<Removal>)> = ops
-            .iter()
-            .map(|op| (op_object(op), op_removal(op)))
-            .collect();
+        let objects: Vec<(&'static str, Option<Entry>)> =
+            ops.iter().map(|op| (op_object(op), op_entry(op))).collect();
         let results = self.nl.apply_all(ops, self.in_flight).await;
-        for ((action, (object, removal)), result) in actions.into_iter().zip(objects).zip(results) {
+        for ((action, (object, entry)), result) in actions.into_iter().zip(objects).zip(results) {
             match (action, result) {
-                (Action::Add, Ok(())) => report.stats.added += 1,
-                (Action::Replace, Ok(())) => report.stats.replaced += 1,
+                (Action::Add, Ok(())) => {
+                    report.stats.added += 1;
+                    report.written.extend(entry);
+                }
+                (Action::Replace, Ok(())) => {
+                    report.stats.replaced += 1;
+                    report.written.extend(entry);
+                }
                 (Action::Delete, Ok(())) => {
                     report.stats.deleted += 1;
-                    report.removed.extend(removal);
+                    report.removed.extend(entry);
                 }
                 // Already gone (the kernel removed it with its device, or a replace did).
                 (Action::Delete, Err(e)) if e.is_not_found() => report.stats.deleted += 1,
@@ -832,7 +840,7 @@ mod tests {
         let named = |p: &Plan| -> Vec<String> {
             p.ops
                 .iter()
-                .map(|(action, op)| match (action, op_removal(op)) {
+                .map(|(action, op)| match (action, op_entry(op)) {
                     (Action::Delete, Some(removal)) => format!("delete {removal:?}"),
                     _ => format!("{action:?} {op}"),
                 })

@@ -27,7 +27,7 @@
 //! | [`devices`] | `flannel.<VNI>` / `flannel-v6.<VNI>` / `flannel.ipip` / `flannel0`, host-gw NAT check |
 //! | [`macs`] | VTEP MAC persistence in `--state-dir` |
 //! | [`reconciler`] | the reconcile loop (snapshots, link events, resync, back-off) |
-//! | [`removals`] | the reconciler's own deletions, told apart from others' |
+//! | [`own_changes`] | the appliers' own writes and deletions, told apart from others' |
 //! | [`status`] | what the reconciler reports for health and metrics |
 
 pub mod applier;
@@ -37,8 +37,8 @@ pub mod facts;
 pub mod kernel;
 pub mod macs;
 pub mod model;
+pub mod own_changes;
 pub mod reconciler;
-pub mod removals;
 pub mod status;
 
 use std::path::PathBuf;

@@ -109,6 +109,18 @@ impl Local {
             IpFamily::V6 => self.network_v6.map(IpNet::V6),
         }
     }
+
+    /// Whether a route to `dst` may be one to a remote node's subnet: inside the cluster
+    /// network, narrower than it, and apart from this node's own subnet (not its blackhole
+    /// route, its bridge's route, or the network's route through a wireguard or TUN device).
+    pub fn may_be_peer_subnet(&self, dst: &IpNet) -> bool {
+        let family = IpFamily::of(&dst.addr());
+        self.network_of(family)
+            .is_some_and(|n| n.contains(dst) && n.prefix_len() < dst.prefix_len())
+            && self
+                .own_subnet(family)
+                .is_none_or(|own| !own.contains(dst) && !dst.contains(&own.addr()))
+    }
 }
 
 /// The VTEP MACs of the vxlan devices, per family.

@@ -34,7 +34,7 @@ use tokio::{
 use crate::{
     backend::BackendOptions,
     cli::Cli,
-    netlink::{IpFamily, LinkEvent, Netlink, RTPROT_FLANNEL},
+    netlink::{Entry, IpFamily, LinkEvent, Netlink, RT_TABLE_MAIN, RTPROT_FLANNEL},
     subnet::LeaseSnapshot,
 };
 
@@ -43,9 +43,9 @@ use super::{
     desired::desired,
     devices::{IPIP_DEVICE, ensure_devices},
     facts::Facts,
-    kernel::{KernelApplier, error_kind},
+    kernel::{KernelApplier, RTPROT_KERNEL, error_kind},
     model::{Local, Note},
-    removals::OwnRemovals,
+    own_changes::OwnChanges,
     status::DataplaneStatus,
 };
 
@@ -224,7 +224,7 @@ pub struct Reconciler {
     status: watch::Sender<DataplaneStatus>,
     notes: NoteLog,
     /// What the appliers deleted, whose removal notifications are not a reason to reconcile.
-    own_removals: OwnRemovals,
+    own_changes: OwnChanges,
     first: bool,
 }
 
@@ -263,7 +263,7 @@ impl Reconciler {
             config,
             status: watch::channel(DataplaneStatus::default()).0,
             notes: NoteLog::default(),
-            own_removals: OwnRemovals::default(),
+            own_changes: OwnChanges::default(),
             first: true,
         }
     }
@@ -323,7 +323,8 @@ impl Reconciler {
     /// or added: not others, like IPv6 temporary addresses coming and going), one of our
     /// routes (protocol [`RTPROT_FLANNEL`]) or a neighbour or FDB entry on one of our devices
     /// was removed (by hand; our own deletions bring one reconcile more, which finds nothing
-    /// to do), or events were lost.
+    /// to do), a route to what may be a peer's subnet or a static neighbour or FDB entry on
+    /// one of our devices was added or replaced (likewise), or events were lost.
     fn concerns(&self, event: &LinkEvent) -> bool {
         let ours = |name: &str| self.device_names().iter().any(|n| n == name);
         match event {
@@ -340,7 +341,16 @@ impl Reconciler {
                 *index == ext.index && address.is_none_or(|a| ext.iface_addrs().any(|s| s == a))
             }
             LinkEvent::RouteRemoved { protocol, .. } => *protocol == RTPROT_FLANNEL,
-            LinkEvent::NeighbourRemoved { index, .. } => {
+            LinkEvent::RouteAdded { protocol, entry } => {
+                *protocol != RTPROT_KERNEL
+                    && entry.is_some_and(|e| match e {
+                        Entry::Route { table, dst } => {
+                            table == RT_TABLE_MAIN && self.local.may_be_peer_subnet(&dst)
+                        }
+                        _ => false,
+                    })
+            }
+            LinkEvent::NeighbourRemoved { index, .. } | LinkEvent::NeighbourAdded { index, .. } => {
                 self.local.devices.all().any(|d| d.index == *index)
             }
             LinkEvent::Overrun => true,
@@ -524,7 +534,8 @@ impl Reconciler {
             };
             timings.push((applier.name(), applier_started.elapsed()));
             stats.accumulate(&report.stats);
-            self.own_removals.deleted(report.removed);
+            self.own_changes.wrote(report.written);
+            self.own_changes.deleted(report.removed);
             for e in report.errors {
                 errors.push((applier.name(), e));
             }
@@ -684,16 +695,22 @@ impl Reconciler {
                 trigger = triggers.next(), if links_open => match trigger.map(Into::into) {
                     Some(Trigger::Kernel(event)) => {
                         // The notification of one of the appliers' own deletions is not.
-                        if self.concerns(&event) && !self.own_removals.is_own(&event) {
+                        if self.concerns(&event) && !self.own_changes.is_own(&event) {
                             pending = true;
                             full = true;
                             if matches!(
                                 event,
-                                LinkEvent::RouteRemoved { .. } | LinkEvent::NeighbourRemoved { .. }
+                                LinkEvent::RouteRemoved { .. }
+                                    | LinkEvent::NeighbourRemoved { .. }
+                                    | LinkEvent::RouteAdded { .. }
+                                    | LinkEvent::NeighbourAdded { .. }
                             ) {
-                                // Within the back-off: a failing reconcile's own deletions
+                                // Within the back-off: a failing reconcile's own changes
                                 // must not make it retry at once.
-                                tracing::debug!(?event, "an entry of the dataplane was removed");
+                                tracing::debug!(
+                                    ?event,
+                                    "an entry of the dataplane was changed or removed"
+                                );
                             } else {
                                 tracing::info!(?event, "link change concerns the dataplane");
                                 // A device change is worth an immediate attempt, back-off or
@@ -808,6 +825,13 @@ mod tests {
             index,
             name: name.into(),
         };
+        let route_added = |protocol: u8, table: u32, dst: &str| LinkEvent::RouteAdded {
+            protocol,
+            entry: Some(Entry::Route {
+                table,
+                dst: dst.parse().unwrap(),
+            }),
+        };
         for (event, wanted) in [
             // The addresses the node was started with, on the external interface.
             (address(ext, Some("192.168.10.1")), true),
@@ -858,6 +882,40 @@ mod tests {
                 },
                 false,
             ),
+            // A route added or replaced where a peer's route may be (by hand, with any
+            // protocol but the kernel's), not the node's own subnet, the cluster network's
+            // route, a route outside it or in another table.
+            (route_added(3, 254, "10.244.2.0/24"), true),
+            (route_added(165, 254, "10.244.2.0/24"), true),
+            (route_added(3, 254, "fd00:244:0:2::/64"), true),
+            (route_added(2, 254, "10.244.2.0/24"), false),
+            (route_added(165, 254, "10.244.1.0/24"), false),
+            (route_added(165, 254, "10.244.0.0/16"), false),
+            (route_added(165, 254, "10.244.0.0/15"), false),
+            (route_added(3, 254, "10.96.0.0/12"), false),
+            (route_added(3, 100, "10.244.2.0/24"), false),
+            (
+                LinkEvent::RouteAdded {
+                    protocol: 3,
+                    entry: None,
+                },
+                false,
+            ),
+            // A static neighbour or FDB entry written on one of our devices.
+            (
+                LinkEvent::NeighbourAdded {
+                    index: 7,
+                    entry: None,
+                },
+                true,
+            ),
+            (
+                LinkEvent::NeighbourAdded {
+                    index: ext,
+                    entry: None,
+                },
+                false,
+            ),
             (LinkEvent::Overrun, true),
         ] {
             assert_eq!(r.concerns(&event), wanted, "{event:?}");
@@ -868,7 +926,7 @@ mod tests {
     /// and the invalidations before them.
     #[derive(Default)]
     struct Counting {
-        removed: Vec<crate::netlink::Removal>,
+        removed: Vec<crate::netlink::Entry>,
         syncs: Arc<AtomicUsize>,
         invalidations: Arc<AtomicUsize>,
     }
@@ -966,15 +1024,15 @@ mod tests {
         }
     }
 
-    fn removed(entry: crate::netlink::Removal) -> LinkEvent {
+    fn removed(entry: crate::netlink::Entry) -> LinkEvent {
         LinkEvent::RouteRemoved {
             protocol: RTPROT_FLANNEL,
             entry: Some(entry),
         }
     }
 
-    fn route_removal(dst: &str) -> crate::netlink::Removal {
-        crate::netlink::Removal::Route {
+    fn route_removal(dst: &str) -> crate::netlink::Entry {
+        crate::netlink::Entry::Route {
             table: 254,
             dst: dst.parse().unwrap(),
         }

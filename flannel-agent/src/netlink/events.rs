@@ -19,6 +19,7 @@ use rtnetlink::{
         AddressFamily, RouteNetlinkMessage,
         link::LinkMessage,
         neighbour::{NeighbourAttribute, NeighbourMessage},
+        route::RouteMessage,
     },
     proto::sys::SocketAddr,
     sys::AsyncSocket as _,
@@ -27,7 +28,7 @@ use rtnetlink::{
 use ipnet::IpNet;
 
 use super::{
-    NetlinkError, Unsolicited,
+    NeighbourState, NetlinkError, Unsolicited,
     addresses::address_from_message,
     links::link_from_message,
     neighbours::{fdb_from_message, neighbour_from_message},
@@ -98,7 +99,15 @@ pub enum LinkEvent {
         /// `rtm_protocol`.
         protocol: u8,
         /// Which route (`None` when the message names none the agent can read).
-        entry: Option<Removal>,
+        entry: Option<Entry>,
+    },
+    /// `RTM_NEWROUTE` (only from [`Netlink::dataplane_events`](super::Netlink::dataplane_events)):
+    /// a route with routing protocol `protocol` was added or replaced.
+    RouteAdded {
+        /// `rtm_protocol`.
+        protocol: u8,
+        /// Which route (`None` when the message names none the agent can read).
+        entry: Option<Entry>,
     },
     /// `RTM_NEWADDR` or `RTM_DELADDR` (only from
     /// [`Netlink::dataplane_events`](super::Netlink::dataplane_events)): an address of
@@ -116,16 +125,28 @@ pub enum LinkEvent {
         /// Its interface.
         index: u32,
         /// Which entry (`None` when the message names none the agent can read).
-        entry: Option<Removal>,
+        entry: Option<Entry>,
+    },
+    /// `RTM_NEWNEIGH` (only from
+    /// [`Netlink::dataplane_events`](super::Netlink::dataplane_events)): a static neighbour or
+    /// FDB entry on interface `index` was added or replaced. Entries the kernel resolves and
+    /// ages itself (ARP and NDP, learnt FDB entries) are not reported: they come and go with
+    /// traffic, and the dataplane writes none.
+    NeighbourAdded {
+        /// Its interface.
+        index: u32,
+        /// Which entry (`None` when the message names none the agent can read).
+        entry: Option<Entry>,
     },
     /// Notifications were lost (the socket's buffer overflowed): re-list the links.
     Overrun,
 }
 
-/// Which route, neighbour or FDB entry was removed, as a notification names it and as the
-/// agent names an entry it deletes itself, so that the two can be matched.
+/// Which route, neighbour or FDB entry was added, replaced or removed, as a notification names
+/// it and as the agent names an entry it writes or deletes itself, so that the two can be
+/// matched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Removal {
+pub enum Entry {
     /// A route: its table and destination.
     Route {
         /// Routing table.
@@ -234,24 +255,57 @@ fn event(message: NetlinkMessage<RouteNetlinkMessage>) -> Option<LinkEvent> {
     }
 }
 
-/// [`event`], and the deletions of routes and neighbours.
+/// Which route a route message names.
+fn route_entry(m: &RouteMessage) -> Option<Entry> {
+    route_from_message(m).map(|r| Entry::Route {
+        table: r.table,
+        dst: r.dst,
+    })
+}
+
+/// Which neighbour or FDB entry a neighbour message names.
+fn neighbour_entry(m: &NeighbourMessage) -> Option<Entry> {
+    let index = m.header.ifindex;
+    neighbour_from_message(m)
+        .map(|n| Entry::Neighbour { index, ip: n.ip })
+        .or_else(|| fdb_from_message(m).map(|f| Entry::Fdb { index, mac: f.mac }))
+}
+
+/// Whether a neighbour message tells of a static entry: a permanent neighbour, or an FDB
+/// entry that is permanent or static (`NUD_NOARP`), as written by the agent or by hand.
+fn is_static(m: &NeighbourMessage) -> bool {
+    let state = NeighbourState::from_u16(u16::from(m.header.state));
+    state == NeighbourState::Permanent
+        || (m.header.family == AddressFamily::Bridge && state == NeighbourState::Noarp)
+}
+
+/// [`event`], routes added, replaced and removed, and static neighbours added, replaced and
+/// removed.
 fn dataplane_event(message: NetlinkMessage<RouteNetlinkMessage>) -> Option<LinkEvent> {
     match &message.payload {
         NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelRoute(m)) => {
             Some(LinkEvent::RouteRemoved {
                 protocol: u8::from(m.header.protocol),
-                entry: route_from_message(m).map(|r| Removal::Route {
-                    table: r.table,
-                    dst: r.dst,
-                }),
+                entry: route_entry(m),
+            })
+        }
+        NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(m)) => {
+            Some(LinkEvent::RouteAdded {
+                protocol: u8::from(m.header.protocol),
+                entry: route_entry(m),
             })
         }
         NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelNeighbour(m)) => {
-            let index = m.header.ifindex;
-            let entry = neighbour_from_message(m)
-                .map(|n| Removal::Neighbour { index, ip: n.ip })
-                .or_else(|| fdb_from_message(m).map(|f| Removal::Fdb { index, mac: f.mac }));
-            Some(LinkEvent::NeighbourRemoved { index, entry })
+            Some(LinkEvent::NeighbourRemoved {
+                index: m.header.ifindex,
+                entry: neighbour_entry(m),
+            })
+        }
+        NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewNeighbour(m)) => {
+            is_static(m).then(|| LinkEvent::NeighbourAdded {
+                index: m.header.ifindex,
+                entry: neighbour_entry(m),
+            })
         }
         NetlinkPayload::InnerMessage(
             RouteNetlinkMessage::NewAddress(m) | RouteNetlinkMessage::DelAddress(m),
@@ -259,9 +313,6 @@ fn dataplane_event(message: NetlinkMessage<RouteNetlinkMessage>) -> Option<LinkE
             index: m.header.index,
             address: address_from_message(m).map(|a| a.ip()),
         }),
-        NetlinkPayload::InnerMessage(
-            RouteNetlinkMessage::NewRoute(_) | RouteNetlinkMessage::NewNeighbour(_),
-        ) => None,
         _ => event(message),
     }
 }
@@ -310,9 +361,9 @@ impl super::Netlink {
         Events::subscribe(&[RTNLGRP_LINK], "join RTNLGRP_LINK", event)
     }
 
-    /// Subscribes to what the dataplane reconciler watches: links added and removed,
-    /// addresses added and removed, and routes and neighbours (FDB entries included)
-    /// removed.
+    /// Subscribes to what the dataplane reconciler watches: links and addresses added and
+    /// removed, routes added, replaced and removed, and static neighbours (FDB entries
+    /// included) added, replaced and removed.
     pub fn dataplane_events(&self) -> Result<LinkEvents, NetlinkError> {
         Events::subscribe(
             &[
@@ -340,7 +391,8 @@ mod tests {
     use rtnetlink::packet_route::{
         address::{AddressAttribute, AddressMessage},
         link::LinkAttribute,
-        route::{RouteMessage, RouteProtocol},
+        neighbour::NeighbourState as PacketState,
+        route::RouteProtocol,
     };
 
     use super::*;
@@ -402,7 +454,7 @@ mod tests {
     }
 
     #[test]
-    fn the_reconcilers_stream_reports_removed_routes_and_neighbours() {
+    fn the_reconcilers_stream_reports_route_and_static_neighbour_changes() {
         // A message naming no entry the agent can read.
         let mut route = RouteMessage::default();
         route.header.protocol = RouteProtocol::from(165);
@@ -415,7 +467,13 @@ mod tests {
             })
         );
         let new = NetlinkMessage::from(RouteNetlinkMessage::NewRoute(route));
-        assert_eq!(dataplane_event(new), None, "added routes are not watched");
+        assert_eq!(
+            dataplane_event(new),
+            Some(LinkEvent::RouteAdded {
+                protocol: 165,
+                entry: None
+            })
+        );
         // A route as the kernel tells of its removal: its table and destination.
         let dst: IpNet = "10.244.2.0/24".parse().unwrap_or_default();
         let ours = super::super::Route::new(dst)
@@ -428,7 +486,15 @@ mod tests {
             dataplane_event(del),
             Some(LinkEvent::RouteRemoved {
                 protocol: 165,
-                entry: Some(Removal::Route { table: 254, dst })
+                entry: Some(Entry::Route { table: 254, dst })
+            })
+        );
+        let new = NetlinkMessage::from(RouteNetlinkMessage::NewRoute(ours.message()));
+        assert_eq!(
+            dataplane_event(new),
+            Some(LinkEvent::RouteAdded {
+                protocol: 165,
+                entry: Some(Entry::Route { table: 254, dst })
             })
         );
         let mut neighbour = NeighbourMessage::default();
@@ -445,28 +511,73 @@ mod tests {
         assert_eq!(
             dataplane_event(new),
             None,
-            "added neighbours are not watched"
+            "neighbours the kernel resolves are not watched"
         );
         // A neighbour and an FDB entry: the IP of the one, the MAC of the other.
         let ip = IpAddr::from([10, 244, 2, 0]);
         let mac = [0x0e, 0, 0, 0, 0, 2];
         let arp = super::super::neighbours::neighbour_message(3, ip, Some(mac));
         assert_eq!(
-            dataplane_event(NetlinkMessage::from(RouteNetlinkMessage::DelNeighbour(arp))),
+            dataplane_event(NetlinkMessage::from(RouteNetlinkMessage::DelNeighbour(
+                arp.clone()
+            ))),
             Some(LinkEvent::NeighbourRemoved {
                 index: 3,
-                entry: Some(Removal::Neighbour { index: 3, ip })
+                entry: Some(Entry::Neighbour { index: 3, ip })
             })
         );
+        assert_eq!(
+            dataplane_event(NetlinkMessage::from(RouteNetlinkMessage::NewNeighbour(
+                arp.clone()
+            ))),
+            Some(LinkEvent::NeighbourAdded {
+                index: 3,
+                entry: Some(Entry::Neighbour { index: 3, ip })
+            })
+        );
+        // Resolved by the kernel (reachable), or without ARP (multicast): not static.
+        for state in [PacketState::Reachable, PacketState::Noarp] {
+            let mut resolved = arp.clone();
+            resolved.header.state = state;
+            assert_eq!(
+                dataplane_event(NetlinkMessage::from(RouteNetlinkMessage::NewNeighbour(
+                    resolved
+                ))),
+                None,
+                "{state:?}"
+            );
+        }
         let fdb =
             super::super::neighbours::fdb_message(3, mac, IpAddr::from([192, 168, 1, 12]), false);
         assert_eq!(
-            dataplane_event(NetlinkMessage::from(RouteNetlinkMessage::DelNeighbour(fdb))),
+            dataplane_event(NetlinkMessage::from(RouteNetlinkMessage::DelNeighbour(
+                fdb.clone()
+            ))),
             Some(LinkEvent::NeighbourRemoved {
                 index: 3,
-                entry: Some(Removal::Fdb { index: 3, mac })
+                entry: Some(Entry::Fdb { index: 3, mac })
             })
         );
+        // An FDB entry written permanent or static (`bridge fdb replace ... static`); not
+        // one the device learnt.
+        for (state, reported) in [
+            (PacketState::Permanent, true),
+            (PacketState::Noarp, true),
+            (PacketState::Reachable, false),
+        ] {
+            let mut written = fdb.clone();
+            written.header.state = state;
+            assert_eq!(
+                dataplane_event(NetlinkMessage::from(RouteNetlinkMessage::NewNeighbour(
+                    written
+                ))),
+                reported.then_some(LinkEvent::NeighbourAdded {
+                    index: 3,
+                    entry: Some(Entry::Fdb { index: 3, mac })
+                }),
+                "{state:?}"
+            );
+        }
         let mut address = AddressMessage::default();
         address.header.index = 2;
         address.header.family = AddressFamily::Inet;

@@ -57,7 +57,7 @@ impl NeighbourState {
     /// iproute2 reads it: `bridge fdb add ... permanent` stores `NUD_PERMANENT | NUD_NOARP`
     /// (0xc0), and such an entry (left by upstream flanneld or an operator) is as static as
     /// one the agent wrote.
-    fn from_u16(v: u16) -> Self {
+    pub(crate) fn from_u16(v: u16) -> Self {
         if v & Self::NUD_PERMANENT != 0 {
             return Self::Permanent;
         }

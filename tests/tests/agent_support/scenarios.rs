@@ -908,6 +908,58 @@ pub fn entries_deleted_by_hand_come_back(
     entries.back(cluster, path, "entries back", || Ok(()))
 }
 
+/// Node `n`'s routes, neighbours and FDB entries changed by hand where they are (`ip route
+/// replace` with a blackhole, `ip neigh replace` and `bridge fdb replace` pointing
+/// elsewhere): the kernel tells of each change, and within [`FOLLOW`] every entry is as the
+/// agent wrote it again, and every pod reaches every pod through `path`.
+pub fn entries_changed_by_hand_come_back(
+    cluster: &mut Cluster,
+    path: PathFn<'_>,
+    n: usize,
+) -> Result<()> {
+    let entries = Entries::converged(cluster, path, n)?;
+    let want = &entries.kernel;
+    ensure!(!want.routes.is_empty(), "node{n} has no route to change");
+    let node = cluster.topology().node(n);
+    for line in &want.routes {
+        // `<dst> ...`
+        let dst = line
+            .split_whitespace()
+            .next()
+            .context("an empty route line")?;
+        node.run(&["ip", "route", "replace", "blackhole", dst])?;
+    }
+    for line in &want.neighbours {
+        // `<ip> lladdr <mac> dev <dev>`
+        let words: Vec<&str> = line.split_whitespace().collect();
+        node.run(&[
+            "ip",
+            "neigh",
+            "replace",
+            words[0],
+            "lladdr",
+            "02:00:00:00:00:99",
+            "dev",
+            words[4],
+        ])?;
+    }
+    for line in &want.fdb {
+        // `<mac> dev <dev> dst <ip>`
+        let words: Vec<&str> = line.split_whitespace().collect();
+        node.run(&[
+            "bridge",
+            "fdb",
+            "replace",
+            words[0],
+            "dev",
+            words[2],
+            "dst",
+            "192.0.2.99",
+        ])?;
+    }
+    entries.back(cluster, path, "entries as written", || Ok(()))
+}
+
 /// On the fast path, node `n`'s route map entries deleted, then changed, behind the agent's
 /// back (as `bpftool map delete` and `update` would): no notification tells of either, yet
 /// within [`FOLLOW`] each time the map holds what the agent wrote again (its map check), where
