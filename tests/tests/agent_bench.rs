@@ -378,6 +378,83 @@ fn control_bench_in_kube_mode_converges_and_counts() {
     control_bench_runs(true, vec![Dataplane::Ebpf]);
 }
 
+/// The control bench against a baseline agent (`--baseline-agent`, here a copy of the same
+/// build) over two rounds: each round runs both agents on fresh topologies, the baseline
+/// first in the first round and second in the next; every run converges on all 100 leases,
+/// and the report holds their ratios, each the agent's median over the rounds divided by the
+/// baseline's.
+#[test]
+fn control_bench_against_a_baseline_agent_alternates_and_reports_ratios() {
+    require_root!();
+    let agent = bins::test_agent().unwrap_or_else(|e| panic!("{e:#}"));
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let baseline = dir.path().join("flannel-agent-baseline");
+    std::fs::copy(&agent, &baseline).unwrap_or_else(|e| panic!("{e}"));
+    let opts = ControlOptions {
+        nodes: vec![100],
+        agent: Some(agent),
+        timeout: Duration::from_secs(60),
+        dataplanes: vec![Dataplane::Kernel],
+        events: 2,
+        kube: false,
+        baseline: Some(baseline),
+        rounds: 2,
+    };
+    let results =
+        control::run(&opts, &|m| eprintln!("{m}"), &|| false).unwrap_or_else(|e| panic!("{e:#}"));
+    let report = control::markdown(&results, &flannel_tests::bench::report::Machine::current());
+    eprintln!("{report}");
+    let roles: Vec<&str> = results.iter().map(|r| r.agent.as_str()).collect();
+    assert_eq!(
+        roles,
+        [
+            control::BASELINE,
+            control::AGENT,
+            control::AGENT,
+            control::BASELINE
+        ]
+    );
+    for r in &results {
+        assert_eq!(r.error, None);
+        assert_eq!((r.routes, r.neighbours, r.fdb), (100, 100, 100));
+        assert_eq!(r.event_add_ms.map(|l| l.n), Some(2), "{r:?}");
+    }
+    let ratios = control::ratios(&results);
+    assert_eq!(ratios.len(), 1, "{ratios:?}");
+    let ratio = &ratios[0];
+    assert_eq!((ratio.leases, ratio.rounds), (100, 2));
+    let median = |role: &str, f: &dyn Fn(&control::ControlResult) -> Option<f64>| {
+        let v: Vec<f64> = results
+            .iter()
+            .filter(|r| r.agent == role)
+            .filter_map(f)
+            .collect();
+        assert_eq!(v.len(), 2, "{role}");
+        (v[0] + v[1]) / 2.0
+    };
+    let want = |f: &dyn Fn(&control::ControlResult) -> Option<f64>| {
+        median(control::AGENT, f) / median(control::BASELINE, f)
+    };
+    let close = |got: Option<f64>, want: f64| got.is_some_and(|g| (g - want).abs() < 1e-9);
+    assert!(
+        close(ratio.converge, want(&|r| r.converge_seconds)),
+        "{ratio:?}"
+    );
+    assert!(
+        close(ratio.event_add, want(&|r| r.event_add_ms.map(|l| l.p50))),
+        "{ratio:?}"
+    );
+    assert!(
+        close(ratio.peak_rss, want(&|r| r.peak_rss_kib.map(|k| k as f64))),
+        "{ratio:?}"
+    );
+    assert_eq!(ratio.map, None, "no route map on the kernel path");
+    assert!(
+        report.contains("The agent against the baseline agent"),
+        "{report}"
+    );
+}
+
 /// Runs the control bench with 300 leases (in etcd, or as Nodes with `kube`) on `dataplanes`
 /// and checks every count it reports.
 fn control_bench_runs(kube: bool, dataplanes: Vec<Dataplane>) {
@@ -388,6 +465,8 @@ fn control_bench_runs(kube: bool, dataplanes: Vec<Dataplane>) {
         dataplanes: dataplanes.clone(),
         events: 3,
         kube,
+        baseline: None,
+        rounds: 1,
     };
     let results =
         control::run(&opts, &|m| eprintln!("{m}"), &|| false).unwrap_or_else(|e| panic!("{e:#}"));

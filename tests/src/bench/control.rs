@@ -64,11 +64,18 @@ pub struct ControlOptions {
     pub events: usize,
     /// The leases are Node objects in a fake API server, the agent in kube mode.
     pub kube: bool,
+    /// Another build of the agent to measure against in the same run: each N and dataplane
+    /// then runs both, on fresh topologies, alternating which goes first.
+    pub baseline: Option<PathBuf>,
+    /// Runs of each agent per N and dataplane.
+    pub rounds: usize,
 }
 
 /// The result for one N.
 #[derive(Debug, Clone, Serialize)]
 pub struct ControlResult {
+    /// Which agent ran: `agent`, or `baseline` (`--baseline-agent`).
+    pub agent: String,
     /// Number of fake remote leases.
     pub leases: usize,
     /// `--dataplane` of the agent (`kernel` or `ebpf`).
@@ -162,13 +169,14 @@ pub fn control_netconf() -> serde_json::Value {
     json!({"Network": "10.0.0.0/8", "SubnetLen": 24, "Backend": {"Type": "vxlan"}})
 }
 
-/// Runs the benchmark for every N; `cancelled` is polled between steps (Ctrl-C).
+/// Runs the benchmark for every N (with a baseline agent: both agents, alternating which
+/// goes first, [`ControlOptions::rounds`] times each); `cancelled` is polled between steps
+/// (Ctrl-C).
 pub fn run(
     opts: &ControlOptions,
     log: &dyn Fn(&str),
     cancelled: &dyn Fn() -> bool,
 ) -> Result<Vec<ControlResult>> {
-    let network: Ipv4Net = "10.0.0.0/8".parse().context("network")?;
     let mut results = Vec::new();
     let runs: Vec<(usize, Dataplane)> = opts
         .nodes
@@ -176,92 +184,212 @@ pub fn run(
         .flat_map(|&n| opts.dataplanes.iter().map(move |&d| (n, d)))
         .collect();
     for (n, dataplane) in runs {
-        if cancelled() {
-            bail!("cancelled");
-        }
-        let what = if opts.kube { "fake API server" } else { "etcd" };
-        log(&format!(
-            "{n} leases, {dataplane}: building a one-node topology with {what}"
-        ));
-        let topo = Topology::new(TopologySpec::new(1, Underlay::L2))?;
-        let store = if opts.kube {
-            Store::kube(&topo)?
-        } else {
-            Store::etcd(&topo)?
-        };
-        let start = Instant::now();
-        let keys_in_etcd = store.write(n)?;
-        let write_seconds = start.elapsed().as_secs_f64();
-        log(&format!(
-            "{n} leases: written in {write_seconds:.2} s ({keys_in_etcd} {})",
-            store.holding()
-        ));
-        let mut result = ControlResult {
-            leases: n,
-            dataplane: dataplane.to_string(),
-            store: store.name().to_owned(),
-            write_seconds,
-            keys_in_etcd,
-            lease_seconds: None,
-            converge_seconds: None,
-            reconciles: None,
-            writing_reconciles: 0,
-            kernel_writes: 0,
-            reconcile_seconds: 0.0,
-            map_seconds: None,
-            applier_seconds: Vec::new(),
-            event_add_ms: None,
-            event_delete_ms: None,
-            event_reconcile_ms: None,
-            event_ebpf_ms: None,
-            peak_rss_kib: None,
-            routes: 0,
-            neighbours: 0,
-            fdb: 0,
-            error: None,
-        };
-        if let Some(agent) = &opts.agent {
-            let mut base = AgentSpec::new(agent, "");
-            base.dataplane = Some(dataplane);
-            let spec = store.agent_spec(topo.node(1), &base)?;
-            let run = Run {
-                topo: &topo,
-                store: &store,
-                spec: &spec,
-                network,
-                n,
-                events: opts.events,
-                timeout: opts.timeout,
-                cancelled,
-            };
-            match run.converge(&mut result) {
-                Ok(()) => log(&format!(
-                    "{n} leases, {dataplane}: subnet.env after {:.2} s, kernel complete after \
-                     {:.2} s, map complete after {}, agent peak RSS {} KiB, {} writes in {} \
-                     writing reconcile(s) taking {:.2} s ({}), lease event add {} / delete {} \
-                     ms (p50 / p95 / max), the agent's reconcile {} ms, of it eBPF {} ms",
-                    result.lease_seconds.unwrap_or(f64::NAN),
-                    result.converge_seconds.unwrap_or(f64::NAN),
-                    or_dash(result.map_seconds.map(|s| format!("{s:.2} s"))),
-                    result.peak_rss_kib.unwrap_or(0),
-                    result.kernel_writes,
-                    result.writing_reconciles,
-                    result.reconcile_seconds,
-                    applier_text(&result.applier_seconds),
-                    or_dash(result.event_add_ms),
-                    or_dash(result.event_delete_ms),
-                    or_dash(result.event_reconcile_ms),
-                    or_dash(result.event_ebpf_ms),
-                )),
-                Err(e) => {
-                    log(&format!("{n} leases: agent part failed: {e:#}"));
-                    result.error = Some(format!("{e:#}"));
+        for round in 0..opts.rounds.max(1) {
+            for (role, agent) in agents_in_order(opts, round) {
+                if cancelled() {
+                    bail!("cancelled");
                 }
+                results.push(one(opts, n, dataplane, role, agent, log, cancelled)?);
             }
         }
-        results.push(result);
     }
     Ok(results)
+}
+
+/// The agents of round `round` (counted from 0), in the order they run: the baseline agent
+/// first in even rounds and second in odd ones, so that neither always meets a fresher
+/// machine.
+fn agents_in_order(opts: &ControlOptions, round: usize) -> Vec<(&'static str, Option<&Path>)> {
+    let mut order = vec![(AGENT, opts.agent.as_deref())];
+    if let Some(baseline) = &opts.baseline {
+        order.insert(0, (BASELINE, Some(baseline.as_path())));
+        if round % 2 == 1 {
+            order.reverse();
+        }
+    }
+    order
+}
+
+/// [`ControlResult::agent`] of the agent measured.
+pub const AGENT: &str = "agent";
+/// [`ControlResult::agent`] of `--baseline-agent`.
+pub const BASELINE: &str = "baseline";
+
+/// One N on one dataplane with one agent (`role` names it), on a fresh topology.
+fn one(
+    opts: &ControlOptions,
+    n: usize,
+    dataplane: Dataplane,
+    role: &str,
+    agent: Option<&Path>,
+    log: &dyn Fn(&str),
+    cancelled: &dyn Fn() -> bool,
+) -> Result<ControlResult> {
+    let network: Ipv4Net = "10.0.0.0/8".parse().context("network")?;
+    let what = if opts.kube { "fake API server" } else { "etcd" };
+    log(&format!(
+        "{n} leases, {dataplane}, {role}: building a one-node topology with {what}"
+    ));
+    let topo = Topology::new(TopologySpec::new(1, Underlay::L2))?;
+    let store = if opts.kube {
+        Store::kube(&topo)?
+    } else {
+        Store::etcd(&topo)?
+    };
+    let start = Instant::now();
+    let keys_in_etcd = store.write(n)?;
+    let write_seconds = start.elapsed().as_secs_f64();
+    log(&format!(
+        "{n} leases: written in {write_seconds:.2} s ({keys_in_etcd} {})",
+        store.holding()
+    ));
+    let mut result = ControlResult {
+        agent: role.to_owned(),
+        leases: n,
+        dataplane: dataplane.to_string(),
+        store: store.name().to_owned(),
+        write_seconds,
+        keys_in_etcd,
+        lease_seconds: None,
+        converge_seconds: None,
+        reconciles: None,
+        writing_reconciles: 0,
+        kernel_writes: 0,
+        reconcile_seconds: 0.0,
+        map_seconds: None,
+        applier_seconds: Vec::new(),
+        event_add_ms: None,
+        event_delete_ms: None,
+        event_reconcile_ms: None,
+        event_ebpf_ms: None,
+        peak_rss_kib: None,
+        routes: 0,
+        neighbours: 0,
+        fdb: 0,
+        error: None,
+    };
+    let Some(agent) = agent else {
+        return Ok(result);
+    };
+    let mut base = AgentSpec::new(agent, "");
+    base.dataplane = Some(dataplane);
+    let spec = store.agent_spec(topo.node(1), &base)?;
+    let run = Run {
+        topo: &topo,
+        store: &store,
+        spec: &spec,
+        network,
+        n,
+        events: opts.events,
+        timeout: opts.timeout,
+        cancelled,
+    };
+    match run.converge(&mut result) {
+        Ok(()) => log(&format!(
+            "{n} leases, {dataplane}, {role}: subnet.env after {:.2} s, kernel complete after \
+             {:.2} s, map complete after {}, agent peak RSS {} KiB, {} writes in {} \
+             writing reconcile(s) taking {:.2} s ({}), lease event add {} / delete {} \
+             ms (p50 / p95 / max), the agent's reconcile {} ms, of it eBPF {} ms",
+            result.lease_seconds.unwrap_or(f64::NAN),
+            result.converge_seconds.unwrap_or(f64::NAN),
+            or_dash(result.map_seconds.map(|s| format!("{s:.2} s"))),
+            result.peak_rss_kib.unwrap_or(0),
+            result.kernel_writes,
+            result.writing_reconciles,
+            result.reconcile_seconds,
+            applier_text(&result.applier_seconds),
+            or_dash(result.event_add_ms),
+            or_dash(result.event_delete_ms),
+            or_dash(result.event_reconcile_ms),
+            or_dash(result.event_ebpf_ms),
+        )),
+        Err(e) => {
+            log(&format!("{n} leases, {role}: agent part failed: {e:#}"));
+            result.error = Some(format!("{e:#}"));
+        }
+    }
+    Ok(result)
+}
+
+/// The agent against the baseline agent for one N and dataplane: each figure's median over
+/// the rounds of the one divided by the other's (below 1: the agent is faster or smaller).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Ratio {
+    /// Number of fake remote leases.
+    pub leases: usize,
+    /// `--dataplane`.
+    pub dataplane: String,
+    /// Rounds each agent completed without error.
+    pub rounds: usize,
+    /// Kernel complete after start.
+    pub converge: Option<f64>,
+    /// Route map complete after start (eBPF).
+    pub map: Option<f64>,
+    /// Lease event added, p50.
+    pub event_add: Option<f64>,
+    /// Lease event deleted, p50.
+    pub event_delete: Option<f64>,
+    /// The agent's reconcile per lease event, p50.
+    pub event_reconcile: Option<f64>,
+    /// Peak RSS.
+    pub peak_rss: Option<f64>,
+}
+
+/// The ratios of the agent's results to the baseline agent's, per N and dataplane measured
+/// with both (none without `--baseline-agent`). Runs that failed are left out.
+pub fn ratios(results: &[ControlResult]) -> Vec<Ratio> {
+    let mut out: Vec<Ratio> = Vec::new();
+    for r in results {
+        if out
+            .iter()
+            .any(|o| o.leases == r.leases && o.dataplane == r.dataplane)
+        {
+            continue;
+        }
+        let of = |role: &str| -> Vec<&ControlResult> {
+            results
+                .iter()
+                .filter(|x| {
+                    x.agent == role
+                        && x.leases == r.leases
+                        && x.dataplane == r.dataplane
+                        && x.error.is_none()
+                })
+                .collect()
+        };
+        let (mine, theirs) = (of(AGENT), of(BASELINE));
+        if mine.is_empty() || theirs.is_empty() {
+            continue;
+        }
+        let ratio = |f: &dyn Fn(&ControlResult) -> Option<f64>| {
+            let a = median(mine.iter().filter_map(|x| f(x)).collect())?;
+            let b = median(theirs.iter().filter_map(|x| f(x)).collect())?;
+            (b > 0.0).then(|| a / b)
+        };
+        out.push(Ratio {
+            leases: r.leases,
+            dataplane: r.dataplane.clone(),
+            rounds: mine.len().min(theirs.len()),
+            converge: ratio(&|x| x.converge_seconds),
+            map: ratio(&|x| x.map_seconds),
+            event_add: ratio(&|x| x.event_add_ms.map(|l| l.p50)),
+            event_delete: ratio(&|x| x.event_delete_ms.map(|l| l.p50)),
+            event_reconcile: ratio(&|x| x.event_reconcile_ms.map(|l| l.p50)),
+            peak_rss: ratio(&|x| x.peak_rss_kib.map(|k| k as f64)),
+        });
+    }
+    out
+}
+
+/// The median of `values` (the mean of the middle two for an even count); `None` for none.
+fn median(mut values: Vec<f64>) -> Option<f64> {
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    match values.len() {
+        0 => None,
+        len if len % 2 == 1 => Some(values[mid]),
+        _ => Some((values[mid - 1] + values[mid]) / 2.0),
+    }
 }
 
 /// Where the leases are kept.
@@ -694,8 +822,8 @@ pub fn markdown(results: &[ControlResult], machine: &Machine) -> String {
          (kube: a Node created/deleted) until the route map (eBPF) or routing table (kernel) reflects it, ms p50 / p95 / max; \
          the agent's part of it: the reconciles the events made, and the eBPF applier's \
          share of each (from the log).\n\n\
-         | leases | dataplane | store | write (s) | subnet.env (s) | kernel complete (s) | map complete (s) | agent peak RSS (MiB) | routes | neigh | fdb | writes | reconciles (writing) | reconcile time | event add (ms) | event delete (ms) | event reconcile (ms) | of it eBPF applier (ms) | error |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+         | agent | leases | dataplane | store | write (s) | subnet.env (s) | kernel complete (s) | map complete (s) | agent peak RSS (MiB) | routes | neigh | fdb | writes | reconciles (writing) | reconcile time | event add (ms) | event delete (ms) | event reconcile (ms) | of it eBPF applier (ms) | error |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         machine.cpu_model, machine.cores, machine.kernel, machine.date
     );
     let secs = |v: Option<f64>| or_dash(v.map(|s| format!("{s:.2}")));
@@ -703,7 +831,8 @@ pub fn markdown(results: &[ControlResult], machine: &Machine) -> String {
     for r in results {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {:.2} | {} | {} | {} | {} | {} | {} | {} | {} | {} ({}) | {:.2} s ({}) | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {:.2} | {} | {} | {} | {} | {} | {} | {} | {} | {} ({}) | {:.2} s ({}) | {} | {} | {} | {} | {} |",
+            r.agent,
             r.leases,
             r.dataplane,
             r.store,
@@ -730,6 +859,32 @@ pub fn markdown(results: &[ControlResult], machine: &Machine) -> String {
                 .unwrap_or_default()
         );
     }
+    let ratios = ratios(results);
+    if !ratios.is_empty() {
+        out.push_str(
+            "\n## The agent against the baseline agent\n\nEach figure's median over the rounds, \
+             the agent's divided by the baseline agent's (below 1: faster or smaller).\n\n\
+             | leases | dataplane | rounds | kernel complete | map complete | event add p50 | \
+             event delete p50 | event reconcile p50 | peak RSS |\n\
+             |---|---|---|---|---|---|---|---|---|\n",
+        );
+        let x = |v: Option<f64>| or_dash(v.map(|r| format!("{r:.2}×")));
+        for r in ratios {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                r.leases,
+                r.dataplane,
+                r.rounds,
+                x(r.converge),
+                x(r.map),
+                x(r.event_add),
+                x(r.event_delete),
+                x(r.event_reconcile),
+                x(r.peak_rss),
+            );
+        }
+    }
     out
 }
 
@@ -744,7 +899,9 @@ pub fn write(results: &[ControlResult], dir: &Path) -> Result<Vec<PathBuf>> {
     let js = base.with_extension("json");
     std::fs::write(
         &js,
-        serde_json::to_string_pretty(&json!({"machine": machine, "results": results}))?,
+        serde_json::to_string_pretty(
+            &json!({"machine": machine, "results": results, "ratios": ratios(results)}),
+        )?,
     )?;
     Ok(vec![md, js])
 }
@@ -783,6 +940,68 @@ mod tests {
         assert_eq!(parse_duration("7ns"), Some(7.0 * 1e-9));
         assert_eq!(parse_duration("ms"), None);
         assert_eq!(parse_duration("3h"), None);
+    }
+
+    fn result(agent: &str, converge: f64, add_p50: f64, error: bool) -> ControlResult {
+        ControlResult {
+            agent: agent.to_owned(),
+            leases: 5000,
+            dataplane: "kernel".to_owned(),
+            store: "etcd".to_owned(),
+            write_seconds: 1.0,
+            keys_in_etcd: 5000,
+            lease_seconds: Some(0.1),
+            converge_seconds: Some(converge),
+            reconciles: Some(2),
+            writing_reconciles: 1,
+            kernel_writes: 15_000,
+            reconcile_seconds: 0.5,
+            map_seconds: None,
+            applier_seconds: Vec::new(),
+            event_add_ms: Latency::of(&[add_p50]),
+            event_delete_ms: None,
+            event_reconcile_ms: None,
+            event_ebpf_ms: None,
+            peak_rss_kib: Some(40_000),
+            routes: 5000,
+            neighbours: 5000,
+            fdb: 5000,
+            error: error.then(|| "timed out".to_owned()),
+        }
+    }
+
+    #[test]
+    fn ratios_divide_the_agents_medians_over_rounds_by_the_baselines() {
+        let results = [
+            result(BASELINE, 2.0, 60.0, false),
+            result(AGENT, 1.0, 20.0, false),
+            result(AGENT, 1.5, 18.0, false),
+            result(BASELINE, 3.0, 62.0, false),
+            result(AGENT, 1.1, 19.0, false),
+            result(BASELINE, 2.2, 64.0, false),
+            // A failed run counts for nothing.
+            result(BASELINE, 100.0, 1.0, true),
+        ];
+        let got = ratios(&results);
+        assert_eq!(got.len(), 1);
+        let r = &got[0];
+        assert_eq!(r.rounds, 3);
+        let close = |got: Option<f64>, want: f64| got.is_some_and(|g| (g - want).abs() < 1e-9);
+        assert!(close(r.converge, 1.1 / 2.2), "{r:?}");
+        assert!(close(r.event_add, 19.0 / 62.0), "{r:?}");
+        assert!(close(r.peak_rss, 1.0), "{r:?}");
+        assert_eq!((r.map, r.event_delete), (None, None));
+        // Without a baseline, or with one that never completed: no ratio.
+        assert!(ratios(&results[1..3]).is_empty());
+        assert!(
+            ratios(&[
+                result(AGENT, 1.0, 1.0, false),
+                result(BASELINE, 1.0, 1.0, true)
+            ])
+            .is_empty()
+        );
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), Some(2.5));
+        assert_eq!(median(Vec::new()), None);
     }
 
     #[test]

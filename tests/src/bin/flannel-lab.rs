@@ -398,6 +398,13 @@ struct ControlArgs {
     /// API server, the agent in kube mode; lease events create and delete Nodes.
     #[arg(long)]
     kube: bool,
+    /// Another build of the agent to measure against in the same run (the one before a
+    /// change): each lease count and dataplane runs both, and the report gives the ratios.
+    #[arg(long)]
+    baseline_agent: Option<PathBuf>,
+    /// Runs of each agent per lease count and dataplane, alternating which goes first.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=100))]
+    rounds: u16,
     /// Output directory (default: target/bench of this workspace).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -812,7 +819,15 @@ fn bench_control(args: ControlArgs) -> Result<()> {
         dataplanes: args.dataplane,
         events: args.events,
         kube: args.kube,
+        baseline: args
+            .baseline_agent
+            .map(|path| bins::resolve(Some(&path), bins::AGENT, "flannel-agent"))
+            .transpose()?,
+        rounds: usize::from(args.rounds),
     };
+    if opts.baseline.is_some() && opts.agent.is_none() {
+        bail!("--baseline-agent needs an agent to compare with it (no --no-agent)");
+    }
     let results = control::run(&opts, &progress, &stopped)?;
     print!(
         "\n{}",
