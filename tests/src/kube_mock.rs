@@ -10,7 +10,8 @@
 //! method, path, query, content type and the raw body).
 //!
 //! Served:
-//! * `GET /api/v1/nodes` — list (`metadata.resourceVersion` set) or, with `watch=true`, a
+//! * `GET /api/v1/nodes` — list (`metadata.resourceVersion` set; in pages with `limit` and
+//!   `continue`, except for `resourceVersion=0`, as the real one) or, with `watch=true`, a
 //!   chunked stream of `ADDED`/`MODIFIED`/`DELETED` events (plus `BOOKMARK`s when
 //!   `allowWatchBookmarks=true`). A watch from a compacted resourceVersion gets 410 Gone,
 //!   as an `ERROR` event (what the real apiserver sends) or as the HTTP status
@@ -563,15 +564,7 @@ async fn handle(AxumState(shared): AxumState<Arc<Shared>>, req: Request) -> Resp
         (&Method::GET, ["api", "v1", "nodes"]) if rec.is_watch() => {
             watch_nodes(&shared, &rec, epoch).await
         }
-        (&Method::GET, ["api", "v1", "nodes"]) => {
-            let st = shared.lock();
-            let items: Vec<Value> = st.nodes.values().cloned().collect();
-            json_response(
-                200,
-                &json!({"kind": "NodeList", "apiVersion": "v1",
-                        "metadata": {"resourceVersion": st.rv.to_string()}, "items": items}),
-            )
-        }
+        (&Method::GET, ["api", "v1", "nodes"]) => list_nodes(&shared, &rec),
         (&Method::GET, ["api", "v1", "nodes", name] | ["api", "v1", "nodes", name, "status"]) => {
             match shared.lock().nodes.get(*name) {
                 Some(n) => json_response(200, n),
@@ -598,6 +591,60 @@ async fn handle(AxumState(shared): AxumState<Arc<Shared>>, req: Request) -> Resp
             "the server could not find the requested resource",
         ),
     }
+}
+
+/// A Node list as the real API server serves one. `resourceVersion=0` is served whole from
+/// its cache, `limit` or not. Otherwise (a consistent read) a `limit` cuts the list into
+/// pages in name order (etcd's key order), each but the last with a continue token (the
+/// list's resourceVersion and the page's last name: opaque to clients) and the count of
+/// Nodes left; every page carries the first page's resourceVersion. The mock has no
+/// snapshots: a later page holds the Nodes as they are now, and the watch from the list's
+/// resourceVersion replays what changed. A token from before a compaction gets 410 Gone,
+/// as a real one does once etcd compacted its revision.
+fn list_nodes(shared: &Shared, rec: &RecordedRequest) -> Response {
+    use std::ops::Bound::{Excluded, Unbounded};
+    let st = shared.lock();
+    let cached = rec.query.get("resourceVersion").map(String::as_str) == Some("0");
+    let limit = rec
+        .query
+        .get("limit")
+        .and_then(|l| l.parse::<usize>().ok())
+        .filter(|&l| l > 0 && !cached);
+    let (rv, after) = match rec.query.get("continue").filter(|c| !c.is_empty()) {
+        None => (st.rv, None),
+        Some(token) => match token
+            .split_once('-')
+            .and_then(|(rv, last)| Some((rv.parse::<u64>().ok()?, last)))
+        {
+            Some((rv, _)) if rv < st.oldest => {
+                let message = format!(
+                    "the continue token's resourceVersion {rv} was compacted ({}): list again",
+                    st.oldest
+                );
+                return json_response(410, &status(410, "Expired", &message));
+            }
+            Some((rv, last)) => (rv, Some(last.to_owned())),
+            None => return error_response(400, "BadRequest", "invalid continue token"),
+        },
+    };
+    let mut rest = match &after {
+        Some(last) => st
+            .nodes
+            .range::<str, _>((Excluded(last.as_str()), Unbounded)),
+        None => st.nodes.range::<str, _>(..),
+    };
+    let page: Vec<(&String, &Value)> = rest.by_ref().take(limit.unwrap_or(usize::MAX)).collect();
+    let remaining = rest.count();
+    let mut metadata = json!({"resourceVersion": rv.to_string()});
+    if let Some((last, _)) = page.last().filter(|_| remaining > 0) {
+        metadata["continue"] = json!(format!("{rv}-{last}"));
+        metadata["remainingItemCount"] = json!(remaining);
+    }
+    let items: Vec<&Value> = page.into_iter().map(|(_, node)| node).collect();
+    json_response(
+        200,
+        &json!({"kind": "NodeList", "apiVersion": "v1", "metadata": metadata, "items": items}),
+    )
 }
 
 fn patch_node(shared: &Shared, name: &str, is_status: bool, rec: &RecordedRequest) -> Response {
