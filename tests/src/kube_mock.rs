@@ -11,7 +11,10 @@
 //!
 //! Served:
 //! * `GET /api/v1/nodes` — list (`metadata.resourceVersion` set; in pages with `limit` and
-//!   `continue`, except for `resourceVersion=0`, as the real one) or, with `watch=true`, a
+//!   `continue`, except for `resourceVersion=0`, as the real one); with `watch=true` and
+//!   `sendInitialEvents=true` a streaming list (every Node as `ADDED`, then a `BOOKMARK`
+//!   marked `k8s.io/initial-events-end`, then live changes; 422 Invalid when turned off
+//!   with [`MockApiServer::set_watch_list`]); or, with `watch=true`, a
 //!   chunked stream of `ADDED`/`MODIFIED`/`DELETED` events (plus `BOOKMARK`s when
 //!   `allowWatchBookmarks=true`). A watch from a compacted resourceVersion gets 410 Gone,
 //!   as an `ERROR` event (what the real apiserver sends) or as the HTTP status
@@ -76,14 +79,22 @@ impl RecordedRequest {
         )
     }
 
-    /// A list (not a watch) of all Nodes.
+    /// A list of all Nodes: a plain one, or a streaming one (a watch that starts with
+    /// every Node, [`RecordedRequest::is_streaming_list`]), which is also a watch.
     pub fn is_node_list(&self) -> bool {
-        self.method == "GET" && self.path == "/api/v1/nodes" && !self.is_watch()
+        self.method == "GET"
+            && self.path == "/api/v1/nodes"
+            && (!self.is_watch() || self.is_streaming_list())
     }
 
-    /// A watch of all Nodes.
+    /// A watch of all Nodes (streaming lists included).
     pub fn is_node_watch(&self) -> bool {
         self.method == "GET" && self.path == "/api/v1/nodes" && self.is_watch()
+    }
+
+    /// A streaming list: a watch with `sendInitialEvents=true`.
+    pub fn is_streaming_list(&self) -> bool {
+        self.is_watch() && self.query.get("sendInitialEvents").map(String::as_str) == Some("true")
     }
 }
 
@@ -102,6 +113,9 @@ struct State {
     /// Watches from a resourceVersion below this get 410 Gone.
     oldest: u64,
     gone_mode: GoneMode,
+    /// Streaming lists are served (the `WatchList` feature: on by default since Kubernetes
+    /// 1.34, off in 1.33 and before 1.32).
+    watch_list: bool,
     /// Incremented by every "close all watches", so a watch request still being set up
     /// when the close happens is closed too.
     close_epoch: u64,
@@ -150,6 +164,7 @@ impl MockApiServer {
                 log: Vec::new(),
                 oldest: 0,
                 gone_mode: GoneMode::ErrorEvent,
+                watch_list: true,
                 close_epoch: 0,
                 status_patch_failures: VecDeque::new(),
                 requests: Vec::new(),
@@ -303,6 +318,12 @@ impl MockApiServer {
     /// How 410 Gone is delivered.
     pub fn set_gone_mode(&self, mode: GoneMode) {
         self.shared.lock().gone_mode = mode;
+    }
+
+    /// Whether streaming lists (`sendInitialEvents=true`) are served; when not, they get 422
+    /// Invalid, as from an API server without the `WatchList` feature.
+    pub fn set_watch_list(&self, on: bool) {
+        self.shared.lock().watch_list = on;
     }
 
     /// The next status patches fail with these HTTP codes, in order.
@@ -734,6 +755,7 @@ async fn watch_nodes(shared: &Arc<Shared>, rec: &RecordedRequest, epoch: u64) ->
         }
     }
     let bookmarks = rec.query.get("allowWatchBookmarks").map(String::as_str) == Some("true");
+    let streaming = rec.is_streaming_list();
     let from = rec
         .query
         .get("resourceVersion")
@@ -748,7 +770,26 @@ async fn watch_nodes(shared: &Arc<Shared>, rec: &RecordedRequest, epoch: u64) ->
                 .body(Body::empty())
                 .unwrap_or_default();
         }
-        let backlog: Vec<Bytes> = match from.parse::<u64>() {
+        if streaming {
+            // What the real API server checks of a streaming list.
+            let refused = if !st.watch_list {
+                Some(
+                    "sendInitialEvents is forbidden for watch unless the WatchList feature gate is enabled",
+                )
+            } else if rec.query.get("resourceVersionMatch").map(String::as_str)
+                != Some("NotOlderThan")
+            {
+                Some("sendInitialEvents requires resourceVersionMatch=NotOlderThan")
+            } else if !bookmarks {
+                Some("sendInitialEvents requires allowWatchBookmarks=true")
+            } else {
+                None
+            };
+            if let Some(message) = refused {
+                return json_response(422, &status(422, "Invalid", message));
+            }
+        }
+        let mut backlog: Vec<Bytes> = match from.parse::<u64>() {
             // No version (or "0"): the current state as ADDED events, then live changes.
             Err(_) | Ok(0) => st
                 .nodes
@@ -783,6 +824,16 @@ async fn watch_nodes(shared: &Arc<Shared>, rec: &RecordedRequest, epoch: u64) ->
                 .map(|(_, l)| l.clone())
                 .collect(),
         };
+        if streaming {
+            // The end of the initial events: a bookmark at the state they showed.
+            let mut l = serde_json::to_vec(&json!({"type": "BOOKMARK", "object": {
+                "kind": "Node", "apiVersion": "v1",
+                "metadata": {"resourceVersion": st.rv.to_string(),
+                             "annotations": {"k8s.io/initial-events-end": "true"}}}}))
+            .unwrap_or_default();
+            l.push(b'\n');
+            backlog.push(Bytes::from(l));
+        }
         (backlog, shared.events.subscribe())
     };
     let live = futures::stream::unfold(rx, move |mut rx| async move {

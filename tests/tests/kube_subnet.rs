@@ -556,12 +556,8 @@ async fn the_fake_api_server_pages_lists() -> Result<()> {
     Ok(())
 }
 
-/// A cluster larger than a page (1,201 Nodes, 500 a page): the agent lists it in three pages,
-/// each a consistent read continuing the last (never `resourceVersion=0`, which the real API
-/// server answers whole from its cache, 70 MB at 5,000 realistic Nodes), and its first
-/// complete set holds every node.
-#[tokio::test]
-async fn a_large_cluster_is_listed_in_pages() -> Result<()> {
+/// 1,201 Nodes, each with its own /24 under `10.0.0.0/8`, and the config for it.
+async fn large_cluster() -> Result<Env> {
     let nodes: Vec<Value> = (0..1201u32)
         .map(|i| {
             managed(
@@ -574,39 +570,141 @@ async fn a_large_cluster_is_listed_in_pages() -> Result<()> {
         .collect();
     let env = Env::new(nodes).await?;
     env.set_conf(r#"{"Network": "10.0.0.0/8", "Backend": {"Type": "vxlan"}}"#)?;
-    let mut w = Watch::start(env.manager("n9999")?);
+    Ok(env)
+}
+
+/// Waits for the first complete set of [`large_cluster`], checks it, and that no snapshot
+/// published complete held part of it.
+async fn all_of_the_large_cluster(w: &mut Watch) -> Result<()> {
     let s = w.until("synced", |s| s.synced).await?;
     assert_eq!(s.leases.len(), 1201);
     assert_eq!(
         s.leases["node/n1200"].subnet,
         Some("10.5.176.0/24".parse()?)
     );
-    let lists = env.requests(RecordedRequest::is_node_list);
-    let asked: Vec<(Option<&str>, bool, Option<&str>)> = lists
-        .iter()
-        .map(|r| {
-            (
-                r.query.get("limit").map(String::as_str),
-                r.query.contains_key("continue"),
-                r.query.get("resourceVersion").map(String::as_str),
-            )
-        })
-        .collect();
-    assert_eq!(
-        asked,
-        [
-            (Some("500"), false, None),
-            (Some("500"), true, None),
-            (Some("500"), true, None)
-        ]
-    );
-    // Only the first snapshot is published complete: none holds part of the list.
     assert!(
         w.seen
             .lock()
             .unwrap()
             .iter()
-            .all(|s| !s.synced || s.leases.len() == 1201)
+            .all(|s| !s.synced || s.leases.len() >= 1201)
+    );
+    Ok(())
+}
+
+/// What a Node list request asked for.
+#[derive(Debug, Clone, PartialEq)]
+struct ListQuery {
+    /// `limit`.
+    limit: Option<&'static str>,
+    /// A `continue` token given.
+    continued: bool,
+    /// `resourceVersion`.
+    rv: Option<&'static str>,
+    /// `sendInitialEvents=true`.
+    streaming: bool,
+}
+
+/// A streaming list from the API server's cache.
+const STREAMING: ListQuery = ListQuery {
+    limit: None,
+    continued: false,
+    rv: Some("0"),
+    streaming: true,
+};
+/// The first page of a consistent read.
+const FIRST_PAGE: ListQuery = ListQuery {
+    limit: Some("500"),
+    continued: false,
+    rv: None,
+    streaming: false,
+};
+/// A further page.
+const NEXT_PAGE: ListQuery = ListQuery {
+    limit: Some("500"),
+    continued: true,
+    rv: None,
+    streaming: false,
+};
+
+/// Each Node list request, as one of [`STREAMING`], [`FIRST_PAGE`] or [`NEXT_PAGE`] where it
+/// is one.
+fn list_queries(env: &Env) -> Vec<ListQuery> {
+    let known = |value: Option<&String>| -> Option<&'static str> {
+        match value.map(String::as_str) {
+            Some("0") => Some("0"),
+            Some("500") => Some("500"),
+            Some(_) => Some("other"),
+            None => None,
+        }
+    };
+    env.requests(RecordedRequest::is_node_list)
+        .iter()
+        .map(|r| ListQuery {
+            limit: known(r.query.get("limit")),
+            continued: r.query.contains_key("continue"),
+            rv: known(r.query.get("resourceVersion")),
+            streaming: r.is_streaming_list(),
+        })
+        .collect()
+}
+
+/// A cluster of 1,201 Nodes from an API server that streams lists (`WatchList`, on by
+/// default in Kubernetes 1.34): one streaming list (from its cache, `resourceVersion=0`,
+/// `sendInitialEvents=true`), no plain list, every node in the first complete set, and the
+/// same watch then carries live changes.
+#[tokio::test]
+async fn a_large_cluster_arrives_in_one_streaming_list() -> Result<()> {
+    let env = large_cluster().await?;
+    let mut w = Watch::start(env.manager("n9999")?);
+    all_of_the_large_cluster(&mut w).await?;
+    assert_eq!(list_queries(&env), [STREAMING]);
+    let lists = env.requests(RecordedRequest::is_node_list);
+    assert_eq!(
+        lists[0]
+            .query
+            .get("resourceVersionMatch")
+            .map(String::as_str),
+        Some("NotOlderThan")
+    );
+    env.server
+        .apply_node(managed("n9000", &["10.9.0.0/24"], "192.168.1.12", 2));
+    w.until("a node added", |s| s.leases.contains_key("node/n9000"))
+        .await?;
+    assert_eq!(env.requests(RecordedRequest::is_node_watch).len(), 1);
+    w.stop().await
+}
+
+/// The same cluster from an API server that refuses streaming lists (422, as 1.33 does by
+/// default): the agent lists it in three pages of 500 instead, each a consistent read
+/// continuing the last (never `resourceVersion=0`, which the real API server answers whole
+/// from its cache, 70 MB at 5,000 realistic Nodes), and keeps to pages when it lists again
+/// after a compaction, without asking for a streaming list a second time.
+#[tokio::test]
+async fn an_api_server_without_streaming_lists_is_listed_in_pages() -> Result<()> {
+    let env = large_cluster().await?;
+    env.server.set_watch_list(false);
+    let mut w = Watch::start(env.manager("n9999")?);
+    all_of_the_large_cluster(&mut w).await?;
+    assert_eq!(
+        list_queries(&env),
+        [STREAMING, FIRST_PAGE, NEXT_PAGE, NEXT_PAGE]
+    );
+    // Its history compacted while the watch is away: listed again, in pages.
+    env.server.wait_for_open_watches(1).await?;
+    env.server.pause_watches();
+    env.server.delete_node("n0000");
+    env.server.compact();
+    env.server.resume_watches();
+    w.until("n0000 gone", |s| {
+        s.synced && s.leases.len() == 1200 && !s.leases.contains_key("node/n0000")
+    })
+    .await?;
+    assert_eq!(
+        list_queries(&env),
+        [
+            STREAMING, FIRST_PAGE, NEXT_PAGE, NEXT_PAGE, FIRST_PAGE, NEXT_PAGE, NEXT_PAGE
+        ]
     );
     w.stop().await
 }

@@ -851,6 +851,13 @@ async fn sleep_before(deadline: Instant, interval: Duration) -> bool {
 /// answered with HTTP 410 is treated the same way here (the watcher alone would retry the
 /// expired version forever). The store swaps a relisting in at its end. It keeps each Node
 /// cut down to what the leases read ([`lean`]).
+///
+/// The list is a streaming one where the API server serves them (`sendInitialEvents`, the
+/// `WatchList` feature: on by default since Kubernetes 1.34): every Node comes from the API
+/// server's cache as a watch event, one at a time, so neither etcd nor the agent's memory
+/// sees the whole list at once. An API server that refuses it (422 Invalid: 1.33, before
+/// 1.32, or the feature turned off) is listed in pages of 500 instead (consistent reads), for
+/// as long as the agent runs.
 async fn run_node_watch(
     api: Api<lean::LeanNode>,
     mut writer: reflector::store::Writer<Node>,
@@ -858,12 +865,20 @@ async fn run_node_watch(
     prefix: String,
 ) {
     let reader = writer.as_reader();
+    let mut streaming = true;
     loop {
-        let stream = watcher(api.clone(), watcher::Config::default()).default_backoff();
+        let config = if streaming {
+            watcher::Config::default().streaming_lists()
+        } else {
+            watcher::Config::default()
+        };
+        let stream = watcher(api.clone(), config).default_backoff();
         let mut stream = std::pin::pin!(stream);
+        let mut listed = false;
         while let Some(item) = stream.next().await {
             match item {
                 Ok(event) => {
+                    listed |= matches!(event, watcher::Event::InitDone);
                     let event = lean::event(event, &prefix);
                     // Announced: deletions, relists, and updates of what the cache holds
                     // (not status updates, which would rebuild the lease set of every node
@@ -884,6 +899,18 @@ async fn run_node_watch(
                     if status.code == 410 =>
                 {
                     tracing::info!("node watch expired ({}), listing again", status.message);
+                    break;
+                }
+                Err(watcher::Error::WatchStartFailed(kube::Error::Api(status)))
+                    if streaming && !listed && matches!(status.code, 400 | 422) =>
+                {
+                    tracing::info!(
+                        "the API server does not stream lists (HTTP {}: {}); listing Nodes in \
+                         pages instead",
+                        status.code,
+                        status.message
+                    );
+                    streaming = false;
                     break;
                 }
                 Err(watcher::Error::WatchError(status)) if status.code == 410 => {
