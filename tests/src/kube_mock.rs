@@ -113,8 +113,8 @@ struct State {
     /// Watches from a resourceVersion below this get 410 Gone.
     oldest: u64,
     gone_mode: GoneMode,
-    /// Streaming lists are served (the `WatchList` feature: on by default since Kubernetes
-    /// 1.34, off in 1.33 and before 1.32).
+    /// Streaming lists are served (the `WatchList` feature: on by default in Kubernetes
+    /// 1.34, off in 1.33).
     watch_list: bool,
     /// Incremented by every "close all watches", so a watch request still being set up
     /// when the close happens is closed too.

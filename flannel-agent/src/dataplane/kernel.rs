@@ -401,7 +401,7 @@ fn op_object(op: &Op) -> &'static str {
     }
 }
 
-/// The entry a deletion removes, as the kernel's notification of it names it.
+/// The entry an operation writes or removes, as the kernel's notification of it names it.
 fn op_entry(op: &Op) -> Option<Entry> {
     match op {
         Op::ReplaceRoute(route) | Op::DeleteRoute(route) => Some(Entry::Route {

@@ -6,7 +6,9 @@
 //! * on link events that concern its devices or the external interface (a deleted
 //!   `flannel.<VNI>` is recreated with its persisted MAC and all peers are programmed again in
 //!   the same pass), and on the removal of one of its routes, neighbours or FDB entries by
-//!   something else (its own deletions are told apart, [`super::removals`]),
+//!   something else, or a change to them (a route where a peer's may be, a static neighbour
+//!   or FDB entry on one of its devices: its own writes and deletions are told apart,
+//!   [`super::own_changes`]),
 //! * every `--resync-interval` seconds, which heals drift (a route deleted by hand comes back,
 //!   a stray route with the flannel protocol goes away).
 //!
@@ -223,7 +225,7 @@ pub struct Reconciler {
     config: ReconcilerConfig,
     status: watch::Sender<DataplaneStatus>,
     notes: NoteLog,
-    /// What the appliers deleted, whose removal notifications are not a reason to reconcile.
+    /// What the appliers wrote or deleted, whose notifications are not a reason to reconcile.
     own_changes: OwnChanges,
     first: bool,
 }
@@ -694,7 +696,7 @@ impl Reconciler {
                 },
                 trigger = triggers.next(), if links_open => match trigger.map(Into::into) {
                     Some(Trigger::Kernel(event)) => {
-                        // The notification of one of the appliers' own deletions is not.
+                        // The notification of one of the appliers' own changes is not.
                         if self.concerns(&event) && !self.own_changes.is_own(&event) {
                             pending = true;
                             full = true;

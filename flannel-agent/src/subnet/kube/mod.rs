@@ -853,10 +853,10 @@ async fn sleep_before(deadline: Instant, interval: Duration) -> bool {
 /// cut down to what the leases read ([`lean`]).
 ///
 /// The list is a streaming one where the API server serves them (`sendInitialEvents`, the
-/// `WatchList` feature: on by default since Kubernetes 1.34): every Node comes from the API
+/// `WatchList` feature, on by default in Kubernetes 1.34): every Node comes from the API
 /// server's cache as a watch event, one at a time, so neither etcd nor the agent's memory
-/// sees the whole list at once. An API server that refuses it (422 Invalid: 1.33, before
-/// 1.32, or the feature turned off) is listed in pages of 500 instead (consistent reads), for
+/// sees the whole list at once. An API server that refuses it (422 Invalid: the feature off,
+/// as in 1.33 by default) is listed in pages of 500 instead (consistent reads), for
 /// as long as the agent runs.
 async fn run_node_watch(
     api: Api<lean::LeanNode>,
