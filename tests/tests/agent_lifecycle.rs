@@ -94,6 +94,56 @@ fn entries_changed_by_hand_come_back() {
     }
 }
 
+/// Something that keeps undoing the agent's route (another controller: here a loop writing
+/// a blackhole over it every 20 ms for 5 s) is not fought at full speed: the first change
+/// is put back at once, the next ones a second, then 2 s, 4 s... apart, with a warning, so
+/// node1 reconciles a handful of times, not once per change; once the loop stops, the route
+/// is back at the next spaced repair.
+#[test]
+fn a_controller_undoing_the_dataplane_is_not_fought_at_full_speed() {
+    require_root!();
+    let mut s = spec(2, Underlay::L2, "host-gw", 1);
+    s.agent_args = vec!["--resync-interval=3600".into()];
+    with_cluster("host-gw/l2, a route undone again and again", s, |c| {
+        let runs = |c: &Cluster| -> Result<f64> {
+            c.metric(1, "flannel_reconcile_runs_total")?
+                .context("node1 exports no reconcile count")
+        };
+        let node2 = c.subnet_of(2).context("node2's subnet")?.to_string();
+        let ours = |c: &Cluster| -> Result<bool> {
+            let k = c.kernel_state(1)?;
+            Ok(k.routes.iter().any(|r| r.starts_with(&node2)))
+        };
+        ensure!(ours(c)?, "node1 has no route to {node2}");
+        let before = runs(c)?;
+        let node = c.topology().node(1);
+        let started = std::time::Instant::now();
+        let mut changes = 0;
+        while started.elapsed() < Duration::from_secs(5) {
+            node.run(&["ip", "route", "replace", "blackhole", &node2])?;
+            changes += 1;
+            thread::sleep(Duration::from_millis(20));
+        }
+        let during = runs(c)? - before;
+        eprintln!("node1: {during} reconciles for {changes} changes in 5 s");
+        ensure!(changes >= 50, "only {changes} changes in 5 s");
+        ensure!(
+            (1.0..=5.0).contains(&during),
+            "node1 reconciled {during} times for {changes} changes in 5 s"
+        );
+        wait::until_ok(Duration::from_secs(15), "node2's route back", || {
+            ensure!(ours(c)?, "node1's route to {node2} is still undone");
+            Ok(())
+        })?;
+        let log = std::fs::read_to_string(c.topology().node(1).agent_log())?;
+        ensure!(
+            count_lines(&log, "keep being changed or removed by something else") >= 1,
+            "node1's agent did not say that something keeps undoing its entries"
+        );
+        Ok(())
+    });
+}
+
 /// A lease that goes away, and one that comes back, each cost node1's agent one reconcile.
 /// The kernel tells of every route, neighbour and FDB entry removed, added or replaced, and
 /// such a notification brings a reconcile, so that an entry deleted or changed by hand comes

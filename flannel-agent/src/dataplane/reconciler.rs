@@ -50,6 +50,7 @@ use super::{
     own_changes::OwnChanges,
     status::DataplaneStatus,
 };
+use crate::subnet::pace::RewritePace;
 
 /// What makes the reconciler look at the dataplane again, besides the lease set and its
 /// periodic resync ([`Reconciler::run`]).
@@ -646,6 +647,11 @@ impl Reconciler {
         // notification tells of). A reconcile for a new lease snapshot alone diffs against
         // what the last one left.
         let mut full = true;
+        // Repairs of entries something else changed or removed: the first at once, then
+        // spaced (a second, doubling up to a minute while the changes keep coming), so that
+        // another controller undoing them is not fought at full speed.
+        let mut repairs = RewritePace::default();
+        let mut repair_at: Option<Instant> = None;
         loop {
             if pending && retry_at.is_none_or(|t| t <= Instant::now()) {
                 pending = false;
@@ -698,8 +704,6 @@ impl Reconciler {
                     Some(Trigger::Kernel(event)) => {
                         // The notification of one of the appliers' own changes is not.
                         if self.concerns(&event) && !self.own_changes.is_own(&event) {
-                            pending = true;
-                            full = true;
                             if matches!(
                                 event,
                                 LinkEvent::RouteRemoved { .. }
@@ -707,13 +711,24 @@ impl Reconciler {
                                     | LinkEvent::RouteAdded { .. }
                                     | LinkEvent::NeighbourAdded { .. }
                             ) {
-                                // Within the back-off: a failing reconcile's own changes
-                                // must not make it retry at once.
+                                // Within the back-off (a failing reconcile's own changes
+                                // must not make it retry at once), and paced.
                                 tracing::debug!(
                                     ?event,
                                     "an entry of the dataplane was changed or removed"
                                 );
+                                if repair_at.is_none() {
+                                    match repairs.wait_for() {
+                                        None => {
+                                            pending = true;
+                                            full = true;
+                                        }
+                                        Some(at) => repair_at = Some(at),
+                                    }
+                                }
                             } else {
+                                pending = true;
+                                full = true;
                                 tracing::info!(?event, "link change concerns the dataplane");
                                 // A device change is worth an immediate attempt, back-off or
                                 // not.
@@ -742,6 +757,22 @@ impl Reconciler {
                     recheck_at = None;
                     pending = true;
                     full = true;
+                }
+                () = sleep_until_some(repair_at) => {
+                    repair_at = repairs.wait_for();
+                    if repair_at.is_none() {
+                        // Said once the changes have come back twice within their gaps.
+                        if repairs.gap() > 2 * RewritePace::FIRST {
+                            tracing::warn!(
+                                gap = ?repairs.gap(),
+                                "routes, neighbours or FDB entries of the dataplane keep being \
+                                 changed or removed by something else: putting them back \
+                                 again, spaced (up to a minute apart)"
+                            );
+                        }
+                        pending = true;
+                        full = true;
+                    }
                 }
             }
         }

@@ -1,4 +1,5 @@
-//! Pacing the agent's rewrites of what it published when something else changes it.
+//! Pacing the agent's rewrites of what it published, and its repairs of the dataplane's
+//! kernel entries, when something else changes them.
 
 use std::time::Duration;
 
@@ -15,12 +16,20 @@ pub struct RewritePace {
 }
 
 impl RewritePace {
-    const FIRST: Duration = Duration::from_secs(1);
-    const MAX: Duration = Duration::from_secs(60);
+    /// The gap after a rewrite alone.
+    pub const FIRST: Duration = Duration::from_secs(1);
+    /// The longest gap.
+    pub const MAX: Duration = Duration::from_secs(60);
 
     /// `None`: write now (counted as done); `Some(t)`: not before `t`.
     pub fn wait_for(&mut self) -> Option<Instant> {
         self.at(Instant::now())
+    }
+
+    /// The gap the last rewrite set: [`RewritePace::FIRST`] after one alone, longer while
+    /// rewrites keep following each other.
+    pub fn gap(&self) -> Duration {
+        self.gap
     }
 
     fn at(&mut self, now: Instant) -> Option<Instant> {
