@@ -773,9 +773,7 @@ async fn watch_nodes(shared: &Arc<Shared>, rec: &RecordedRequest, epoch: u64) ->
         if streaming {
             // What the real API server checks of a streaming list.
             let refused = if !st.watch_list {
-                Some(
-                    "sendInitialEvents is forbidden for watch unless the WatchList feature gate is enabled",
-                )
+                Some("sendInitialEvents: streaming lists (WatchList) are off on this server")
             } else if rec.query.get("resourceVersionMatch").map(String::as_str)
                 != Some("NotOlderThan")
             {

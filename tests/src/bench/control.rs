@@ -16,6 +16,11 @@
 //! hub, and the agent in kube mode (`--kube-subnet-mgr`, the config as its `net-conf.json`).
 //! A lease event is then a Node created or deleted.
 //!
+//! With `--baseline-agent` another build of the agent runs too, on its own fresh topology for
+//! each N and dataplane, `--rounds` times each, the baseline first in even rounds and second
+//! in odd ones; the report ends with each figure's ratio of the agent's median over the
+//! rounds to the baseline's ([`ratios`]).
+//!
 //! Lease events: after convergence, `--events` times a new lease is put into etcd and the
 //! time until its subnet is in the route map (eBPF) or the kernel's routing table (kernel
 //! path) is measured, then the lease is deleted and the time until it is gone is measured;
