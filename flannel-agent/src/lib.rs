@@ -28,6 +28,7 @@
 //! | [`udp`] | the udp backend's TUN path: `flannel0`, the UDP socket, the forwarding loops |
 //! | [`ipip_rx`] | the eBPF IPIP backend's receive of IPIP packets reassembled by the kernel |
 //! | [`node_lock`] | one agent per node (`<--state-dir>/agent.lock`) |
+//! | [`pace`] | spacing the rewrites of what something else keeps changing |
 
 pub mod alloc;
 pub mod backend;
@@ -49,6 +50,7 @@ pub mod metrics;
 pub mod netconf;
 pub mod netlink;
 pub mod node_lock;
+pub mod pace;
 pub mod subnet;
 pub mod subnet_env;
 pub mod telemetry;

@@ -94,6 +94,12 @@ fn entries_changed_by_hand_come_back() {
     }
 }
 
+/// The reconciles node1's agent has made (`flannel_reconcile_runs_total`).
+fn node1_reconciles(c: &Cluster) -> Result<f64> {
+    c.metric(1, "flannel_reconcile_runs_total")?
+        .context("node1 exports no reconcile count")
+}
+
 /// Something that keeps undoing the agent's route (another controller: here a loop writing
 /// a blackhole over it every 20 ms for 5 s) is not fought at full speed: the first change
 /// is put back at once, the next ones a second, then 2 s, 4 s... apart, with a warning, so
@@ -105,17 +111,13 @@ fn a_controller_undoing_the_dataplane_is_not_fought_at_full_speed() {
     let mut s = spec(2, Underlay::L2, "host-gw", 1);
     s.agent_args = vec!["--resync-interval=3600".into()];
     with_cluster("host-gw/l2, a route undone again and again", s, |c| {
-        let runs = |c: &Cluster| -> Result<f64> {
-            c.metric(1, "flannel_reconcile_runs_total")?
-                .context("node1 exports no reconcile count")
-        };
         let node2 = c.subnet_of(2).context("node2's subnet")?.to_string();
         let ours = |c: &Cluster| -> Result<bool> {
             let k = c.kernel_state(1)?;
             Ok(k.routes.iter().any(|r| r.starts_with(&node2)))
         };
         ensure!(ours(c)?, "node1 has no route to {node2}");
-        let before = runs(c)?;
+        let before = node1_reconciles(c)?;
         let node = c.topology().node(1);
         let started = std::time::Instant::now();
         let mut changes = 0;
@@ -124,7 +126,7 @@ fn a_controller_undoing_the_dataplane_is_not_fought_at_full_speed() {
             changes += 1;
             thread::sleep(Duration::from_millis(20));
         }
-        let during = runs(c)? - before;
+        let during = node1_reconciles(c)? - before;
         eprintln!("node1: {during} reconciles for {changes} changes in 5 s");
         ensure!(changes >= 50, "only {changes} changes in 5 s");
         ensure!(
@@ -157,10 +159,6 @@ fn a_lease_gone_or_back_costs_one_reconcile() {
     // No periodic resync in the windows counted.
     s.agent_args = vec!["--resync-interval=3600".into()];
     with_cluster("vxlan/l2, a lease gone", s, |c| {
-        let runs = |c: &Cluster| -> Result<f64> {
-            c.metric(1, "flannel_reconcile_runs_total")?
-                .context("node1 exports no reconcile count")
-        };
         let node3 = c.subnet_of(3).context("node3's subnet")?;
         let key = c.lease_key(3).context("node3's lease key")?;
         c.agent_mut(3)
@@ -170,7 +168,7 @@ fn a_lease_gone_or_back_costs_one_reconcile() {
             .kv()
             .get(&key)?
             .with_context(|| format!("node3's lease {key}"))?;
-        let before = runs(c)?;
+        let before = node1_reconciles(c)?;
         ensure!(c.kv().delete(&key)?, "node3's lease {key} was not there");
         let prefix = format!("{} ", node3.addr());
         let gone = |c: &Cluster| -> Result<()> {
@@ -193,7 +191,7 @@ fn a_lease_gone_or_back_costs_one_reconcile() {
         wait::until_ok(Duration::from_secs(10), "node3's entries gone", || gone(c))?;
         // Long enough for the notifications and any reconcile they would bring.
         thread::sleep(Duration::from_secs(2));
-        let after = runs(c)?;
+        let after = node1_reconciles(c)?;
         ensure!(
             after - before == 1.0,
             "node1 reconciled {} times for one lease gone ({before} → {after})",
@@ -208,7 +206,7 @@ fn a_lease_gone_or_back_costs_one_reconcile() {
             Ok(())
         })?;
         thread::sleep(Duration::from_secs(2));
-        let back = runs(c)?;
+        let back = node1_reconciles(c)?;
         ensure!(
             back - after == 1.0,
             "node1 reconciled {} times for one lease back ({after} → {back})",
@@ -229,7 +227,7 @@ fn a_lease_gone_or_back_costs_one_reconcile() {
             );
             Ok(())
         })?;
-        let again = runs(c)?;
+        let again = node1_reconciles(c)?;
         ensure!(again > after, "no reconcile for the route deleted by hand");
         Ok(())
     });

@@ -15,39 +15,30 @@ use std::{collections::HashMap, time::Duration};
 
 use tokio::time::Instant;
 
-use crate::netlink::{Entry, LinkEvent};
+use crate::netlink::{Entry, EntryChange, LinkEvent};
 
 /// How long a change waits for its notification.
 pub const KEPT_FOR: Duration = Duration::from_secs(10);
-
-/// What a change did to its entry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Change {
-    /// Added or replaced.
-    Written,
-    /// Removed.
-    Deleted,
-}
 
 /// The entries the appliers wrote or deleted whose notifications have not arrived yet.
 #[derive(Debug, Default)]
 pub struct OwnChanges {
     /// Each change: how many of its notifications are awaited, and until when.
-    awaited: HashMap<(Change, Entry), (u32, Instant)>,
+    awaited: HashMap<(EntryChange, Entry), (u32, Instant)>,
 }
 
 impl OwnChanges {
     /// Remembers that the appliers added or replaced `written` just now.
     pub fn wrote(&mut self, written: impl IntoIterator<Item = Entry>) {
-        self.remember(Change::Written, written);
+        self.remember(EntryChange::Written, written);
     }
 
     /// Remembers that the appliers deleted `removed` just now.
     pub fn deleted(&mut self, removed: impl IntoIterator<Item = Entry>) {
-        self.remember(Change::Deleted, removed);
+        self.remember(EntryChange::Removed, removed);
     }
 
-    fn remember(&mut self, change: Change, entries: impl IntoIterator<Item = Entry>) {
+    fn remember(&mut self, change: EntryChange, entries: impl IntoIterator<Item = Entry>) {
         let now = Instant::now();
         self.awaited.retain(|_, (_, until)| *until > now);
         for entry in entries {
@@ -59,21 +50,10 @@ impl OwnChanges {
 
     /// Whether `event` tells of one of those changes (which it then no longer awaits).
     pub fn is_own(&mut self, event: &LinkEvent) -> bool {
-        let key = match event {
-            LinkEvent::RouteAdded {
-                entry: Some(entry), ..
-            }
-            | LinkEvent::NeighbourAdded {
-                entry: Some(entry), ..
-            } => (Change::Written, *entry),
-            LinkEvent::RouteRemoved {
-                entry: Some(entry), ..
-            }
-            | LinkEvent::NeighbourRemoved {
-                entry: Some(entry), ..
-            } => (Change::Deleted, *entry),
-            _ => return false,
+        let Some((change, Some(entry))) = event.entry_change() else {
+            return false;
         };
+        let key = (change, entry);
         let now = Instant::now();
         match self.awaited.get_mut(&key) {
             Some((count, until)) if *until > now => {
@@ -114,19 +94,38 @@ mod tests {
         }
     }
 
-    fn removed(entry: Entry) -> LinkEvent {
-        match entry {
-            Entry::Route { .. } => LinkEvent::RouteRemoved {
+    /// The kernel's notification of `entry` written or removed.
+    fn told(change: EntryChange, entry: Entry) -> LinkEvent {
+        match (change, entry) {
+            (EntryChange::Written, Entry::Route { .. }) => LinkEvent::RouteAdded {
                 protocol: 165,
                 entry: Some(entry),
             },
-            Entry::Neighbour { index, .. } | Entry::Fdb { index, .. } => {
+            (EntryChange::Removed, Entry::Route { .. }) => LinkEvent::RouteRemoved {
+                protocol: 165,
+                entry: Some(entry),
+            },
+            (EntryChange::Written, Entry::Neighbour { index, .. } | Entry::Fdb { index, .. }) => {
+                LinkEvent::NeighbourAdded {
+                    index,
+                    entry: Some(entry),
+                }
+            }
+            (EntryChange::Removed, Entry::Neighbour { index, .. } | Entry::Fdb { index, .. }) => {
                 LinkEvent::NeighbourRemoved {
                     index,
                     entry: Some(entry),
                 }
             }
         }
+    }
+
+    fn removed(entry: Entry) -> LinkEvent {
+        told(EntryChange::Removed, entry)
+    }
+
+    fn added(entry: Entry) -> LinkEvent {
+        told(EntryChange::Written, entry)
     }
 
     #[tokio::test(start_paused = true)]
@@ -165,21 +164,6 @@ mod tests {
         assert!(!own.is_own(&removed(route("10.244.2.0/24"))));
         assert!(!own.is_own(&removed(neighbour)), "absorbed once only");
         assert!(own.is_empty());
-    }
-
-    fn added(entry: Entry) -> LinkEvent {
-        match entry {
-            Entry::Route { .. } => LinkEvent::RouteAdded {
-                protocol: 165,
-                entry: Some(entry),
-            },
-            Entry::Neighbour { index, .. } | Entry::Fdb { index, .. } => {
-                LinkEvent::NeighbourAdded {
-                    index,
-                    entry: Some(entry),
-                }
-            }
-        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -50,7 +50,7 @@ use super::{
     own_changes::OwnChanges,
     status::DataplaneStatus,
 };
-use crate::subnet::pace::RewritePace;
+use crate::pace::RewritePace;
 
 /// What makes the reconciler look at the dataplane again, besides the lease set and its
 /// periodic resync ([`Reconciler::run`]).
@@ -704,13 +704,7 @@ impl Reconciler {
                     Some(Trigger::Kernel(event)) => {
                         // The notification of one of the appliers' own changes is not.
                         if self.concerns(&event) && !self.own_changes.is_own(&event) {
-                            if matches!(
-                                event,
-                                LinkEvent::RouteRemoved { .. }
-                                    | LinkEvent::NeighbourRemoved { .. }
-                                    | LinkEvent::RouteAdded { .. }
-                                    | LinkEvent::NeighbourAdded { .. }
-                            ) {
+                            if event.entry_change().is_some() {
                                 // Within the back-off (a failing reconcile's own changes
                                 // must not make it retry at once), and paced.
                                 tracing::debug!(

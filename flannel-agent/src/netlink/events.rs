@@ -142,6 +142,31 @@ pub enum LinkEvent {
     Overrun,
 }
 
+/// What happened to a route, neighbour or FDB entry ([`LinkEvent::entry_change`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EntryChange {
+    /// Added or replaced.
+    Written,
+    /// Removed.
+    Removed,
+}
+
+impl LinkEvent {
+    /// For the events that tell of a route, neighbour or FDB entry: whether it was written or
+    /// removed, and which entry (`None` when the message names none the agent can read).
+    pub fn entry_change(&self) -> Option<(EntryChange, Option<Entry>)> {
+        match self {
+            LinkEvent::RouteAdded { entry, .. } | LinkEvent::NeighbourAdded { entry, .. } => {
+                Some((EntryChange::Written, *entry))
+            }
+            LinkEvent::RouteRemoved { entry, .. } | LinkEvent::NeighbourRemoved { entry, .. } => {
+                Some((EntryChange::Removed, *entry))
+            }
+            _ => None,
+        }
+    }
+}
+
 /// Which route, neighbour or FDB entry was added, replaced or removed, as a notification names
 /// it and as the agent names an entry it writes or deletes itself, so that the two can be
 /// matched.

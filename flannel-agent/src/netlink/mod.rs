@@ -56,7 +56,7 @@ use rtnetlink::{
 pub use addresses::{Address, AddressChanges, AddressFlags, AddressScope};
 pub use batch::{DEFAULT_IN_FLIGHT, Op};
 pub use errors::NetlinkError;
-pub use events::{Entry, Events, FdbEvent, FdbEvents, LinkEvent, LinkEvents};
+pub use events::{Entry, EntryChange, Events, FdbEvent, FdbEvents, LinkEvent, LinkEvents};
 pub use links::{
     Incompatibility, IpTunnelInfo, Link, OperState, VXLAN_DEFAULT_PORT, VxlanEnsure, VxlanInfo,
     VxlanSpec,

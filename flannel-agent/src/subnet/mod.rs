@@ -10,7 +10,6 @@
 
 pub mod etcd;
 pub mod kube;
-pub mod pace;
 
 use std::{collections::BTreeMap, sync::Arc};
 

@@ -880,6 +880,89 @@ pub fn an_address_change_is_reported(
     Ok(())
 }
 
+/// What is done by hand to every kernel entry of node `n`'s agent.
+#[derive(Debug, Clone, Copy)]
+enum HandEdit {
+    /// `ip route flush proto 165`, `ip neigh del`, `bridge fdb del`.
+    Delete,
+    /// `ip route replace` with a blackhole, `ip neigh replace` and `bridge fdb replace`
+    /// pointing elsewhere.
+    PointElsewhere,
+}
+
+/// The commands that make `edit` to `want`'s entries.
+fn hand_edits(want: &status::KernelState, edit: HandEdit) -> Result<Vec<Vec<String>>> {
+    let cmd = |words: &[&str]| words.iter().map(|w| (*w).to_owned()).collect::<Vec<_>>();
+    let mut out = Vec::new();
+    match edit {
+        HandEdit::Delete => out.push(cmd(&["ip", "route", "flush", "proto", "165"])),
+        HandEdit::PointElsewhere => {
+            for line in &want.routes {
+                // `<dst> ...`
+                let dst = line
+                    .split_whitespace()
+                    .next()
+                    .context("an empty route line")?;
+                out.push(cmd(&["ip", "route", "replace", "blackhole", dst]));
+            }
+        }
+    }
+    for line in &want.neighbours {
+        // `<ip> lladdr <mac> dev <dev>`
+        let w: Vec<&str> = line.split_whitespace().collect();
+        out.push(match edit {
+            HandEdit::Delete => cmd(&["ip", "neigh", "del", w[0], "dev", w[4]]),
+            HandEdit::PointElsewhere => cmd(&[
+                "ip",
+                "neigh",
+                "replace",
+                w[0],
+                "lladdr",
+                "02:00:00:00:00:99",
+                "dev",
+                w[4],
+            ]),
+        });
+    }
+    for line in &want.fdb {
+        // `<mac> dev <dev> dst <ip>`
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let (verb, dst) = match edit {
+            HandEdit::Delete => ("del", w[4]),
+            HandEdit::PointElsewhere => ("replace", "192.0.2.99"),
+        };
+        out.push(cmd(&["bridge", "fdb", verb, w[0], "dev", w[2], "dst", dst]));
+    }
+    Ok(out)
+}
+
+/// Every kernel entry of node `n`'s agent edited by hand (`edit`): within [`FOLLOW`], well
+/// before the next resync, node `n` holds them all as the agent wrote them, and every pod
+/// reaches every pod through `path`.
+fn edited_by_hand_come_back(
+    cluster: &mut Cluster,
+    path: PathFn<'_>,
+    n: usize,
+    edit: HandEdit,
+) -> Result<()> {
+    let entries = Entries::converged(cluster, path, n)?;
+    ensure!(
+        !entries.kernel.routes.is_empty(),
+        "node{n} has no route to edit"
+    );
+    let node = cluster.topology().node(n);
+    for command in hand_edits(&entries.kernel, edit)? {
+        let words: Vec<&str> = command.iter().map(String::as_str).collect();
+        node.run(&words)?;
+    }
+    entries.back(
+        cluster,
+        path,
+        &format!("entries back after {edit:?}"),
+        || Ok(()),
+    )
+}
+
 /// Every route, neighbour and FDB entry of node `n`'s agent deleted by hand (`ip route flush
 /// proto 165`, `ip neigh del`, `bridge fdb del`): within [`FOLLOW`], well before the next
 /// resync, node `n` holds them all again, and every pod reaches every pod through `path`.
@@ -888,24 +971,7 @@ pub fn entries_deleted_by_hand_come_back(
     path: PathFn<'_>,
     n: usize,
 ) -> Result<()> {
-    let entries = Entries::converged(cluster, path, n)?;
-    let want = &entries.kernel;
-    ensure!(!want.routes.is_empty(), "node{n} has no route to delete");
-    let node = cluster.topology().node(n);
-    node.run(&["ip", "route", "flush", "proto", "165"])?;
-    for line in &want.neighbours {
-        // `<ip> lladdr <mac> dev <dev>`
-        let words: Vec<&str> = line.split_whitespace().collect();
-        node.run(&["ip", "neigh", "del", words[0], "dev", words[4]])?;
-    }
-    for line in &want.fdb {
-        // `<mac> dev <dev> dst <ip>`
-        let words: Vec<&str> = line.split_whitespace().collect();
-        node.run(&[
-            "bridge", "fdb", "del", words[0], "dev", words[2], "dst", words[4],
-        ])?;
-    }
-    entries.back(cluster, path, "entries back", || Ok(()))
+    edited_by_hand_come_back(cluster, path, n, HandEdit::Delete)
 }
 
 /// Node `n`'s routes, neighbours and FDB entries changed by hand where they are (`ip route
@@ -917,47 +983,7 @@ pub fn entries_changed_by_hand_come_back(
     path: PathFn<'_>,
     n: usize,
 ) -> Result<()> {
-    let entries = Entries::converged(cluster, path, n)?;
-    let want = &entries.kernel;
-    ensure!(!want.routes.is_empty(), "node{n} has no route to change");
-    let node = cluster.topology().node(n);
-    for line in &want.routes {
-        // `<dst> ...`
-        let dst = line
-            .split_whitespace()
-            .next()
-            .context("an empty route line")?;
-        node.run(&["ip", "route", "replace", "blackhole", dst])?;
-    }
-    for line in &want.neighbours {
-        // `<ip> lladdr <mac> dev <dev>`
-        let words: Vec<&str> = line.split_whitespace().collect();
-        node.run(&[
-            "ip",
-            "neigh",
-            "replace",
-            words[0],
-            "lladdr",
-            "02:00:00:00:00:99",
-            "dev",
-            words[4],
-        ])?;
-    }
-    for line in &want.fdb {
-        // `<mac> dev <dev> dst <ip>`
-        let words: Vec<&str> = line.split_whitespace().collect();
-        node.run(&[
-            "bridge",
-            "fdb",
-            "replace",
-            words[0],
-            "dev",
-            words[2],
-            "dst",
-            "192.0.2.99",
-        ])?;
-    }
-    entries.back(cluster, path, "entries as written", || Ok(()))
+    edited_by_hand_come_back(cluster, path, n, HandEdit::PointElsewhere)
 }
 
 /// On the fast path, node `n`'s route map entries deleted, then changed, behind the agent's

@@ -13,7 +13,7 @@ use super::backoff::{Backoff, or_cancel};
 use super::registry::{expiration_from_ttl, is_delete};
 use super::{EtcdError, EtcdSubnetManager};
 use crate::lease::Lease;
-use crate::subnet::pace::RewritePace;
+use crate::pace::RewritePace;
 
 /// The shortest wait before a renewal, so that a renew margin as long as the TTL cannot spin.
 const MIN_RENEW_DELAY: Duration = Duration::from_secs(1);

@@ -602,7 +602,7 @@ impl KubeSubnetManager {
             .get(&ObjectRef::new(&self.node_name))
             .and_then(|own| own.metadata.uid.clone());
         let mut gone = false;
-        let mut pace = crate::subnet::pace::RewritePace::default();
+        let mut pace = crate::pace::RewritePace::default();
         loop {
             changes.borrow_and_update();
             let cached = cache.store.get(&ObjectRef::new(&self.node_name));
@@ -691,7 +691,7 @@ impl KubeSubnetManager {
         rewrite: BTreeMap<String, String>,
         uid: Option<String>,
         known_uid: &mut Option<String>,
-        pace: &mut crate::subnet::pace::RewritePace,
+        pace: &mut crate::pace::RewritePace,
     ) -> Option<Instant> {
         if !rewrite.is_empty() {
             if let Some(at) = pace.wait_for() {
