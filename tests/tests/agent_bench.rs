@@ -15,7 +15,7 @@ use flannel_common::programs::{TC_FROM_BRIDGE, TC_FROM_NETDEV};
 use flannel_tests::{
     bench::{
         control::{self, ControlOptions},
-        crr, dataplane,
+        control_floor, crr, dataplane,
         learn::{self, LearnOptions},
         measure::{self, Latency, RrTool},
         programs::{self, ProgramsOptions},
@@ -470,10 +470,9 @@ fn control_bench_runs(kube: bool, dataplanes: Vec<Dataplane>) {
     };
     let results =
         control::run(&opts, &|m| eprintln!("{m}"), &|| false).unwrap_or_else(|e| panic!("{e:#}"));
-    eprintln!(
-        "{}",
-        control::markdown(&results, &flannel_tests::bench::report::Machine::current())
-    );
+    let report = control::markdown(&results, &flannel_tests::bench::report::Machine::current());
+    eprintln!("{report}");
+    assert_eq!(report.contains("The agent against the floor"), !kube);
     assert_eq!(results.len(), dataplanes.len());
     for r in &results {
         assert_eq!(r.error, None);
@@ -495,6 +494,7 @@ fn control_bench_runs(kube: bool, dataplanes: Vec<Dataplane>) {
             r.event_reconcile_ms.is_some_and(|l| (1..=6).contains(&l.n)),
             "{r:?}"
         );
+        check_floor(r, kube);
         let appliers: Vec<&str> = r.applier_seconds.iter().map(|(n, _)| n.as_str()).collect();
         match r.dataplane.as_str() {
             "kernel" => {
@@ -528,6 +528,48 @@ fn control_bench_runs(kube: bool, dataplanes: Vec<Dataplane>) {
             other => panic!("dataplane {other}"),
         }
     }
+}
+
+/// With etcd, the run's floor was measured (300 leases listed and their kernel entries
+/// written, or it fails; the 3 event leases seen by the bare watcher) and the report's ratios
+/// are the run's figures over it. Kube mode has none.
+fn check_floor(r: &control::ControlResult, kube: bool) {
+    let Some(floor) = &r.floor else {
+        assert!(kube, "no floor with etcd: {r:?}");
+        return;
+    };
+    assert!(!kube, "a floor in kube mode: {r:?}");
+    assert!(
+        floor.list_seconds > 0.0 && floor.kernel_seconds > 0.0,
+        "{floor:?}"
+    );
+    assert_eq!(floor.event_add_ms.map(|l| l.n), Some(3), "{floor:?}");
+    assert_eq!(floor.event_delete_ms.map(|l| l.n), Some(3), "{floor:?}");
+    let ratio = control_floor::ratio(r).unwrap_or_else(|| panic!("no ratio: {r:?}"));
+    let close = |got: Option<f64>, want: f64| got.is_some_and(|g| (g - want).abs() < 1e-9);
+    let converge = r.converge_seconds.unwrap_or(f64::NAN);
+    assert!(
+        close(
+            ratio.converge,
+            converge / (floor.list_seconds + floor.kernel_seconds)
+        ),
+        "{ratio:?}"
+    );
+    let p50 = |l: Option<control::Latency>| l.map_or(f64::NAN, |l| l.p50);
+    assert!(
+        close(
+            ratio.event_add,
+            p50(r.event_add_ms) / p50(floor.event_add_ms)
+        ),
+        "{ratio:?}"
+    );
+    assert!(
+        close(
+            ratio.event_delete,
+            p50(r.event_delete_ms) / p50(floor.event_delete_ms)
+        ),
+        "{ratio:?}"
+    );
 }
 
 /// The bench's fast-path share, measured as `bench dataplane` measures it, on the variant where

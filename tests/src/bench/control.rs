@@ -25,6 +25,11 @@
 //! time until its subnet is in the route map (eBPF) or the kernel's routing table (kernel
 //! path) is measured, then the lease is deleted and the time until it is gone is measured;
 //! the map is read with one lookup syscall per poll, the routing table with `ip route show`.
+//!
+//! With etcd, each run first measures its floor in the same topology ([`control_floor`]):
+//! listing the leases with a bare client, writing their kernel entries with iproute2, and a
+//! bare watcher's delivery of the same lease events; the report gives the agent's figures
+//! over it.
 
 use std::{
     fmt::Write as _,
@@ -39,7 +44,10 @@ use serde::Serialize;
 use serde_json::json;
 use std::net::Ipv4Addr;
 
-use super::report::{Machine, utc_now};
+use super::{
+    control_floor::{self, Floor},
+    report::{Machine, utc_now},
+};
 use crate::{
     etcd::Etcd,
     kube_mock::{self, MockApiServer},
@@ -122,6 +130,8 @@ pub struct ControlResult {
     pub event_ebpf_ms: Option<Latency>,
     /// Agent's `VmHWM` at that point, KiB.
     pub peak_rss_kib: Option<u64>,
+    /// The floor measured in the same topology before the agent started (etcd only).
+    pub floor: Option<Floor>,
     /// Routes in the kernel at the end.
     pub routes: usize,
     /// Neighbours in the kernel at the end.
@@ -235,7 +245,9 @@ fn one(
     log(&format!(
         "{n} leases, {dataplane}, {role}: building a one-node topology with {what}"
     ));
-    let topo = Topology::new(TopologySpec::new(1, Underlay::L2))?;
+    // With etcd, a second node where the floor writes its kernel entries.
+    let nodes = if opts.kube { 1 } else { 2 };
+    let topo = Topology::new(TopologySpec::new(nodes, Underlay::L2))?;
     let store = if opts.kube {
         Store::kube(&topo)?
     } else {
@@ -268,6 +280,7 @@ fn one(
         event_reconcile_ms: None,
         event_ebpf_ms: None,
         peak_rss_kib: None,
+        floor: None,
         routes: 0,
         neighbours: 0,
         fdb: 0,
@@ -276,6 +289,21 @@ fn one(
     let Some(agent) = agent else {
         return Ok(result);
     };
+    if let Store::Etcd { endpoint, .. } = &store {
+        let kv = Kv::new(topo.node(1).ns(), endpoint.clone());
+        let event = |i| event_lease(i).map(|(key, value, _)| (key, value));
+        let floor = control_floor::measure(&kv, n, topo.node(2), opts.events, &event)
+            .context("the floor")?;
+        log(&format!(
+            "{n} leases, {dataplane}, {role}: floor: listed in {:.3} s, kernel written in {:.3} s, \
+             lease event add {} / delete {} ms at a bare watcher",
+            floor.list_seconds,
+            floor.kernel_seconds,
+            or_dash(floor.event_add_ms),
+            or_dash(floor.event_delete_ms),
+        ));
+        result.floor = Some(floor);
+    }
     let mut base = AgentSpec::new(agent, "");
     base.dataplane = Some(dataplane);
     let spec = store.agent_spec(topo.node(1), &base)?;
@@ -864,6 +892,7 @@ pub fn markdown(results: &[ControlResult], machine: &Machine) -> String {
                 .unwrap_or_default()
         );
     }
+    floor_section(&mut out, results);
     let ratios = ratios(results);
     if !ratios.is_empty() {
         out.push_str(
@@ -893,6 +922,43 @@ pub fn markdown(results: &[ControlResult], machine: &Machine) -> String {
     out
 }
 
+/// The report's floor table: each run's floor and its figures over it.
+fn floor_section(out: &mut String, results: &[ControlResult]) {
+    if results.iter().all(|r| r.floor.is_none()) {
+        return;
+    }
+    out.push_str(
+        "\n## The agent against the floor\n\nThe floor, measured in the same topology before \
+         each agent started: one etcd client lists the leases with one range and parses them \
+         (list), iproute2 writes their routes, neighbours and FDB entries onto a VXLAN device \
+         in a second namespace (`ip -batch`, `bridge -batch`: kernel), and a bare watcher \
+         on the subnets prefix times each event lease from the start of its put (delete) \
+         until it has the event. Ratios: the agent's kernel complete over list + kernel, its \
+         lease event p50 over the watcher's.\n\n\
+         | agent | leases | dataplane | list (s) | kernel (s) | watcher add (ms) | watcher delete (ms) | kernel complete | event add p50 | event delete p50 |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    let x = |v: Option<f64>| or_dash(v.map(|r| format!("{r:.1}×")));
+    for r in results {
+        let Some(floor) = &r.floor else { continue };
+        let ratio = control_floor::ratio(r);
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {:.3} | {:.3} | {} | {} | {} | {} | {} |",
+            r.agent,
+            r.leases,
+            r.dataplane,
+            floor.list_seconds,
+            floor.kernel_seconds,
+            or_dash(floor.event_add_ms),
+            or_dash(floor.event_delete_ms),
+            x(ratio.as_ref().and_then(|q| q.converge)),
+            x(ratio.as_ref().and_then(|q| q.event_add)),
+            x(ratio.as_ref().and_then(|q| q.event_delete)),
+        );
+    }
+}
+
 /// Writes `<dir>/<stamp>-control.{md,json}`.
 pub fn write(results: &[ControlResult], dir: &Path) -> Result<Vec<PathBuf>> {
     let machine = Machine::current();
@@ -904,9 +970,12 @@ pub fn write(results: &[ControlResult], dir: &Path) -> Result<Vec<PathBuf>> {
     let js = base.with_extension("json");
     std::fs::write(
         &js,
-        serde_json::to_string_pretty(
-            &json!({"machine": machine, "results": results, "ratios": ratios(results)}),
-        )?,
+        serde_json::to_string_pretty(&json!({
+            "machine": machine,
+            "results": results,
+            "against_floor": results.iter().map(control_floor::ratio).collect::<Vec<_>>(),
+            "ratios": ratios(results),
+        }))?,
     )?;
     Ok(vec![md, js])
 }
@@ -968,6 +1037,7 @@ mod tests {
             event_reconcile_ms: None,
             event_ebpf_ms: None,
             peak_rss_kib: Some(40_000),
+            floor: None,
             routes: 5000,
             neighbours: 5000,
             fdb: 5000,

@@ -22,6 +22,7 @@
 //! | [`report`] | Markdown, JSON and SVG output with the machine header |
 
 pub mod control;
+pub mod control_floor;
 pub mod crr;
 pub mod dataplane;
 pub mod floor;
