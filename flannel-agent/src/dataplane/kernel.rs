@@ -280,6 +280,65 @@ fn is_fdb_candidate(e: &FdbEntry) -> bool {
     e.flags.contains(NeighbourFlags::SELF) && e.dst.is_some() && e.master.is_none()
 }
 
+/// [`plan`] against what the last complete sync left ([`Observed::left_by`] of `left`), without
+/// building that listing or indexing it: both sides are keyed already, so each wanted object
+/// is one lookup in `left` and each left one a lookup in `desired`. The same operations in the
+/// same order as `plan(desired, &Observed::left_by(left), mode)`.
+pub fn plan_from_left(desired: &KernelObjects, left: &KernelObjects, mode: SyncMode) -> Plan {
+    let mut plan = Plan::default();
+    for (&(ifindex, ip), &mac) in &desired.neighbours {
+        match left.neighbours.get(&(ifindex, ip)) {
+            Some(&have) if have == mac => plan.unchanged += 1,
+            Some(_) => plan
+                .ops
+                .push((Action::Replace, Op::ReplaceNeighbour { ifindex, ip, mac })),
+            None => plan
+                .ops
+                .push((Action::Add, Op::ReplaceNeighbour { ifindex, ip, mac })),
+        }
+    }
+    for &(ifindex, mac, dst) in &desired.fdb {
+        if left.fdb.contains(&(ifindex, mac, dst)) {
+            plan.unchanged += 1;
+        } else {
+            plan.ops
+                .push((Action::Add, Op::ReplaceFdb { ifindex, mac, dst }));
+        }
+    }
+    for (key, want) in &desired.routes {
+        match left.routes.get(key) {
+            Some(have) if same_route(want, have) => plan.unchanged += 1,
+            Some(_) => plan
+                .ops
+                .push((Action::Replace, Op::ReplaceRoute(want.clone()))),
+            None => plan.ops.push((Action::Add, Op::ReplaceRoute(want.clone()))),
+        }
+    }
+    if mode == SyncMode::Full {
+        let routes = left
+            .routes
+            .iter()
+            .filter(|(key, _)| !desired.routes.contains_key(key))
+            .map(|(_, have)| Op::DeleteRoute(have.clone()));
+        let neighbours = left
+            .neighbours
+            .keys()
+            .filter(|key| !desired.neighbours.contains_key(key))
+            .map(|&(ifindex, ip)| Op::DeleteNeighbour { ifindex, ip });
+        let fdb = left
+            .fdb
+            .difference(&desired.fdb)
+            .map(|&(ifindex, mac, dst)| Op::DeleteFdb { ifindex, mac, dst });
+        plan.ops.extend(
+            routes
+                .chain(neighbours)
+                .chain(fdb)
+                .map(|op| (Action::Delete, op)),
+        );
+    }
+    plan
+}
+
 /// Computes the operations that turn `observed` into `desired`.
 pub fn plan(desired: &KernelObjects, observed: &Observed, mode: SyncMode) -> Plan {
     let mut plan = Plan::default();
@@ -478,21 +537,16 @@ impl KernelApplier {
         // it: yielding between the steps lets a newer lease snapshot reach the quick appliers
         // (the eBPF maps) meanwhile, as the kernel's listings used to.
         tokio::task::yield_now().await;
-        let observed = match self.left.take().filter(|left| left.devices == devices) {
-            Some(left) => {
-                let observed = Observed::left_by(&left.objects);
-                tokio::task::yield_now().await;
-                observed
-            }
+        let plan = match self.left.take().filter(|left| left.devices == devices) {
+            Some(left) => plan_from_left(&want, &left.objects, mode),
             None => match Observed::read(&self.nl, local).await {
-                Ok(o) => o,
+                Ok(observed) => plan(&want, &observed, mode),
                 Err(e) => {
                     report.fail(error_kind("list", &e), e.to_string());
                     return report;
                 }
             },
         };
-        let plan = plan(&want, &observed, mode);
         tokio::task::yield_now().await;
         report.stats.unchanged = plan.unchanged;
         report.stats.ops = plan.ops.len() as u64;
@@ -855,7 +909,63 @@ mod tests {
             assert!(!from_left.ops.is_empty(), "{what}: nothing to do");
             assert_eq!(named(&from_left), named(&from_kernel), "{what}");
             assert_eq!(from_left.unchanged, from_kernel.unchanged, "{what}");
+            assert_eq!(
+                plan_from_left(&want, &left, SyncMode::Full),
+                from_left,
+                "{what}"
+            );
         }
+    }
+
+    /// Random kernel objects over a small pool of subnets, MACs and gateways, so that two of
+    /// them share some keys with equal values, some with other values, and miss others.
+    fn random_objects(rng: &mut impl rand::Rng) -> KernelObjects {
+        let mut objects = KernelObjects::default();
+        for _ in 0..rng.random_range(0..40) {
+            let k: u8 = rng.random_range(0..30);
+            let subnet = net(&format!("10.244.{k}.0/24"));
+            let route = if rng.random_bool(0.7) {
+                Route::new(subnet)
+                    .via(ip(&format!("10.244.{k}.0")))
+                    .dev(VX4)
+                    .onlink()
+            } else {
+                let gw = rng.random_range(1..3);
+                Route::new(subnet)
+                    .via(ip(&format!("192.168.10.{gw}")))
+                    .dev(EXT)
+            };
+            objects.routes.insert(route_key(&route), route);
+            let m = mac(k.wrapping_add(rng.random_range(0..2)));
+            objects
+                .neighbours
+                .insert((VX4, ip(&format!("10.244.{k}.0"))), m.octets());
+            let dst = ip(&format!("192.168.10.{}", rng.random_range(1..3)));
+            objects.fdb.insert((VX4, m.octets(), dst));
+        }
+        objects
+    }
+
+    /// Planning against what the last sync left, without listing it, plans exactly what
+    /// planning against its listing does, for random pairs in both modes.
+    #[test]
+    fn planning_from_what_was_left_equals_planning_from_its_listing() {
+        use rand::{SeedableRng as _, rngs::StdRng};
+        let mut rng = StdRng::seed_from_u64(11);
+        let mut changed = 0;
+        for _ in 0..2_000 {
+            let (want, left) = (random_objects(&mut rng), random_objects(&mut rng));
+            for mode in [SyncMode::Full, SyncMode::AddOnly] {
+                let expected = plan(&want, &Observed::left_by(&left), mode);
+                changed += usize::from(!expected.ops.is_empty());
+                assert_eq!(
+                    plan_from_left(&want, &left, mode),
+                    expected,
+                    "want {want:?}\nleft {left:?}"
+                );
+            }
+        }
+        assert!(changed > 1_000, "the random pairs seldom differ: {changed}");
     }
 
     #[test]
