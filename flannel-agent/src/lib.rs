@@ -29,6 +29,7 @@
 //! | [`ipip_rx`] | the eBPF IPIP backend's receive of IPIP packets reassembled by the kernel |
 //! | [`node_lock`] | one agent per node (`<--state-dir>/agent.lock`) |
 //! | [`pace`] | spacing the rewrites of what something else keeps changing |
+//! | [`sorted`] | walking two sorted maps side by side (the appliers' diffs) |
 
 pub mod alloc;
 pub mod backend;
@@ -51,6 +52,7 @@ pub mod netconf;
 pub mod netlink;
 pub mod node_lock;
 pub mod pace;
+pub mod sorted;
 pub mod subnet;
 pub mod subnet_env;
 pub mod telemetry;

@@ -37,6 +37,8 @@ use crate::netlink::{
     routes::IP6_DEFAULT_METRIC,
 };
 
+use crate::sorted::{Joined, join};
+
 use super::{
     applier::{Applier, ApplyReport, SyncMode},
     model::{Desired, Local, Reach, subnet_address},
@@ -74,9 +76,15 @@ pub fn route_key(route: &Route) -> RouteKey {
     (route.table, route.dst, metric)
 }
 
-/// Expands the desired peers into kernel objects for node `local`'s devices.
+/// Expands the desired peers into kernel objects for node `local`'s devices. The objects are
+/// gathered first and the maps built from them at once (sorted, then filled in bulk): a lease
+/// event expands every peer, and thousands of single inserts at scattered keys cost several
+/// times more. Of two objects with one key the later one stays, as with inserts.
 pub fn expand(local: &Local, desired: &Desired) -> KernelObjects {
-    let mut out = KernelObjects::default();
+    let mut routes = Vec::new();
+    let mut neighbours = Vec::new();
+    let mut fdb = Vec::new();
+    let mut skipped = 0;
     for (_, path) in desired.paths() {
         let family = path.family();
         let route = match path.reach {
@@ -87,13 +95,13 @@ pub fn expand(local: &Local, desired: &Desired) -> KernelObjects {
                 ..
             } => {
                 let Some(dev) = local.devices.vxlan(family) else {
-                    out.skipped += 1;
+                    skipped += 1;
                     continue;
                 };
                 let next_hop = subnet_address(path.subnet);
                 let mac = vtep_mac.octets();
-                out.neighbours.insert((dev.index, next_hop), mac);
-                out.fdb.insert((dev.index, mac, public_ip));
+                neighbours.push(((dev.index, next_hop), mac));
+                fdb.push((dev.index, mac, public_ip));
                 Route::new(path.subnet)
                     .via(next_hop)
                     .dev(dev.index)
@@ -118,7 +126,7 @@ pub fn expand(local: &Local, desired: &Desired) -> KernelObjects {
                     .onlink()
                     .mtu(local.mtu.flannel_mtu),
                 _ => {
-                    out.skipped += 1;
+                    skipped += 1;
                     continue;
                 }
             },
@@ -126,9 +134,14 @@ pub fn expand(local: &Local, desired: &Desired) -> KernelObjects {
             // kernel only has `<Network> dev flannel0`, set up with the device.
             Reach::Udp { .. } => continue,
         };
-        out.routes.insert(route_key(&route), route);
+        routes.push((route_key(&route), route));
     }
-    out
+    KernelObjects {
+        routes: routes.into_iter().collect(),
+        neighbours: neighbours.into_iter().collect(),
+        fdb: fdb.into_iter().collect(),
+        skipped,
+    }
 }
 
 /// What the kernel holds that the applier owns (see the module documentation).
@@ -281,58 +294,56 @@ fn is_fdb_candidate(e: &FdbEntry) -> bool {
 }
 
 /// [`plan`] against what the last complete sync left ([`Observed::left_by`] of `left`), without
-/// building that listing or indexing it: both sides are keyed already, so each wanted object
-/// is one lookup in `left` and each left one a lookup in `desired`. The same operations in the
-/// same order as `plan(desired, &Observed::left_by(left), mode)`.
+/// building that listing or indexing it: both sides are keyed and sorted already, so one pass
+/// over each kind side by side ([`join`]) finds what to add, replace and delete. The same
+/// operations in the same order as `plan(desired, &Observed::left_by(left), mode)`.
 pub fn plan_from_left(desired: &KernelObjects, left: &KernelObjects, mode: SyncMode) -> Plan {
     let mut plan = Plan::default();
-    for (&(ifindex, ip), &mac) in &desired.neighbours {
-        match left.neighbours.get(&(ifindex, ip)) {
-            Some(&have) if have == mac => plan.unchanged += 1,
-            Some(_) => plan
+    let mut neighbour_deletes = Vec::new();
+    for joined in join(&desired.neighbours, &left.neighbours) {
+        match joined {
+            Joined::Both(_, want, have) if want == have => plan.unchanged += 1,
+            Joined::Both(&(ifindex, ip), &mac, _) => plan
                 .ops
                 .push((Action::Replace, Op::ReplaceNeighbour { ifindex, ip, mac })),
-            None => plan
+            Joined::First(&(ifindex, ip), &mac) => plan
                 .ops
                 .push((Action::Add, Op::ReplaceNeighbour { ifindex, ip, mac })),
+            Joined::Second(&(ifindex, ip), _) => {
+                neighbour_deletes.push(Op::DeleteNeighbour { ifindex, ip });
+            }
         }
     }
-    for &(ifindex, mac, dst) in &desired.fdb {
-        if left.fdb.contains(&(ifindex, mac, dst)) {
-            plan.unchanged += 1;
-        } else {
-            plan.ops
-                .push((Action::Add, Op::ReplaceFdb { ifindex, mac, dst }));
+    let mut fdb_deletes = Vec::new();
+    let (want_fdb, left_fdb) = (desired.fdb.iter(), left.fdb.iter());
+    for joined in join(want_fdb.map(|k| (*k, ())), left_fdb.map(|k| (*k, ()))) {
+        match joined {
+            Joined::Both(..) => plan.unchanged += 1,
+            Joined::First((ifindex, mac, dst), ()) => plan
+                .ops
+                .push((Action::Add, Op::ReplaceFdb { ifindex, mac, dst })),
+            Joined::Second((ifindex, mac, dst), ()) => {
+                fdb_deletes.push(Op::DeleteFdb { ifindex, mac, dst });
+            }
         }
     }
-    for (key, want) in &desired.routes {
-        match left.routes.get(key) {
-            Some(have) if same_route(want, have) => plan.unchanged += 1,
-            Some(_) => plan
+    let mut route_deletes = Vec::new();
+    for joined in join(&desired.routes, &left.routes) {
+        match joined {
+            Joined::Both(_, want, have) if same_route(want, have) => plan.unchanged += 1,
+            Joined::Both(_, want, _) => plan
                 .ops
                 .push((Action::Replace, Op::ReplaceRoute(want.clone()))),
-            None => plan.ops.push((Action::Add, Op::ReplaceRoute(want.clone()))),
+            Joined::First(_, want) => plan.ops.push((Action::Add, Op::ReplaceRoute(want.clone()))),
+            Joined::Second(_, have) => route_deletes.push(Op::DeleteRoute(have.clone())),
         }
     }
     if mode == SyncMode::Full {
-        let routes = left
-            .routes
-            .iter()
-            .filter(|(key, _)| !desired.routes.contains_key(key))
-            .map(|(_, have)| Op::DeleteRoute(have.clone()));
-        let neighbours = left
-            .neighbours
-            .keys()
-            .filter(|key| !desired.neighbours.contains_key(key))
-            .map(|&(ifindex, ip)| Op::DeleteNeighbour { ifindex, ip });
-        let fdb = left
-            .fdb
-            .difference(&desired.fdb)
-            .map(|&(ifindex, mac, dst)| Op::DeleteFdb { ifindex, mac, dst });
         plan.ops.extend(
-            routes
-                .chain(neighbours)
-                .chain(fdb)
+            route_deletes
+                .into_iter()
+                .chain(neighbour_deletes)
+                .chain(fdb_deletes)
                 .map(|op| (Action::Delete, op)),
         );
     }
@@ -823,6 +834,29 @@ mod tests {
         // No known next hop (no route to the peer): skipped, never a guess.
         let objects = expand(&l, &ipip(None));
         assert_eq!((objects.routes.len(), objects.skipped), (0, 1));
+    }
+
+    /// Two paths to one subnet (which `desired()` never yields): the later one's objects
+    /// stay, as when the maps were filled one insert at a time.
+    #[test]
+    fn of_two_objects_with_one_key_the_later_stays() {
+        let path = |m: u8| Peer {
+            id: format!("p{m}"),
+            v4: Some(vx("10.244.2.0/24", mac(m), "192.168.10.2")),
+            v6: None,
+        };
+        let twice = Desired {
+            peers: vec![path(2), path(3)],
+            notes: vec![],
+            extension: vec![],
+        };
+        let objects = expand(&local(), &twice);
+        assert_eq!(objects.routes.len(), 1);
+        assert_eq!(
+            objects.neighbours.get(&(VX4, ip("10.244.2.0"))),
+            Some(&mac(3).octets())
+        );
+        assert_eq!(objects.fdb.len(), 2);
     }
 
     #[test]
