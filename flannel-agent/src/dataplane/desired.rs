@@ -58,7 +58,8 @@ pub fn desired(local: &Local, snapshot: &LeaseSnapshot, facts: &Facts) -> Desire
     let lease_type = local.backend.backend_type().lease_type();
     let mut out = Desired::default();
     let mut claims = Claims::with_own(local);
-    let mut macs: HashMap<(IpFamily, MacAddr), (LeaseId, IpAddr)> = HashMap::new();
+    // Ids are borrowed from the snapshot: one is copied only into a note.
+    let mut macs: HashMap<(IpFamily, MacAddr), (&LeaseId, IpAddr)> = HashMap::new();
 
     for (id, lease) in snapshot.leases.iter() {
         if backend.filters_type() && lease.attrs.backend_type != lease_type {
@@ -118,13 +119,13 @@ pub fn desired(local: &Local, snapshot: &LeaseSnapshot, facts: &Facts) -> Desire
                         out.notes.push(Note::DuplicateVtepMac {
                             id: id.clone(),
                             vtep_mac,
-                            winner: winner.clone(),
+                            winner: (*winner).clone(),
                         });
                         continue;
                     }
                     Some(_) => {}
                     None => {
-                        macs.insert((family, vtep_mac), (id.clone(), public_ip));
+                        macs.insert((family, vtep_mac), (id, public_ip));
                     }
                 }
             }
@@ -475,12 +476,15 @@ fn lease_public_ip(lease: &Lease, family: IpFamily) -> Option<IpAddr> {
     (!is_unspecified(ip)).then_some(ip)
 }
 
-/// Subnets already taken, per family, as non-overlapping `[start, end]` ranges.
+/// Subnets already taken, per family, as non-overlapping `[start, end]` ranges, with the id
+/// of the lease that took each (borrowed from the snapshot; `None` for the node's own).
 #[derive(Default)]
-struct Claims {
-    v4: BTreeMap<u128, (u128, Option<LeaseId>, IpNet)>,
-    v6: BTreeMap<u128, (u128, Option<LeaseId>, IpNet)>,
+struct Claims<'a> {
+    v4: ClaimTable<'a>,
+    v6: ClaimTable<'a>,
 }
+
+type ClaimTable<'a> = BTreeMap<u128, (u128, Option<&'a LeaseId>, IpNet)>;
 
 type Winner = (Option<LeaseId>, IpNet);
 
@@ -494,8 +498,8 @@ fn span(net: IpNet) -> (u128, u128) {
     }
 }
 
-impl Claims {
-    fn table(&mut self, net: IpNet) -> &mut BTreeMap<u128, (u128, Option<LeaseId>, IpNet)> {
+impl<'a> Claims<'a> {
+    fn table(&mut self, net: IpNet) -> &mut ClaimTable<'a> {
         match net {
             IpNet::V4(_) => &mut self.v4,
             IpNet::V6(_) => &mut self.v6,
@@ -514,7 +518,7 @@ impl Claims {
     }
 
     /// [`claim`](Self::claim), an overlap noted in `notes`: whether `id` got `net`.
-    fn take(&mut self, net: IpNet, id: &LeaseId, notes: &mut Vec<Note>) -> bool {
+    fn take(&mut self, net: IpNet, id: &'a LeaseId, notes: &mut Vec<Note>) -> bool {
         match self.claim(net, id) {
             Ok(()) => true,
             Err(winner) => {
@@ -535,20 +539,20 @@ impl Claims {
     }
 
     /// Takes `net` for `id`, or names who already holds an overlapping subnet.
-    fn claim(&mut self, net: IpNet, id: &LeaseId) -> Result<(), Winner> {
+    fn claim(&mut self, net: IpNet, id: &'a LeaseId) -> Result<(), Winner> {
         let (start, end) = span(net);
         let table = self.table(net);
         if let Some((_, (e, who, n))) = table.range(..=start).next_back()
             && *e >= start
         {
-            return Err((who.clone(), *n));
+            return Err((who.cloned(), *n));
         }
         if let Some((s, (_, who, n))) = table.range(start..).next()
             && *s <= end
         {
-            return Err((who.clone(), *n));
+            return Err((who.cloned(), *n));
         }
-        table.insert(start, (end, Some(id.clone()), net));
+        table.insert(start, (end, Some(id), net));
         Ok(())
     }
 }
