@@ -45,7 +45,7 @@ use flannel_tests::{
     bench::variant::link_mac,
     kube_mock::MockApiServer,
     lab::{
-        agent::{Agent, DEFAULT_HEALTHZ_PORT, Dataplane},
+        agent::{Agent, AgentSpec, DEFAULT_HEALTHZ_PORT, Dataplane},
         bins,
         cluster::{Cluster, ClusterSpec},
         fastpath::{self, Route},
@@ -56,7 +56,7 @@ use flannel_tests::{
     netns::NetNs,
     packet::{Ipv4, Udp},
     require_root,
-    topology::{SubnetEnv, Topology, Underlay},
+    topology::{SubnetEnv, Topology, TopologySpec, Underlay},
 };
 use ipnet::Ipv4Net;
 use serde_json::json;
@@ -1643,6 +1643,83 @@ fn ebpf_map_entries_changed_by_hand_come_back() {
 /// publishes its public IP and VTEP MAC in its Node's annotations, programs exactly the
 /// other node in its route map from those annotations, and the pods on the two nodes reach
 /// each other through the programs (a bulk transfer each way, counted by both ends).
+/// The fast path loads while the lease is being taken, not after: with its Node's pod CIDR
+/// not assigned yet (the agent waits for it, where upstream exits), the agent has loaded its
+/// programs, and attached none, before it holds a lease; once the CIDR is assigned it writes
+/// subnet.env and runs on the fast path, attached to eth0.
+#[test]
+fn ebpf_programs_load_while_the_lease_is_awaited() {
+    require_root!();
+    if let Err(e) = programs_load_while_the_lease_is_awaited() {
+        panic!("{e:#}");
+    }
+}
+
+fn programs_load_while_the_lease_is_awaited() -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let topology =
+        Topology::new(TopologySpec::new(1, Underlay::L2).cni_plugin(bins::test_cni_plugin()?))?;
+    let api = kube::api_in_hub(&rt, &topology, &|_| Vec::new())?;
+    let network: Ipv4Net = "10.244.0.0/16".parse()?;
+    let netconf = json!({"Network": network.to_string(), "Backend": {"Type": "vxlan"}});
+    let mut spec = AgentSpec::new(bins::test_agent()?, kube::NO_ETCD);
+    spec.dataplane = Some(EBPF);
+    let node = topology.node(1);
+    let mut agent = Agent::start(node, &kube::agent_spec(node, &api, &netconf, &spec)?)?;
+    let log_path = agent.log_path().to_owned();
+    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let on_eth0 = || fastpath::tcx_programs(node.ns(), "eth0");
+    let waiting = (|| -> Result<()> {
+        wait::until(Duration::from_secs(30), "the programs loaded", || {
+            agent.check_running()?;
+            Ok(log().contains("eBPF programs loaded").then_some(()))
+        })?;
+        // Still without a pod CIDR: no lease, no subnet.env, nothing attached.
+        std::thread::sleep(Duration::from_millis(500));
+        ensure!(
+            !log().contains("lease acquired"),
+            "a lease without a pod CIDR"
+        );
+        ensure!(
+            node.read_subnet_env()?.is_none(),
+            "subnet.env without a lease"
+        );
+        let attached = on_eth0()?;
+        ensure!(
+            attached.is_empty(),
+            "attached before the lease: {attached:?}"
+        );
+        Ok(())
+    })();
+    let result = waiting.and_then(|()| {
+        api.modify_node(&node.name(), |n| {
+            n["spec"] = json!({"podCIDR": "10.244.1.0/24", "podCIDRs": ["10.244.1.0/24"]});
+        })
+        .context("the Node is gone")?;
+        let env = agent.wait_subnet_env(node, Duration::from_secs(30))?;
+        let want = SubnetEnv::v4(network, "10.244.1.0/24".parse()?, 1450, false);
+        ensure!(env == want, "subnet.env {env:?}, want {want:?}");
+        let port = agent.healthz_port().unwrap_or(DEFAULT_HEALTHZ_PORT);
+        wait::until_ok(CONVERGE, "the fast path active and attached", || {
+            let path = fastpath::active_path(node.ns(), port)?;
+            ensure!(path.as_deref() == Some("ebpf"), "dataplane path {path:?}");
+            let attached = on_eth0()?;
+            ensure!(
+                attached.iter().any(|p| p == "tc_from_netdev"),
+                "eth0: {attached:?}"
+            );
+            Ok(())
+        })
+    });
+    if result.is_err() {
+        eprintln!("--- agent log:\n{}", agent.log_tail(40));
+    }
+    result
+}
+
 #[test]
 fn ebpf_kube_mode_vxlan() {
     require_root!();

@@ -170,6 +170,13 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     masq::check_port_range(&cli, &backend).map_err(DaemonError::NatPortRange)?;
     let backend_type = backend.backend_type();
     info!(backend = %backend_type, ?stack, "network config loaded");
+    // The fast path loads (verifying the programs takes a third of a second of kernel time)
+    // while the interface is chosen and the lease taken: nothing of it depends on them, and
+    // nothing is attached before step 5.
+    let fast_path_load = {
+        let (cli, backend) = (cli.clone(), backend.clone());
+        tokio::task::spawn_blocking(move || load_fast_path(&cli, &backend, stack))
+    };
     manager.wait_ready().await?;
 
     // 3. External interface.
@@ -252,40 +259,9 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         mtu,
         vtep_macs,
     );
-    let requested = match (cli.dataplane, policy::detect()) {
-        (Dataplane::Auto, Some(engine)) => {
-            info!(
-                "{engine} NetworkPolicy rules found in netfilter: keeping the kernel path, which \
-                 they filter (the eBPF fast path would bypass them); --dataplane=ebpf overrides"
-            );
-            Dataplane::Kernel
-        }
-        (Dataplane::Ebpf, Some(engine)) => {
-            warn!(
-                "{engine} NetworkPolicy rules found in netfilter: the eBPF fast path bypasses \
-                 them for pod-to-pod traffic (--dataplane=ebpf was asked for explicitly)"
-            );
-            Dataplane::Ebpf
-        }
-        (requested, _) => requested,
-    };
-    let nat_sizing = crate::bpf::NatSizing::resolve(cli.ebpf_nat_max_entries);
-    let held_sizing = crate::bpf::HeldSizing::resolve(cli.ebpf_held_max_entries);
-    let mut active = fastpath::start(
-        requested,
-        &cli.bpf_pin_path,
-        &backend,
-        stack,
-        &crate::bpf::LoadOptions {
-            nat_max_entries: nat_sizing.entries,
-            held_max_entries: held_sizing.flows,
-            tc_attach: match cli.tc_attach {
-                crate::cli::TcAttachMode::Auto => None,
-                crate::cli::TcAttachMode::Tcx => Some(crate::bpf::TcAttach::Tcx),
-                crate::cli::TcAttachMode::Clsact => Some(crate::bpf::TcAttach::Clsact),
-            },
-        },
-    )?;
+    let (mut active, nat_sizing, held_sizing) = fast_path_load
+        .await
+        .map_err(|e| DaemonError::FastPathUnavailable(format!("loading thread: {e}")))??;
     if let Some(fp) = active.fast_path()
         && let Ok(fp) = fp.lock()
     {
@@ -663,6 +639,58 @@ async fn detach_for_upstream(manager: &SubnetManager, pin_path: &std::path::Path
         ),
         Err(e) => warn!("detaching the fast path for upstream flanneld: {e}"),
     }
+}
+
+/// Applies `--dataplane` ([`fastpath::start`]): `auto` keeps the kernel path where netfilter
+/// holds NetworkPolicy rules, which the fast path would bypass. Returns the path and the NAT
+/// map's and held flow tables' sizing.
+fn load_fast_path(
+    cli: &Cli,
+    backend: &BackendOptions,
+    stack: IpStack,
+) -> Result<
+    (
+        fastpath::ActivePath,
+        crate::bpf::NatSizing,
+        crate::bpf::HeldSizing,
+    ),
+    DaemonError,
+> {
+    let requested = match (cli.dataplane, policy::detect()) {
+        (Dataplane::Auto, Some(engine)) => {
+            info!(
+                "{engine} NetworkPolicy rules found in netfilter: keeping the kernel path, which \
+                 they filter (the eBPF fast path would bypass them); --dataplane=ebpf overrides"
+            );
+            Dataplane::Kernel
+        }
+        (Dataplane::Ebpf, Some(engine)) => {
+            warn!(
+                "{engine} NetworkPolicy rules found in netfilter: the eBPF fast path bypasses \
+                 them for pod-to-pod traffic (--dataplane=ebpf was asked for explicitly)"
+            );
+            Dataplane::Ebpf
+        }
+        (requested, _) => requested,
+    };
+    let nat_sizing = crate::bpf::NatSizing::resolve(cli.ebpf_nat_max_entries);
+    let held_sizing = crate::bpf::HeldSizing::resolve(cli.ebpf_held_max_entries);
+    let active = fastpath::start(
+        requested,
+        &cli.bpf_pin_path,
+        backend,
+        stack,
+        &crate::bpf::LoadOptions {
+            nat_max_entries: nat_sizing.entries,
+            held_max_entries: held_sizing.flows,
+            tc_attach: match cli.tc_attach {
+                crate::cli::TcAttachMode::Auto => None,
+                crate::cli::TcAttachMode::Tcx => Some(crate::bpf::TcAttach::Tcx),
+                crate::cli::TcAttachMode::Clsact => Some(crate::bpf::TcAttach::Clsact),
+            },
+        },
+    )?;
+    Ok((active, nat_sizing, held_sizing))
 }
 
 /// The attributes we publish: public IPs, BackendType and BackendData.
