@@ -180,8 +180,11 @@ impl VxlanLeaseData {
     /// form, which the general decoder then reads, with the same result where both apply.
     fn canonical(text: &str) -> Option<Self> {
         let rest = text.strip_prefix(r#"{"VNI":"#)?;
-        let (digits, rest) = rest.split_once(r#","VtepMAC":""#)?;
-        let mac = rest.strip_suffix(r#""}"#)?.as_bytes();
+        let (digits, rest) = rest.split_at(rest.find(|c: char| !c.is_ascii_digit())?);
+        let mac = rest
+            .strip_prefix(r#","VtepMAC":""#)?
+            .strip_suffix(r#""}"#)?
+            .as_bytes();
         let leading_zero = digits.len() > 1 && digits.starts_with('0');
         if digits.is_empty() || digits.len() > 10 || leading_zero {
             return None;
