@@ -425,6 +425,37 @@ impl Node {
         Ok(())
     }
 
+    /// Creates the VXLAN device `name` as upstream flanneld creates `flannel.<VNI>`: VNI
+    /// `vni`, local address the node's `eth0` address, on `eth0`, UDP port `port`, no
+    /// learning; MTU `mtu`, up.
+    pub fn add_vxlan(&self, name: &str, vni: u32, port: u16, mtu: u32) -> Result<()> {
+        let (vni, port, mtu, local) = (
+            vni.to_string(),
+            port.to_string(),
+            mtu.to_string(),
+            self.addr().to_string(),
+        );
+        self.run(&[
+            "ip",
+            "link",
+            "add",
+            name,
+            "type",
+            "vxlan",
+            "id",
+            &vni,
+            "local",
+            &local,
+            "dev",
+            "eth0",
+            "dstport",
+            &port,
+            "nolearning",
+        ])?;
+        self.run(&["ip", "link", "set", name, "mtu", &mtu, "up"])?;
+        Ok(())
+    }
+
     /// Starts `argv` in the node as a guarded process.
     pub fn spawn(&self, argv: &[&str], output: Output) -> Result<Process> {
         Process::spawn(&self.ns, argv, output)

@@ -1637,12 +1637,6 @@ fn ebpf_map_entries_changed_by_hand_come_back() {
     );
 }
 
-/// The agents take their leases from a (fake) Kubernetes API server instead of etcd
-/// (`--kube-subnet-mgr`): two nodes with pod CIDRs 10.244.1.0/24 and 10.244.2.0/24 in their
-/// Node objects, vxlan, `--dataplane ebpf`. Each agent writes its pod CIDR to subnet.env,
-/// publishes its public IP and VTEP MAC in its Node's annotations, programs exactly the
-/// other node in its route map from those annotations, and the pods on the two nodes reach
-/// each other through the programs (a bulk transfer each way, counted by both ends).
 /// The fast path loads while the lease is being taken, not after: with its Node's pod CIDR
 /// not assigned yet (the agent waits for it, where upstream exits), the agent has loaded its
 /// programs, and attached none, before it holds a lease; once the CIDR is assigned it writes
@@ -1720,6 +1714,12 @@ fn programs_load_while_the_lease_is_awaited() -> Result<()> {
     result
 }
 
+/// The agents take their leases from a (fake) Kubernetes API server instead of etcd
+/// (`--kube-subnet-mgr`): two nodes with pod CIDRs 10.244.1.0/24 and 10.244.2.0/24 in their
+/// Node objects, vxlan, `--dataplane ebpf`. Each agent writes its pod CIDR to subnet.env,
+/// publishes its public IP and VTEP MAC in its Node's annotations, programs exactly the
+/// other node in its route map from those annotations, and the pods on the two nodes reach
+/// each other through the programs (a bulk transfer each way, counted by both ends).
 #[test]
 fn ebpf_kube_mode_vxlan() {
     require_root!();

@@ -360,28 +360,10 @@ fn stale_state_is_removed_at_start() {
     let s: ClusterSpec = spec(2, Underlay::L2, "vxlan", 0);
     let topo = Topology::new(s.topology.clone()).expect("topology");
     let node = topo.node(1);
-    let local = node.addr().to_string();
     let stale_mac = "0e:5e:a1:e0:00:01";
     let setup: Result<()> = (|| {
+        node.add_vxlan("flannel.1", 1, 8472, 1450)?;
         for argv in [
-            vec![
-                "ip",
-                "link",
-                "add",
-                "flannel.1",
-                "type",
-                "vxlan",
-                "id",
-                "1",
-                "local",
-                &local,
-                "dev",
-                "eth0",
-                "dstport",
-                "8472",
-                "nolearning",
-            ],
-            vec!["ip", "link", "set", "flannel.1", "mtu", "1450", "up"],
             vec![
                 "ip",
                 "neigh",

@@ -444,26 +444,7 @@ fn etcd_in_the_hub_leases_and_kernel_counts() {
 
     // Kernel counting, against entries made the way the VXLAN kernel path makes them.
     let node = topo.node(1);
-    node.run(&[
-        "ip",
-        "link",
-        "add",
-        "flannel.1",
-        "type",
-        "vxlan",
-        "id",
-        "1",
-        "local",
-        "192.168.1.11",
-        "dev",
-        "eth0",
-        "dstport",
-        "8472",
-        "nolearning",
-    ])
-    .expect("vxlan");
-    node.run(&["ip", "link", "set", "flannel.1", "up"])
-        .expect("up");
+    node.add_vxlan("flannel.1", 1, 8472, 1450).expect("vxlan");
     let cluster = net("10.0.0.0/8");
     let empty = status::kernel_counts(node.ns(), cluster, None).expect("counts");
     assert_eq!(

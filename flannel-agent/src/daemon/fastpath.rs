@@ -21,7 +21,7 @@ use crate::{
         self, DataplaneMode, LocalConfig, LocalConfig6, SharedFastPath, Startup, UdpLocal,
         VxlanLocal,
     },
-    cli::Dataplane,
+    cli::{Cli, Dataplane, TcAttachMode},
     dataplane::{Local, Trigger},
     ip::IpStack,
     metrics::{KindLabel, Metrics},
@@ -71,9 +71,66 @@ fn unsupported(backend: &BackendOptions, stack: IpStack) -> Option<String> {
     }
 }
 
+/// What [`start`] leaves: the active path and the NAT map's sizing (for the masquerade).
+pub struct Started {
+    /// The active path.
+    pub active: ActivePath,
+    /// The NAT map's size, as resolved from `--ebpf-nat-max-entries`.
+    pub nat_sizing: bpf::NatSizing,
+}
+
+/// Applies `--dataplane` to `backend`: `auto` keeps the kernel path where netfilter holds
+/// NetworkPolicy rules, which the fast path would bypass; the map sizes come from the flags.
+/// Needs nothing of the lease and attaches nothing, so the daemon runs it while the lease is
+/// taken.
+pub fn start(cli: &Cli, backend: &BackendOptions, stack: IpStack) -> Result<Started, DaemonError> {
+    let requested = match (cli.dataplane, super::policy::detect()) {
+        (Dataplane::Auto, Some(engine)) => {
+            info!(
+                "{engine} NetworkPolicy rules found in netfilter: keeping the kernel path, which \
+                 they filter (the eBPF fast path would bypass them); --dataplane=ebpf overrides"
+            );
+            Dataplane::Kernel
+        }
+        (Dataplane::Ebpf, Some(engine)) => {
+            warn!(
+                "{engine} NetworkPolicy rules found in netfilter: the eBPF fast path bypasses \
+                 them for pod-to-pod traffic (--dataplane=ebpf was asked for explicitly)"
+            );
+            Dataplane::Ebpf
+        }
+        (requested, _) => requested,
+    };
+    let nat_sizing = bpf::NatSizing::resolve(cli.ebpf_nat_max_entries);
+    let held_sizing = bpf::HeldSizing::resolve(cli.ebpf_held_max_entries);
+    let options = bpf::LoadOptions {
+        nat_max_entries: nat_sizing.entries,
+        held_max_entries: held_sizing.flows,
+        tc_attach: match cli.tc_attach {
+            TcAttachMode::Auto => None,
+            TcAttachMode::Tcx => Some(bpf::TcAttach::Tcx),
+            TcAttachMode::Clsact => Some(bpf::TcAttach::Clsact),
+        },
+    };
+    let active = load(requested, &cli.bpf_pin_path, backend, stack, &options)?;
+    if let Some(fp) = active.fast_path()
+        && let Ok(fp) = fp.lock()
+    {
+        let flows = fp.held_capacity().unwrap_or(held_sizing.flows);
+        info!(
+            "held flow tables: {}",
+            bpf::HeldSizing {
+                flows,
+                ..held_sizing
+            }
+        );
+    }
+    Ok(Started { active, nat_sizing })
+}
+
 /// Loads the fast path as `--dataplane` asks, or says why the kernel path runs alone. With
 /// `ebpf`, a fast path that cannot run is an error; with `auto`, a fallback with its reason.
-pub fn start(
+fn load(
     requested: Dataplane,
     pin_path: &Path,
     backend: &BackendOptions,

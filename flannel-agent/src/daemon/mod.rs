@@ -175,7 +175,7 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
     // nothing is attached before step 5.
     let fast_path_load = {
         let (cli, backend) = (cli.clone(), backend.clone());
-        tokio::task::spawn_blocking(move || load_fast_path(&cli, &backend, stack))
+        tokio::task::spawn_blocking(move || fastpath::start(&cli, &backend, stack))
     };
     manager.wait_ready().await?;
 
@@ -259,21 +259,12 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> Result<Exit, DaemonErro
         mtu,
         vtep_macs,
     );
-    let (mut active, nat_sizing, held_sizing) = fast_path_load
+    let fastpath::Started {
+        mut active,
+        nat_sizing,
+    } = fast_path_load
         .await
         .map_err(|e| DaemonError::FastPathUnavailable(format!("loading thread: {e}")))??;
-    if let Some(fp) = active.fast_path()
-        && let Ok(fp) = fp.lock()
-    {
-        let flows = fp.held_capacity().unwrap_or(held_sizing.flows);
-        info!(
-            "held flow tables: {}",
-            crate::bpf::HeldSizing {
-                flows,
-                ..held_sizing
-            }
-        );
-    }
     local.ipip_via_ebpf =
         matches!(backend, BackendOptions::Ipip(_)) && active.fast_path().is_some();
     // udp: the forwarder creates flannel0 (it holds the TUN descriptor) before the device
@@ -639,58 +630,6 @@ async fn detach_for_upstream(manager: &SubnetManager, pin_path: &std::path::Path
         ),
         Err(e) => warn!("detaching the fast path for upstream flanneld: {e}"),
     }
-}
-
-/// Applies `--dataplane` ([`fastpath::start`]): `auto` keeps the kernel path where netfilter
-/// holds NetworkPolicy rules, which the fast path would bypass. Returns the path and the NAT
-/// map's and held flow tables' sizing.
-fn load_fast_path(
-    cli: &Cli,
-    backend: &BackendOptions,
-    stack: IpStack,
-) -> Result<
-    (
-        fastpath::ActivePath,
-        crate::bpf::NatSizing,
-        crate::bpf::HeldSizing,
-    ),
-    DaemonError,
-> {
-    let requested = match (cli.dataplane, policy::detect()) {
-        (Dataplane::Auto, Some(engine)) => {
-            info!(
-                "{engine} NetworkPolicy rules found in netfilter: keeping the kernel path, which \
-                 they filter (the eBPF fast path would bypass them); --dataplane=ebpf overrides"
-            );
-            Dataplane::Kernel
-        }
-        (Dataplane::Ebpf, Some(engine)) => {
-            warn!(
-                "{engine} NetworkPolicy rules found in netfilter: the eBPF fast path bypasses \
-                 them for pod-to-pod traffic (--dataplane=ebpf was asked for explicitly)"
-            );
-            Dataplane::Ebpf
-        }
-        (requested, _) => requested,
-    };
-    let nat_sizing = crate::bpf::NatSizing::resolve(cli.ebpf_nat_max_entries);
-    let held_sizing = crate::bpf::HeldSizing::resolve(cli.ebpf_held_max_entries);
-    let active = fastpath::start(
-        requested,
-        &cli.bpf_pin_path,
-        backend,
-        stack,
-        &crate::bpf::LoadOptions {
-            nat_max_entries: nat_sizing.entries,
-            held_max_entries: held_sizing.flows,
-            tc_attach: match cli.tc_attach {
-                crate::cli::TcAttachMode::Auto => None,
-                crate::cli::TcAttachMode::Tcx => Some(crate::bpf::TcAttach::Tcx),
-                crate::cli::TcAttachMode::Clsact => Some(crate::bpf::TcAttach::Clsact),
-            },
-        },
-    )?;
-    Ok((active, nat_sizing, held_sizing))
 }
 
 /// The attributes we publish: public IPs, BackendType and BackendData.

@@ -180,7 +180,9 @@ fn adopted_device_route(local: &Local, route: &Route) -> bool {
 impl Observed {
     /// What the kernel lists after a sync wrote `objects` and deleted every other owned
     /// object: `objects`, as the kernel reports them (neighbours and FDB entries permanent,
-    /// the FDB entries the vxlan device's own).
+    /// the FDB entries the vxlan device's own). The applier plans against `objects` directly
+    /// ([`plan_from_left`]); the tests hold that to planning against this listing.
+    #[cfg(test)]
     pub fn left_by(objects: &KernelObjects) -> Self {
         Self {
             routes: objects.routes.values().cloned().collect(),
@@ -293,10 +295,12 @@ fn is_fdb_candidate(e: &FdbEntry) -> bool {
     e.flags.contains(NeighbourFlags::SELF) && e.dst.is_some() && e.master.is_none()
 }
 
-/// [`plan`] against what the last complete sync left ([`Observed::left_by`] of `left`), without
-/// building that listing or indexing it: both sides are keyed and sorted already, so one pass
-/// over each kind side by side ([`join`]) finds what to add, replace and delete. The same
-/// operations in the same order as `plan(desired, &Observed::left_by(left), mode)`.
+/// [`plan`] against what the last complete sync left (`left`, exactly the objects it
+/// desired), without building the kernel's listing of them or indexing it: both sides are
+/// keyed and sorted already, so one pass over each kind side by side ([`join`]) finds what to
+/// add, replace and delete. The same operations in the same order as [`plan`] against that
+/// listing (tests `what_a_sync_left_plans_as_the_kernels_listing_does`,
+/// `planning_from_what_was_left_equals_planning_from_its_listing`).
 pub fn plan_from_left(desired: &KernelObjects, left: &KernelObjects, mode: SyncMode) -> Plan {
     let mut plan = Plan::default();
     let mut neighbour_deletes = Vec::new();

@@ -26,7 +26,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use etcd_client::{EventType, GetOptions, WatchOptions};
+use etcd_client::{EventType, WatchOptions};
 use ipnet::Ipv4Net;
 use serde::Serialize;
 
@@ -86,21 +86,10 @@ pub fn measure(
 
 /// Connects, reads every lease under `prefix` with one range and parses them.
 fn list(kv: &Kv, prefix: &str) -> Result<Vec<Peer>> {
-    let prefix = prefix.to_owned();
-    kv.with_client(|mut client| async move {
-        let resp = client
-            .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
-            .await
-            .with_context(|| format!("get {prefix}*"))?;
-        resp.kvs()
-            .iter()
-            .map(|kv| {
-                let key = kv.key_str().context("lease key")?;
-                let value = kv.value_str().context("lease value")?;
-                peer(key, value)
-            })
-            .collect()
-    })
+    kv.get_prefix(prefix)?
+        .iter()
+        .map(|(key, value)| peer(key, value))
+        .collect()
 }
 
 /// One lease key and upstream's lease JSON as a [`Peer`].
@@ -151,25 +140,7 @@ fn batches(peers: &[Peer]) -> (String, String) {
 /// Creates [`DEVICE`] in `node`'s namespace and writes the entries of `peers` with iproute2;
 /// seconds the two batches took. Checks that the kernel then holds them all.
 fn write_kernel(node: &Node, peers: &[Peer]) -> Result<f64> {
-    let local = node.addr().to_string();
-    node.run(&[
-        "ip",
-        "link",
-        "add",
-        DEVICE,
-        "type",
-        "vxlan",
-        "id",
-        "1",
-        "local",
-        &local,
-        "dev",
-        "eth0",
-        "dstport",
-        "8472",
-        "nolearning",
-    ])?;
-    node.run(&["ip", "link", "set", DEVICE, "up"])?;
+    node.add_vxlan(DEVICE, 1, 8472, 1450)?;
     let (ip, bridge) = batches(peers);
     let (ip_file, bridge_file) = (node.dir().join("floor-ip"), node.dir().join("floor-bridge"));
     std::fs::write(&ip_file, ip)?;
@@ -183,13 +154,27 @@ fn write_kernel(node: &Node, peers: &[Peer]) -> Result<f64> {
     node.run(&["bridge", "-batch", &bridge_file])?;
     let seconds = start.elapsed().as_secs_f64();
     let routes = node.run(&["ip", "-4", "route", "show", "dev", DEVICE])?;
+    let neighbours = node.run(&[
+        "ip",
+        "-4",
+        "neigh",
+        "show",
+        "dev",
+        DEVICE,
+        "nud",
+        "permanent",
+    ])?;
     let fdb = node.run(&["bridge", "fdb", "show", "dev", DEVICE])?;
     let count = |text: &str, needle: &str| text.lines().filter(|l| l.contains(needle)).count();
-    if count(&routes, "onlink") != peers.len() || count(&fdb, "dst ") != peers.len() {
+    let written = (
+        count(&routes, "onlink"),
+        count(&neighbours, "lladdr"),
+        count(&fdb, "dst "),
+    );
+    if written != (peers.len(), peers.len(), peers.len()) {
         bail!(
-            "the floor's kernel writes left {} routes and {} FDB entries, {} expected",
-            count(&routes, "onlink"),
-            count(&fdb, "dst "),
+            "the floor's kernel writes left {written:?} routes, neighbours and FDB entries, \
+             {} of each expected",
             peers.len()
         );
     }

@@ -491,36 +491,9 @@ fn ref_setup(mut t: Topology, vxlan: bool) -> Result<Testbed> {
     }
     if vxlan {
         let mut macs = Vec::new();
-        let (vni, port) = (REF_VNI.to_string(), REF_VXLAN_PORT.to_string());
         for n in 1..=2 {
             let node = t.node(n);
-            let local = node.addr().to_string();
-            node.run(&[
-                "ip",
-                "link",
-                "add",
-                "flannel.1",
-                "type",
-                "vxlan",
-                "id",
-                &vni,
-                "local",
-                &local,
-                "dev",
-                "eth0",
-                "dstport",
-                &port,
-                "nolearning",
-            ])?;
-            node.run(&[
-                "ip",
-                "link",
-                "set",
-                "flannel.1",
-                "mtu",
-                &pod_mtu.to_string(),
-                "up",
-            ])?;
+            node.add_vxlan("flannel.1", REF_VNI, REF_VXLAN_PORT, pod_mtu)?;
             let addr = format!("{}/32", node_subnet(n).network());
             node.run(&["ip", "addr", "add", &addr, "dev", "flannel.1"])?;
             macs.push(link_mac(node.ns(), "flannel.1")?);
